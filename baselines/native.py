@@ -1,0 +1,72 @@
+"""The reference trainer: plain PyTorch, whole model on one device. The correctness oracle.
+
+Precision modes:
+- mixed: fp32 parameters and AdamW state; with dtype=bfloat16 the forward/backward runs under
+  bf16 autocast (the usual mixed-precision recipe).
+- bf16: parameters, gradients and AdamW state all bf16 on the device (the cheapest whole-model
+  setup, the on-GPU throughput ceiling); torch AdamW keeps its moments in the parameter dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from baselines.protocol import compute_dtype, valid_tokens
+from megatrain.config import CaseConfig
+from megatrain.models import Transformer
+from megatrain.models.init import init_module
+from megatrain.optim.groups import torch_adamw
+
+
+class NativeSystem:
+    def __init__(self, case: CaseConfig, activation_checkpointing: bool | None = None):
+        self.case = case
+        self.device = torch.device(case.device)
+        self.dtype = compute_dtype(case)
+        ckpt = case.options.get("activation_checkpointing", True) if activation_checkpointing is None \
+            else activation_checkpointing
+        with torch.device(self.device):
+            self.model = Transformer(case.model_config(), activation_checkpointing=ckpt)
+        init_module(self.model, case.seed)
+        self.param_dtype = self.dtype if case.precision == "bf16" else torch.float32
+        self.model.to(self.param_dtype)
+        self.autocast = case.precision == "mixed" and self.dtype != torch.float32
+        self.optimizer = torch_adamw(self.model.parameters(), case.optim, fused=True)
+        self.ckpt = ckpt
+
+    def _autocast(self):
+        if not self.autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> float:
+        normalizer = valid_tokens(labels_BS)
+        total = torch.zeros((), device=self.device)
+        mb = self.case.micro_batch
+        for start in range(0, inputs_BS.shape[0], mb):
+            x = inputs_BS[start:start + mb].to(self.device, non_blocking=True)
+            y = labels_BS[start:start + mb].to(self.device, non_blocking=True)
+            with self._autocast():
+                loss = self.model(x, y, normalizer)
+            loss.backward()
+            total += loss.detach().float()
+        if self.case.optim.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.case.optim.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(total)
+
+    def system_config(self) -> dict:
+        return {"param_dtype": str(self.param_dtype), "autocast": self.autocast, "activation_checkpointing": self.ckpt,
+                "optimizer": "torch.optim.AdamW(fused=True)", "clip": "torch.nn.utils.clip_grad_norm_"}
+
+    def metrics(self) -> dict:
+        return {}
+
+    def named_parameters_fp32(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().float().cpu() for n, p in self.model.named_parameters()}
+
+    def close(self) -> None:
+        del self.model, self.optimizer

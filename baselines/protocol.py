@@ -1,0 +1,58 @@
+"""The case protocol every system implements, and the name -> system registry.
+
+A system is built from a CaseConfig, runs one optimizer step per `step(inputs, labels)` call over
+the whole batch (micro-batches and gradient accumulation inside), and reports its own settings and
+metrics for the record. Every system trains the same megatrain.models.Transformer with the same
+init, loss normalisation (valid tokens of the whole step), AdamW groups and global-norm clipping.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Protocol
+
+import torch
+
+from megatrain.config import CaseConfig
+
+SYSTEMS = {
+    "native": "baselines.native:NativeSystem",
+    "megatrain": "megatrain.engine.trainer:StreamingSystem",
+    "deepspeed": "baselines.deepspeed_zero3:DeepSpeedSystem",
+    "fsdp": "baselines.fsdp_offload:FSDPSystem",
+}
+
+
+class TrainSystem(Protocol):
+    def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> float:
+        """One optimizer step over the batch; returns the step's mean token loss."""
+
+    def system_config(self) -> dict:
+        """The exact settings this system ran with (stored in the record)."""
+
+    def metrics(self) -> dict:
+        """System-specific measurements for the record (bytes moved, pinned bytes, ...)."""
+
+    def named_parameters_fp32(self) -> dict[str, torch.Tensor]:
+        """Current weights as fp32 CPU tensors under our module names (parity tests)."""
+
+    def close(self) -> None:
+        """Release GPU memory, pinned memory, threads and process groups."""
+
+
+def build_system(case: CaseConfig) -> TrainSystem:
+    if case.system not in SYSTEMS:
+        raise ValueError(f"unknown system {case.system!r}; choose one of: {', '.join(SYSTEMS)}")
+    module, name = SYSTEMS[case.system].split(":")
+    return getattr(importlib.import_module(module), name)(case)
+
+
+def compute_dtype(case: CaseConfig) -> torch.dtype:
+    return getattr(torch, case.dtype)
+
+
+def valid_tokens(labels_BS: torch.Tensor) -> int:
+    """The loss normaliser of a step: labels that are not IGNORE_INDEX (at least 1)."""
+    from megatrain.models.loss import IGNORE_INDEX
+
+    return max(int((labels_BS != IGNORE_INDEX).sum()), 1)

@@ -1,0 +1,5 @@
+import sys
+
+from megatrain.cli import main
+
+sys.exit(main())

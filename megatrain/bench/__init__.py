@@ -1,0 +1,1 @@
+"""Benchmark cases, records, metrics, suites and reports."""

@@ -1,0 +1,78 @@
+"""Run one benchmark case in this process and return its record.
+
+The suite runner calls this in a fresh subprocess per case (through the CLI), so an OOM or a
+crash becomes a recorded outcome rather than a dead sweep.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+import traceback
+
+import torch
+
+from baselines.protocol import build_system
+from megatrain.bench.record import base_record, timing_metrics
+from megatrain.config import CaseConfig
+from megatrain.data import make_batches
+
+GIB = 2**30
+
+
+def peak_host_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def run_case(case: CaseConfig, gemm_peak_tflops: float | None = None, on_step=None) -> dict:
+    """Build the case's system, run case.steps optimizer steps, and return the record.
+
+    Failures inside the run (OOM, errors) come back as records with status 'oom' or 'error';
+    invalid configurations raise ValueError before anything is built.
+    """
+    cuda = case.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' asked for but CUDA is not available; use --device cpu")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    record = base_record(case, "ok")
+    system = None
+    losses: list[float] = []
+    step_times: list[float] = []
+    try:
+        system = build_system(case)
+        batches = make_batches(case, case.model_config().vocab_size)
+        for step in range(case.steps):
+            inputs, labels = batches.batch_at(step)
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss = system.step(inputs, labels)
+            if cuda:
+                torch.cuda.synchronize()
+            step_times.append(time.perf_counter() - t0)
+            losses.append(loss)
+            if on_step:
+                on_step(step, loss, step_times[-1])
+        record.update(timing_metrics(case, step_times, gemm_peak_tflops))
+        record["system_config"] = system.system_config()
+        record["metrics"] = system.metrics()
+    except Exception as exc:  # recorded, not raised: a sweep goes on after a failed case
+        record["status"] = "oom" if _is_oom(exc) else "error"
+        record["error"] = f"{type(exc).__name__}: {exc}"[:4000]
+        record["traceback"] = traceback.format_exc()[-4000:]
+    finally:
+        record["losses"] = losses
+        record["peak_host_rss_gib"] = peak_host_rss_gib()
+        if cuda:
+            record["peak_gpu_alloc_gib"] = torch.cuda.max_memory_allocated() / GIB
+            record["peak_gpu_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+        else:
+            record["peak_gpu_alloc_gib"] = 0.0
+        if system is not None:
+            system.close()
+    return record

@@ -1,0 +1,78 @@
+"""The environment a record was measured in: commit, versions, devices, host."""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+import psutil
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def git_commit() -> tuple[str, bool | None]:
+    """(commit, dirty). MEGATRAIN_COMMIT overrides where the tree travels without .git (GPU host)."""
+    if os.environ.get("MEGATRAIN_COMMIT"):
+        return os.environ["MEGATRAIN_COMMIT"], os.environ.get("MEGATRAIN_DIRTY") == "1"
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                                    capture_output=True, text=True).stdout.strip())
+        return commit, dirty
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown", None
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        return metadata.version(pkg)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@functools.lru_cache(maxsize=1)
+def environment() -> dict:
+    commit, dirty = git_commit()
+    env = {
+        "commit": commit,
+        "dirty": dirty,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "deepspeed": _version("deepspeed"),
+        "transformers": _version("transformers"),
+        "hostname_kind": os.environ.get("MEGATRAIN_HOST_KIND"),
+        "cpu": cpu_name(),
+        "cpu_cores": os.cpu_count(),
+        "host_mem_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "gpu": None,
+        "gpu_mem_gib": None,
+        "driver": None,
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env.update(gpu=props.name, gpu_mem_gib=round(props.total_memory / 2**30, 1))
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            env["driver"] = pynvml.nvmlSystemGetDriverVersion()
+        except Exception:  # NVML missing in a container is not fatal to a record
+            pass
+    return env

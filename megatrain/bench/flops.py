@@ -1,0 +1,37 @@
+"""FLOP accounting, in one place for every system, table and report.
+
+- `model_flops`: 6 * num_params * tokens, the convention of the paper and its peers (the
+  headline 'TFLOPS' of every record).
+- `hardware_flops`: what the GPU actually executes: matmuls of the layers and the LM head (2 FLOPs
+  per multiply-add), causal attention scores and weighted sums, backward at twice the forward, and
+  one extra forward of every decoder layer when activations are recomputed.
+- `mfu`: hardware FLOP rate over a measured dense bf16 GEMM peak.
+"""
+
+from __future__ import annotations
+
+from megatrain.models.config import ModelConfig
+
+
+def model_flops(num_params: int, tokens: int) -> float:
+    return 6.0 * num_params * tokens
+
+
+def attention_flops_per_seq(cfg: ModelConfig, seq: int) -> float:
+    """Forward attention FLOPs of one sequence over all layers: QK^T and PV, causal (half the square)."""
+    return cfg.num_layers * 2 * (2.0 * seq * seq * cfg.num_heads * cfg.head_dim) / 2
+
+
+def hardware_flops(cfg: ModelConfig, batch: int, seq: int, recompute: bool = True) -> float:
+    tokens = batch * seq
+    h = cfg.hidden_size
+    layer_matmul = cfg.matmul_params() - cfg.vocab_size * h
+    head_matmul = cfg.vocab_size * h
+    layer_fwd = 2.0 * layer_matmul * tokens + batch * attention_flops_per_seq(cfg, seq)
+    head_fwd = 2.0 * head_matmul * tokens
+    passes = 4 if recompute else 3  # forward, (recompute), backward = 2 forwards
+    return passes * layer_fwd + 3 * head_fwd
+
+
+def mfu(hardware_flops_per_s: float, peak_flops_per_s: float | None) -> float | None:
+    return None if not peak_flops_per_s else hardware_flops_per_s / peak_flops_per_s

@@ -1,0 +1,86 @@
+"""The one benchmark record schema: build, validate, append to JSONL.
+
+Units sit in the key names. Status is one of: ok, oom, error, timeout, skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from megatrain.bench.env import environment
+from megatrain.bench.flops import hardware_flops, mfu, model_flops
+from megatrain.config import CaseConfig
+
+STATUSES = ("ok", "oom", "error", "timeout", "skipped")
+REQUIRED_KEYS = ("status", "system", "model", "num_params", "batch", "seq", "tokens_per_step", "step_time_s",
+                 "tokens_per_s", "tflops", "peak_gpu_alloc_gib", "peak_host_rss_gib", "losses", "env", "config")
+
+
+def base_record(case: CaseConfig, status: str) -> dict:
+    cfg = case.model_config()
+    return {
+        "status": status,
+        "system": case.system,
+        "model": case.model,
+        "num_layers": cfg.num_layers,
+        "num_params": cfg.num_params(),
+        "batch": case.batch,
+        "micro_batch": case.micro_batch,
+        "seq": case.seq,
+        "precision": case.precision,
+        "dtype": case.dtype,
+        "tokens_per_step": case.tokens_per_step,
+        "step_time_s": None,
+        "tokens_per_s": None,
+        "tflops": None,
+        "peak_gpu_alloc_gib": None,
+        "peak_host_rss_gib": None,
+        "losses": [],
+        "error": None,
+        "config": case.to_dict(),
+        "env": environment(),
+    }
+
+
+def timing_metrics(case: CaseConfig, step_times_s: list[float], gemm_peak_tflops: float | None = None) -> dict:
+    """Median step time over the timed steps and every rate derived from it."""
+    timed = step_times_s[case.warmup:] if len(step_times_s) > case.warmup else step_times_s
+    median = statistics.median(timed)
+    cfg = case.model_config()
+    hw = hardware_flops(cfg, case.batch, case.seq, recompute=True) / median / 1e12
+    return {
+        "step_time_s": median,
+        "step_time_min_s": min(timed),
+        "step_time_max_s": max(timed),
+        "step_time_iqr_s": (statistics.quantiles(timed, n=4)[2] - statistics.quantiles(timed, n=4)[0])
+        if len(timed) >= 2 else 0.0,
+        "step_times_s": step_times_s,
+        "timed_steps": len(timed),
+        "tokens_per_s": case.tokens_per_step / median,
+        "tflops": model_flops(cfg.num_params(), case.tokens_per_step) / median / 1e12,
+        "hw_tflops": hw,
+        "gemm_peak_tflops": gemm_peak_tflops,
+        "mfu": mfu(hw, gemm_peak_tflops),
+    }
+
+
+def validate(record: dict) -> None:
+    missing = [k for k in REQUIRED_KEYS if k not in record]
+    assert not missing, f"record lacks {missing}"
+    assert record["status"] in STATUSES, record["status"]
+
+
+def append_jsonl(path: str | Path, record: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,118 @@
+"""Command line: python -m megatrain {bench,models} ...
+
+Exit codes: 0 success, 1 the case ran but failed (OOM, error), 2 invalid input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from megatrain.config import DTYPES, PRECISIONS, CaseConfig, OptimConfig
+
+
+def add_case_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--system", default="native", help="native | megatrain | deepspeed | fsdp")
+    p.add_argument("--model", default="tiny", help="registry name (python -m megatrain models)")
+    p.add_argument("--num-layers", type=int, default=None, help="override the model's depth")
+    p.add_argument("--batch", type=int, default=2, help="sequences per optimizer step")
+    p.add_argument("--micro-batch", type=int, default=0, help="sequences per forward/backward (0 = batch)")
+    p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1, help="leading steps not timed")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--precision", default="mixed", choices=PRECISIONS)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", default="synthetic", help="'synthetic' or a .jsonl/.txt file")
+    p.add_argument("--tokenizer", default=None, help="local HF tokenizer dir for text data")
+    p.add_argument("--repeat-batch", action="store_true", help="same batch every step")
+    p.add_argument("--lr", type=float, default=OptimConfig.lr)
+    p.add_argument("--weight-decay", type=float, default=OptimConfig.weight_decay)
+    p.add_argument("--max-grad-norm", type=float, default=OptimConfig.max_grad_norm, help="0 disables clipping")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="system-specific setting (JSON value), repeatable")
+    p.add_argument("--gemm-peak-tflops", type=float, default=None, help="measured GEMM peak for MFU")
+
+
+def _parse_options(items: list[str]) -> dict:
+    options = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"--option takes KEY=VALUE, got {item!r}")
+        key, value = item.split("=", 1)
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+def case_from_args(args: argparse.Namespace) -> CaseConfig:
+    return CaseConfig(
+        system=args.system, model=args.model, num_layers=args.num_layers, batch=args.batch,
+        micro_batch=args.micro_batch, seq=args.seq, steps=args.steps, warmup=args.warmup, dtype=args.dtype,
+        precision=args.precision, device=args.device, seed=args.seed, data=args.data, tokenizer=args.tokenizer,
+        repeat_batch=args.repeat_batch,
+        optim=OptimConfig(lr=args.lr, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm),
+        options=_parse_options(args.option),
+    )
+
+
+def summary_line(record: dict) -> str:
+    if record["status"] != "ok":
+        return f"{record['system']} {record['model']} b={record['batch']} s={record['seq']}: " \
+               f"{record['status'].upper()} {record.get('error') or ''}"
+    return (f"{record['system']} {record['model']} ({record['num_params'] / 1e9:.3f}B) b={record['batch']} "
+            f"s={record['seq']}: step {record['step_time_s']:.3f}s, {record['tokens_per_s']:.0f} tok/s, "
+            f"{record['tflops']:.1f} TFLOPS (6NT), GPU peak {record['peak_gpu_alloc_gib']:.2f} GiB, "
+            f"host peak {record['peak_host_rss_gib']:.2f} GiB, loss {record['losses'][0]:.4f} -> "
+            f"{record['losses'][-1]:.4f}")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from megatrain.bench.case import run_case
+    from megatrain.bench.record import append_jsonl
+
+    case = case_from_args(args)
+    record = run_case(case, gemm_peak_tflops=args.gemm_peak_tflops,
+                      on_step=lambda i, loss, t: print(f"step {i}: loss {loss:.4f} ({t:.3f}s)", flush=True))
+    print(summary_line(record))
+    if args.out:
+        append_jsonl(args.out, record)
+    print(json.dumps(record), flush=True)
+    return 0 if record["status"] == "ok" else 1
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from megatrain.models.registry import MODELS
+
+    for name, cfg in MODELS.items():
+        print(f"{name:14s} {cfg.num_params() / 1e9:8.3f}B  layers={cfg.num_layers:3d} hidden={cfg.hidden_size:5d} "
+              f"ffn={cfg.intermediate_size:5d} heads={cfg.num_heads}/{cfg.num_kv_heads} vocab={cfg.vocab_size} "
+              f"tied={cfg.tie_embeddings}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m megatrain", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench", help="run one benchmark case; last stdout line is its JSON record")
+    add_case_arguments(bench)
+    bench.add_argument("--out", default=None, help="append the record to this JSONL file")
+    bench.set_defaults(func=cmd_bench)
+    models = sub.add_parser("models", help="list the model registry with exact parameter counts")
+    models.set_defaults(func=cmd_models)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

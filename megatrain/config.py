@@ -1,0 +1,120 @@
+"""Per-component configs: the optimizer, and one benchmark/training case."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from megatrain.models.config import ModelConfig
+from megatrain.models.registry import get_model_config
+
+DTYPES = ("float32", "bfloat16")
+PRECISIONS = ("mixed", "bf16")
+SYSTEM_NAMES = ("native", "megatrain", "deepspeed", "fsdp")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with global-norm clipping, identical for every system."""
+
+    lr: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    max_grad_norm: float = 1.0  # 0 disables clipping
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError(f"betas must be in [0, 1), got {self.beta1}, {self.beta2}")
+        if self.max_grad_norm < 0:
+            raise ValueError(f"max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}")
+
+
+@dataclass(frozen=True)
+class CaseConfig:
+    """One training case: which system trains which model on what work.
+
+    Attributes:
+        system: 'native', 'megatrain', 'deepspeed' or 'fsdp'.
+        model: registry name (megatrain.models.registry.MODELS).
+        num_layers: override the registered depth (depth-scaling sweeps); None keeps it.
+        batch: sequences per optimizer step (global batch).
+        micro_batch: sequences per forward/backward pass; batch must be a multiple. 0 = batch.
+        seq: tokens per sequence.
+        steps: optimizer steps run; the first `warmup` are not timed.
+        dtype: compute dtype ('bfloat16' on GPU, 'float32' for exact CPU parity).
+        precision: 'mixed' (fp32 master weights) or 'bf16' (bf16 weights, fp32 Adam moments).
+        device: 'cpu' or 'cuda'.
+        seed: seeds the weights and the synthetic data.
+        data: 'synthetic', or a path to .jsonl / .txt (needs tokenizer).
+        tokenizer: local Hugging Face tokenizer directory (tokenizer.json) for text data.
+        repeat_batch: train on the same batch every step (convergence checks).
+        options: system-specific settings (recorded as given).
+    """
+
+    system: str = "native"
+    model: str = "tiny"
+    num_layers: int | None = None
+    batch: int = 2
+    micro_batch: int = 0
+    seq: int = 64
+    steps: int = 5
+    warmup: int = 1
+    dtype: str = "float32"
+    precision: str = "mixed"
+    device: str = "cpu"
+    seed: int = 0
+    data: str = "synthetic"
+    tokenizer: str | None = None
+    repeat_batch: bool = False
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    options: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.system not in SYSTEM_NAMES:
+            raise ValueError(f"unknown system {self.system!r}; choose one of: {', '.join(SYSTEM_NAMES)}")
+        self.model_config()  # validates the model name and depth
+        if self.batch < 1:
+            raise ValueError(f"batch must be >= 1, got {self.batch}")
+        if self.micro_batch == 0:
+            object.__setattr__(self, "micro_batch", self.batch)
+        if self.micro_batch < 1 or self.batch % self.micro_batch:
+            raise ValueError(f"micro_batch={self.micro_batch} must divide batch={self.batch}")
+        if self.seq < 1:
+            raise ValueError(f"seq must be >= 1, got {self.seq}")
+        if self.steps < 1 or self.warmup < 0:
+            raise ValueError(f"steps must be >= 1 and warmup >= 0, got steps={self.steps} warmup={self.warmup}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.data != "synthetic" and not self.tokenizer:
+            raise ValueError("text data needs --tokenizer DIR (a local Hugging Face tokenizer directory)")
+
+    def model_config(self) -> ModelConfig:
+        return get_model_config(self.model, self.num_layers)
+
+    @property
+    def grad_accum(self) -> int:
+        return self.batch // self.micro_batch
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch * self.seq
+
+    @property
+    def timed_steps(self) -> int:
+        return self.steps - self.warmup if self.steps > self.warmup else self.steps
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict) -> CaseConfig:
+        d = dict(d)
+        d["optim"] = OptimConfig(**d.get("optim", {}))
+        return CaseConfig(**d)

@@ -1,0 +1,104 @@
+"""Token batches: a seeded synthetic stream (benchmarks) and tokenized JSONL / plain text.
+
+A batch is (inputs [B, S], labels [B, S]) with labels[t] = the token after inputs[t] and
+IGNORE_INDEX (-100) where there is no next token or the position is padding.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from megatrain.models.loss import IGNORE_INDEX
+
+
+def split_inputs_labels(tokens_BS1: torch.Tensor, valid_BS1: torch.Tensor | None = None):
+    """Shift a [B, S+1] token block into inputs [B, S] and labels [B, S], masking padding."""
+    inputs, labels = tokens_BS1[:, :-1].clone(), tokens_BS1[:, 1:].clone()
+    if valid_BS1 is not None:
+        labels[~valid_BS1[:, 1:]] = IGNORE_INDEX
+    return inputs, labels
+
+
+class SyntheticTokens:
+    """Uniform random tokens from a seeded generator; step k's batch depends only on (seed, k)."""
+
+    def __init__(self, vocab_size: int, batch: int, seq: int, seed: int, repeat: bool = False):
+        self.vocab_size, self.batch, self.seq, self.seed, self.repeat = vocab_size, batch, seq, seed, repeat
+
+    def batch_at(self, step: int):
+        gen = torch.Generator().manual_seed(self.seed * 7919 + (0 if self.repeat else step))
+        tokens = torch.randint(0, self.vocab_size, (self.batch, self.seq + 1), generator=gen)
+        return split_inputs_labels(tokens)
+
+    def __iter__(self) -> Iterator:
+        step = 0
+        while True:
+            yield self.batch_at(step)
+            step += 1
+
+
+def read_documents(path: str | Path) -> Iterator[str]:
+    """Documents of a .jsonl file (field 'text') or a plain-text file (blank-line separated)."""
+    path = Path(path)
+    if path.suffix == ".jsonl":
+        with path.open() as f:
+            for line_no, line in enumerate(f, 1):
+                if line.strip():
+                    record = json.loads(line)
+                    if "text" not in record:
+                        raise ValueError(f"{path}:{line_no}: JSONL records need a 'text' field")
+                    yield record["text"]
+    else:
+        for doc in path.read_text().split("\n\n"):
+            if doc.strip():
+                yield doc
+
+
+class TextBatches:
+    """Packs tokenized documents into [B, S+1] blocks separated by the tokenizer's EOS token.
+
+    Uses a local `tokenizer.json` (the `tokenizers` package; nothing is downloaded). Documents are
+    concatenated and cut into full blocks; the final partial block is right-padded and masked.
+    """
+
+    def __init__(self, path: str | Path, tokenizer_dir: str | Path, batch: int, seq: int, vocab_size: int):
+        from tokenizers import Tokenizer
+
+        tok_file = Path(tokenizer_dir) / "tokenizer.json"
+        if not tok_file.exists():
+            raise ValueError(f"no tokenizer.json in {tokenizer_dir}; pass a local Hugging Face tokenizer directory")
+        tok = Tokenizer.from_file(str(tok_file))
+        eos = next((t for t in ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>") if tok.token_to_id(t) is not None),
+                   None)
+        stream: list[int] = []
+        for doc in read_documents(path):
+            stream.extend(tok.encode(doc).ids)
+            if eos is not None:
+                stream.append(tok.token_to_id(eos))
+        if not stream:
+            raise ValueError(f"{path} holds no text")
+        if max(stream) >= vocab_size:
+            raise ValueError(f"tokenizer ids reach {max(stream)} but the model's vocab_size is {vocab_size}")
+        self.batch, self.seq = batch, seq
+        block = seq + 1
+        n_blocks = -(-len(stream) // block)
+        padded = torch.zeros(n_blocks * block, dtype=torch.long)
+        padded[: len(stream)] = torch.tensor(stream)
+        valid = torch.zeros(n_blocks * block, dtype=torch.bool)
+        valid[: len(stream)] = True
+        self.tokens, self.valid = padded.view(n_blocks, block), valid.view(n_blocks, block)
+
+    def batch_at(self, step: int):
+        idx = (torch.arange(self.batch) + step * self.batch) % self.tokens.shape[0]
+        return split_inputs_labels(self.tokens[idx], self.valid[idx])
+
+
+def make_batches(case, vocab_size: int):
+    """The batch source a case asks for: an object with batch_at(step) -> (inputs, labels)."""
+    if case.data == "synthetic":
+        return SyntheticTokens(vocab_size, case.batch, case.seq, case.seed, repeat=case.repeat_batch)
+    return TextBatches(case.data, case.tokenizer, case.batch, case.seq, vocab_size)

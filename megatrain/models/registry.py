@@ -1,0 +1,57 @@
+"""Named model sizes with their published shapes.
+
+Qwen2.5 shapes follow the config.json files of the Qwen2.5 releases, Llama-3 shapes those of
+Meta-Llama-3-8B/70B. `dense-120b` is our own documented ~120B dense shape (Qwen2.5-72B's
+vocabulary and head size, widened and deepened): it stands in for the paper's GPT-OSS-120B, which
+is a mixture of experts and so not a dense-layer workload. `tiny*` are for CPU tests and smoke runs.
+"""
+
+from __future__ import annotations
+
+from megatrain.models.config import ModelConfig
+
+_QWEN = dict(qkv_bias=True, rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_seq_len=32768)
+_LLAMA3 = dict(qkv_bias=False, rms_norm_eps=1e-5, rope_theta=500_000.0, max_seq_len=8192, vocab_size=128256)
+
+MODELS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=3,
+                        num_heads=4, num_kv_heads=2, qkv_bias=True, tie_embeddings=False, max_seq_len=2048),
+    "tiny-tied": ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=2,
+                             num_heads=4, num_kv_heads=4, qkv_bias=False, tie_embeddings=True, max_seq_len=2048),
+    # ~0.1B: big enough to exercise the GPU paths, small enough for a quick check.
+    "small": ModelConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12,
+                         num_heads=12, num_kv_heads=4, qkv_bias=True, tie_embeddings=False),
+    "qwen2.5-0.5b": ModelConfig(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
+                                num_heads=14, num_kv_heads=2, tie_embeddings=True, **_QWEN),
+    "qwen2.5-1.5b": ModelConfig(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
+                                num_heads=12, num_kv_heads=2, tie_embeddings=True, **_QWEN),
+    "qwen2.5-3b": ModelConfig(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_layers=36,
+                              num_heads=16, num_kv_heads=2, tie_embeddings=True, **_QWEN),
+    "qwen2.5-7b": ModelConfig(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
+                              num_heads=28, num_kv_heads=4, tie_embeddings=False, **_QWEN),
+    "qwen2.5-14b": ModelConfig(vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_layers=48,
+                               num_heads=40, num_kv_heads=8, tie_embeddings=False, **_QWEN),
+    "qwen2.5-32b": ModelConfig(vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_layers=64,
+                               num_heads=40, num_kv_heads=8, tie_embeddings=False, **_QWEN),
+    "qwen2.5-72b": ModelConfig(vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_layers=80,
+                               num_heads=64, num_kv_heads=8, tie_embeddings=False, **_QWEN),
+    "llama3-8b": ModelConfig(hidden_size=4096, intermediate_size=14336, num_layers=32,
+                             num_heads=32, num_kv_heads=8, tie_embeddings=False, **_LLAMA3),
+    "llama3-70b": ModelConfig(hidden_size=8192, intermediate_size=28672, num_layers=80,
+                              num_heads=64, num_kv_heads=8, tie_embeddings=False, **_LLAMA3),
+    # 12288 wide, 76 layers, 96 query heads of 128, 8 KV heads, 32768 SwiGLU: 120.4B parameters.
+    "dense-120b": ModelConfig(vocab_size=152064, hidden_size=12288, intermediate_size=32768, num_layers=76,
+                              num_heads=96, num_kv_heads=8, tie_embeddings=False, **_QWEN),
+}
+
+
+def get_model_config(name: str, num_layers: int | None = None) -> ModelConfig:
+    """The registered shape `name`, optionally with another depth (depth-scaling sweeps)."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}")
+    cfg = MODELS[name]
+    if num_layers is not None:
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        cfg = cfg.with_layers(num_layers)
+    return cfg

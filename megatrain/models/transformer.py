@@ -1,0 +1,129 @@
+"""LLaMA/Qwen2-style decoder as plain nn.Modules: the one model every system trains.
+
+Shape legend: B batch, S sequence, H hidden, N query heads, K kv heads, D head dim, V vocab, T tokens.
+The model knows nothing about offloading; each system applies its memory policy to it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatrain.models.config import ModelConfig
+from megatrain.models.loss import IGNORE_INDEX, linear_cross_entropy
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back, as the Hugging Face Qwen2/Llama code does."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        x32 = x_BSH.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x_BSH.dtype)
+
+
+def rotary_tables(cfg: ModelConfig, seq_len: int, device: torch.device, dtype: torch.dtype):
+    """cos, sin tables [S, D] for positions 0..seq_len-1 (computed in fp32, cast to dtype)."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device, dtype=torch.float32)
+                                         / cfg.head_dim))
+    freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x_BNSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
+    return x_BNSD * cos_SD + _rotate_half(x_BNSD) * sin_SD
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.q_size, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x_BSH.shape
+        q = self.q_proj(x_BSH).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x_BSH).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x_BSH).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos_SD, sin_SD), apply_rotary(k, cos_SD, sin_SD)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           enable_gqa=self.num_kv_heads != self.num_heads)
+        return self.o_proj(o.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x_BSH)) * self.up_proj(x_BSH))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
+        h = x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos_SD, sin_SD)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Transformer(nn.Module):
+    """Embedding, decoder layers, final norm, LM head (tied to the embedding or not).
+
+    forward(tokens) returns logits [B, S, V]; forward(tokens, labels, normalizer) returns the summed
+    token cross-entropy divided by `normalizer` (the valid-token count of the whole step, so
+    micro-batches add up to the full-batch mean), without materialising the full logits.
+    """
+
+    def __init__(self, cfg: ModelConfig, activation_checkpointing: bool = False):
+        super().__init__()
+        self.cfg = cfg
+        self.activation_checkpointing = activation_checkpointing
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor | None = None,
+                normalizer: float | None = None) -> torch.Tensor:
+        h = self.embed_tokens(tokens_BS)
+        cos, sin = rotary_tables(self.cfg, tokens_BS.shape[1], h.device, h.dtype)
+        for layer in self.layers:
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                h = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin)
+        h = self.norm(h)
+        if labels_BS is None:
+            return F.linear(h, self.head_weight())
+        if normalizer is None:
+            normalizer = max(int((labels_BS != IGNORE_INDEX).sum()), 1)
+        return linear_cross_entropy(h.flatten(0, 1), self.head_weight(), labels_BS.flatten(), normalizer)
+
+

@@ -1,0 +1,1 @@
+"""Host-side optimizer use and its parity with torch.optim.AdamW."""

@@ -1,0 +1,17 @@
+"""Sessions: tests, smoke, lint. Every session runs in the current environment (python=False):
+a per-session virtualenv would download a fresh (CUDA) torch. Set up first with scripts/setup.sh."""
+
+import nox
+
+nox.options.sessions = ["tests"]
+
+
+@nox.session(python=False)
+def tests(session):
+    """Unit tests on CPU (GPU tests skip without CUDA)."""
+    session.run("python", "-m", "pytest", "tests", "-q", *session.posargs)
+
+
+@nox.session(python=False)
+def lint(session):
+    session.run("ruff", "check", "megatrain", "baselines", "tests", "noxfile.py")

@@ -1,0 +1,56 @@
+"""The reference trainer and the bench CLI contract. CPU, seconds: pytest tests/unit/test_native.py"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megatrain.bench.case import run_case
+from megatrain.bench.record import validate
+from megatrain.config import CaseConfig, OptimConfig
+
+
+def test_native_tiny_loss_falls_over_50_steps_on_a_repeated_batch():
+    case = CaseConfig(system="native", model="tiny", batch=2, seq=32, steps=50, repeat_batch=True,
+                      optim=OptimConfig(lr=3e-3, weight_decay=0.0))
+    record = run_case(case)
+    assert record["status"] == "ok", record.get("error")
+    losses = record["losses"]
+    assert len(losses) == 50
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_grad_accumulation_matches_full_batch():
+    full = run_case(CaseConfig(system="native", model="tiny", batch=4, seq=16, steps=3))
+    accum = run_case(CaseConfig(system="native", model="tiny", batch=4, micro_batch=1, seq=16, steps=3))
+    assert accum["losses"] == pytest.approx(full["losses"], rel=1e-5)
+
+
+def _bench(*args):
+    return subprocess.run([sys.executable, "-m", "megatrain", "bench", *args], capture_output=True, text=True)
+
+
+def test_cli_prints_record_as_last_line_and_appends(tmp_path):
+    out = tmp_path / "r.jsonl"
+    proc = _bench("--system", "native", "--model", "tiny", "--batch", "2", "--seq", "64", "--steps", "5",
+                  "--device", "cpu", "--dtype", "float32", "--seed", "0", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(proc.stdout.strip().splitlines()[-1])
+    validate(record)
+    assert record["status"] == "ok" and len(record["losses"]) == 5
+    assert record["tokens_per_step"] == 128 and record["tflops"] > 0
+    assert record["env"]["torch"]
+    assert json.loads(out.read_text().splitlines()[-1])["losses"] == record["losses"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "nope"], "unknown model"),
+    (["--seq", "0"], "seq must be"),
+    (["--batch", "3", "--micro-batch", "2"], "must divide batch"),
+    (["--system", "nope"], "unknown system"),
+])
+def test_cli_rejects_bad_input_with_exit_code_2(args, message):
+    proc = _bench(*args)
+    assert proc.returncode == 2
+    assert message in proc.stderr
