@@ -15,3 +15,11 @@ def tests(session):
 @nox.session(python=False)
 def lint(session):
     session.run("ruff", "check", "megatrain", "baselines", "tests", "noxfile.py")
+
+
+@nox.session(python=False)
+def smoke(session):
+    """The main job on a fresh machine: tiny CPU benchmark cases, records under results/smoke-local/."""
+    for system in ("native",):
+        session.run("python", "-m", "megatrain", "bench", "--system", system, "--model", "tiny", "--batch", "4",
+                    "--seq", "64", "--steps", "6", "--out", "results/smoke-local/records.jsonl")
