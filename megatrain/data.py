@@ -45,15 +45,18 @@ def read_documents(path: str | Path) -> Iterator[str]:
     """Documents of a .jsonl file (field 'text') or a plain-text file (blank-line separated)."""
     path = Path(path)
     if path.suffix == ".jsonl":
-        with path.open() as f:
+        with path.open(encoding="utf-8") as f:
             for line_no, line in enumerate(f, 1):
                 if line.strip():
-                    record = json.loads(line)
-                    if "text" not in record:
-                        raise ValueError(f"{path}:{line_no}: JSONL records need a 'text' field")
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path}:{line_no}: not a JSON record ({e})") from e
+                    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                        raise ValueError(f"{path}:{line_no}: JSONL records need a string 'text' field")
                     yield record["text"]
     else:
-        for doc in path.read_text().split("\n\n"):
+        for doc in path.read_text(encoding="utf-8").split("\n\n"):
             if doc.strip():
                 yield doc
 
