@@ -30,7 +30,7 @@ class SyntheticTokens:
         self.vocab_size, self.batch, self.seq, self.seed, self.repeat = vocab_size, batch, seq, seed, repeat
 
     def batch_at(self, step: int):
-        gen = torch.Generator().manual_seed(self.seed * 7919 + (0 if self.repeat else step))
+        gen = torch.Generator().manual_seed((self.seed << 32) + (0 if self.repeat else step))
         tokens = torch.randint(0, self.vocab_size, (self.batch, self.seq + 1), generator=gen)
         return split_inputs_labels(tokens)
 

@@ -1,0 +1,1 @@
+"""The streaming engine: host store, stateless templates, stream schedule, the streaming trainer."""

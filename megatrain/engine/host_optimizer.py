@@ -1,0 +1,102 @@
+"""The overlapped host optimizer: AdamW unit by unit on a worker thread.
+
+Step t's update can only start when its global gradient norm is known (end of backward). It then
+runs in forward order (embedding, layer 0, ..., head) while step t+1's forward consumes the
+results: the prefetch of unit u waits only for unit u's update, so the optimizer hides behind
+compute instead of adding to the step.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import torch
+
+from megatrain.config import OptimConfig
+from megatrain.engine.store import OPT_CHUNK, HostStore
+from megatrain.optim.host_adamw import FlatAdamW
+
+
+class HostOptimizer:
+    def __init__(self, store: HostStore, optim: OptimConfig):
+        self.store = store
+        self.adamw = FlatAdamW(optim)
+        self.weight_decay = optim.weight_decay
+        self.done = [threading.Event() for _ in store.units]
+        for ev in self.done:
+            ev.set()
+        self.spans: list[tuple[int, float, float]] = []  # (unit, host start, host end)
+        self._jobs: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="megatrain-host-adamw", daemon=True)
+        self._thread.start()
+
+    def submit(self, clip_coef: float, grad_ready: list) -> None:
+        """Queue one optimizer step; grad_ready[u] is the event after which unit u's gradients are on the host."""
+        done = [threading.Event() for _ in self.store.units]
+        self.done = done
+        self._jobs.put((done, clip_coef, grad_ready))
+
+    def wait(self, unit_index: int) -> float:
+        """Block until unit_index's pending update has landed; returns the seconds spent waiting."""
+        ev = self.done[unit_index]
+        if ev.is_set():
+            self._raise()
+            return 0.0
+        t0 = time.perf_counter()
+        ev.wait()
+        self._raise()
+        return time.perf_counter() - t0
+
+    def flush(self) -> None:
+        for i in range(len(self.store.units)):
+            self.wait(i)
+
+    def close(self) -> None:
+        self.flush()
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("host optimizer failed") from self._error
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            done, clip_coef, grad_ready = job
+            try:
+                for unit in self.store.units:
+                    grad_ready[unit.index].synchronize()
+                    t0 = time.perf_counter()
+                    self._update(unit, clip_coef)
+                    self.spans.append((unit.index, t0, time.perf_counter()))
+                    done[unit.index].set()
+            except BaseException as exc:  # surfaced to the training thread by wait()
+                self._error = exc
+                for ev in done:
+                    ev.set()
+
+    def _update(self, unit, clip_coef: float) -> None:
+        s = self.store
+        grads, weights = s.tile(s.grads, unit), s.tile(s.weights, unit)
+        master = s.tile(s.master, unit) if s.master is not None else None
+        m, v = s.tile(s.exp_avg, unit), s.tile(s.exp_avg_sq, unit)
+        d = unit.decay_numel
+        for lo, hi, weight_decay in ((0, d, self.weight_decay), (d, unit.numel, 0.0)):
+            for a in range(lo, hi, OPT_CHUNK):
+                b = min(a + OPT_CHUNK, hi)
+                g32 = grads[a:b] if s.grad_scratch is None else s.grad_scratch[:b - a].copy_(grads[a:b])
+                if clip_coef != 1.0:  # torch's clip_grad_norm_ multiplies by the clamped coefficient; x1.0 is exact
+                    g32.mul_(clip_coef)
+                w = weights[a:b]
+                if master is not None:
+                    p32 = master[a:b]
+                elif w.dtype == torch.float32:
+                    p32 = w
+                else:  # bf16 mode: update in fp32, round back to the stored bf16 weights
+                    p32 = s.param_scratch[:b - a].copy_(w)
+                self.adamw.update((unit.index, a), p32, g32, m[a:b], v[a:b], weight_decay)
+                if p32 is not w:
+                    w.copy_(p32)  # the bf16 weights the next step streams

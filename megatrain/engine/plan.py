@@ -1,0 +1,101 @@
+"""Pre-flight memory plan of the streaming engine: refuse what cannot fit before allocating anything.
+
+Host: the store's tiles exactly (see engine/store.py) plus a fixed process overhead. GPU: the two
+weight slots, the resident embedding, fp32 gradient accumulators and staging, the saved layer
+inputs of every micro-batch, and an estimate of one layer's recompute-plus-backward working set
+and the chunked loss of one micro-batch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import torch
+
+from megatrain.config import CaseConfig
+from megatrain.engine.layout import build_units, total_numel
+from megatrain.engine.store import OPT_CHUNK
+from megatrain.models.loss import chunk_tokens_for
+
+GIB = 2**30
+PROCESS_OVERHEAD_BYTES = 3 * GIB  # python, torch, CUDA context and libraries in host RSS
+GPU_RESERVE_BYTES = 2 * GIB  # CUDA context, cuBLAS workspaces, allocator fragmentation
+
+
+def host_bytes_per_param(case: CaseConfig) -> dict[str, int]:
+    """Bytes per parameter of each persistent host tile."""
+    bf16 = case.dtype == "bfloat16"
+    w = 2 if bf16 else 4
+    per = {"weights": w, "grads": w, "exp_avg": 4, "exp_avg_sq": 4}
+    if bf16 and case.precision == "mixed":
+        per["master"] = 4
+    return per
+
+
+def plan_memory(case: CaseConfig) -> dict:
+    cfg = case.model_config()
+    units = build_units(cfg)
+    n = total_numel(units)
+    per = host_bytes_per_param(case)
+    slot = max(u.numel for u in units[1:])
+    embed = units[0].numel
+    w = 2 if case.dtype == "bfloat16" else 4
+    scratch = min(OPT_CHUNK, max(u.numel for u in units)) * 4 * ((w == 2) + (case.precision == "bf16"))
+    host_state = n * sum(per.values())
+    host = host_state + scratch + PROCESS_OVERHEAD_BYTES
+
+    mb, seq, h, i = case.micro_batch, case.seq, cfg.hidden_size, cfg.intermediate_size
+    tokens_mb = mb * seq
+    buffers = 2 * slot * w + embed * w + 2 * slot * 4 + embed * 4 + (2 * slot * w if w == 2 else 0)
+    checkpoints = (cfg.num_layers + 1) * case.batch * seq * h * w
+    # one layer's recompute + backward for a micro-batch: saved activations (~7H + 4I per token,
+    # attention via flash/SDPA keeps no S x S matrix) and their gradients, about 1.5x at peak
+    layer_work = int(1.5 * tokens_mb * (7 * h + 4 * i + cfg.q_size + 2 * cfg.kv_size) * w)
+    # loss: fp32 logits of one chunk, the head's fp32 weight gradient and its per-chunk product
+    head_work = chunk_tokens_for(cfg.vocab_size) * cfg.vocab_size * 4 * 2 + cfg.vocab_size * h * (4 + w)
+    gpu = buffers + checkpoints + max(layer_work, head_work) + tokens_mb * h * w * 2 + GPU_RESERVE_BYTES
+    return {
+        "host_bytes": host,
+        "host_state_bytes": host_state,
+        "host_bytes_per_param": host / cfg.num_params(),
+        "host_tiles_bytes_per_param": per,
+        "gpu_bytes": gpu,
+        "gpu_buffers_bytes": buffers,
+        "gpu_checkpoint_bytes": checkpoints,
+        "gpu_work_bytes": max(layer_work, head_work),
+    }
+
+
+def available_memory(case: CaseConfig) -> tuple[int, int | None]:
+    """(host bytes, GPU bytes) this case may use. Host: option host_mem_gib or MEGATRAIN_HOST_MEM_GIB
+    (for VMs whose MemTotal grows as memory is touched), else MemTotal."""
+    host_gib = case.options.get("host_mem_gib") or os.environ.get("MEGATRAIN_HOST_MEM_GIB")
+    host = int(float(host_gib) * GIB) if host_gib else psutil.virtual_memory().total
+    gpu = None
+    if case.device == "cuda" and torch.cuda.is_available():
+        gpu = torch.cuda.get_device_properties(0).total_memory
+    return host, gpu
+
+
+def check_fits(case: CaseConfig) -> dict:
+    """The plan, with 'fits' and 'reason'; raises nothing."""
+    plan = plan_memory(case)
+    host, gpu = available_memory(case)
+    reasons = []
+    if plan["host_bytes"] > host:
+        reasons.append(
+            f"host memory: needs {plan['host_bytes'] / GIB:.1f} GiB "
+            f"({plan['host_bytes_per_param']:.1f} B/param) but the machine has {host / GIB:.1f} GiB; "
+            + ("use --precision bf16 (12 B/param) or a smaller model" if case.precision == "mixed"
+               else "use a smaller model or a host with more memory")
+            + " (on a VM whose memory grows on use, set --option host_mem_gib=N)")
+    if gpu is not None and plan["gpu_bytes"] > gpu:
+        reasons.append(
+            f"GPU memory: needs {plan['gpu_bytes'] / GIB:.1f} GiB (checkpoints "
+            f"{plan['gpu_checkpoint_bytes'] / GIB:.1f}, buffers {plan['gpu_buffers_bytes'] / GIB:.1f}, working "
+            f"{plan['gpu_work_bytes'] / GIB:.1f}) but the GPU has {gpu / GIB:.1f} GiB; "
+            "lower --batch or --seq, or a smaller --micro-batch")
+    plan.update(fits=not reasons, reason="; ".join(reasons) or None, host_available_bytes=host,
+                gpu_available_bytes=gpu)
+    return plan

@@ -1,0 +1,265 @@
+"""The per-step stream schedule of the streaming engine.
+
+Shape legend: B micro-batch, S sequence, H hidden, V vocab. Units: 0 embed, 1..L layers, L+1 head.
+
+Per step the GPU *uses* units in this order: layers 1..L forward, the head (forward, loss and
+backward fused, so its weights cross PCIe once), layers L..1 backward. Two weight slots hold
+consecutive uses; while use k computes, the weights of use k+1 stream into the other slot (H2D
+stream). A slot that still holds the unit a use needs is reused without a copy (layer L after the
+head). Backward recomputes each layer from its saved input with grad enabled on views of the slot,
+so every layer crosses PCIe exactly twice per step. Gradients accumulate over micro-batches in an
+fp32 GPU buffer (two, alternating), their squared norm is summed on the GPU, and they leave in the
+streamed dtype on the D2H stream while the next layer's backward runs. The embedding stays in its
+own buffer for the whole step (the tied LM head reads it too) and its buffer is reused as the
+staging area for its gradient.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from megatrain.config import CaseConfig
+from megatrain.engine.host_optimizer import HostOptimizer
+from megatrain.engine.layout import Unit
+from megatrain.engine.store import HostStore
+from megatrain.engine.streams import StreamSet
+from megatrain.engine.templates import HeadTemplate, LayerTemplate, bind
+from megatrain.models import rotary_tables
+
+
+def plan_uses(num_layers: int) -> list[tuple[int, str, int, bool]]:
+    """(unit index, phase, weight slot, needs a load) for every use of a step."""
+    uses = [(u, "fwd") for u in range(1, num_layers + 1)] + [(num_layers + 1, "head")]
+    uses += [(u, "bwd") for u in range(num_layers, 0, -1)]
+    content: list[int | None] = [None, None]
+    plan, prev = [], None
+    for unit, phase in uses:
+        if unit in content:
+            slot, load = content.index(unit), False
+        else:
+            slot, load = (0 if prev is None else 1 - prev), True
+            content[slot] = unit
+        plan.append((unit, phase, slot, load))
+        prev = slot
+    return plan
+
+
+class Schedule:
+    def __init__(self, case: CaseConfig, store: HostStore, optimizer: HostOptimizer, streams: StreamSet,
+                 device: torch.device):
+        cfg = case.model_config()
+        self.case, self.store, self.optimizer, self.streams, self.device = case, store, optimizer, streams, device
+        self.cfg = cfg
+        dt = store.compute_dtype
+        self.units = store.units
+        self.embed, self.head = self.units[0], self.units[-1]
+        slot_numel = max(u.numel for u in self.units[1:])
+        self.wbuf = [torch.empty(slot_numel, dtype=dt, device=device) for _ in range(2)]
+        self.embed_buf = torch.empty(self.embed.numel, dtype=dt, device=device)
+        self.gacc = [torch.empty(slot_numel, dtype=torch.float32, device=device) for _ in range(2)]
+        self.embed_gacc = torch.empty(self.embed.numel, dtype=torch.float32, device=device)
+        grad_dt = store.grads.dtype
+        self.stage = None if grad_dt == torch.float32 else \
+            [torch.empty(slot_numel, dtype=grad_dt, device=device) for _ in range(2)]
+        self.layer_t = LayerTemplate(cfg, compile_layer=bool(case.options.get("compile", False)))
+        self.head_t = HeadTemplate(cfg)
+        self.cos, self.sin = rotary_tables(cfg, case.seq, device, dt)
+        self.plan = plan_uses(cfg.num_layers)
+        self.slot_free = [None, None]  # compute-stream event: last use of the weight slot finished
+        self.gslot_free = [None, None]  # d2h-stream event: last gradient copied out of the grad slot
+        self.embed_free = None  # d2h-stream event: the embedding gradient left the embedding buffer
+        self.elsize = torch.empty((), dtype=dt).element_size()
+        self.history: list[dict] = []
+        self.timeline: list[dict] = []
+
+    # ---- transfers -------------------------------------------------------------------------------
+    def _load(self, unit: Unit, dst: torch.Tensor, after) -> object:
+        """Stream unit's weights into dst on the H2D stream once `after` (last reader of dst) is done."""
+        self.stats["optim_wait_s"] += self.optimizer.wait(unit.index)
+        s = self.streams
+        s.wait("h2d", after)
+        start = s.record("h2d")
+        with s.use("h2d"):
+            dst[:unit.numel].copy_(self.store.tile(self.store.weights, unit), non_blocking=True)
+        end = s.record("h2d")
+        s.span("h2d", unit.index, "load", start, end)
+        self.stats["h2d_bytes"] += unit.numel * self.elsize
+        return end
+
+    def _offload(self, unit: Unit, src: torch.Tensor, gslot: int | None) -> object:
+        """Copy unit's gradient from src to the host tile on the D2H stream; returns its done event."""
+        s = self.streams
+        ready = s.record("compute")
+        s.wait("d2h", ready)
+        start = s.record("d2h")
+        with s.use("d2h"):
+            self.store.tile(self.store.grads, unit).copy_(src[:unit.numel], non_blocking=True)
+        end = s.record("d2h")
+        s.span("d2h", unit.index, "offload", start, end)
+        self.stats["d2h_bytes"] += unit.numel * src.element_size()
+        self.grad_ready[unit.index] = end
+        if gslot is not None:
+            self.gslot_free[gslot] = end
+        return end
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, normalizer: int) -> float:
+        s, dev = self.streams, self.device
+        host_t0 = time.perf_counter()
+        s.begin_step()
+        self.stats = {"h2d_bytes": 0, "d2h_bytes": 0, "optim_wait_s": 0.0, "compute_wait_h2d_ms": 0.0}
+        self.grad_ready = [None] * len(self.units)
+        self.stall_events = []
+        mb = self.case.micro_batch
+        with s.use("compute"):
+            tokens = [inputs_BS[i:i + mb].to(dev, non_blocking=True) for i in range(0, inputs_BS.shape[0], mb)]
+            labels = [labels_BS[i:i + mb].to(dev, non_blocking=True) for i in range(0, labels_BS.shape[0], mb)]
+        embed_ready = self._load(self.embed, self.embed_buf, self.embed_free)
+        first_unit, _, first_slot, _ = self.plan[0]
+        ready = {0: self._load(self.units[first_unit], self.wbuf[first_slot], self.slot_free[first_slot])}
+        embed_w = self.embed.view(self.embed_buf, self.embed.params[0])
+        with s.use("compute"):
+            s.wait("compute", embed_ready)
+            s.wait("compute", self.embed_free)  # embed_gacc was the D2H source in fp32 runs
+            start = s.record("compute")
+            self.ckpt = [[F.embedding(t, embed_w) for t in tokens]]
+            self.embed_gacc.zero_()
+            self.sumsq = torch.zeros((), dtype=torch.float32, device=dev)
+            self.loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
+            s.span("compute", 0, "fwd", start, s.record("compute"))
+        self.dys: list[torch.Tensor] = []
+        gslot = 0
+        for k, (u, phase, slot, _) in enumerate(self.plan):
+            if k + 1 < len(self.plan) and self.plan[k + 1][3]:
+                nu, _, nslot, _ = self.plan[k + 1]
+                ready[k + 1] = self._load(self.units[nu], self.wbuf[nslot], self.slot_free[nslot])
+            unit = self.units[u]
+            with s.use("compute"):
+                if k in ready:
+                    before = s.record("compute")
+                    s.wait("compute", ready[k])
+                    after = s.record("compute")
+                    self.stall_events.append((before, after))
+                start = s.record("compute")
+                if phase == "fwd":
+                    self._forward(unit, self.wbuf[slot])
+                elif phase == "head":
+                    self._head(unit, self.wbuf[slot], gslot, labels, normalizer, embed_w)
+                    gslot = 1 - gslot
+                else:
+                    self._backward(unit, self.wbuf[slot], gslot)
+                    gslot = 1 - gslot
+                end = s.record("compute")
+                s.span("compute", u, phase, start, end)
+                self.slot_free[slot] = end
+        with s.use("compute"):
+            start = s.record("compute")
+            self._embed_backward(tokens)
+            s.span("compute", 0, "bwd", start, s.record("compute"))
+        # the global norm is known only now: one synchronisation per step
+        total_norm = math.sqrt(float(self.sumsq))
+        max_norm = self.case.optim.max_grad_norm
+        clip = min(1.0, max_norm / (total_norm + 1e-6)) if max_norm > 0 else 1.0
+        loss = float(self.loss_sum)
+        if s.cuda:
+            torch.cuda.synchronize(dev)
+        step_s = time.perf_counter() - host_t0
+        self.optimizer.submit(clip, self.grad_ready)
+        self._record_step(host_t0, step_s, total_norm)
+        return loss
+
+    def _forward(self, unit: Unit, wbuf: torch.Tensor) -> None:
+        params = bind(unit, wbuf, requires_grad=False)
+        with torch.no_grad():
+            self.ckpt.append([self.layer_t(params, x, self.cos, self.sin) for x in self.ckpt[-1]])
+
+    def _accumulate(self, gacc: torch.Tensor, unit: Unit, names: list[str], grads) -> None:
+        by_name = {slot.local: slot for slot in unit.params}
+        targets = [unit.view(gacc, by_name[n]) for n in names]
+        torch._foreach_add_(targets, list(grads))
+
+    def _head(self, unit: Unit, wbuf: torch.Tensor, gslot: int, labels, normalizer: int, embed_w) -> None:
+        self.streams.wait("compute", self.gslot_free[gslot])
+        gacc = self.gacc[gslot][:unit.numel].zero_()
+        params = bind(unit, wbuf, requires_grad=True)
+        tied = "lm_head.weight" not in params
+        head_w = embed_w.detach().requires_grad_() if tied else params["lm_head.weight"]
+        hidden = self.ckpt.pop()
+        for m, h in enumerate(hidden):
+            h = h.detach().requires_grad_()
+            with torch.enable_grad():
+                loss = self.head_t.loss(params["norm.weight"], head_w, h, labels[m], normalizer)
+                dh, dnorm, dw = torch.autograd.grad(loss, [h, params["norm.weight"], head_w])
+            self.dys.append(dh)
+            self.loss_sum += loss.detach()
+            if tied:
+                self._accumulate(gacc, unit, ["norm.weight"], [dnorm])
+                self.embed_gacc.view_as(dw).add_(dw)
+            else:
+                self._accumulate(gacc, unit, ["norm.weight", "lm_head.weight"], [dnorm, dw])
+            hidden[m] = None
+        self._finish_grads(unit, gacc, gslot)
+
+    def _backward(self, unit: Unit, wbuf: torch.Tensor, gslot: int) -> None:
+        self.streams.wait("compute", self.gslot_free[gslot])
+        gacc = self.gacc[gslot][:unit.numel].zero_()
+        params = bind(unit, wbuf, requires_grad=True)
+        names, tensors = list(params), list(params.values())
+        inputs = self.ckpt.pop()  # this layer's inputs; the layer's outputs were consumed already
+        for m, x in enumerate(inputs):
+            x = x.detach().requires_grad_()
+            with torch.enable_grad():
+                y = self.layer_t(params, x, self.cos, self.sin)
+                grads = torch.autograd.grad(y, [x, *tensors], self.dys[m])
+            self.dys[m] = grads[0]
+            self._accumulate(gacc, unit, names, grads[1:])
+            inputs[m] = None
+        self._finish_grads(unit, gacc, gslot)
+
+    def _finish_grads(self, unit: Unit, gacc: torch.Tensor, gslot: int) -> None:
+        self.sumsq += torch.linalg.vector_norm(gacc).square()
+        src = gacc
+        if self.stage is not None:
+            src = self.stage[gslot][:unit.numel]
+            src.copy_(gacc)
+        self._offload(unit, src, gslot)
+
+    def _embed_backward(self, tokens) -> None:
+        gacc = self.embed_gacc.view(self.cfg.vocab_size, self.cfg.hidden_size)
+        for t, dy in zip(tokens, self.dys, strict=True):
+            gacc.index_add_(0, t.flatten(), dy.flatten(0, 1).float())
+        self.dys = []
+        self.sumsq += torch.linalg.vector_norm(self.embed_gacc).square()
+        src = self.embed_gacc
+        if self.stage is not None:  # the embedding weights are not needed again this step: stage in place
+            src = self.embed_buf.copy_(self.embed_gacc)
+        self.embed_free = self._offload(self.embed, src, None)
+
+    # ---- measurement -------------------------------------------------------------------------------
+    def _record_step(self, host_t0: float, step_s: float, grad_norm: float) -> None:
+        s = self.streams
+        timeline = s.resolve_timeline()
+        host_end = host_t0 + step_s
+        for unit, a, b in self.optimizer.spans:
+            if b >= host_t0 - 1.0 and a <= host_end:
+                timeline.append({"stream": "optim", "unit": unit, "phase": "opt",
+                                 "start_ms": (a - host_t0) * 1e3, "end_ms": (b - host_t0) * 1e3})
+        self.optimizer.spans = [sp for sp in self.optimizer.spans if sp[2] > host_end]
+        compute_busy_ms = sum(t["end_ms"] - t["start_ms"] for t in timeline if t["stream"] == "compute")
+        stall_ms = sum(b_ms - a_ms for a_ms, b_ms in
+                       ((s.origin.elapsed_time(a), s.origin.elapsed_time(b)) for a, b in self.stall_events))
+        self.timeline = timeline
+        self.history.append({
+            "step_s": step_s,
+            "h2d_bytes": self.stats["h2d_bytes"],
+            "d2h_bytes": self.stats["d2h_bytes"],
+            "compute_busy_s": compute_busy_ms / 1e3,
+            "gpu_idle_s": max(step_s - compute_busy_ms / 1e3, 0.0),
+            "compute_wait_h2d_s": stall_ms / 1e3,
+            "optim_wait_s": self.stats["optim_wait_s"],
+            "grad_norm": grad_norm,
+        })

@@ -1,0 +1,95 @@
+"""Host store: every byte of training state in host memory, as flat per-unit tiles.
+
+Per parameter, by precision mode (compute dtype bf16):
+- mixed: bf16 weights (pinned, streamed to the GPU) 2 B, bf16 gradients (pinned, streamed back)
+  2 B, fp32 master weights 4 B, fp32 Adam moments 8 B: 16 B/param.
+- bf16: bf16 weights 2 B, bf16 gradients 2 B, fp32 Adam moments 8 B: 12 B/param (the paper's
+  layout; updates run in fp32 on a per-unit scratch and are rounded back to bf16).
+With compute dtype fp32 (CPU parity runs) weights are the master weights and gradients are fp32.
+Only tiles that DMA reads or writes are pinned (page-locked in place with cudaHostRegister, which
+does not round sizes up the way the caching pinned allocator does).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatrain.engine.layout import Unit, build_units, total_numel
+from megatrain.models import ModelConfig
+from megatrain.models.init import init_param
+
+OPT_CHUNK = 2**25  # elements the optimizer updates at a time: bounds its fp32 scratch to 128 MiB
+
+
+def _pin(t: torch.Tensor) -> int:
+    """Page-lock `t` in place; returns the bytes pinned."""
+    nbytes = t.numel() * t.element_size()
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.1f} GiB failed with CUDA error {int(err)}")
+    return nbytes
+
+
+def _unpin(t: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+
+class HostStore:
+    def __init__(self, cfg: ModelConfig, compute_dtype: torch.dtype, precision: str, pin: bool):
+        if precision == "bf16" and compute_dtype != torch.bfloat16:
+            raise ValueError("--precision bf16 stores bf16 weights: it needs --dtype bfloat16")
+        self.cfg = cfg
+        self.units: list[Unit] = build_units(cfg)
+        self.precision = precision
+        self.compute_dtype = compute_dtype
+        n = total_numel(self.units)
+        self.max_unit_numel = max(u.numel for u in self.units)
+        self.weights = torch.empty(n, dtype=compute_dtype)
+        self.grads = torch.empty(n, dtype=compute_dtype)
+        fp32_compute = compute_dtype == torch.float32
+        # fp32 master copy only where the streamed weights are not already fp32 and mixed mode asks for it
+        self.master = None if (fp32_compute or precision == "bf16") else torch.empty(n, dtype=torch.float32)
+        self.exp_avg = torch.zeros(n, dtype=torch.float32)
+        self.exp_avg_sq = torch.zeros(n, dtype=torch.float32)
+        # fp32 scratch for one optimizer chunk: grads (when streamed in bf16) and, in bf16 mode, weights
+        chunk = min(OPT_CHUNK, self.max_unit_numel)
+        self.grad_scratch = None if fp32_compute else torch.empty(chunk, dtype=torch.float32)
+        self.param_scratch = torch.empty(chunk, dtype=torch.float32) if precision == "bf16" else None
+        self._pinned: list[torch.Tensor] = []
+        self.pinned_bytes = 0
+        if pin:
+            for t in (self.weights, self.grads):
+                self.pinned_bytes += _pin(t)
+                self._pinned.append(t)
+
+    def tile(self, flat: torch.Tensor, unit: Unit) -> torch.Tensor:
+        return flat[unit.offset:unit.offset + unit.numel]
+
+    @torch.no_grad()
+    def initialise(self, seed: int, device: torch.device) -> None:
+        """Deterministic init by parameter name (values equal a model initialised on `device`)."""
+        target = self.master if self.master is not None else None
+        for unit in self.units:
+            dst = self.tile(target if target is not None else self.weights, unit)
+            for slot in unit.params:
+                init_param(slot.name, unit.view(dst, slot), seed, device=device)
+            if target is not None:
+                self.tile(self.weights, unit).copy_(dst)
+
+    def host_bytes(self) -> int:
+        tensors = [self.weights, self.grads, self.master, self.exp_avg, self.exp_avg_sq, self.grad_scratch,
+                   self.param_scratch]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def named_parameters_fp32(self) -> dict[str, torch.Tensor]:
+        src = self.master if self.master is not None else self.weights
+        return {slot.name: self.unit_view(src, unit, slot).float().clone()
+                for unit in self.units for slot in unit.params}
+
+    def unit_view(self, flat: torch.Tensor, unit: Unit, slot) -> torch.Tensor:
+        return unit.view(self.tile(flat, unit), slot)
+
+    def close(self) -> None:
+        for t in self._pinned:
+            _unpin(t)
+        self._pinned.clear()

@@ -1,0 +1,52 @@
+"""Stateless layer templates: one module per distinct structure, bound to streamed weights per call.
+
+A template's own parameters live on the meta device and are never used: each call passes views
+of the GPU weight buffer through torch.func.functional_call, so no per-layer module and no
+autograd graph outlives the call.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.func import functional_call
+
+from megatrain.engine.layout import Unit
+from megatrain.models import DecoderLayer, ModelConfig, RMSNorm
+from megatrain.models.loss import linear_cross_entropy
+
+
+def bind(unit: Unit, flat: torch.Tensor, requires_grad: bool) -> dict[str, torch.Tensor]:
+    """Template parameter name -> view of the unit's tile in `flat` (a GPU weight buffer)."""
+    views = {}
+    for slot in unit.params:
+        v = unit.view(flat, slot)
+        views[slot.local] = v.requires_grad_() if requires_grad else v
+    return views
+
+
+class LayerTemplate:
+    def __init__(self, cfg: ModelConfig, compile_layer: bool = False):
+        with torch.device("meta"):
+            self.module = DecoderLayer(cfg)
+        self._fn = self._call
+        if compile_layer:
+            self._fn = torch.compile(self._call, dynamic=False)
+
+    def _call(self, params, x_BSH, cos_SD, sin_SD):
+        return functional_call(self.module, params, (x_BSH, cos_SD, sin_SD))
+
+    def __call__(self, params: dict, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
+        return self._fn(params, x_BSH, cos_SD, sin_SD)
+
+
+class HeadTemplate:
+    """Final RMSNorm + chunked LM-head cross-entropy."""
+
+    def __init__(self, cfg: ModelConfig):
+        with torch.device("meta"):
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def loss(self, norm_weight: torch.Tensor, head_weight_VH: torch.Tensor, h_BSH: torch.Tensor,
+             labels_BS: torch.Tensor, normalizer: int) -> torch.Tensor:
+        hn = functional_call(self.norm, {"weight": norm_weight}, (h_BSH,))
+        return linear_cross_entropy(hn.flatten(0, 1), head_weight_VH, labels_BS.flatten(), normalizer)

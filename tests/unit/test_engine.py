@@ -1,0 +1,121 @@
+"""Streaming engine vs the native reference, fp32 on CPU. CPU only, ~30 s: pytest tests/unit/test_engine.py"""
+
+import pytest
+import torch
+
+from baselines.protocol import build_system
+from megatrain.config import CaseConfig, OptimConfig
+from megatrain.data import make_batches
+from megatrain.engine.layout import build_units
+from megatrain.engine.plan import check_fits, plan_memory
+from megatrain.engine.schedule import plan_uses
+from megatrain.models import get_model_config
+from megatrain.optim.host_adamw import FlatAdamW
+
+
+def _train(system: str, steps: int = 10, **kw):
+    case = CaseConfig(system=system, steps=steps, **kw)
+    trainer = build_system(case)
+    data = make_batches(case, case.model_config().vocab_size)
+    try:
+        losses = [trainer.step(*data.batch_at(i)) for i in range(steps)]
+        params = trainer.named_parameters_fp32()
+        metrics = trainer.metrics() if system == "megatrain" else {}
+    finally:
+        trainer.close()
+    return losses, params, metrics
+
+
+CASES = {
+    "untied-qkv-bias-gqa": dict(model="tiny", batch=2, seq=16),
+    "tied-mha": dict(model="tiny-tied", batch=2, seq=16),
+    "one-layer": dict(model="tiny", num_layers=1, batch=2, seq=8),
+    "five-layers": dict(model="tiny", num_layers=5, batch=2, seq=8),
+    "batch1-seq1": dict(model="tiny", batch=1, seq=1),
+    "seq7-tied": dict(model="tiny-tied", batch=3, seq=7),
+    "clipping-active": dict(model="tiny", batch=2, seq=16, optim=OptimConfig(lr=1e-3, max_grad_norm=0.05)),
+    "grad-accumulation": dict(model="tiny", batch=4, micro_batch=1, seq=16),
+    "accum-clip-tied": dict(model="tiny-tied", batch=6, micro_batch=2, seq=7,
+                            optim=OptimConfig(lr=1e-3, max_grad_norm=0.05)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_streamed_engine_matches_native(name):
+    ref_losses, ref_params, _ = _train("native", **CASES[name])
+    losses, params, metrics = _train("megatrain", **CASES[name])
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    assert params.keys() == ref_params.keys()
+    for n in params:
+        torch.testing.assert_close(params[n], ref_params[n], rtol=1e-5, atol=1e-5, msg=n)
+    if "clip" in name:
+        assert max(metrics["grad_norms"]) > CASES[name]["optim"].max_grad_norm  # clipping really acted
+
+
+def test_clipping_changes_the_result():
+    loose, _, _ = _train("megatrain", model="tiny", batch=2, seq=16, optim=OptimConfig(lr=1e-3, max_grad_norm=0))
+    tight, _, _ = _train("megatrain", model="tiny", batch=2, seq=16, optim=OptimConfig(lr=1e-3, max_grad_norm=0.05))
+    assert loose[-1] != pytest.approx(tight[-1], rel=1e-4)
+
+
+def test_each_layer_crosses_twice_and_bytes_are_counted():
+    cfg = get_model_config("tiny", num_layers=4)
+    plan = plan_uses(cfg.num_layers)
+    loads = [u for u, _, _, load in plan if load]
+    for layer in range(1, cfg.num_layers):
+        assert loads.count(layer) == 2
+    assert loads.count(cfg.num_layers) == 1  # still in its slot when backward reaches it
+    assert loads.count(cfg.num_layers + 1) == 1  # head: forward and backward fused
+    _, _, metrics = _train("megatrain", steps=2, model="tiny", num_layers=4, batch=2, seq=8)
+    units = build_units(cfg)
+    expected = sum(units[u].numel for u in loads) + units[0].numel
+    assert metrics["h2d_bytes"] == expected * 4
+    assert metrics["d2h_bytes"] == sum(u.numel for u in units) * 4
+
+
+def test_bf16_precision_mode_trains_on_cpu():
+    losses, _, metrics = _train("megatrain", steps=15, model="tiny", batch=2, seq=16, dtype="bfloat16",
+                                precision="bf16", repeat_batch=True, optim=OptimConfig(lr=1e-2, weight_decay=0))
+    assert losses[-1] < losses[0] - 0.1
+    assert metrics["host_store_bytes_per_param"] < 12.5 + 8  # tiles + per-unit scratch on a tiny model
+
+
+def test_bf16_precision_requires_bf16_dtype():
+    with pytest.raises(ValueError, match="needs --dtype bfloat16"):
+        _train("megatrain", steps=1, model="tiny", precision="bf16", dtype="float32")
+
+
+def test_host_bytes_per_param_plan():
+    mixed = plan_memory(CaseConfig(system="megatrain", model="qwen2.5-7b", dtype="bfloat16", seq=1024, batch=8))
+    bf16 = plan_memory(CaseConfig(system="megatrain", model="qwen2.5-7b", dtype="bfloat16", precision="bf16",
+                                  seq=1024, batch=8))
+    assert sum(mixed["host_tiles_bytes_per_param"].values()) == 16
+    assert sum(bf16["host_tiles_bytes_per_param"].values()) == 12
+    assert mixed["host_bytes_per_param"] < 16.5 and bf16["host_bytes_per_param"] < 12.5
+
+
+def test_refuses_what_does_not_fit_before_allocating():
+    case = CaseConfig(system="megatrain", model="qwen2.5-72b", dtype="bfloat16", seq=1024,
+                      options={"host_mem_gib": 64})
+    assert not check_fits(case)["fits"]
+    with pytest.raises(ValueError, match=r"host memory: needs .* GiB .* --precision bf16"):
+        build_system(case)
+
+
+def test_flat_adamw_equals_torch_adamw():
+    torch.manual_seed(0)
+    optim = OptimConfig(lr=1e-2, weight_decay=0.1)
+    shapes = [(7, 5), (5,), (3, 3)]
+    ref = [torch.randn(s, requires_grad=True) for s in shapes]
+    flat = torch.cat([p.detach().flatten() for p in ref])
+    m, v = torch.zeros_like(flat), torch.zeros_like(flat)
+    torch_opt = torch.optim.AdamW(ref, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
+                                  weight_decay=optim.weight_decay)
+    ours = FlatAdamW(optim)
+    for _ in range(5):
+        grads = [torch.randn(s) for s in shapes]
+        for p, g in zip(ref, grads, strict=True):
+            p.grad = g.clone()
+        torch_opt.step()
+        ours.update("k", flat, torch.cat([g.flatten() for g in grads]), m, v, optim.weight_decay)
+    torch.testing.assert_close(flat, torch.cat([p.detach().flatten() for p in ref]), rtol=1e-6, atol=1e-7)
