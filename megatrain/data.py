@@ -6,6 +6,7 @@ IGNORE_INDEX (-100) where there is no next token or the position is padding.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,11 @@ def split_inputs_labels(tokens_BS1: torch.Tensor, valid_BS1: torch.Tensor | None
     return inputs, labels
 
 
+def _stream_seed(seed: int, step: int) -> int:
+    """A 32-bit seed per (seed, step): torch's CPU generator keys on the low 32 bits only."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{step}".encode(), digest_size=4).digest(), "little")
+
+
 class SyntheticTokens:
     """Uniform random tokens from a seeded generator; step k's batch depends only on (seed, k)."""
 
@@ -30,7 +36,7 @@ class SyntheticTokens:
         self.vocab_size, self.batch, self.seq, self.seed, self.repeat = vocab_size, batch, seq, seed, repeat
 
     def batch_at(self, step: int):
-        gen = torch.Generator().manual_seed((self.seed << 32) + (0 if self.repeat else step))
+        gen = torch.Generator().manual_seed(_stream_seed(self.seed, 0 if self.repeat else step))
         tokens = torch.randint(0, self.vocab_size, (self.batch, self.seq + 1), generator=gen)
         return split_inputs_labels(tokens)
 
