@@ -14,6 +14,7 @@ import torch
 
 from baselines.protocol import build_system
 from megatrain.bench.record import base_record, timing_metrics
+from megatrain.bench.trace import start_trace, stop_trace
 from megatrain.config import CaseConfig
 from megatrain.data import make_batches
 
@@ -43,6 +44,7 @@ def run_case(case: CaseConfig, gemm_peak_tflops: float | None = None, on_step=No
     system = None
     losses: list[float] = []
     step_times: list[float] = []
+    sampler = start_trace()  # NVML/psutil samples to a sidecar file when the suite runner sets MEGATRAIN_TRACE_FILE
     try:
         system = build_system(case)
         batches = make_batches(case, case.model_config().vocab_size)
@@ -66,6 +68,7 @@ def run_case(case: CaseConfig, gemm_peak_tflops: float | None = None, on_step=No
         record["error"] = f"{type(exc).__name__}: {exc}"[:4000]
         record["traceback"] = traceback.format_exc()[-4000:]
     finally:
+        record["trace"] = stop_trace(sampler)
         record["losses"] = losses
         record["peak_host_rss_gib"] = peak_host_rss_gib()
         if cuda:

@@ -1,0 +1,184 @@
+"""Hardware: the profiles a suite's cases expect, and a short probe of the machine a run is on.
+
+A profile names a kind of machine (GPU model and memory, host memory). A case belongs to one
+profile; the suite runner runs the cases whose profile this machine matches, and stores the
+probe's measurements (`measure()`) with every record of the run, so that a number is always read
+beside the link and GEMM rates of the machine it came from.
+
+The probe takes seconds: pinned PCIe copies (H2D, D2H, both at once), a bf16 8192^3 GEMM, host
+memory, and torch's fused CPU AdamW rate. GPU numbers are None on a machine without CUDA.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from megatrain.bench.env import cpu_name
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """What a case expects of the machine.
+
+    Attributes:
+        name: profile name used in suite files.
+        gpu: substring of the CUDA device name ('H100', 'H200'); None for CPU-only cases.
+        gpu_mem_gib: nominal device memory; None when gpu is None.
+        host_mem_gib: nominal host memory; None means any (the CPU smoke profile).
+        description: the machine in words.
+    """
+
+    name: str
+    gpu: str | None
+    gpu_mem_gib: float | None
+    host_mem_gib: float | None
+    description: str
+
+    def mismatch(self, machine: dict) -> str | None:
+        """Why `machine` (a measure() result) is not this kind of machine, or None when it is.
+
+        GPU memory must be within 10% of nominal, host memory within 15% (reported totals sit a
+        little below nominal, and a host twice as large would change which cases fit).
+        """
+        if self.gpu is not None:
+            if not machine.get("gpu_name"):
+                return f"{self.name} needs a {self.gpu} GPU; this machine has none"
+            if self.gpu.lower() not in machine["gpu_name"].lower():
+                return f"{self.name} needs a {self.gpu} GPU; this machine has {machine['gpu_name']}"
+            if abs(machine["gpu_mem_gib"] - self.gpu_mem_gib) > 0.1 * self.gpu_mem_gib:
+                return f"{self.name} needs ~{self.gpu_mem_gib:.0f} GiB of GPU memory; this GPU has " \
+                       f"{machine['gpu_mem_gib']:.0f}"
+        host = self.host_mem_gib
+        if host is not None and abs(machine["host_mem_gib"] - host) > 0.15 * host:
+            return f"{self.name} needs ~{self.host_mem_gib:.0f} GiB of host memory; this machine has " \
+                   f"{machine['host_mem_gib']:.0f}"
+        return None
+
+
+PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
+    HardwareProfile("cpu-ci", None, None, None, "any machine, CPU only (CI: 2 cores, ~7 GiB)"),
+    HardwareProfile("h100-80g", "H100", 79.2, 128, "one H100 80 GB (PCIe 5), 128 GiB host"),
+    HardwareProfile("h200-141g-128g", "H200", 139.8, 128, "one H200 141 GB, 128 GiB host"),
+    HardwareProfile("h200-141g-256g", "H200", 139.8, 256, "one H200 141 GB of a 2-GPU host with 256 GiB"),
+    HardwareProfile("h200-141g-512g", "H200", 139.8, 512, "one H200 141 GB of a 4-8 GPU host with 512-560 GiB"),
+)}
+
+
+def get_profile(name: str) -> HardwareProfile:
+    if name not in PROFILES:
+        raise ValueError(f"unknown hardware profile {name!r}; choose one of: {', '.join(PROFILES)}")
+    return PROFILES[name]
+
+
+def same_machine(a: dict, b: dict) -> bool:
+    """Whether two probes describe the same kind of machine (a resumed run may continue)."""
+    keys = ("gpu_name", "gpu_count", "cpu", "cpu_cores")
+    return all(a.get(k) == b.get(k) for k in keys) and abs(a["host_mem_gib"] - b["host_mem_gib"]) <= \
+        0.05 * max(a["host_mem_gib"], b["host_mem_gib"])
+
+
+def _median_s(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _pcie_gbs(nbytes: int = GIB // 2, repeats: int = 5) -> dict:
+    """Pinned host <-> device copy rates in GB/s (1e9 bytes/s): each way, and both at once."""
+    host_src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host_dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev_src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev_dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    h2d_stream, d2h_stream = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def h2d():
+        dev_dst.copy_(host_src, non_blocking=True)
+        torch.cuda.synchronize()
+
+    def d2h():
+        host_dst.copy_(dev_src, non_blocking=True)
+        torch.cuda.synchronize()
+
+    def both():
+        with torch.cuda.stream(h2d_stream):
+            dev_dst.copy_(host_src, non_blocking=True)
+        with torch.cuda.stream(d2h_stream):
+            host_dst.copy_(dev_src, non_blocking=True)
+        torch.cuda.synchronize()
+
+    h2d(), d2h()  # warm up
+    return {"h2d_gbs": nbytes / _median_s(h2d, repeats) / 1e9, "d2h_gbs": nbytes / _median_s(d2h, repeats) / 1e9,
+            "both_gbs": 2 * nbytes / _median_s(both, repeats) / 1e9}
+
+
+def _gemm_bf16_tflops(n: int = 8192, iters: int = 20, repeats: int = 5) -> float:
+    """Dense bf16 n^3 matmul rate: median over repeats of `iters` back-to-back GEMMs."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        for _ in range(iters):
+            torch.mm(a, b, out=c)
+        torch.cuda.synchronize()
+
+    run()
+    return 2 * n**3 * iters / _median_s(run, repeats) / 1e12
+
+
+def _cpu_adamw_gparams_s(numel: int = 64 * 2**20, repeats: int = 3) -> float:
+    """torch.optim.AdamW(fused=True) updates per second on one fp32 tensor, in G params/s."""
+    p = torch.nn.Parameter(torch.zeros(numel))
+    p.grad = torch.full_like(p, 1e-3)
+    opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+    opt.step()  # allocates the moments
+    return numel / _median_s(opt.step, repeats) / 1e9
+
+
+def measure(rates: bool = True) -> dict:
+    """Probe this machine: devices and memory, and (rates=True, seconds) link, GEMM and AdamW rates.
+
+    Rates a machine cannot have (GPU ones without CUDA) or that were not asked for are None.
+    """
+    t0 = time.perf_counter()
+    vm = psutil.virtual_memory()
+    out = {
+        "cpu": cpu_name(), "cpu_cores": psutil.cpu_count(), "host_mem_gib": round(vm.total / GIB, 1),
+        "host_available_gib": round(vm.available / GIB, 1), "gpu_name": None, "gpu_count": 0, "gpu_mem_gib": None,
+        "h2d_gbs": None, "d2h_gbs": None, "both_gbs": None, "gemm_bf16_tflops": None, "cpu_adamw_gparams_s": None,
+    }
+    cuda = torch.cuda.is_available()
+    if cuda:
+        props = torch.cuda.get_device_properties(0)
+        out.update(gpu_name=props.name, gpu_count=torch.cuda.device_count(),
+                   gpu_mem_gib=round(props.total_memory / GIB, 1))
+    if rates and cuda:
+        out.update(_pcie_gbs())
+        out["gemm_bf16_tflops"] = _gemm_bf16_tflops()
+        torch.cuda.empty_cache()
+    if rates:
+        out["cpu_adamw_gparams_s"] = _cpu_adamw_gparams_s()
+    out["probe_s"] = time.perf_counter() - t0
+    return out
+
+
+def describe(machine: dict) -> str:
+    """One line for logs and reports."""
+    def fmt(value, spec):
+        return "n/a" if value is None else format(value, spec)
+    gpu = f"{machine['gpu_count']}x {machine['gpu_name']} ({machine['gpu_mem_gib']:.0f} GiB)" \
+        if machine.get("gpu_name") else "no GPU"
+    return (f"{gpu}; {machine['cpu']} ({machine['cpu_cores']} cores), host {machine['host_mem_gib']:.0f} GiB; "
+            f"PCIe pinned H2D {fmt(machine['h2d_gbs'], '.1f')} / D2H {fmt(machine['d2h_gbs'], '.1f')} / both "
+            f"{fmt(machine['both_gbs'], '.1f')} GB/s; bf16 GEMM {fmt(machine['gemm_bf16_tflops'], '.0f')} TFLOPS; "
+            f"CPU AdamW {fmt(machine['cpu_adamw_gparams_s'], '.2f')} G params/s")
