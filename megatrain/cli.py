@@ -1,4 +1,4 @@
-"""Command line: python -m megatrain {bench,models} ...
+"""Command line: python -m megatrain {bench,models,suite,probe,report} ...
 
 Exit codes: 0 success, 1 the case ran but failed (OOM, error), 2 invalid input.
 """
@@ -95,6 +95,36 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_suite(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from megatrain.bench.env import REPO_ROOT
+    from megatrain.bench.suite import load_suite, run_suite
+
+    suite = load_suite(args.name)
+    out_dir = Path(args.out_dir) if args.out_dir else REPO_ROOT / "results" / suite.name
+    run_suite(suite, out_dir, only=args.only, timeout_s=args.timeout, dry_run=args.dry_run, new_run=args.new_run,
+              any_hardware=args.any_hardware)
+    return 0
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    from megatrain.bench.hardware import describe, measure
+
+    machine = measure()
+    print(describe(machine))
+    print(json.dumps(machine), flush=True)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from megatrain.bench.report import write_reports
+
+    for path in write_reports(args.suites, out=args.out):
+        print(f"report: {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m megatrain", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -105,6 +135,24 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=cmd_bench)
     models = sub.add_parser("models", help="list the model registry with exact parameter counts")
     models.set_defaults(func=cmd_models)
+    suite = sub.add_parser("suite", help="run a suite (suites/NAME.toml), one subprocess and one record per case")
+    suite.add_argument("name", help="suite name (suites/NAME.toml) or path to a .toml file")
+    suite.add_argument("--out-dir", default=None, help="results directory (default results/NAME)")
+    suite.add_argument("--only", default=None, metavar="REGEX",
+                       help="run the cases whose '<group> <name> <case_id>' matches")
+    suite.add_argument("--timeout", type=float, default=None, metavar="S", help="per-case limit, overrides the suite's")
+    suite.add_argument("--dry-run", action="store_true", help="list the cases and their memory plans; run nothing")
+    suite.add_argument("--new-run", action="store_true", help="start a new run instead of resuming the latest one")
+    suite.add_argument("--any-hardware", action="store_true",
+                       help="also run cases whose hardware profile does not match this machine")
+    suite.set_defaults(func=cmd_suite)
+    probe = sub.add_parser("probe", help="measure this machine: PCIe, GEMM, host memory, CPU AdamW (seconds)")
+    probe.set_defaults(func=cmd_probe)
+    report = sub.add_parser("report", help="regenerate HTML reports from records (results/SUITE/records.jsonl)")
+    report.add_argument("suites", nargs="*", help="suite names or results directories (default: every one under "
+                        "results/ except *-local)")
+    report.add_argument("--out", default=None, help="report directory (one suite only; default reports/NAME)")
+    report.set_defaults(func=cmd_report)
     return parser
 
 

@@ -1,0 +1,361 @@
+"""Suites: declarative case lists (suites/*.toml) and the runner that turns them into records.
+
+A suite file holds suite-wide settings and `[[cases]]` groups. In a group, `systems`, `models`,
+`batch`, `seq`, `num_layers`, `precision` and `hardware` may be lists: the group's cases are their
+product. Every other key is a CaseConfig field (micro_batch, steps, options, ...) or one of
+`label` (a format string over {system} and {precision}), `timeout_s` and `ladder`.
+
+`ladder = "batch"` (or "seq") makes that list a ladder: per system (and every other setting), the
+values run in increasing order and the runner stops climbing after the first case that does not
+end `ok` (OOM, skipped as not fitting, error, time-out). This is how "each system's largest batch"
+is found. Cases above the stop are not run and not recorded.
+
+The runner (`run_suite`) probes the machine once (in a subprocess, so that this process never
+holds a CUDA context), keeps the cases whose hardware profile this machine matches, asks each
+system whether the case fits (megatrain.bench.fit) and runs every case in a fresh
+`python -m megatrain bench` subprocess under a time limit. Each case appends one record to
+`<out_dir>/records.jsonl`, with a `suite` block: run_id, case_id, group, label, hardware profile,
+the measured machine, the memory plan, the exact command, wall time.
+
+Resume: a rerun continues the latest run in `out_dir` when it is on the same kind of machine
+(same run_id), and skips the cases that run already recorded with a final status (ok, oom,
+skipped). Cases that ended `error` or `timeout` are run again: both are often transient (a
+compile cache race, a slow first start) and a retry costs only that case. `new_run=True` starts a
+fresh run_id and runs everything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import re
+import secrets
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatrain.bench.env import REPO_ROOT
+from megatrain.bench.hardware import get_profile, same_machine
+from megatrain.bench.record import append_jsonl, base_record, read_jsonl
+from megatrain.config import CaseConfig, OptimConfig
+
+SUITES_DIR = REPO_ROOT / "suites"
+FINAL_STATUSES = ("ok", "oom", "skipped")
+# Group keys whose values (scalar or list) span the product, and the case field each sets.
+PRODUCT_KEYS = {"systems": "system", "models": "model", "batch": "batch", "seq": "seq", "num_layers": "num_layers",
+                "precision": "precision", "hardware": "hardware"}
+GROUP_KEYS = {"name", "label", "timeout_s", "ladder"}
+CASE_FIELDS = set(CaseConfig.__dataclass_fields__) - set(PRODUCT_KEYS.values())
+STDERR_TAIL_CHARS = 3000
+
+
+@dataclass(frozen=True)
+class SuiteCase:
+    """One case of a suite: a CaseConfig on an expected kind of machine.
+
+    Attributes:
+        config: the case itself.
+        hardware: name of the profile (megatrain.bench.hardware.PROFILES) it is meant for.
+        group: the suite group it came from.
+        label: the system's name in tables and plots ('megatrain-bf16').
+        timeout_s: wall-clock limit of its subprocess.
+        ladder: key of its ladder chain, or None (see the module docstring).
+    """
+
+    config: CaseConfig
+    hardware: str
+    group: str
+    label: str
+    timeout_s: float
+    ladder: str | None = None
+
+    @property
+    def case_id(self) -> str:
+        """Stable hash of the case config and hardware profile (label and group are presentation)."""
+        blob = json.dumps({"config": self.config.to_dict(), "hardware": self.hardware}, sort_keys=True)
+        return hashlib.sha1(blob.encode()).hexdigest()[:12]
+
+    @property
+    def name(self) -> str:
+        c = self.config
+        depth = f"@{c.num_layers}L" if c.num_layers is not None else ""
+        return f"{self.label} {c.model}{depth} b{c.batch} s{c.seq} [{self.hardware}]"
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    description: str
+    cases: list[SuiteCase]
+
+
+def _as_list(value) -> list:
+    return value if isinstance(value, list) else [value]
+
+
+def _expand_group(group: dict, index: int, default_timeout_s: float) -> list[SuiteCase]:
+    unknown = set(group) - set(PRODUCT_KEYS) - GROUP_KEYS - CASE_FIELDS
+    if unknown:
+        raise ValueError(f"group {index}: unknown keys {sorted(unknown)}; use {sorted(PRODUCT_KEYS)}, "
+                         f"{sorted(GROUP_KEYS)} or CaseConfig fields")
+    for key in ("systems", "models", "hardware"):
+        if key not in group:
+            raise ValueError(f"group {index}: {key!r} is required")
+    name = group.get("name", f"group{index}")
+    ladder = group.get("ladder")
+    if ladder is not None:
+        if ladder not in ("batch", "seq"):
+            raise ValueError(f"group {name}: ladder must be 'batch' or 'seq', got {ladder!r}")
+        steps = _as_list(group.get(ladder))
+        if steps != sorted(set(steps)):
+            raise ValueError(f"group {name}: ladder {ladder} values must increase, got {steps}")
+    fields = {k: v for k, v in group.items() if k in CASE_FIELDS}
+    if "optim" in fields:
+        fields["optim"] = OptimConfig(**fields["optim"])
+    dims = {k: _as_list(group[k]) for k in PRODUCT_KEYS if k in group}
+    cases = []
+    for values in itertools.product(*dims.values()):
+        point = {PRODUCT_KEYS[k]: v for k, v in zip(dims, values, strict=True)}
+        hardware = get_profile(point.pop("hardware")).name
+        config = CaseConfig(**fields, **point)
+        label = group.get("label", "{system}" if config.precision == "mixed" else "{system}-{precision}")
+        chain = None
+        if ladder is not None:
+            chain = json.dumps({"group": name, "hardware": hardware,
+                                **{k: v for k, v in config.to_dict().items() if k not in (ladder, "micro_batch")}},
+                               sort_keys=True)
+        cases.append(SuiteCase(config, hardware, name, label.format(system=config.system, precision=config.precision),
+                               float(group.get("timeout_s", default_timeout_s)), chain))
+    return cases
+
+
+def load_suite(name_or_path: str) -> Suite:
+    """Load suites/<name>.toml (or a .toml path) and expand it into cases."""
+    path = Path(name_or_path)
+    if path.suffix != ".toml":
+        path = SUITES_DIR / f"{name_or_path}.toml"
+    if not path.exists():
+        known = ", ".join(sorted(p.stem for p in SUITES_DIR.glob("*.toml")))
+        raise ValueError(f"no suite {name_or_path!r}; known suites: {known}")
+    spec = tomllib.loads(path.read_text())
+    defaults = spec.get("defaults", {})
+    timeout_s = spec.get("timeout_s", 600)
+    cases = []
+    for index, group in enumerate(spec.get("cases", [])):
+        merged = {"hardware": spec.get("hardware"), **defaults, **group}
+        if merged["hardware"] is None:
+            merged.pop("hardware")
+        cases.extend(_expand_group(merged, index, timeout_s))
+    ids = [c.case_id for c in cases]
+    duplicates = sorted({c.name for c in cases if ids.count(c.case_id) > 1})
+    if duplicates:
+        raise ValueError(f"suite {path.stem}: the same case appears twice: {duplicates}")
+    return Suite(path.stem, spec.get("description", ""), cases)
+
+
+def bench_args(config: CaseConfig) -> list[str]:
+    """`python -m megatrain bench` arguments that rebuild exactly `config`."""
+    from megatrain.cli import build_parser, case_from_args
+
+    args = ["--system", config.system, "--model", config.model, "--batch", str(config.batch),
+            "--micro-batch", str(config.micro_batch), "--seq", str(config.seq), "--steps", str(config.steps),
+            "--warmup", str(config.warmup), "--device", config.device, "--dtype", config.dtype,
+            "--precision", config.precision, "--seed", str(config.seed), "--data", config.data,
+            "--lr", repr(config.optim.lr), "--weight-decay", repr(config.optim.weight_decay),
+            "--max-grad-norm", repr(config.optim.max_grad_norm)]
+    if config.num_layers is not None:
+        args += ["--num-layers", str(config.num_layers)]
+    if config.tokenizer:
+        args += ["--tokenizer", config.tokenizer]
+    if config.repeat_batch:
+        args.append("--repeat-batch")
+    for key, value in config.options.items():
+        args += ["--option", f"{key}={json.dumps(value)}"]
+    rebuilt = case_from_args(build_parser().parse_args(["bench", *args]))
+    if rebuilt != config:
+        raise ValueError(f"the bench CLI cannot express this case (optim betas/eps are not flags): {config}")
+    return args
+
+
+def _preflight(cases: list[SuiteCase], rates: bool) -> dict:
+    """Probe the machine and plan every case, in a subprocess (CUDA is initialised there, not here)."""
+    payload = json.dumps({"rates": rates, "cases": {c.case_id: c.config.to_dict() for c in cases}})
+    code = "from megatrain.bench.suite import preflight_child; preflight_child()"
+    proc = subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True, text=True,
+                          cwd=REPO_ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"pre-flight probe failed (exit {proc.returncode}):\n{proc.stderr[-STDERR_TAIL_CHARS:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def preflight_child() -> None:
+    """Subprocess side of _preflight: read cases from stdin, print the machine and the plans as JSON."""
+    from megatrain.bench.fit import plan_memory, unavailable
+    from megatrain.bench.hardware import measure
+
+    request = json.loads(sys.stdin.read())
+    machine = measure(rates=request["rates"])
+    configs = {cid: CaseConfig.from_dict(d) for cid, d in request["cases"].items()}
+    missing = {s: unavailable(s) for s in {c.system for c in configs.values()}}
+    plans = {cid: {"fits": False, "reason": f"{c.system} cannot run here: {missing[c.system]}"}
+             if missing[c.system] else plan_memory(c, machine) for cid, c in configs.items()}
+    print(json.dumps({"machine": machine, "plans": plans}))
+
+
+def _last_json_line(stdout: str) -> dict | None:
+    for line in reversed(stdout.strip().splitlines()):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            return None
+        return record if isinstance(record, dict) and "status" in record else None
+    return None
+
+
+def run_case_subprocess(case: SuiteCase, command: list[str], trace_file: Path) -> tuple[dict, dict]:
+    """Run one case's command; return (record, facts about the process for the suite block)."""
+    env = {**os.environ, "MEGATRAIN_TRACE_FILE": str(trace_file)}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=REPO_ROOT, start_new_session=True)
+    timed_out = False
+    try:
+        stdout, stderr = proc.communicate(timeout=case.timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        os.killpg(proc.pid, signal.SIGKILL)  # the whole session: DeepSpeed/compile workers too
+        stdout, stderr = proc.communicate()
+    facts = {"exit_code": proc.returncode, "wall_s": round(time.perf_counter() - t0, 3)}
+    record = _last_json_line(stdout)
+    tail = stderr[-STDERR_TAIL_CHARS:]
+    if record is not None:
+        return record, facts
+    if timed_out:
+        record = base_record(case.config, "timeout")
+        record["error"] = f"no record after {case.timeout_s:.0f} s; killed"
+    elif proc.returncode == -signal.SIGKILL:
+        record = base_record(case.config, "oom")
+        record["error"] = "killed by SIGKILL from outside the runner: most likely the kernel's OOM killer (host memory)"
+    else:
+        record = base_record(case.config, "error")
+        record["error"] = f"exit code {proc.returncode} without a record: " + (tail.strip().splitlines() or [""])[-1]
+    record["stderr_tail"] = tail
+    return record, facts
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+
+
+def _current_run(records: list[dict], machine: dict) -> str | None:
+    """run_id of the latest run in these records if it ran on the same kind of machine."""
+    if records and same_machine(records[-1]["suite"]["machine"], machine):
+        return records[-1]["suite"]["run_id"]
+    return None
+
+
+def run_suite(suite: Suite, out_dir: Path, only: str | None = None, timeout_s: float | None = None,
+              dry_run: bool = False, new_run: bool = False, any_hardware: bool = False,
+              bench_command: list[str] | None = None, log=print) -> list[dict]:
+    """Run (or with dry_run, list) the suite's cases and append their records; returns the new records.
+
+    Args:
+        suite: from load_suite.
+        out_dir: results directory (records.jsonl, traces/).
+        only: regular expression over '<group> <case name> <case_id>'; None runs all.
+        timeout_s: per-case limit overriding the suite's.
+        dry_run: print what would run and the memory plans; run nothing.
+        new_run: start a fresh run_id instead of resuming the latest run.
+        any_hardware: run cases whose hardware profile does not match this machine.
+        bench_command: the command prefix a case's arguments are appended to (tests substitute it).
+        log: where progress lines go.
+    """
+    from tqdm import tqdm
+
+    from megatrain.cli import summary_line
+
+    cases = [c for c in suite.cases if not only or re.search(only, f"{c.group} {c.name} {c.case_id}")]
+    if timeout_s is not None:
+        cases = [SuiteCase(c.config, c.hardware, c.group, c.label, timeout_s, c.ladder) for c in cases]
+    pre = _preflight(cases, rates=not dry_run)
+    machine = pre["machine"]
+    log(f"suite {suite.name}: {len(cases)} cases; machine: {machine['gpu_name'] or 'no GPU'}, "
+        f"host {machine['host_mem_gib']:.0f} GiB")
+    mismatch = {c.case_id: get_profile(c.hardware).mismatch(machine) for c in cases}
+    for profile, why in sorted({(c.hardware, mismatch[c.case_id]) for c in cases if mismatch[c.case_id]}):
+        log(f"  {'running anyway' if any_hardware else 'not running'} the cases for {profile}: {why}")
+    if not any_hardware:
+        cases = [c for c in cases if not mismatch[c.case_id]]
+    records_path = out_dir / "records.jsonl"
+    existing = read_jsonl(records_path)
+    run_id = None if new_run else _current_run(existing, machine)
+    resumed = run_id is not None
+    run_id = run_id or new_run_id()
+    latest = {r["suite"]["case_id"]: r for r in existing if r["suite"]["run_id"] == run_id}
+    done = {cid for cid, r in latest.items() if r["status"] in FINAL_STATUSES}
+    log(f"run {run_id} ({'resumed: ' + str(len(done)) + ' cases already final' if resumed else 'new'}); "
+        f"records: {records_path}")
+    command_prefix = bench_command or [sys.executable, "-m", "megatrain", "bench"]
+    stopped: dict[str, str] = {}  # ladder chain -> why it stopped
+    new_records = []
+    bar = tqdm(total=len(cases), unit="case", dynamic_ncols=True, disable=dry_run, file=sys.stderr)
+    for case in cases:
+        bar.set_postfix_str(case.name, refresh=True)
+        plan = pre["plans"][case.case_id]
+        if case.ladder in stopped:
+            log(f"  not run (ladder stopped: {stopped[case.ladder]}): {case.name}")
+            bar.update()
+            continue
+        if case.case_id in done or dry_run:
+            status = latest[case.case_id]["status"] if case.case_id in done else None
+            if dry_run:
+                need = f"host ~{plan['host_bytes'] / 2**30:.1f} GiB, GPU ~{plan['gpu_bytes'] / 2**30:.1f} GiB, " \
+                    if "host_bytes" in plan else ""
+                fit = "fits" if plan["fits"] else f"SKIP ({plan['reason']})"
+                log(f"  {case.case_id} {case.name}: {need}{fit}{'; done: ' + status if status else ''}")
+        else:
+            record = _run_one(case, plan, machine, run_id, suite.name, out_dir, command_prefix)
+            append_jsonl(records_path, record)
+            new_records.append(record)
+            status = record["status"]
+            bar.write(f"[{status}] {summary_line(record)}")
+        if case.ladder and status is not None and status != "ok":
+            stopped[case.ladder] = f"{case.label} b{case.config.batch} s{case.config.seq} was {status}"
+        bar.update()
+    bar.close()
+    counts = {s: sum(r["status"] == s for r in new_records) for s in ("ok", "oom", "error", "timeout", "skipped")}
+    log(f"suite {suite.name}, run {run_id}: {len(new_records)} new records " +
+        ", ".join(f"{k} {v}" for k, v in counts.items() if v))
+    return new_records
+
+
+def _run_one(case: SuiteCase, plan: dict, machine: dict, run_id: str, suite_name: str, out_dir: Path,
+             command_prefix: list[str]) -> dict:
+    args = bench_args(case.config)
+    if machine["gemm_bf16_tflops"] and case.config.device == "cuda":
+        args += ["--gemm-peak-tflops", f"{machine['gemm_bf16_tflops']:.1f}"]
+    trace_rel = Path("traces") / f"{case.case_id}.json"
+    started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    if plan["fits"]:
+        (out_dir / "traces").mkdir(parents=True, exist_ok=True)
+        (out_dir / trace_rel).unlink(missing_ok=True)
+        record, facts = run_case_subprocess(case, command_prefix + args, out_dir / trace_rel)
+    else:
+        record, facts = base_record(case.config, "skipped"), {"exit_code": None, "wall_s": 0.0}
+        record["error"] = plan["reason"]
+    if record.get("trace"):
+        record["trace"]["path"] = str(trace_rel)  # relative to the results directory, wherever it travels
+    record["suite"] = {
+        "name": suite_name, "run_id": run_id, "case_id": case.case_id, "group": case.group, "label": case.label,
+        "hardware": case.hardware, "ladder": case.ladder, "timeout_s": case.timeout_s, "plan": plan,
+        "machine": machine, "command": shlex.join(["python", "-m", "megatrain", "bench", *args]),
+        "started_at": started_at, **facts,
+    }
+    return record

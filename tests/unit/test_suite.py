@@ -1,0 +1,130 @@
+"""Suite files, case identity, hardware profiles and the pre-flight memory fit. CPU, seconds:
+pytest tests/unit/test_suite.py"""
+
+import pytest
+
+from megatrain.bench import fit
+from megatrain.bench.hardware import PROFILES, get_profile, same_machine
+from megatrain.bench.suite import SUITES_DIR, bench_args, load_suite
+from megatrain.config import CaseConfig
+
+H200_X2 = {"gpu_name": "NVIDIA H200", "gpu_count": 2, "gpu_mem_gib": 139.8, "host_mem_gib": 251.5,
+           "host_available_gib": 245.0, "cpu": "Intel Xeon", "cpu_cores": 32}
+H200_X4 = {**H200_X2, "gpu_count": 4, "host_mem_gib": 503.0, "host_available_gib": 495.0}
+CPU = {"gpu_name": None, "gpu_count": 0, "gpu_mem_gib": None, "host_mem_gib": 7.0, "host_available_gib": 6.0,
+       "cpu": "AMD EPYC", "cpu_cores": 2}
+
+
+def _suite(tmp_path, text):
+    path = tmp_path / "s.toml"
+    path.write_text(text)
+    return load_suite(str(path))
+
+
+def test_every_shipped_suite_loads():
+    names = sorted(p.stem for p in SUITES_DIR.glob("*.toml"))
+    assert {"smoke", "smoke_gpu", "reproduce_14b", "scaling", "context"} <= set(names)
+    for name in names:
+        suite = load_suite(name)
+        assert suite.cases and suite.description
+        for case in suite.cases:
+            assert case.hardware in PROFILES
+            bench_args(case.config)  # every case is expressible on the bench command line
+
+
+def test_group_is_a_product_with_overrides(tmp_path):
+    suite = _suite(tmp_path, """
+hardware = "cpu-ci"
+[[cases]]
+systems = ["native", "megatrain"]
+models = "tiny"
+batch = [2, 4]
+seq = [16, 32, 64]
+micro_batch = 2
+options = { note = "x" }
+""")
+    assert len(suite.cases) == 2 * 2 * 3
+    assert all(c.config.micro_batch == 2 and c.config.options == {"note": "x"} for c in suite.cases)
+    assert len({c.case_id for c in suite.cases}) == 12
+
+
+def test_case_id_is_stable_and_ignores_presentation(tmp_path):
+    a = _suite(tmp_path, 'hardware = "cpu-ci"\n[[cases]]\nname = "a"\nsystems = "native"\nmodels = "tiny"\n')
+    b = _suite(tmp_path, 'hardware = "cpu-ci"\n[[cases]]\nname = "b"\nlabel = "ref"\nsystems = "native"\n'
+                         'models = "tiny"\n')
+    assert a.cases[0].case_id == b.cases[0].case_id
+    assert len(a.cases[0].case_id) == 12 and a.cases[0].case_id == load_suite(str(tmp_path / "s.toml")).cases[0].case_id
+
+
+def test_ladder_chains_group_by_everything_but_the_ladder_value(tmp_path):
+    suite = _suite(tmp_path, """
+hardware = "cpu-ci"
+[[cases]]
+systems = ["native", "megatrain"]
+models = "tiny"
+ladder = "batch"
+batch = [2, 4, 8]
+""")
+    chains = {c.ladder for c in suite.cases}
+    assert len(chains) == 2
+    with pytest.raises(ValueError, match="must increase"):
+        _suite(tmp_path, 'hardware = "cpu-ci"\n[[cases]]\nsystems = "native"\nmodels = "tiny"\n'
+                         'ladder = "batch"\nbatch = [4, 2]\n')
+
+
+@pytest.mark.parametrize("text, match", [
+    ('hardware = "cpu-ci"\n[[cases]]\nsystems = "native"\nmodels = "tiny"\nbatchsize = 2\n', "unknown keys"),
+    ('hardware = "tpu"\n[[cases]]\nsystems = "native"\nmodels = "tiny"\n', "unknown hardware profile"),
+    ('hardware = "cpu-ci"\n[[cases]]\nsystems = "nope"\nmodels = "tiny"\n', "unknown system"),
+    ('hardware = "cpu-ci"\n[[cases]]\nsystems = "native"\nmodels = "tiny"\n[[cases]]\nsystems = "native"\n'
+     'models = "tiny"\n', "appears twice"),
+])
+def test_invalid_suites_say_what_to_change(tmp_path, text, match):
+    with pytest.raises(ValueError, match=match):
+        _suite(tmp_path, text)
+
+
+def test_profiles_match_their_machines_only():
+    assert get_profile("h200-141g-256g").mismatch(H200_X2) is None
+    assert "host memory" in get_profile("h200-141g-256g").mismatch(H200_X4)
+    assert "needs a H100" in get_profile("h100-80g").mismatch(H200_X2)
+    assert "has none" in get_profile("h200-141g-512g").mismatch(CPU)
+    assert get_profile("cpu-ci").mismatch(H200_X4) is None, "CPU cases run anywhere"
+    assert same_machine(H200_X2, {**H200_X2, "host_mem_gib": 251.0})
+    assert not same_machine(H200_X2, H200_X4)
+
+
+def _case(system, model="qwen2.5-14b", precision="mixed", batch=16, seq=1024):
+    return CaseConfig(system=system, model=model, precision=precision, batch=batch, seq=seq, device="cuda",
+                      dtype="bfloat16")
+
+
+def test_offload_baselines_do_not_fit_14b_on_a_256_gib_host_but_do_on_512():
+    for system in ("deepspeed", "fsdp"):
+        assert not fit.plan_memory(_case(system), H200_X2)["fits"]
+        assert fit.plan_memory(_case(system), H200_X4)["fits"]
+    plan = fit.plan_memory(_case("deepspeed"), H200_X2)
+    assert "host memory" in plan["reason"] and plan["host_bytes"] > 20 * 14.7e9
+
+
+def test_native_needs_the_whole_model_on_the_gpu():
+    assert fit.plan_memory(_case("native", model="qwen2.5-1.5b", batch=8), H200_X2)["fits"]
+    plan = fit.plan_memory(_case("native"), H200_X2)
+    assert not plan["fits"] and "GPU memory" in plan["reason"]
+
+
+def test_megatrain_bf16_fits_where_mixed_precision_does_not():
+    machine = {**H200_X2, "host_mem_gib": 125.0, "host_available_gib": 120.0}  # the 128 GiB hosts
+    assert fit.plan_memory(_case("megatrain", model="qwen2.5-7b", precision="bf16"), machine)["fits"]
+    assert not fit.plan_memory(_case("megatrain", model="qwen2.5-7b"), machine)["fits"]
+
+
+def test_cpu_cases_count_everything_as_host_memory():
+    plan = fit.plan_memory(CaseConfig(system="native", model="tiny"), CPU)
+    assert plan["fits"] and plan["gpu_bytes"] == 0
+
+
+def test_missing_packages_and_modules_are_named():
+    assert fit.unavailable("native") is None
+    reason = fit.unavailable("deepspeed")
+    assert reason is None or "deepspeed" in reason

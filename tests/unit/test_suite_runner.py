@@ -1,0 +1,96 @@
+"""The suite runner survives OOMs, crashes and hangs, stops batch ladders, and resumes.
+
+CPU, about a minute (a dozen case subprocesses): pytest tests/unit/test_suite_runner.py
+Failures are injected by tests/unit/fake_system.py, which stands in for `python -m megatrain bench`.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatrain.bench.record import read_jsonl, validate
+from megatrain.bench.suite import load_suite, run_suite
+
+FAKE_BENCH = [sys.executable, str(Path(__file__).with_name("fake_system.py"))]
+
+SUITE = """
+description = "runner robustness"
+hardware = "cpu-ci"
+timeout_s = 120
+
+[defaults]
+systems = "native"
+models = "tiny"
+device = "cpu"
+batch = 2
+seq = 16
+steps = 2
+warmup = 1
+
+[[cases]]
+name = "good"
+seq = [16, 32]
+
+[[cases]]
+name = "oom"
+options = { inject_failure = "oom" }
+
+[[cases]]
+name = "crash"
+options = { inject_failure = "crash" }
+
+[[cases]]
+name = "hang"
+timeout_s = 6
+options = { inject_failure = "hang" }
+
+[[cases]]
+name = "ladder"
+ladder = "batch"
+batch = [1, 2, 4]
+options = { oom_from_batch = 2 }
+"""
+
+
+def _run(suite, out_dir, **kwargs):
+    return run_suite(suite, out_dir, bench_command=FAKE_BENCH, log=lambda *a: None, **kwargs)
+
+
+def _by_group(records):
+    return {(r["suite"]["group"], r["batch"], r["seq"]): r for r in records}
+
+
+@pytest.mark.slow
+def test_failures_become_records_and_a_rerun_finishes_only_what_is_missing(tmp_path):
+    (tmp_path / "robust.toml").write_text(SUITE)
+    suite = load_suite(str(tmp_path / "robust.toml"))
+    out = tmp_path / "results"
+
+    first = _run(suite, out, only="good|oom")  # an interrupted campaign: part of the suite ran
+    assert sorted(r["status"] for r in first) == ["ok", "ok", "oom"]
+
+    second = _run(suite, out)
+    got = _by_group(second)
+    assert set(got) == {("crash", 2, 16), ("hang", 2, 16), ("ladder", 1, 16), ("ladder", 2, 16)}, \
+        "good and oom cases are final; the ladder stops after its first OOM (batch 4 never runs)"
+    assert got[("crash", 2, 16)]["status"] == "error"
+    assert "injected crash" in got[("crash", 2, 16)]["stderr_tail"]
+    assert got[("hang", 2, 16)]["status"] == "timeout"
+    assert got[("ladder", 1, 16)]["status"] == "ok" and got[("ladder", 2, 16)]["status"] == "oom"
+
+    records = read_jsonl(out / "records.jsonl")
+    assert len(records) == 7
+    for r in records:
+        validate(r)
+        assert r["suite"]["run_id"] == first[0]["suite"]["run_id"], "a resumed run keeps its run_id"
+        assert r["suite"]["machine"]["cpu_adamw_gparams_s"] > 0
+    ok = [r for r in records if r["status"] == "ok"]
+    assert all((out / r["trace"]["path"]).exists() for r in ok), "every case that ran leaves its trace"
+    assert all(r["suite"]["command"].startswith("python -m megatrain bench --system native") for r in records)
+
+    third = _run(suite, out)
+    assert sorted(r["suite"]["group"] for r in third) == ["crash", "hang"], "only error and timeout are retried"
+
+    fresh = _run(suite, out, new_run=True, only="good")
+    assert len(fresh) == 2 and fresh[0]["suite"]["run_id"] != first[0]["suite"]["run_id"]
