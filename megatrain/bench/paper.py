@@ -1,0 +1,61 @@
+"""The numbers we reproduce, copied here so that reports need nothing outside the repository.
+
+Sources: MegaTrain (Yuan, Sun, Sun, Ye; arXiv:2604.05091), its tables as transcribed by secondary
+write-ups (approximate), the public code's README (github.com/DLYuanGod/MegaTrain), and our own
+measurements of that public code recorded in docs/DESIGN.md. All TFLOPS are 6 x params x tokens /
+step time. The paper's runs keep BF16 weights and gradients with FP32 Adam moments (our
+`precision = "bf16"`), checkpoint every 4 layers, and use sequence length 1024 unless noted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PAPER = "paper (arXiv:2604.05091)"
+README = "public code README"
+DESIGN = "docs/DESIGN.md (public code, our run)"
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One published number. tflops None means the system ran out of memory there."""
+
+    what: str
+    system: str  # megatrain | deepspeed | fsdp | native
+    model: str  # our registry name for the paper's model
+    seq: int
+    tflops: float | None
+    hardware: str
+    source: str
+    batch: int | None = None
+    num_layers: int | None = None  # depth override of the registry shape
+
+
+CLAIMS: list[Claim] = [
+    Claim("GH200 7B", "megatrain", "qwen2.5-7b", 1024, 284, "GH200 96 GB", PAPER),
+    Claim("GH200 14B", "megatrain", "qwen2.5-14b", 1024, 264, "GH200 96 GB", PAPER),
+    Claim("GH200 32B", "megatrain", "qwen2.5-32b", 1024, 250, "GH200 96 GB", PAPER),
+    Claim("GH200 14B ZeRO-3 offload (the 1.84x)", "deepspeed", "qwen2.5-14b", 1024, 143.6, "GH200 96 GB", PAPER),
+    Claim("GH200 32B ZeRO-3 offload", "deepspeed", "qwen2.5-32b", 1024, None, "GH200 96 GB", PAPER),
+    Claim("A100 PCIe 7B", "megatrain", "qwen2.5-7b", 1024, 128, "A100 PCIe 80 GB", PAPER),
+    Claim("A100 PCIe 14B", "megatrain", "qwen2.5-14b", 1024, 122, "A100 PCIe 80 GB", PAPER),
+    Claim("A100 PCIe 32B", "megatrain", "qwen2.5-32b", 1024, 114, "A100 PCIe 80 GB", PAPER),
+    Claim("A100 PCIe 7B ZeRO-3", "deepspeed", "qwen2.5-7b", 1024, 36, "A100 PCIe 80 GB", PAPER),
+    Claim("A100 PCIe 14B ZeRO-3", "deepspeed", "qwen2.5-14b", 1024, 10, "A100 PCIe 80 GB", PAPER),
+    Claim("ablation 14B, full engine", "megatrain", "qwen2.5-14b", 1024, 266.3, "GH200 96 GB", PAPER, batch=96),
+    *[Claim(f"depth scaling, {layers} layers", "megatrain", "qwen2.5-7b", 1024, tflops, "GH200 96 GB", PAPER,
+            num_layers=layers) for layers, tflops in ((28, 284), (56, 264), (132, 247), (180, 227))],
+    Claim("depth scaling, 84 layers (FSDP OOM from ~84)", "fsdp", "qwen2.5-7b", 1024, None, "GH200 96 GB", PAPER,
+          num_layers=84),
+    *[Claim(f"long context {seq // 1024}k", "megatrain", "qwen2.5-7b", seq, tflops, "GH200 96 GB", PAPER, batch=1)
+      for seq, tflops in ((1024, 284.7), (8192, 294.5), (32768, 316.7), (131072, 305.3), (262144, 401.2),
+                          (524288, 407.4))],
+    Claim("one H100, 7B", "megatrain", "qwen2.5-7b", 1024, 272, "H100", README),
+    Claim("one H100, 32B (~327 GB host, ~40 GB GPU)", "megatrain", "qwen2.5-32b", 1024, 259, "H100", README, batch=96),
+    Claim("public code, 7B", "megatrain", "qwen2.5-7b", 1024, 282, "H200, 256 GiB host", DESIGN, batch=128),
+    Claim("whole model on GPU, HF kernels, 7B", "native", "qwen2.5-7b", 1024, 400, "H200, 256 GiB host", DESIGN,
+          batch=16),
+    Claim("public code, 3B", "megatrain", "qwen2.5-3b", 1024, 134, "H100", DESIGN, batch=32),
+    Claim("public code, 3B", "megatrain", "qwen2.5-3b", 1024, 211, "H100", DESIGN, batch=128),
+    Claim("whole model on GPU, HF kernels, 3B", "native", "qwen2.5-3b", 1024, 294, "H100", DESIGN),
+]

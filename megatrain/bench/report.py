@@ -1,0 +1,193 @@
+"""Static HTML report of a suite's records: environment, tables, the paper beside us, figures.
+
+`python -m megatrain report [SUITE|RESULTS_DIR ...]` rewrites reports/<suite>/index.html and
+the PNG figures beside it from results/<suite>/records.jsonl. The page loads nothing from
+outside its directory. By default it covers the latest run of each hardware profile (a resumed
+run is one run); older runs stay in the records.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from megatrain.bench import plots, tables
+from megatrain.bench.env import REPO_ROOT
+from megatrain.bench.hardware import describe, get_profile
+from megatrain.bench.record import read_jsonl
+
+MAX_TRACES = 6
+CSS = """
+body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1200px; padding: 0 1em; color: #222; }
+h1 { font-size: 1.6em; margin-bottom: 0.2em; } h2 { margin-top: 1.8em; border-bottom: 1px solid #ddd; }
+table { border-collapse: collapse; margin: 0.6em 0; font-size: 12.5px; }
+th, td { border: 1px solid #ddd; padding: 3px 7px; text-align: right; }
+th { background: #f4f4f4; } td.text, th.text { text-align: left; }
+tr:nth-child(even) td { background: #fafafa; }
+.ok { color: #11772d; font-weight: 600; } .oom { color: #b3261e; font-weight: 600; }
+.error, .timeout { color: #a05a00; font-weight: 600; } .skipped { color: #666; }
+code, pre { background: #f4f4f4; padding: 1px 4px; } pre { padding: 8px; overflow-x: auto; white-space: pre-wrap; }
+figure { margin: 1em 0; } figure img { max-width: 100%; border: 1px solid #eee; }
+.muted { color: #666; }
+"""
+TEXT_COLUMNS = {"system", "model", "status", "run", "claim", "source", "their hardware", "vs", "at", "note",
+                "our system", "our status", "our GPU", "case", "what", "value", "error", "profile", "command"}
+
+
+def _fmt(value) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if abs(value) >= 100:
+            return f"{value:,.0f}"
+        return f"{value:.2f}" if abs(value) >= 1 else f"{value:.3g}"
+    return str(value)
+
+
+def html_table(df: pd.DataFrame) -> str:
+    """A plain HTML table; status cells carry a class, text columns align left."""
+    if df.empty:
+        return "<p class='muted'>nothing to show</p>"
+    head = "".join(f"<th class='{'text' if c in TEXT_COLUMNS else ''}'>{html.escape(str(c))}</th>" for c in df.columns)
+    rows = []
+    for _, row in df.iterrows():
+        cells = []
+        for col in df.columns:
+            text = html.escape(_fmt(row[col]))
+            cls = ("text " if col in TEXT_COLUMNS else "") + (str(row[col]) if col in ("status", "our status") else "")
+            cells.append(f"<td class='{cls.strip()}'>{text}</td>")
+        rows.append("<tr>" + "".join(cells) + "</tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+
+
+def _runs_section(records: list[dict], scope: pd.DataFrame) -> str:
+    parts = []
+    for run_id in sorted(scope["run_id"].unique()):
+        rs = [r for r in records if r["suite"]["run_id"] == run_id]
+        env, machine = rs[-1]["env"], rs[-1]["suite"]["machine"]
+        commits = sorted({f"{r['env']['commit'][:10]}{' (dirty)' if r['env']['dirty'] else ''}" for r in rs})
+        profiles = sorted({r["suite"]["hardware"] for r in rs})
+        facts = {
+            "hardware profile": ", ".join(f"{p}: {get_profile(p).description}" for p in profiles),
+            "measured": describe(machine),
+            "commits": ", ".join(commits), "started": min(r["suite"]["started_at"] for r in rs),
+            "python / torch / CUDA": f"{env['python']} / {env['torch']} / {env['cuda'] or 'none'}",
+            "DeepSpeed / transformers": f"{env['deepspeed'] or 'not installed'} / {env['transformers'] or '—'}",
+            "GPU / driver": f"{env['gpu'] or 'none'} / {env['driver'] or '—'}",
+            "CPU / host memory": f"{env['cpu']} ({env['cpu_cores']} cores) / {env['host_mem_gib']} GiB",
+        }
+        table = pd.DataFrame({"what": list(facts), "value": list(facts.values())})
+        parts.append(f"<h3>run {html.escape(run_id)}</h3>{html_table(table)}")
+    return "".join(parts)
+
+
+def _failures_section(scope: pd.DataFrame, by_key: dict) -> str:
+    bad = scope[scope["status"] != "ok"].sort_values(["status", "label", "model", "batch"])
+    if bad.empty:
+        return "<p>Every case ran.</p>"
+    items = []
+    for _, row in bad.iterrows():
+        r = by_key[(row["run_id"], row["case_id"])]
+        detail = r.get("stderr_tail") or r.get("traceback") or ""
+        summary = (f"<span class='{row['status']}'>{row['status']}</span> {html.escape(row['label'])} "
+                   f"{html.escape(row['model'])} b{row['batch']} s{row['seq']}: "
+                   f"{html.escape((row['error'] or '')[:300])}")
+        items.append(f"<details><summary>{summary}</summary><pre>{html.escape(detail)}</pre></details>"
+                     if detail else f"<p>{summary}</p>")
+    return "".join(items)
+
+
+def _figures(scope: pd.DataFrame, by_key: dict, results_dir: Path, out_dir: Path) -> list[tuple[Path, str]]:
+    figs = [
+        (plots.tflops_vs_model(scope, out_dir / "tflops_vs_model.png"), "Best TFLOPS per system against model size."),
+        (plots.tflops_vs_batch(scope, out_dir / "tflops_vs_batch.png"),
+         "TFLOPS against batch; ladders stop after a system's first failed batch."),
+        (plots.tflops_vs_seq(scope, out_dir / "tflops_vs_seq.png"), "TFLOPS against context length."),
+        (plots.memory_vs_model(scope, out_dir / "memory_vs_model.png"), "Peak GPU and host memory against size."),
+    ]
+    ok = scope[(scope["status"] == "ok") & scope["trace_path"].notna()].copy()
+    if len(ok):
+        ok["work"] = ok["params_b"] * ok["batch"] * ok["seq"]
+        largest = ok.loc[ok.groupby("label")["work"].idxmax()].head(MAX_TRACES)
+        figs.append((plots.traces(largest, results_dir, out_dir / "traces.png"),
+                     "Sampled during each system's largest case (NVML every ~150 ms, psutil for the process tree)."))
+    engine = scope[(scope["status"] == "ok") & scope["has_timeline"]]
+    for run_id, g in engine.groupby("run_id"):
+        best = g.loc[g["tflops"].idxmax()]
+        record = by_key[(run_id, best["case_id"])]
+        figs.append((plots.timeline(record, out_dir / f"timeline_{best['case_id']}.png"),
+                     "One measured step of the engine's fastest case in this run: overlap of the streams."))
+    return [(p, caption) for p, caption in figs if p is not None]
+
+
+def write_report(results_dir: Path, out_dir: Path, all_runs: bool = False) -> Path:
+    """Write out_dir/index.html (and its PNGs) from results_dir/records.jsonl; returns the HTML path."""
+    records = read_jsonl(results_dir / "records.jsonl")
+    if not records:
+        raise ValueError(f"no records in {results_dir / 'records.jsonl'}; run the suite first")
+    df = tables.records_frame(records)
+    scope = df if all_runs else tables.latest_runs(df)
+    by_key = {(r["suite"]["run_id"], r["suite"]["case_id"]): r for r in records}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.glob("*.png"):
+        old.unlink()
+    figures = _figures(scope, by_key, results_dir, out_dir)
+    suite = records[-1]["suite"]["name"]
+    speedups = tables.speedups(scope)
+    paper = tables.paper_comparison(scope)
+    rel = lambda p: p.resolve().relative_to(REPO_ROOT) if p.resolve().is_relative_to(REPO_ROOT) else p  # noqa: E731
+    rerun = (f"python -m megatrain suite {suite} --out-dir {rel(results_dir)}\n"
+             f"python -m megatrain report {rel(results_dir)} --out {rel(out_dir)}")
+    body = [
+        f"<h1>Suite <code>{html.escape(suite)}</code></h1>",
+        f"<p class='muted'>{len(scope)} cases from <code>{html.escape(str(rel(results_dir)))}/records.jsonl</code>, "
+        f"report generated {time.strftime('%Y-%m-%d %H:%M')} from the records (never edited by hand). "
+        "TFLOPS = 6 x parameters x tokens / median step time.</p>",
+        f"<h2>Rerun</h2><pre>{html.escape(rerun)}</pre>"
+        "<p class='muted'>Cases run on a machine matching their hardware profile; a rerun resumes the latest run "
+        "and repeats only cases that errored or timed out. Each case's exact command is under Cases.</p>",
+        "<h2>Environment</h2>", _runs_section(records, scope),
+        "<h2>Status</h2>", html_table(tables.status_counts(scope).reset_index().rename(columns={"label": "system"})),
+        "<h2>Results</h2>", html_table(tables.results_table(scope)),
+        "<p class='muted'>host B/param: peak RSS of the case's process over its parameters (includes the "
+        "process's fixed ~0.3-3 GiB, so it reads high for small models). plan: the pre-flight estimate "
+        "(megatrain.bench.fit).</p>",
+        "<h2>Speedups</h2>",
+        html_table(speedups) if not speedups.empty else "<p class='muted'>no MegaTrain case beside another system "
+        "at the same model and sequence length in this run</p>",
+        "<h2>The paper beside us</h2>",
+        html_table(paper) if not paper.empty else "<p class='muted'>no case of this suite has a model shape the "
+        "paper reports on</p>",
+        "<h2>Figures</h2>",
+        *(f"<figure><img src='{p.name}' alt='{html.escape(c)}'><figcaption>{html.escape(c)}</figcaption></figure>"
+          for p, c in figures),
+        "" if figures else "<p class='muted'>no figure has data in these records</p>",
+        "<h2>Failures and skips</h2>", _failures_section(scope, by_key),
+        "<h2>Cases</h2><details><summary>exact command of every case</summary>",
+        html_table(scope.sort_values(["label", "model", "seq", "batch"])[["case_id", "label", "command"]]
+                   .rename(columns={"case_id": "case", "label": "system"})),
+        "</details>",
+    ]
+    page = (f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>MegaTrain: {html.escape(suite)}"
+            f"</title><style>{CSS}</style></head><body>{''.join(body)}</body></html>")
+    path = out_dir / "index.html"
+    path.write_text(page)
+    return path
+
+
+def write_reports(suites: list[str], out: str | None = None) -> list[Path]:
+    """Reports for suite names or results directories; none given: every committed results/<suite>/."""
+    results_root = REPO_ROOT / "results"
+    if suites:
+        dirs = [Path(s) if Path(s).is_dir() else results_root / s for s in suites]
+    else:  # *-local directories hold uncommitted local runs (nox -s smoke)
+        dirs = sorted(p.parent for p in results_root.glob("*/records.jsonl") if not p.parent.name.endswith("-local"))
+    if out is not None and len(dirs) != 1:
+        raise ValueError("--out names one report directory; give exactly one suite with it")
+    return [write_report(d, Path(out) if out else REPO_ROOT / "reports" / d.name) for d in dirs]

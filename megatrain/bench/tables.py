@@ -1,0 +1,134 @@
+"""Tables from records (pandas): one row per case, speedups within a run, and the paper beside us.
+
+Every number comes from the records as written: TFLOPS is the record's `tflops` (6NT, see
+megatrain.bench.flops), never recomputed here. A case recorded more than once in a run (a retried
+error or time-out) counts by its latest record.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from megatrain.bench import paper
+from megatrain.models.registry import MODELS
+
+GIB = 2**30
+
+
+def model_label(record: dict) -> str:
+    """The model as named in tables: registry name, with '@<L>L' when the depth was overridden."""
+    layers = record["config"].get("num_layers")
+    return f"{record['model']}@{layers}L" if layers is not None else record["model"]
+
+
+def records_frame(records: list[dict]) -> pd.DataFrame:
+    """One row per (run_id, case_id), flat columns; the latest record of a case wins."""
+    rows = {}
+    for r in records:
+        s = r["suite"]
+        plan = s.get("plan") or {}
+        trace = r.get("trace") or {}
+        rows[(s["run_id"], s["case_id"])] = {
+            "run_id": s["run_id"], "case_id": s["case_id"], "suite": s["name"], "group": s["group"],
+            "label": s["label"], "hardware": s["hardware"], "system": r["system"], "precision": r["precision"],
+            "dtype": r["dtype"], "device": r["config"]["device"], "model": model_label(r), "model_name": r["model"],
+            "num_layers": r["num_layers"], "params_b": r["num_params"] / 1e9, "batch": r["batch"],
+            "micro_batch": r["micro_batch"], "seq": r["seq"], "status": r["status"], "error": r.get("error"),
+            "tflops": r["tflops"], "mfu": r.get("mfu"), "tokens_per_s": r["tokens_per_s"],
+            "step_time_s": r["step_time_s"], "step_time_iqr_s": r.get("step_time_iqr_s"),
+            "peak_gpu_alloc_gib": r["peak_gpu_alloc_gib"], "peak_host_rss_gib": r["peak_host_rss_gib"],
+            "host_bytes_per_param": r["peak_host_rss_gib"] * GIB / r["num_params"]
+            if r["status"] == "ok" and r["peak_host_rss_gib"] else None,
+            "plan_host_gib": plan["host_bytes"] / GIB if "host_bytes" in plan else None,
+            "plan_gpu_gib": plan["gpu_bytes"] / GIB if "gpu_bytes" in plan else None,
+            "trace_path": trace.get("path"), "has_timeline": bool((r.get("metrics") or {}).get("timeline")),
+            "commit": r["env"]["commit"], "gpu": r["env"]["gpu"], "started_at": s["started_at"],
+            "command": s["command"],
+        }
+    return pd.DataFrame(list(rows.values()))
+
+
+def latest_runs(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows of the latest run of each hardware profile (run_ids sort by their start time)."""
+    latest = df.groupby("hardware")["run_id"].max()
+    return df[df["run_id"].isin(latest.values)]
+
+
+def results_table(df: pd.DataFrame) -> pd.DataFrame:
+    """The main table: one row per case, in model size, sequence, label and batch order."""
+    cols = {"label": "system", "model": "model", "params_b": "params (B)", "batch": "batch", "seq": "seq",
+            "status": "status", "tflops": "TFLOPS (6NT)", "mfu": "MFU", "tokens_per_s": "tokens/s",
+            "step_time_s": "step (s)", "step_time_iqr_s": "step IQR (s)", "peak_gpu_alloc_gib": "GPU peak (GiB)",
+            "peak_host_rss_gib": "host peak (GiB)", "host_bytes_per_param": "host B/param",
+            "plan_host_gib": "host plan (GiB)", "plan_gpu_gib": "GPU plan (GiB)"}
+    if df["run_id"].nunique() > 1:
+        cols = {"run_id": "run", **cols}
+    out = df.sort_values(["params_b", "model", "seq", "label", "batch"])[list(cols)].rename(columns=cols)
+    return out.reset_index(drop=True)
+
+
+def _is_megatrain(label: str) -> bool:
+    return label.startswith("megatrain")
+
+
+def speedups(df: pd.DataFrame) -> pd.DataFrame:
+    """MegaTrain's TFLOPS over each other system's, within one run, model and sequence length.
+
+    Rows compare at each common batch, and best against best (each at its own fastest batch).
+    When the other system did not run ok at a batch where MegaTrain did, the row says why.
+    """
+    rows = []
+    for (run_id, model, seq), g in df.groupby(["run_id", "model", "seq"]):
+        ok = g[g["status"] == "ok"]
+        for ref in sorted(x for x in ok["label"].unique() if _is_megatrain(x)):
+            mine = ok[ok["label"] == ref].set_index("batch")["tflops"]
+            for other in sorted(x for x in g["label"].unique() if not _is_megatrain(x)):
+                theirs = g[g["label"] == other].set_index("batch")
+                for batch in sorted(set(mine.index) & set(theirs.index)):
+                    t = theirs.loc[batch]
+                    rows.append(_speedup_row(run_id, model, seq, f"b={batch}", ref, batch, mine[batch], other,
+                                             batch, t["tflops"], t["status"]))
+                other_ok = theirs[theirs["status"] == "ok"]
+                if len(other_ok):
+                    best_mine, best_theirs = mine.idxmax(), other_ok["tflops"].idxmax()
+                    rows.append(_speedup_row(run_id, model, seq, "best vs best", ref, best_mine, mine.max(), other,
+                                             best_theirs, other_ok["tflops"].max(), "ok"))
+    out = pd.DataFrame(rows)
+    return out.drop(columns="run") if len(out) and out["run"].nunique() == 1 else out
+
+
+def _speedup_row(run_id, model, seq, at, ref, ref_batch, ref_tflops, other, other_batch, other_tflops, status):
+    return {"run": run_id, "model": model, "seq": seq, "at": at, "system": ref, "batch": ref_batch,
+            "TFLOPS": ref_tflops, "vs": other, "vs batch": other_batch,
+            "vs TFLOPS": other_tflops if status == "ok" else None,
+            "speedup": ref_tflops / other_tflops if status == "ok" else None,
+            "note": "" if status == "ok" else f"{other} {status}"}
+
+
+def paper_comparison(df: pd.DataFrame) -> pd.DataFrame:
+    """The paper's claims on the model shapes this suite measured, beside our best measurement of each."""
+    rows = []
+    for claim in paper.CLAIMS:
+        depth = claim.num_layers or MODELS[claim.model].num_layers
+        shape = df[(df["model_name"] == claim.model) & (df["num_layers"] == depth)]
+        if shape.empty:
+            continue
+        mine = shape[(shape["seq"] == claim.seq) & (shape["system"] == claim.system)]
+        ok = mine[mine["status"] == "ok"]
+        best = ok.loc[ok["tflops"].idxmax()] if len(ok) else None
+        rows.append({
+            "claim": claim.what, "source": claim.source, "their hardware": claim.hardware, "system": claim.system,
+            "model": shape["model"].iloc[0], "seq": claim.seq, "their batch": claim.batch,
+            "their TFLOPS": "OOM" if claim.tflops is None else claim.tflops,
+            "our TFLOPS": None if best is None else best["tflops"],
+            "our batch": None if best is None else best["batch"],
+            "our system": None if best is None else best["label"],
+            "our status": "ok" if best is not None else ", ".join(sorted(set(mine["status"]))) or "not run",
+            "our GPU": None if best is None else best["gpu"],
+        })
+    return pd.DataFrame(rows)
+
+
+def status_counts(df: pd.DataFrame) -> pd.DataFrame:
+    """Cases per system and status."""
+    return df.pivot_table(index="label", columns="status", values="case_id", aggfunc="count", fill_value=0)

@@ -1,0 +1,155 @@
+"""Tables, figures and the HTML report from records, and the report in a headless browser.
+
+CPU, seconds: pytest tests/unit/test_report.py. The browser test needs Debian's `chromium`
+(apt-get install -y chromium) and skips without it.
+"""
+
+import html
+import json
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from megatrain.bench import tables
+from megatrain.bench.record import append_jsonl, base_record
+from megatrain.bench.report import write_report
+from megatrain.config import CaseConfig
+
+GPU_MACHINE = {"gpu_name": "NVIDIA H200", "gpu_count": 4, "gpu_mem_gib": 139.8, "host_mem_gib": 503.0,
+               "host_available_gib": 495.0, "cpu": "Intel Xeon", "cpu_cores": 64, "h2d_gbs": 55.1, "d2h_gbs": 54.8,
+               "both_gbs": 90.2, "gemm_bf16_tflops": 780.0, "cpu_adamw_gparams_s": 5.9, "probe_s": 6.0}
+
+
+def _record(system, batch, tflops, status="ok", model="qwen2.5-14b", seq=1024, run_id="20260101-000000-aaaa",
+            precision="mixed", num_layers=None, case_id=None, **extra):
+    case = CaseConfig(system=system, model=model, num_layers=num_layers, batch=batch, seq=seq, device="cuda",
+                      dtype="bfloat16", precision=precision)
+    r = base_record(case, status)
+    if status == "ok":
+        r.update(step_time_s=6 * r["num_params"] * r["tokens_per_step"] / tflops / 1e12, tflops=tflops,
+                 peak_gpu_alloc_gib=40.0, peak_host_rss_gib=r["num_params"] * 14 / 2**30)
+        r["tokens_per_s"] = r["tokens_per_step"] / r["step_time_s"]
+    else:
+        r["error"] = "CUDA out of memory (test)" if status == "oom" else "needs ~300 GiB host memory"
+    label = system if precision == "mixed" else f"{system}-{precision}"
+    r["suite"] = {"name": "reproduce_14b", "run_id": run_id, "case_id": case_id or f"{label}-{model}-{batch}-{seq}",
+                  "group": "g", "label": label, "hardware": "h200-141g-512g", "ladder": None, "timeout_s": 60,
+                  "plan": {"host_bytes": 2**38, "gpu_bytes": 2**35, "fits": True, "reason": None},
+                  "machine": GPU_MACHINE, "command": f"python -m megatrain bench --system {system}",
+                  "started_at": "2026-01-01T00:00:00+0000", "exit_code": 0, "wall_s": 100.0}
+    r.update(extra)
+    return r
+
+
+TIMELINE = [{"stream": s, "unit": u, "phase": p, "start_ms": 10.0 * u + o, "end_ms": 10.0 * u + o + 8}
+            for u in range(4) for s, p, o in (("h2d", "load", 0), ("compute", "fwd", 9), ("d2h", "offload", 17),
+                                              ("optim", "opt", 20))]
+
+
+def _records():
+    return [
+        _record("megatrain", 16, 250.0, metrics={"timeline": TIMELINE}),
+        _record("megatrain", 32, 280.0),
+        _record("megatrain", 16, 270.0, precision="bf16"),
+        _record("deepspeed", 16, 140.0),
+        _record("deepspeed", 32, 0, status="oom"),
+        _record("fsdp", 16, 0, status="skipped"),
+        _record("megatrain", 16, 284.0, model="qwen2.5-7b"),
+        _record("megatrain", 16, 240.0, model="qwen2.5-7b", num_layers=132),
+        _record("deepspeed", 16, 200.0, model="qwen2.5-7b"),
+    ]
+
+
+def test_latest_record_of_a_case_wins_and_runs_stay_apart():
+    retried = [_record("deepspeed", 16, 0, status="oom"), _record("deepspeed", 16, 150.0),
+               _record("deepspeed", 16, 100.0, run_id="20260202-000000-bbbb")]
+    df = tables.records_frame(retried)
+    assert len(df) == 2
+    assert list(tables.latest_runs(df)["tflops"]) == [100.0]
+
+
+def test_speedups_at_common_batch_and_best_vs_best():
+    sp = tables.speedups(tables.records_frame(_records()))
+    row = sp[(sp["model"] == "qwen2.5-14b") & (sp["system"] == "megatrain") & (sp["vs"] == "deepspeed")]
+    assert row[row["at"] == "b=16"]["speedup"].item() == pytest.approx(250 / 140)
+    assert row[row["at"] == "b=32"]["note"].item() == "deepspeed oom"
+    assert row[row["at"] == "best vs best"]["speedup"].item() == pytest.approx(280 / 140)
+    assert not (sp["vs"].str.startswith("megatrain")).any(), "MegaTrain variants are references, not rivals"
+
+
+def test_paper_claims_sit_beside_our_best_number():
+    paper = tables.paper_comparison(tables.records_frame(_records()))
+    headline = paper[paper["claim"] == "GH200 14B ZeRO-3 offload (the 1.84x)"]
+    assert headline["our TFLOPS"].item() == 140.0
+    depth = paper[paper["claim"] == "depth scaling, 132 layers"]
+    assert depth["our TFLOPS"].item() == 240.0
+    assert "qwen2.5-32b" not in set(paper["model"]), "claims on shapes we did not run stay out"
+
+
+def _write(tmp_path):
+    results = tmp_path / "results"
+    for r in _records():
+        append_jsonl(results / "records.jsonl", r)
+    trace_case = _records()[1]
+    samples = {"t_s": [0.0, 0.15, 0.3], "rss_gib": [1.0, 2.0, 2.5], "cpu_pct": [50, 90, 80],
+               "pcie_rx_gbs": [0, 50.0, 52.0], "pcie_tx_gbs": [0, 20.0, 30.0], "gpu_util_pct": [0, 99, 98],
+               "gpu_mem_used_gib": [1, 40, 41]}
+    (results / "traces").mkdir()
+    (results / "traces" / "t.json").write_text(json.dumps({"interval_s": 0.15, "samples": samples}))
+    trace_case["trace"] = {"path": "traces/t.json"}
+    trace_case["suite"]["case_id"] = "traced"
+    append_jsonl(results / "records.jsonl", trace_case)
+    return write_report(results, tmp_path / "report")
+
+
+def test_report_has_tables_figures_and_no_external_resources(tmp_path):
+    page_path = _write(tmp_path)
+    page = page_path.read_text()
+    for section in ("Environment", "Results", "Speedups", "The paper beside us", "Figures", "Failures", "Rerun"):
+        assert section in page
+    pngs = {p.name for p in page_path.parent.glob("*.png")}
+    assert {"tflops_vs_model.png", "tflops_vs_batch.png", "memory_vs_model.png", "traces.png"} <= pngs
+    assert any(name.startswith("timeline_") for name in pngs)
+    assert set(re.findall(r"<img src='([^']+)'", page)) == pngs
+    assert not re.search(r"(src|href)=['\"]?(https?:)?//", page), "the page must load nothing from outside"
+    assert "python -m megatrain suite reproduce_14b" in page
+
+
+def _chromium():
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+CHECK_SCRIPT = """<script>
+window.__errors = [];
+window.addEventListener('error', e => window.__errors.push(String(e.message || (e.target && e.target.src))), true);
+const origError = console.error;
+console.error = (...a) => { window.__errors.push(a.join(' ')); origError(...a); };
+window.addEventListener('load', () => {
+  const images = [...document.images].map(i => ({src: i.getAttribute('src'), width: i.naturalWidth}));
+  const pre = document.createElement('pre');
+  pre.id = 'browser-check';
+  pre.textContent = JSON.stringify({errors: window.__errors, images: images});
+  document.body.appendChild(pre);
+});
+</script>"""
+
+
+@pytest.mark.skipif(_chromium() is None, reason="needs chromium (apt-get install -y chromium)")
+def test_report_loads_in_a_headless_browser_without_errors(tmp_path):
+    page_path = _write(tmp_path)
+    check = page_path.with_name("check.html")
+    check.write_text(page_path.read_text().replace("<head>", "<head>" + CHECK_SCRIPT, 1))
+    proc = subprocess.run(
+        [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--virtual-time-budget=10000",
+         "--dump-dom", check.as_uri()], capture_output=True, text=True, timeout=120)
+    found = re.search(r"<pre id=\"browser-check\">(.*?)</pre>", proc.stdout, re.S)
+    assert found, f"the check script did not run:\n{proc.stderr[-2000:]}"
+    result = json.loads(html.unescape(found.group(1)))
+    assert result["errors"] == []
+    assert "Uncaught" not in proc.stderr
+    assert len(result["images"]) >= 5
+    assert all(img["width"] > 0 for img in result["images"]), result["images"]
