@@ -16,14 +16,20 @@ import torch
 
 from megatrain.config import OptimConfig
 from megatrain.engine.store import OPT_CHUNK, HostStore
+from megatrain.optim import fused
 from megatrain.optim.host_adamw import FlatAdamW
 
 
 class HostOptimizer:
-    def __init__(self, store: HostStore, optim: OptimConfig):
+    def __init__(self, store: HostStore, optim: OptimConfig, kernel: str = "fused"):
+        if kernel not in ("fused", "torch"):
+            raise ValueError(f"optimizer kernel must be 'fused' or 'torch', got {kernel!r}")
         self.store = store
+        self.optim = optim
         self.adamw = FlatAdamW(optim)
         self.weight_decay = optim.weight_decay
+        self.kernel = "fused" if kernel == "fused" and fused.available() else "torch"
+        self.step_count = 0
         self.done = [threading.Event() for _ in store.units]
         for ev in self.done:
             ev.set()
@@ -37,7 +43,8 @@ class HostOptimizer:
         """Queue one optimizer step; grad_ready[u] is the event after which unit u's gradients are on the host."""
         done = [threading.Event() for _ in self.store.units]
         self.done = done
-        self._jobs.put((done, clip_coef, grad_ready))
+        self.step_count += 1
+        self._jobs.put((done, clip_coef, grad_ready, self.step_count))
 
     def wait(self, unit_index: int) -> float:
         """Block until unit_index's pending update has landed; returns the seconds spent waiting."""
@@ -65,12 +72,12 @@ class HostOptimizer:
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            done, clip_coef, grad_ready = job
+            done, clip_coef, grad_ready, step = job
             try:
                 for unit in self.store.units:
                     grad_ready[unit.index].synchronize()
                     t0 = time.perf_counter()
-                    self._update(unit, clip_coef)
+                    self._update(unit, clip_coef, step)
                     self.spans.append((unit.index, t0, time.perf_counter()))
                     done[unit.index].set()
             except BaseException as exc:  # surfaced to the training thread by wait()
@@ -78,8 +85,8 @@ class HostOptimizer:
                 for ev in done:
                     ev.set()
 
-    def _update(self, unit, clip_coef: float) -> None:
-        s = self.store
+    def _update(self, unit, clip_coef: float, step: int) -> None:
+        s, o = self.store, self.optim
         grads, weights = s.tile(s.grads, unit), s.tile(s.weights, unit)
         master = s.tile(s.master, unit) if s.master is not None else None
         m, v = s.tile(s.exp_avg, unit), s.tile(s.exp_avg_sq, unit)
@@ -87,9 +94,6 @@ class HostOptimizer:
         for lo, hi, weight_decay in ((0, d, self.weight_decay), (d, unit.numel, 0.0)):
             for a in range(lo, hi, OPT_CHUNK):
                 b = min(a + OPT_CHUNK, hi)
-                g32 = grads[a:b] if s.grad_scratch is None else s.grad_scratch[:b - a].copy_(grads[a:b])
-                if clip_coef != 1.0:  # torch's clip_grad_norm_ multiplies by the clamped coefficient; x1.0 is exact
-                    g32.mul_(clip_coef)
                 w = weights[a:b]
                 if master is not None:
                     p32 = master[a:b]
@@ -97,6 +101,13 @@ class HostOptimizer:
                     p32 = w
                 else:  # bf16 mode: update in fp32, round back to the stored bf16 weights
                     p32 = s.param_scratch[:b - a].copy_(w)
+                if self.kernel == "fused":
+                    fused.fused_adamw(p32, grads[a:b], m[a:b], v[a:b], None if p32 is w else w, step, clip_coef,
+                                      o.lr, o.beta1, o.beta2, o.eps, weight_decay)
+                    continue
+                g32 = grads[a:b] if s.grad_scratch is None else s.grad_scratch[:b - a].copy_(grads[a:b])
+                if clip_coef != 1.0:  # torch's clip_grad_norm_ multiplies by the clamped coefficient; x1.0 is exact
+                    g32.mul_(clip_coef)
                 self.adamw.update((unit.index, a), p32, g32, m[a:b], v[a:b], weight_decay)
                 if p32 is not w:
                     w.copy_(p32)  # the bf16 weights the next step streams

@@ -65,7 +65,7 @@ class Schedule:
         grad_dt = store.grads.dtype
         self.stage = None if grad_dt == torch.float32 else \
             [torch.empty(slot_numel, dtype=grad_dt, device=device) for _ in range(2)]
-        self.layer_t = LayerTemplate(cfg, compile_layer=bool(case.options.get("compile", False)))
+        self.layer_t = LayerTemplate(cfg, compile_layer=bool(case.options.get("compile", device.type == "cuda")))
         self.head_t = HeadTemplate(cfg)
         self.cos, self.sin = rotary_tables(cfg, case.seq, device, dt)
         self.plan = plan_uses(cfg.num_layers)

@@ -7,6 +7,8 @@ autograd graph outlives the call.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch.func import functional_call
 
@@ -25,18 +27,27 @@ def bind(unit: Unit, flat: torch.Tensor, requires_grad: bool) -> dict[str, torch
 
 
 class LayerTemplate:
+    """A decoder layer called with bound weights; optionally through torch.compile, which fuses the
+    norms, RoPE and SwiGLU elementwise work (one graph for forward, one for recompute+backward)."""
+
     def __init__(self, cfg: ModelConfig, compile_layer: bool = False):
         with torch.device("meta"):
             self.module = DecoderLayer(cfg)
-        self._fn = self._call
-        if compile_layer:
-            self._fn = torch.compile(self._call, dynamic=False)
+        self.compiled = compile_layer
+        self._compiled_fn = torch.compile(self._call, dynamic=False) if compile_layer else None
 
     def _call(self, params, x_BSH, cos_SD, sin_SD):
         return functional_call(self.module, params, (x_BSH, cos_SD, sin_SD))
 
     def __call__(self, params: dict, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
-        return self._fn(params, x_BSH, cos_SD, sin_SD)
+        if self.compiled:
+            try:
+                return self._compiled_fn(params, x_BSH, cos_SD, sin_SD)
+            except Exception as exc:  # a compiler failure must not stop training: eager computes the same
+                warnings.warn(f"torch.compile of the layer failed ({type(exc).__name__}: {exc}); running eager",
+                              stacklevel=2)
+                self.compiled = False
+        return self._call(params, x_BSH, cos_SD, sin_SD)
 
 
 class HeadTemplate:

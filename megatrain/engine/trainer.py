@@ -28,7 +28,7 @@ class StreamingSystem:
         cuda = self.device.type == "cuda"
         self.store = HostStore(cfg, compute_dtype(case), case.precision, pin=cuda)
         self.store.initialise(case.seed, self.device)
-        self.optimizer = HostOptimizer(self.store, case.optim)
+        self.optimizer = HostOptimizer(self.store, case.optim, kernel=case.options.get("optimizer_kernel", "fused"))
         self.streams = StreamSet(self.device, timeline=bool(case.options.get("timeline", True)))
         self.schedule = Schedule(case, self.store, self.optimizer, self.streams, self.device)
 
@@ -42,9 +42,9 @@ class StreamingSystem:
             "weight_slots": 2,
             "grad_slots": 2,
             "streams": ["h2d", "compute", "d2h"] if self.streams.cuda else ["host"],
-            "optimizer": "torch fused AdamW on flat host tiles, overlapped with the next forward",
+            "optimizer": f"host AdamW ({self.optimizer.kernel} kernel) on flat tiles, overlapped with the next forward",
             "activation_checkpointing": "every layer (input saved on GPU, recomputed in backward)",
-            "compile": bool(self.case.options.get("compile", False)),
+            "compile": self.schedule.layer_t.compiled,
             "plan": {k: v for k, v in self.plan.items() if k != "host_tiles_bytes_per_param"},
         }
 

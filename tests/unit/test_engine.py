@@ -37,6 +37,9 @@ CASES = {
     "grad-accumulation": dict(model="tiny", batch=4, micro_batch=1, seq=16),
     "accum-clip-tied": dict(model="tiny-tied", batch=6, micro_batch=2, seq=7,
                             optim=OptimConfig(lr=1e-3, max_grad_norm=0.05)),
+    "torch-optimizer-kernel": dict(model="tiny", batch=4, micro_batch=2, seq=16,
+                                   optim=OptimConfig(lr=1e-3, max_grad_norm=0.05),
+                                   options={"optimizer_kernel": "torch"}),
 }
 
 
@@ -100,6 +103,25 @@ def test_refuses_what_does_not_fit_before_allocating():
     assert not check_fits(case)["fits"]
     with pytest.raises(ValueError, match=r"host memory: needs .* GiB .* --precision bf16"):
         build_system(case)
+
+
+def test_one_pass_kernel_equals_torch_adamw_and_rounds_to_bf16():
+    from megatrain.optim import fused
+
+    if not fused.available():
+        pytest.skip("no C++ compiler for the one-pass kernel")
+    torch.manual_seed(0)
+    ref = torch.randn(1000, requires_grad=True)
+    p, m, v = ref.detach().clone(), torch.zeros(1000), torch.zeros(1000)
+    w = torch.empty(1000, dtype=torch.bfloat16)
+    opt = torch.optim.AdamW([ref], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for step in range(1, 6):
+        g = torch.randn(1000).bfloat16()
+        ref.grad = g.float() * 0.5
+        opt.step()
+        fused.fused_adamw(p, g, m, v, w, step, 0.5, 1e-2, 0.9, 0.95, 1e-8, 0.1)
+    torch.testing.assert_close(p, ref.detach(), rtol=1e-6, atol=1e-6)
+    assert torch.equal(w, p.bfloat16())
 
 
 def test_flat_adamw_equals_torch_adamw():

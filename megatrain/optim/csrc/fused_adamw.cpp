@@ -1,0 +1,76 @@
+// One pass of AdamW over a host tile: reads the streamed gradient (bf16 or fp32), applies the
+// global-norm clip coefficient, updates the fp32 weights and moments in place and writes the
+// bf16 copy the next step streams to the GPU. 28 bytes of memory traffic per parameter in mixed
+// mode instead of ~46 for convert + scale + torch fused AdamW + convert back.
+// The arithmetic follows torch's fused CPU AdamW (decoupled decay, lerp for the first moment).
+#include <torch/extension.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+static inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+template <typename G>
+static void adamw_kernel(float* p, const G* g, float* m, float* v, uint16_t* w_out, int64_t n, float clip,
+                         float lr, float beta1, float beta2, float eps, float wd, float bc1, float bc2_sqrt,
+                         bool grad_bf16) {
+  const float step_size = lr / bc1;
+  const float decay = 1.0f - lr * wd;
+  const float one_m_b1 = 1.0f - beta1, one_m_b2 = 1.0f - beta2;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    float gi;
+    if (grad_bf16) gi = bf16_to_f32(reinterpret_cast<const uint16_t*>(g)[i]);
+    else gi = reinterpret_cast<const float*>(g)[i];
+    gi *= clip;
+    float pi = p[i] * decay;
+    float mi = m[i] + one_m_b1 * (gi - m[i]);
+    float vi = v[i] * beta2 + one_m_b2 * gi * gi;
+    float denom = std::sqrt(vi) / bc2_sqrt + eps;
+    pi -= step_size * mi / denom;
+    p[i] = pi;
+    m[i] = mi;
+    v[i] = vi;
+    if (w_out) w_out[i] = f32_to_bf16(pi);
+  }
+}
+
+// param: fp32; grad: bf16 or fp32; exp_avg, exp_avg_sq: fp32; weight_out: bf16 or empty (none).
+void fused_adamw(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
+                 torch::Tensor weight_out, int64_t step, double clip, double lr, double beta1, double beta2,
+                 double eps, double weight_decay) {
+  TORCH_CHECK(param.is_contiguous() && grad.is_contiguous() && exp_avg.is_contiguous() && exp_avg_sq.is_contiguous());
+  TORCH_CHECK(param.scalar_type() == torch::kFloat32 && exp_avg.scalar_type() == torch::kFloat32 &&
+              exp_avg_sq.scalar_type() == torch::kFloat32);
+  const int64_t n = param.numel();
+  TORCH_CHECK(grad.numel() == n && exp_avg.numel() == n && exp_avg_sq.numel() == n);
+  const bool grad_bf16 = grad.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(grad_bf16 || grad.scalar_type() == torch::kFloat32);
+  uint16_t* w_out = nullptr;
+  if (weight_out.numel() > 0) {
+    TORCH_CHECK(weight_out.numel() == n && weight_out.is_contiguous() && weight_out.scalar_type() == torch::kBFloat16);
+    w_out = reinterpret_cast<uint16_t*>(weight_out.data_ptr());
+  }
+  const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
+  adamw_kernel<uint16_t>(param.data_ptr<float>(), reinterpret_cast<const uint16_t*>(grad.data_ptr()),
+                         exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(), w_out, n,
+                         static_cast<float>(clip), static_cast<float>(lr), static_cast<float>(beta1),
+                         static_cast<float>(beta2), static_cast<float>(eps), static_cast<float>(weight_decay),
+                         static_cast<float>(bc1), static_cast<float>(std::sqrt(bc2)), grad_bf16);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("fused_adamw", &fused_adamw, "one-pass host AdamW"); }
