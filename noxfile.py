@@ -1,5 +1,8 @@
-"""Sessions: tests, smoke, lint. Every session runs in the current environment (python=False):
-a per-session virtualenv would download a fresh (CUDA) torch. Set up first with scripts/setup.sh."""
+"""Sessions: tests, smoke, reproduce_14b, report, bench, lint. Every session runs in the current
+environment (python=False): a per-session virtualenv would download a fresh (CUDA) torch. Set up
+first with scripts/setup.sh."""
+
+from pathlib import Path
 
 import nox
 
@@ -19,7 +22,36 @@ def lint(session):
 
 @nox.session(python=False)
 def smoke(session):
-    """The main job on a fresh machine: tiny CPU benchmark cases, records under results/smoke-local/."""
-    for system in ("native",):
-        session.run("python", "-m", "megatrain", "bench", "--system", system, "--model", "tiny", "--batch", "4",
-                    "--seq", "64", "--steps", "6", "--out", "results/smoke-local/records.jsonl")
+    """The main job on a fresh machine: the smoke suite (every system, tiny models, CPU) and its report.
+
+    Records go to the git-ignored results/smoke-local/ (a new run each time), the report to
+    results/smoke-local/report/index.html. Only curated GPU runs are committed under results/<suite>/.
+    """
+    out = "results/smoke-local"
+    session.run("python", "-m", "megatrain", "suite", "smoke", "--out-dir", out, "--new-run", *session.posargs)
+    session.run("python", "-m", "megatrain", "report", out, "--out", f"{out}/report")
+
+
+@nox.session(python=False)
+def reproduce_14b(session):
+    """Qwen2.5-14B: MegaTrain against DeepSpeed ZeRO-3 and FSDP2 offload on an H200 (256 or 512 GiB host).
+
+    Resumes the latest run in results/reproduce_14b/; on other hardware no case runs. Then rewrites
+    reports/reproduce_14b/ from the records.
+    """
+    session.run("python", "-m", "megatrain", "suite", "reproduce_14b", *session.posargs)
+    if not Path("results/reproduce_14b/records.jsonl").exists():
+        session.skip("no records: this machine matches none of the suite's hardware profiles")
+    session.run("python", "-m", "megatrain", "report", "reproduce_14b")
+
+
+@nox.session(python=False)
+def report(session):
+    """Rewrite every reports/<suite>/ from the committed records in results/<suite>/records.jsonl."""
+    session.run("python", "-m", "megatrain", "report", *session.posargs)
+
+
+@nox.session(python=False)
+def bench(session):
+    """Micro-benchmarks of the engine's hot paths (pytest-benchmark; the PCIe one needs CUDA)."""
+    session.run("python", "-m", "pytest", "tests/bench", "--benchmark-only", "-q", *session.posargs)

@@ -120,8 +120,11 @@ def cmd_probe(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from megatrain.bench.report import write_reports
 
-    for path in write_reports(args.suites, out=args.out):
+    paths = write_reports(args.suites, out=args.out)
+    for path in paths:
         print(f"report: {path}")
+    if not paths:
+        print("no records under results/<suite>/ (local *-local runs are left out unless named)")
     return 0
 
 

@@ -18,7 +18,7 @@ import pandas as pd
 from megatrain.bench import plots, tables
 from megatrain.bench.env import REPO_ROOT
 from megatrain.bench.hardware import describe, get_profile
-from megatrain.bench.record import read_jsonl
+from megatrain.bench.suite import read_suite_records
 
 MAX_TRACES = 6
 CSS = """
@@ -128,7 +128,7 @@ def _figures(scope: pd.DataFrame, by_key: dict, results_dir: Path, out_dir: Path
 
 def write_report(results_dir: Path, out_dir: Path, all_runs: bool = False) -> Path:
     """Write out_dir/index.html (and its PNGs) from results_dir/records.jsonl; returns the HTML path."""
-    records = read_jsonl(results_dir / "records.jsonl")
+    records = read_suite_records(results_dir / "records.jsonl")
     if not records:
         raise ValueError(f"no records in {results_dir / 'records.jsonl'}; run the suite first")
     df = tables.records_frame(records)

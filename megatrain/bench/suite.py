@@ -250,6 +250,11 @@ def run_case_subprocess(case: SuiteCase, command: list[str], trace_file: Path) -
     return record, facts
 
 
+def read_suite_records(path: Path) -> list[dict]:
+    """The runner's records in a JSONL file (records a bare `bench --out` appended carry no suite block)."""
+    return [r for r in read_jsonl(path) if "suite" in r]
+
+
 def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
 
@@ -294,7 +299,7 @@ def run_suite(suite: Suite, out_dir: Path, only: str | None = None, timeout_s: f
     if not any_hardware:
         cases = [c for c in cases if not mismatch[c.case_id]]
     records_path = out_dir / "records.jsonl"
-    existing = read_jsonl(records_path)
+    existing = read_suite_records(records_path)
     run_id = None if new_run else _current_run(existing, machine)
     resumed = run_id is not None
     run_id = run_id or new_run_id()
