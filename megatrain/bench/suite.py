@@ -268,7 +268,7 @@ def _current_run(records: list[dict], machine: dict) -> str | None:
 
 def run_suite(suite: Suite, out_dir: Path, only: str | None = None, timeout_s: float | None = None,
               dry_run: bool = False, new_run: bool = False, any_hardware: bool = False,
-              bench_command: list[str] | None = None, log=print) -> list[dict]:
+              bench_command: list[str] | None = None, log=None) -> list[dict]:
     """Run (or with dry_run, list) the suite's cases and append their records; returns the new records.
 
     Args:
@@ -280,12 +280,13 @@ def run_suite(suite: Suite, out_dir: Path, only: str | None = None, timeout_s: f
         new_run: start a fresh run_id instead of resuming the latest run.
         any_hardware: run cases whose hardware profile does not match this machine.
         bench_command: the command prefix a case's arguments are appended to (tests substitute it).
-        log: where progress lines go.
+        log: where progress lines go (default: tqdm.write, beside the progress bar).
     """
     from tqdm import tqdm
 
     from megatrain.cli import summary_line
 
+    log = log or tqdm.write
     cases = [c for c in suite.cases if not only or re.search(only, f"{c.group} {c.name} {c.case_id}")]
     if timeout_s is not None:
         cases = [SuiteCase(c.config, c.hardware, c.group, c.label, timeout_s, c.ladder) for c in cases]
@@ -310,8 +311,10 @@ def run_suite(suite: Suite, out_dir: Path, only: str | None = None, timeout_s: f
     command_prefix = bench_command or [sys.executable, "-m", "megatrain", "bench"]
     stopped: dict[str, str] = {}  # ladder chain -> why it stopped
     new_records = []
-    bar = tqdm(total=len(cases), unit="case", dynamic_ncols=True, disable=dry_run, file=sys.stderr)
-    for case in cases:
+    # The bar (with its ETA) shows on a terminal; logs get one line per case with the ETA in it.
+    bar = tqdm(total=len(cases), unit="case", dynamic_ncols=True, disable=True if dry_run else None, file=sys.stderr)
+    t0 = time.perf_counter()
+    for position, case in enumerate(cases, 1):
         bar.set_postfix_str(case.name, refresh=True)
         plan = pre["plans"][case.case_id]
         if case.ladder in stopped:
@@ -330,7 +333,7 @@ def run_suite(suite: Suite, out_dir: Path, only: str | None = None, timeout_s: f
             append_jsonl(records_path, record)
             new_records.append(record)
             status = record["status"]
-            bar.write(f"[{status}] {summary_line(record)}")
+            log(f"[{status} {_progress(position, len(cases), time.perf_counter() - t0)}] {summary_line(record)}")
         if case.ladder and status is not None and status != "ok":
             stopped[case.ladder] = f"{case.label} b{case.config.batch} s{case.config.seq} was {status}"
         bar.update()
@@ -339,6 +342,11 @@ def run_suite(suite: Suite, out_dir: Path, only: str | None = None, timeout_s: f
     log(f"suite {suite.name}, run {run_id}: {len(new_records)} new records " +
         ", ".join(f"{k} {v}" for k, v in counts.items() if v))
     return new_records
+
+
+def _progress(done: int, total: int, elapsed_s: float) -> str:
+    eta_s = elapsed_s / done * (total - done)
+    return f"{done}/{total}, {elapsed_s / 60:.1f} min, ETA {eta_s / 60:.1f} min"
 
 
 def _run_one(case: SuiteCase, plan: dict, machine: dict, run_id: str, suite_name: str, out_dir: Path,
