@@ -1,0 +1,177 @@
+"""DeepSpeed ZeRO-3 with parameter and optimizer offload to CPU, one process on one GPU.
+
+The recommended ZeRO-Infinity-to-host recipe: the model is built under zero.Init (partitioned as it
+is constructed, bf16 shards in pinned host memory), DeepSpeedCPUAdam steps fp32 master weights on
+the host, overlap_comm and contiguous_gradients on, bucket sizes from the hidden size H.
+
+On CPU (CI) the same engine runs on DeepSpeed's CPU accelerator with gloo. DeepSpeedCPUAdam needs a
+C++ JIT build there (about 1.5 minutes on 2 cores), so CPU runs default to a client torch AdamW on
+the same fp32 partitions (`--option optimizer=cpu_adam` asks for the DeepSpeed one); CUDA runs
+always use DeepSpeedCPUAdam.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+import torch
+
+from baselines.fsdp_offload import single_process_env, warn_if_bf16_precision
+from baselines.protocol import compute_dtype, valid_tokens
+from megatrain.config import CaseConfig
+from megatrain.models import Transformer
+from megatrain.models.init import init_module
+from megatrain.optim.groups import decays
+
+OPTIMIZERS = ("cpu_adam", "torch_adamw")
+
+
+def zero3_config(case: CaseConfig) -> dict:
+    """The DeepSpeed config dict of a case: ZeRO-3, params and optimizer offloaded to (pinned) host memory."""
+    h = case.model_config().hidden_size
+    pin = case.device == "cuda"
+    return {
+        "train_batch_size": case.batch,
+        "train_micro_batch_size_per_gpu": case.micro_batch,
+        "gradient_accumulation_steps": case.grad_accum,
+        "gradient_clipping": case.optim.max_grad_norm,
+        "bf16": {"enabled": case.dtype == "bfloat16"},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "cpu", "pin_memory": pin},
+            "offload_optimizer": {"device": "cpu", "pin_memory": pin},
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": h * h,
+            "stage3_prefetch_bucket_size": int(0.9 * h * h),
+            "stage3_param_persistence_threshold": 10 * h,
+        },
+        # Allows the client torch AdamW of CPU runs; CUDA runs pass DeepSpeedCPUAdam, which this does not affect.
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _import_deepspeed(device: torch.device):
+    """Import DeepSpeed with the accelerator of `device` (auto-detection would pick CUDA on a GPU host)."""
+    os.environ.setdefault("DS_ACCELERATOR", device.type)
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != device.type:
+        raise RuntimeError(f"DeepSpeed is set to the {get_accelerator().device_name()!r} accelerator in this process; "
+                           f"run the device={device.type!r} case in a fresh process (or set DS_ACCELERATOR)")
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    # Every bucket reduce/gather of ZeRO-3 calls these torch APIs; the warning would repeat thousands of times.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    return deepspeed
+
+
+def _init_units(model: Transformer):
+    """(name prefix, module) pieces of the model, gathered one at a time for initialisation."""
+    for name, child in model.named_children():
+        if isinstance(child, torch.nn.ModuleList):
+            for i, layer in enumerate(child):
+                yield f"{name}.{i}.", layer
+        else:
+            yield f"{name}.", child
+
+
+def _zero3_param_groups(model: Transformer, optim) -> list[dict]:
+    """Our AdamW decay groups, decided on the full shapes: a ZeRO-3 parameter's own tensor is an empty 1-D stub,
+    so grouping by p.ndim would put every matrix in the no-decay group."""
+    params = list(model.parameters())
+    decay = [p for p in params if decays(torch.empty(p.ds_shape, device="meta"))]
+    no_decay = [p for p in params if not decays(torch.empty(p.ds_shape, device="meta"))]
+    return [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class DeepSpeedSystem:
+    def __init__(self, case: CaseConfig):
+        self.case = case
+        self.device = torch.device(case.device)
+        self.dtype = compute_dtype(case)
+        warn_if_bf16_precision(case, "deepspeed")
+        self.optimizer_name = case.options.get("optimizer", "cpu_adam" if self.device.type == "cuda" else "torch_adamw")
+        if self.optimizer_name not in OPTIMIZERS:
+            raise ValueError(f"deepspeed option optimizer must be one of {OPTIMIZERS}, got {self.optimizer_name!r}")
+        if self.device.type == "cuda" and self.optimizer_name != "cpu_adam":
+            raise ValueError("deepspeed on CUDA runs DeepSpeedCPUAdam (its recommended offload optimizer); "
+                             "drop --option optimizer=...")
+        ds = self.ds = _import_deepspeed(self.device)
+
+        self.owns_process_group = not torch.distributed.is_initialized()
+        if self.owns_process_group:
+            if self.device.type == "cpu":
+                # The CPU accelerator's shared-memory all-reduce op has nothing to do in a one-process world, and its
+                # C++ JIT build costs minutes on a fresh machine.
+                ds.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+            single_process_env()
+            ds.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo", verbose=False)
+
+        self.config = zero3_config(case)
+        with ds.zero.Init(config_dict_or_path=self.config):
+            model = Transformer(case.model_config(), activation_checkpointing=True)
+        for prefix, module in _init_units(model):
+            with ds.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
+                init_module(module, case.seed, prefix)
+        # The loss reads the head matrix (or the tied embedding) outside that module's forward: ZeRO-3 must gather it
+        # for the root's forward and backward too.
+        ds.zero.register_external_parameter(model, model.head_weight())
+
+        groups = _zero3_param_groups(model, case.optim)
+        o = case.optim
+        if self.optimizer_name == "cpu_adam":
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            optimizer = DeepSpeedCPUAdam(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, adamw_mode=True)
+            self.optimizer_desc = "deepspeed.ops.adam.DeepSpeedCPUAdam(adamw_mode=True)"
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+            self.optimizer_desc = "torch.optim.AdamW (client optimizer on the host partitions)"
+        self.engine, *_ = ds.initialize(model=model, optimizer=optimizer, config=self.config)
+
+    def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> float:
+        normalizer = valid_tokens(labels_BS)
+        total = torch.zeros((), device=self.device)
+        mb = self.case.micro_batch
+        steps_before = self.engine.global_steps
+        for start in range(0, inputs_BS.shape[0], mb):
+            x = inputs_BS[start:start + mb].to(self.device, non_blocking=True)
+            y = labels_BS[start:start + mb].to(self.device, non_blocking=True)
+            loss = self.engine(x, y, normalizer)
+            # The normaliser already spans the whole step; DeepSpeed's own 1/GAS scaling would count it twice.
+            self.engine.backward(loss, scale_wrt_gas=False)
+            self.engine.step()  # the optimizer steps (clipping first) only at the accumulation boundary
+            total += loss.detach().float()
+        assert self.engine.global_steps == steps_before + 1, "micro-batches and gradient_accumulation_steps disagree"
+        return float(total)
+
+    def system_config(self) -> dict:
+        return {"deepspeed_config": self.config, "zero_init": True, "activation_checkpointing": True,
+                "checkpointing": "torch.utils.checkpoint(use_reentrant=False) per layer",
+                "optimizer": self.optimizer_desc,
+                "loss_scaling": "engine.backward(loss, scale_wrt_gas=False), loss / valid tokens of the step"}
+
+    def metrics(self) -> dict:
+        return {"deepspeed_version": self.ds.__version__, "optimizer": self.optimizer_name,
+                "accelerator": self.ds.accelerator.get_accelerator().device_name(),
+                "last_grad_norm": float(self.engine.get_global_grad_norm() or 0.0)}
+
+    def named_parameters_fp32(self) -> dict[str, torch.Tensor]:
+        """The fp32 master weights (the optimizer's partitions), gathered, under our names."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        return {n: safe_get_full_fp32_param(p).detach().float().cpu().clone()
+                for n, p in self.engine.module.named_parameters()}
+
+    def close(self) -> None:
+        self.engine.destroy()
+        del self.engine
+        if self.owns_process_group:
+            self.ds.comm.destroy_process_group()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
