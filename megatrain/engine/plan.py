@@ -53,7 +53,7 @@ def plan_memory(case: CaseConfig) -> dict:
     # attention via flash/SDPA keeps no S x S matrix) and their gradients, about 1.5x at peak
     layer_work = int(1.5 * tokens_mb * (7 * h + 4 * i + cfg.q_size + 2 * cfg.kv_size) * w)
     # loss: fp32 logits of one chunk, the head's fp32 weight gradient and its per-chunk product
-    head_work = chunk_tokens_for(cfg.vocab_size) * cfg.vocab_size * 4 * 2 + cfg.vocab_size * h * (4 + w)
+    head_work = min(chunk_tokens_for(cfg.vocab_size), tokens_mb) * cfg.vocab_size * 4 * 2 + cfg.vocab_size * h * (4 + w)
     gpu = buffers + checkpoints + max(layer_work, head_work) + tokens_mb * h * w * 2 + GPU_RESERVE_BYTES
     return {
         "host_bytes": host,

@@ -21,7 +21,8 @@ def _module():
 
     try:
         return load(name="megatrain_fused_adamw", sources=[str(_SRC)],
-                    extra_cflags=["-O3", "-fopenmp", "-march=native"], extra_ldflags=["-fopenmp"], verbose=False)
+                    extra_cflags=["-O3", "-fopenmp", "-march=native", "-fno-math-errno"],  # errno blocks vector sqrt
+                    extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler or ninja: the torch path computes the same update
         warnings.warn(f"one-pass host AdamW kernel unavailable ({exc}); using torch fused AdamW", stacklevel=2)
         return None
