@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-from baselines.fsdp_offload import single_process_env, warn_if_bf16_precision
+from baselines.dist import single_process_env, warn_if_bf16_precision
 from baselines.protocol import compute_dtype, valid_tokens
 from megatrain.config import CaseConfig
 from megatrain.models import Transformer

@@ -11,37 +11,17 @@ copies are no-ops there, and pinning needs an accelerator (`pin_memory()` raises
 
 from __future__ import annotations
 
-import os
-import socket
-import warnings
-
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from baselines.protocol import compute_dtype, valid_tokens
+from baselines.dist import single_process_env, warn_if_bf16_precision
+from baselines.protocol import accumulate_and_step, compute_dtype
 from megatrain.config import CaseConfig
 from megatrain.models import Transformer
 from megatrain.models.init import init_param
 from megatrain.optim.groups import torch_adamw
-
-
-def single_process_env() -> None:
-    """Rendezvous variables of a one-process world started without a launcher, on a free local port."""
-    if os.environ.get("WORLD_SIZE", "1") != "1":
-        raise ValueError("the offload baselines run one process on one device; start them without torchrun or the "
-                         "deepspeed launcher (WORLD_SIZE must be unset or 1)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-
-
-def warn_if_bf16_precision(case: CaseConfig, system: str) -> None:
-    if case.precision == "bf16":
-        warnings.warn(f"{system} ignores precision='bf16': it keeps fp32 master weights and optimizer state and "
-                      f"computes in {case.dtype} (the 'mixed' recipe)", stacklevel=3)
 
 
 class FSDPSystem:
@@ -80,20 +60,7 @@ class FSDPSystem:
         self.optimizer = torch_adamw(self.model.parameters(), case.optim, fused=True)
 
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> float:
-        normalizer = valid_tokens(labels_BS)
-        total = torch.zeros((), device=self.device)
-        mb = self.case.micro_batch
-        for start in range(0, inputs_BS.shape[0], mb):
-            x = inputs_BS[start:start + mb].to(self.device, non_blocking=True)
-            y = labels_BS[start:start + mb].to(self.device, non_blocking=True)
-            loss = self.model(x, y, normalizer)
-            loss.backward()
-            total += loss.detach().float()
-        if self.case.optim.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.case.optim.max_grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(total)
+        return accumulate_and_step(self.model, self.optimizer, self.case, self.device, inputs_BS, labels_BS)
 
     def system_config(self) -> dict:
         mp = None if self.mp_policy is None else \

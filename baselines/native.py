@@ -13,7 +13,7 @@ import contextlib
 
 import torch
 
-from baselines.protocol import compute_dtype, valid_tokens
+from baselines.protocol import accumulate_and_step, compute_dtype
 from megatrain.config import CaseConfig
 from megatrain.models import Transformer
 from megatrain.models.init import init_module
@@ -42,21 +42,8 @@ class NativeSystem:
         return torch.autocast(self.device.type, dtype=self.dtype)
 
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> float:
-        normalizer = valid_tokens(labels_BS)
-        total = torch.zeros((), device=self.device)
-        mb = self.case.micro_batch
-        for start in range(0, inputs_BS.shape[0], mb):
-            x = inputs_BS[start:start + mb].to(self.device, non_blocking=True)
-            y = labels_BS[start:start + mb].to(self.device, non_blocking=True)
-            with self._autocast():
-                loss = self.model(x, y, normalizer)
-            loss.backward()
-            total += loss.detach().float()
-        if self.case.optim.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.case.optim.max_grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(total)
+        return accumulate_and_step(self.model, self.optimizer, self.case, self.device, inputs_BS, labels_BS,
+                                   self._autocast)
 
     def system_config(self) -> dict:
         return {"param_dtype": str(self.param_dtype), "autocast": self.autocast, "activation_checkpointing": self.ckpt,

@@ -8,6 +8,7 @@ init, loss normalisation (valid tokens of the whole step), AdamW groups and glob
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from typing import Protocol
 
@@ -49,6 +50,28 @@ def build_system(case: CaseConfig) -> TrainSystem:
 
 def compute_dtype(case: CaseConfig) -> torch.dtype:
     return getattr(torch, case.dtype)
+
+
+def accumulate_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, case: CaseConfig,
+                        device: torch.device, inputs_BS: torch.Tensor, labels_BS: torch.Tensor,
+                        autocast=contextlib.nullcontext) -> float:
+    """One optimizer step of a module-owning system: micro-batches accumulate gradients of the summed
+    token loss over the step's valid tokens, then global-norm clipping and AdamW. Returns the mean loss."""
+    normalizer = valid_tokens(labels_BS)
+    total = torch.zeros((), device=device)
+    mb = case.micro_batch
+    for start in range(0, inputs_BS.shape[0], mb):
+        x = inputs_BS[start:start + mb].to(device, non_blocking=True)
+        y = labels_BS[start:start + mb].to(device, non_blocking=True)
+        with autocast():
+            loss = model(x, y, normalizer)
+        loss.backward()
+        total += loss.detach().float()
+    if case.optim.max_grad_norm > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), case.optim.max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(total)
 
 
 def valid_tokens(labels_BS: torch.Tensor) -> int:
