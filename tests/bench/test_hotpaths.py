@@ -58,3 +58,28 @@ def test_dtype_conversion_of_a_layer_tile(benchmark, src_dtype, dst_dtype):
     dst = torch.empty(LAYER_NUMEL, dtype=dst_dtype)
     benchmark(dst.copy_, src)
     _rate(benchmark, src.numel() * (src.element_size() + dst.element_size()), "gb_per_s")
+
+
+def test_one_pass_host_adamw_on_a_layer(benchmark):
+    from megatrain.optim import fused
+
+    if not fused.available():
+        pytest.skip("no C++ compiler for the one-pass kernel")
+    p, m, v = torch.zeros(LAYER_NUMEL), torch.zeros(LAYER_NUMEL), torch.zeros(LAYER_NUMEL)
+    g = torch.full((LAYER_NUMEL,), 1e-3, dtype=torch.bfloat16)
+    w = torch.empty(LAYER_NUMEL, dtype=torch.bfloat16)
+    benchmark(fused.fused_adamw, p, g, m, v, w, 1, 1.0, 1e-4, 0.9, 0.95, 1e-8, 0.1)
+    _rate(benchmark, LAYER_NUMEL, "gparams_per_s")
+
+
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["forward", "backward"])
+def test_bind_a_layer_template(benchmark, requires_grad):
+    """Binding = building the views a template call receives; it must cost microseconds, not a copy."""
+    from megatrain.engine.layout import build_units
+    from megatrain.engine.templates import bind
+
+    unit = build_units(get_model_config(MODEL))[1]
+    flat = torch.empty(unit.numel, dtype=torch.bfloat16)
+    views = benchmark(bind, unit, flat, requires_grad)
+    assert all(v.data_ptr() >= flat.data_ptr() for v in views.values())  # views into the buffer, no copies
+    benchmark.extra_info["bind_us"] = benchmark.stats.stats.median * 1e6
