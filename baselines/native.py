@@ -28,7 +28,8 @@ class NativeSystem:
         ckpt = case.options.get("activation_checkpointing", True) if activation_checkpointing is None \
             else activation_checkpointing
         with torch.device(self.device):
-            self.model = Transformer(case.model_config(), activation_checkpointing=ckpt)
+            self.model = Transformer(case.model_config(), activation_checkpointing=ckpt,
+                                     mlp_chunk_tokens=int(case.options.get("mlp_chunk_tokens", 0)))
         init_module(self.model, case.seed)
         self.param_dtype = self.dtype if case.precision == "bf16" else torch.float32
         self.model.to(self.param_dtype)

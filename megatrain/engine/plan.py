@@ -1,9 +1,9 @@
 """Pre-flight memory plan of the streaming engine: refuse what cannot fit before allocating anything.
 
-Host: the store's tiles exactly (see engine/store.py) plus a fixed process overhead. GPU: the two
-weight slots, the resident embedding, fp32 gradient accumulators and staging, the saved layer
-inputs of every micro-batch, and an estimate of one layer's recompute-plus-backward working set
-and the chunked loss of one micro-batch.
+Host: the store's tiles exactly (see engine/store.py), offloaded activations, and a fixed process
+overhead. GPU: the two weight slots, the resident embedding, fp32 gradient accumulators and
+staging, the saved layer inputs (all of them, or about three when offloaded), and an estimate of
+one layer's recompute-plus-backward working set and the chunked loss of one micro-batch.
 """
 
 from __future__ import annotations
@@ -47,14 +47,20 @@ def plan_memory(case: CaseConfig) -> dict:
 
     mb, seq, h, i = case.micro_batch, case.seq, cfg.hidden_size, cfg.intermediate_size
     tokens_mb = mb * seq
+    offload = bool(case.options.get("offload_activations", False))
+    mlp_tokens = min(tokens_mb, int(case.options.get("mlp_chunk_tokens", 0)) or tokens_mb)
     buffers = 2 * slot * w + embed * w + 2 * slot * 4 + embed * 4 + (2 * slot * w if w == 2 else 0)
-    checkpoints = (cfg.num_layers + 1) * case.batch * seq * h * w
-    # one layer's recompute + backward for a micro-batch: saved activations (~7H + 4I per token,
-    # attention via flash/SDPA keeps no S x S matrix) and their gradients, about 1.5x at peak
-    layer_work = int(1.5 * tokens_mb * (7 * h + 4 * i + cfg.q_size + 2 * cfg.kv_size) * w)
+    activation = case.batch * seq * h * w  # one layer's input for every micro-batch
+    # offloaded: the head's input, a layer's input and output, and the next input streaming back
+    checkpoints = (3 if offload else cfg.num_layers + 1) * activation
+    host_activations = cfg.num_layers * activation if offload else 0
+    # one layer's recompute + backward for a micro-batch: saved activations (~7H + q/k/v per token; the
+    # MLP's 4I for one chunk of tokens; flash/SDPA keeps no S x S matrix) and their gradients, ~1.5x
+    layer_work = int(1.5 * w * (tokens_mb * (7 * h + cfg.q_size + 2 * cfg.kv_size) + mlp_tokens * 4 * i))
     # loss: fp32 logits of one chunk, the head's fp32 weight gradient and its per-chunk product
     head_work = min(chunk_tokens_for(cfg.vocab_size), tokens_mb) * cfg.vocab_size * 4 * 2 + cfg.vocab_size * h * (4 + w)
     gpu = buffers + checkpoints + max(layer_work, head_work) + tokens_mb * h * w * 2 + GPU_RESERVE_BYTES
+    host += host_activations
     return {
         "host_bytes": host,
         "host_state_bytes": host_state,
@@ -64,6 +70,7 @@ def plan_memory(case: CaseConfig) -> dict:
         "gpu_buffers_bytes": buffers,
         "gpu_checkpoint_bytes": checkpoints,
         "gpu_work_bytes": max(layer_work, head_work),
+        "host_activation_bytes": host_activations,
     }
 
 
@@ -95,7 +102,8 @@ def check_fits(case: CaseConfig) -> dict:
             f"GPU memory: needs {plan['gpu_bytes'] / GIB:.1f} GiB (checkpoints "
             f"{plan['gpu_checkpoint_bytes'] / GIB:.1f}, buffers {plan['gpu_buffers_bytes'] / GIB:.1f}, working "
             f"{plan['gpu_work_bytes'] / GIB:.1f}) but the GPU has {gpu / GIB:.1f} GiB; "
-            "lower --batch or --seq, or a smaller --micro-batch")
+            "lower --batch or --seq, a smaller --micro-batch, or for long contexts "
+            "--option offload_activations=true --option mlp_chunk_tokens=N")
     plan.update(fits=not reasons, reason="; ".join(reasons) or None, host_available_bytes=host,
                 gpu_available_bytes=gpu)
     return plan

@@ -7,9 +7,11 @@ backward fused, so its weights cross PCIe once), layers L..1 backward. Two weigh
 consecutive uses; while use k computes, the weights of use k+1 stream into the other slot (H2D
 stream). A slot that still holds the unit a use needs is reused without a copy (layer L after the
 head). Backward recomputes each layer from its saved input with grad enabled on views of the slot,
-so every layer crosses PCIe exactly twice per step. Gradients accumulate over micro-batches in an
-fp32 GPU buffer (two, alternating), their squared norm is summed on the GPU, and they leave in the
-streamed dtype on the D2H stream while the next layer's backward runs. The embedding stays in its
+so every layer crosses PCIe exactly twice per step. Saved layer inputs stay on the GPU or, for long
+contexts, go to pinned host memory and come back one layer ahead of backward (engine/activations.py).
+Gradients accumulate over micro-batches in an fp32 GPU buffer (two, alternating), their squared
+norm is summed on the GPU, and they leave in the streamed dtype on the D2H stream while the next
+layer's backward runs. The embedding stays in its
 own buffer for the whole step (the tied LM head reads it too) and its buffer is reused as the
 staging area for its gradient.
 """
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from megatrain.config import CaseConfig
+from megatrain.engine.activations import ActivationStore
 from megatrain.engine.host_optimizer import HostOptimizer
 from megatrain.engine.layout import Unit
 from megatrain.engine.store import HostStore
@@ -65,7 +68,10 @@ class Schedule:
         grad_dt = store.grads.dtype
         self.stage = None if grad_dt == torch.float32 else \
             [torch.empty(slot_numel, dtype=grad_dt, device=device) for _ in range(2)]
-        self.layer_t = LayerTemplate(cfg, compile_layer=bool(case.options.get("compile", device.type == "cuda")))
+        self.layer_t = LayerTemplate(cfg, compile_layer=bool(case.options.get("compile", device.type == "cuda")),
+                                     mlp_chunk_tokens=int(case.options.get("mlp_chunk_tokens", 0)))
+        self.acts = ActivationStore(streams, device, bool(case.options.get("offload_activations", False)),
+                                    cfg.num_layers, case.grad_accum, (case.micro_batch, case.seq, cfg.hidden_size), dt)
         self.head_t = HeadTemplate(cfg)
         self.cos, self.sin = rotary_tables(cfg, case.seq, device, dt)
         self.plan = plan_uses(cfg.num_layers)
@@ -112,6 +118,7 @@ class Schedule:
         host_t0 = time.perf_counter()
         s.begin_step()
         self.stats = {"h2d_bytes": 0, "d2h_bytes": 0, "optim_wait_s": 0.0, "compute_wait_h2d_ms": 0.0}
+        self.acts.stats = self.stats
         self.grad_ready = [None] * len(self.units)
         self.stall_events = []
         mb = self.case.micro_batch
@@ -126,7 +133,7 @@ class Schedule:
             s.wait("compute", embed_ready)
             s.wait("compute", self.embed_free)  # embed_gacc was the D2H source in fp32 runs
             start = s.record("compute")
-            self.ckpt = [[F.embedding(t, embed_w) for t in tokens]]
+            self.acts.put(0, [F.embedding(t, embed_w) for t in tokens])
             self.embed_gacc.zero_()
             self.sumsq = torch.zeros((), dtype=torch.float32, device=dev)
             self.loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
@@ -174,8 +181,11 @@ class Schedule:
 
     def _forward(self, unit: Unit, wbuf: torch.Tensor) -> None:
         params = bind(unit, wbuf, requires_grad=False)
+        layer = unit.index  # layer u reads activations u-1 and writes activations u
         with torch.no_grad():
-            self.ckpt.append([self.layer_t(params, x, self.cos, self.sin) for x in self.ckpt[-1]])
+            outputs = [self.layer_t(params, x, self.cos, self.sin) for x in self.acts.gpu[layer - 1]]
+        self.acts.put(layer, outputs)
+        self.acts.consumed(layer - 1)
 
     def _accumulate(self, gacc: torch.Tensor, unit: Unit, names: list[str], grads) -> None:
         by_name = {slot.local: slot for slot in unit.params}
@@ -188,7 +198,8 @@ class Schedule:
         params = bind(unit, wbuf, requires_grad=True)
         tied = "lm_head.weight" not in params
         head_w = embed_w.detach().requires_grad_() if tied else params["lm_head.weight"]
-        hidden = self.ckpt.pop()
+        hidden = self.acts.take(self.cfg.num_layers)
+        self.acts.prefetch(self.cfg.num_layers - 1)  # the first backward layer's input
         for m, h in enumerate(hidden):
             h = h.detach().requires_grad_()
             with torch.enable_grad():
@@ -209,7 +220,8 @@ class Schedule:
         gacc = self.gacc[gslot][:unit.numel].zero_()
         params = bind(unit, wbuf, requires_grad=True)
         names, tensors = list(params), list(params.values())
-        inputs = self.ckpt.pop()  # this layer's inputs; the layer's outputs were consumed already
+        inputs = self.acts.take(unit.index - 1)  # this layer's inputs; its outputs were consumed already
+        self.acts.prefetch(unit.index - 2)  # the next layer's, streaming in while this backward runs
         for m, x in enumerate(inputs):
             x = x.detach().requires_grad_()
             with torch.enable_grad():

@@ -21,7 +21,7 @@ from megatrain.models.init import init_param
 OPT_CHUNK = 2**25  # elements the optimizer updates at a time: bounds its fp32 scratch to 128 MiB
 
 
-def _pin(t: torch.Tensor) -> int:
+def pin_tensor(t: torch.Tensor) -> int:
     """Page-lock `t` in place; returns the bytes pinned."""
     nbytes = t.numel() * t.element_size()
     err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
@@ -30,7 +30,7 @@ def _pin(t: torch.Tensor) -> int:
     return nbytes
 
 
-def _unpin(t: torch.Tensor) -> None:
+def unpin_tensor(t: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
 
 
@@ -59,7 +59,7 @@ class HostStore:
         self.pinned_bytes = 0
         if pin:
             for t in (self.weights, self.grads):
-                self.pinned_bytes += _pin(t)
+                self.pinned_bytes += pin_tensor(t)
                 self._pinned.append(t)
 
     def tile(self, flat: torch.Tensor, unit: Unit) -> torch.Tensor:
@@ -91,5 +91,5 @@ class HostStore:
 
     def close(self) -> None:
         for t in self._pinned:
-            _unpin(t)
+            unpin_tensor(t)
         self._pinned.clear()

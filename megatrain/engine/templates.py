@@ -30,9 +30,10 @@ class LayerTemplate:
     """A decoder layer called with bound weights; optionally through torch.compile, which fuses the
     norms, RoPE and SwiGLU elementwise work (one graph for forward, one for recompute+backward)."""
 
-    def __init__(self, cfg: ModelConfig, compile_layer: bool = False):
+    def __init__(self, cfg: ModelConfig, compile_layer: bool = False, mlp_chunk_tokens: int = 0):
         with torch.device("meta"):
             self.module = DecoderLayer(cfg)
+        self.module.mlp.chunk_tokens = mlp_chunk_tokens
         self.compiled = compile_layer
         self._compiled_fn = torch.compile(self._call, dynamic=False) if compile_layer else None
 

@@ -43,7 +43,9 @@ class StreamingSystem:
             "grad_slots": 2,
             "streams": ["h2d", "compute", "d2h"] if self.streams.cuda else ["host"],
             "optimizer": f"host AdamW ({self.optimizer.kernel} kernel) on flat tiles, overlapped with the next forward",
-            "activation_checkpointing": "every layer (input saved on GPU, recomputed in backward)",
+            "activation_checkpointing": "every layer, input saved " + (
+                "in pinned host memory" if self.schedule.acts.offload else "on the GPU") + ", recomputed in backward",
+            "mlp_chunk_tokens": self.schedule.layer_t.module.mlp.chunk_tokens,
             "compile": self.schedule.layer_t.compiled,
             "plan": {k: v for k, v in self.plan.items() if k != "host_tiles_bytes_per_param"},
         }
@@ -66,7 +68,7 @@ class StreamingSystem:
             "exposed_optim_s": med["optim_wait_s"],
             "exposed_optim_frac": med["optim_wait_s"] / step,
             "grad_norms": [h["grad_norm"] for h in self.schedule.history],
-            "pinned_host_bytes": self.store.pinned_bytes,
+            "pinned_host_bytes": self.store.pinned_bytes + self.schedule.acts.pinned_bytes,
             "host_store_bytes": self.store.host_bytes(),
             "host_store_bytes_per_param": self.store.host_bytes() / self.num_params,
             "host_bytes_per_param": rss / self.num_params,
@@ -80,4 +82,5 @@ class StreamingSystem:
     def close(self) -> None:
         self.optimizer.close()
         self.store.close()
+        self.schedule.acts.close()
         del self.schedule

@@ -66,15 +66,30 @@ class Attention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
 
+def _swiglu(x_BSH, w_gate, w_up, w_down):
+    return F.linear(F.silu(F.linear(x_BSH, w_gate)) * F.linear(x_BSH, w_up), w_down)
+
+
 class MLP(nn.Module):
+    """SwiGLU. With chunk_tokens > 0 the sequence is processed in chunks, each recomputed in backward,
+    so the [tokens, I] intermediates exist for one chunk at a time (long contexts)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.chunk_tokens = 0
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x_BSH)) * self.up_proj(x_BSH))
+        weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        b, s, _ = x_BSH.shape
+        if not self.chunk_tokens or b * s <= self.chunk_tokens:
+            return _swiglu(x_BSH, *weights)
+        # weights are explicit checkpoint inputs: a stateless template's bound views are gone by backward
+        chunk_seq = max(1, self.chunk_tokens // b)
+        return torch.cat([torch.utils.checkpoint.checkpoint(_swiglu, c, *weights, use_reentrant=False)
+                          for c in x_BSH.split(chunk_seq, dim=1)], dim=1)
 
 
 class DecoderLayer(nn.Module):
@@ -98,12 +113,14 @@ class Transformer(nn.Module):
     micro-batches add up to the full-batch mean), without materialising the full logits.
     """
 
-    def __init__(self, cfg: ModelConfig, activation_checkpointing: bool = False):
+    def __init__(self, cfg: ModelConfig, activation_checkpointing: bool = False, mlp_chunk_tokens: int = 0):
         super().__init__()
         self.cfg = cfg
         self.activation_checkpointing = activation_checkpointing
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        for layer in self.layers:
+            layer.mlp.chunk_tokens = mlp_chunk_tokens
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 

@@ -37,6 +37,9 @@ CASES = {
     "grad-accumulation": dict(model="tiny", batch=4, micro_batch=1, seq=16),
     "accum-clip-tied": dict(model="tiny-tied", batch=6, micro_batch=2, seq=7,
                             optim=OptimConfig(lr=1e-3, max_grad_norm=0.05)),
+    "offloaded-activations": dict(model="tiny", batch=4, micro_batch=2, seq=16, options={"offload_activations": True}),
+    "offload-chunked-mlp-tied": dict(model="tiny-tied", num_layers=3, batch=2, seq=16,
+                                     options={"offload_activations": True, "mlp_chunk_tokens": 8}),
     "torch-optimizer-kernel": dict(model="tiny", batch=4, micro_batch=2, seq=16,
                                    optim=OptimConfig(lr=1e-3, max_grad_norm=0.05),
                                    options={"optimizer_kernel": "torch"}),
@@ -53,6 +56,15 @@ def test_streamed_engine_matches_native(name):
         torch.testing.assert_close(params[n], ref_params[n], rtol=1e-5, atol=1e-5, msg=n)
     if "clip" in name:
         assert max(metrics["grad_norms"]) > CASES[name]["optim"].max_grad_norm  # clipping really acted
+
+
+def test_offloaded_activations_cross_pcie_and_leave_nothing_behind():
+    _, _, plain = _train("megatrain", steps=2, model="tiny", num_layers=4, batch=2, seq=8)
+    _, _, off = _train("megatrain", steps=2, model="tiny", num_layers=4, batch=2, seq=8,
+                       options={"offload_activations": True})
+    act_bytes = 4 * 2 * 8 * 64 * 4  # layers 0..3 inputs, [2, 8, 64] fp32 each, out and back
+    assert off["d2h_bytes"] - plain["d2h_bytes"] == act_bytes
+    assert off["h2d_bytes"] - plain["h2d_bytes"] == act_bytes
 
 
 def test_clipping_changes_the_result():

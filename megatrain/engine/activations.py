@@ -1,0 +1,81 @@
+"""Saved layer inputs of one step: kept on the GPU, or offloaded to pinned host memory.
+
+Offloaded (long contexts): each layer's output leaves on the D2H stream as soon as it is computed,
+its GPU copy is dropped once the next layer has consumed it, and in backward the input of the
+next layer to recompute streams back on the H2D stream while the current layer's backward runs.
+At most about three activations per micro-batch then live on the GPU. The last layer's output
+stays on the GPU for the head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatrain.engine.store import pin_tensor, unpin_tensor
+from megatrain.engine.streams import StreamSet
+
+
+class ActivationStore:
+    def __init__(self, streams: StreamSet, device: torch.device, offload: bool, num_layers: int,
+                 micro_batches: int, shape: tuple[int, ...], dtype: torch.dtype):
+        self.streams, self.device, self.offload = streams, device, offload
+        self.last = num_layers  # index of the head's input, never offloaded
+        self.stats = {"h2d_bytes": 0, "d2h_bytes": 0}  # the schedule hands in each step's counters
+        self.gpu: dict[int, list] = {}
+        self.ready: dict[int, object] = {}
+        self.host = None
+        self.pinned_bytes = 0
+        if offload:
+            self.host = torch.empty((num_layers, micro_batches, *shape), dtype=dtype)
+            if streams.cuda:
+                self.pinned_bytes = pin_tensor(self.host)
+
+    def put(self, index: int, xs: list[torch.Tensor]) -> None:
+        """Save the activations `index` (the input of layer index+1, the head's for the last)."""
+        self.gpu[index] = xs
+        if not self.offload or index == self.last:
+            return
+        s = self.streams
+        s.wait("d2h", s.record("compute"))
+        start = s.record("d2h")
+        with s.use("d2h"):
+            for m, x in enumerate(xs):
+                self.host[index, m].copy_(x, non_blocking=True)
+                if s.cuda:
+                    x.record_stream(s.streams["d2h"])  # its memory is reused only after the copy
+        s.span("d2h", index, "act_offload", start, s.record("d2h"))
+        self.stats["d2h_bytes"] += sum(x.numel() * x.element_size() for x in xs)
+
+    def consumed(self, index: int) -> None:
+        """The forward no longer needs activations `index` on the GPU."""
+        if self.offload and index != self.last:
+            del self.gpu[index]
+
+    def prefetch(self, index: int) -> None:
+        """Start bringing activations `index` back for backward (no-op when they never left)."""
+        if not self.offload or index < 0 or index in self.gpu:
+            return
+        s = self.streams
+        start = s.record("h2d")
+        with s.use("h2d"):
+            xs = [torch.empty(self.host.shape[2:], dtype=self.host.dtype, device=self.device)
+                  for _ in range(self.host.shape[1])]
+            for m, x in enumerate(xs):
+                x.copy_(self.host[index, m], non_blocking=True)
+                if s.cuda:
+                    x.record_stream(s.streams["compute"])  # freed only after backward used it
+        end = s.record("h2d")
+        s.span("h2d", index, "act_load", start, end)
+        self.stats["h2d_bytes"] += sum(x.numel() * x.element_size() for x in xs)
+        self.gpu[index], self.ready[index] = xs, end
+
+    def take(self, index: int) -> list[torch.Tensor]:
+        """Activations `index` on the GPU, ordered after their prefetch; the store forgets them."""
+        self.prefetch(index)
+        self.streams.wait("compute", self.ready.pop(index, None))
+        return self.gpu.pop(index)
+
+    def close(self) -> None:
+        if self.pinned_bytes:
+            unpin_tensor(self.host)
+            self.pinned_bytes = 0
