@@ -78,6 +78,16 @@ def memory_vs_model(df: pd.DataFrame, path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def _tflops_lines(ax, frame: pd.DataFrame, key: str) -> None:
+    """One TFLOPS line against `key` per system label and model (a model name only when several)."""
+    several_models = frame["model"].nunique() > 1
+    for (label, model), g in frame.groupby(["label", "model"]):
+        if g[key].nunique() < 2:
+            continue
+        g = g.sort_values(key)
+        ax.plot(g[key], g["tflops"], marker="o", label=f"{label} {model}" if several_models else label)
+
+
 def tflops_vs_seq(df: pd.DataFrame, path: Path) -> Path | None:
     """Best TFLOPS per system and model against context length."""
     ok = _ok(df)
@@ -85,12 +95,7 @@ def tflops_vs_seq(df: pd.DataFrame, path: Path) -> Path | None:
         return None
     best = _best_per(ok, ["label", "model", "seq"])
     fig, ax = plt.subplots(figsize=(7, 4))
-    several_models = best["model"].nunique() > 1
-    for (label, model), g in best.groupby(["label", "model"]):
-        if g["seq"].nunique() < 2:
-            continue
-        g = g.sort_values("seq")
-        ax.plot(g["seq"], g["tflops"], marker="o", label=f"{label} {model}" if several_models else label)
+    _tflops_lines(ax, best, "seq")
     ax.set(xscale="log", xlabel="sequence length (tokens)", ylabel="TFLOPS (6NT)", title="Throughput vs context")
     ax.set_xscale("log", base=2)
     ax.grid(alpha=0.3)
@@ -105,12 +110,7 @@ def tflops_vs_batch(df: pd.DataFrame, path: Path) -> Path | None:
     if ok["batch"].nunique() < 2:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
-    several_models = ok["model"].nunique() > 1
-    for (label, model), g in ok.groupby(["label", "model"]):
-        if g["batch"].nunique() < 2:
-            continue
-        g = g.sort_values("batch")
-        ax.plot(g["batch"], g["tflops"], marker="o", label=f"{label} {model}" if several_models else label)
+    _tflops_lines(ax, ok, "batch")
     ax.set_xscale("log", base=2)
     ax.set(xlabel="batch (sequences per step)", ylabel="TFLOPS (6NT)",
            title=f"Throughput vs batch (seq {_main_seq(df)}); a line ends where the next batch failed")
