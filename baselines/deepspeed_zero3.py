@@ -23,7 +23,7 @@ from baselines.protocol import compute_dtype, valid_tokens
 from megatrain.config import CaseConfig
 from megatrain.models import Transformer
 from megatrain.models.init import init_module
-from megatrain.optim.groups import decays
+from megatrain.optim.groups import adamw_param_groups
 
 OPTIMIZERS = ("cpu_adam", "torch_adamw")
 
@@ -83,10 +83,7 @@ def _init_units(model: Transformer):
 def _zero3_param_groups(model: Transformer, optim) -> list[dict]:
     """Our AdamW decay groups, decided on the full shapes: a ZeRO-3 parameter's own tensor is an empty 1-D stub,
     so grouping by p.ndim would put every matrix in the no-decay group."""
-    params = list(model.parameters())
-    decay = [p for p in params if decays(torch.empty(p.ds_shape, device="meta"))]
-    no_decay = [p for p in params if not decays(torch.empty(p.ds_shape, device="meta"))]
-    return [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return adamw_param_groups(model.parameters(), optim, shape_of=lambda p: p.ds_shape)
 
 
 class DeepSpeedSystem:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from megatrain.models import DecoderLayer, ModelConfig, RMSNorm
+from megatrain.optim.groups import decays
 
 ALIGN = 128  # elements; keeps every unit's tile start 256-byte aligned in bf16
 
@@ -48,10 +49,10 @@ class Unit:
 
 def _unit_params(prefix: str, named_shapes: list[tuple[str, tuple[int, ...]]]):
     """(slots with decayed matrices first, unit numel, decayed numel)."""
-    ordered = [p for p in named_shapes if len(p[1]) >= 2] + [p for p in named_shapes if len(p[1]) < 2]
+    ordered = [p for p in named_shapes if decays(p[1])] + [p for p in named_shapes if not decays(p[1])]
     slots, off, decay = [], 0, 0
     for local, shape in ordered:
-        slot = ParamSlot(prefix + local, local, shape, off, len(shape) >= 2)
+        slot = ParamSlot(prefix + local, local, shape, off, decays(shape))
         slots.append(slot)
         off += slot.numel
         if slot.decays:

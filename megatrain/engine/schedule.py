@@ -156,9 +156,9 @@ class Schedule:
                     self._forward(unit, self.wbuf[slot])
                 elif phase == "head":
                     self._head(unit, self.wbuf[slot], gslot, labels, normalizer, embed_w)
-                    gslot = 1 - gslot
                 else:
                     self._backward(unit, self.wbuf[slot], gslot)
+                if phase != "fwd":  # head and backward each fill one grad slot; they alternate
                     gslot = 1 - gslot
                 end = s.record("compute")
                 s.span("compute", u, phase, start, end)
@@ -188,9 +188,8 @@ class Schedule:
         self.acts.consumed(layer - 1)
 
     def _accumulate(self, gacc: torch.Tensor, unit: Unit, names: list[str], grads) -> None:
-        by_name = {slot.local: slot for slot in unit.params}
-        targets = [unit.view(gacc, by_name[n]) for n in names]
-        torch._foreach_add_(targets, list(grads))
+        views = bind(unit, gacc, requires_grad=False)
+        torch._foreach_add_([views[n] for n in names], list(grads))
 
     def _head(self, unit: Unit, wbuf: torch.Tensor, gslot: int, labels, normalizer: int, embed_w) -> None:
         self.streams.wait("compute", self.gslot_free[gslot])

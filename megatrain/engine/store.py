@@ -68,12 +68,11 @@ class HostStore:
     @torch.no_grad()
     def initialise(self, seed: int, device: torch.device) -> None:
         """Deterministic init by parameter name (values equal a model initialised on `device`)."""
-        target = self.master if self.master is not None else None
         for unit in self.units:
-            dst = self.tile(target if target is not None else self.weights, unit)
+            dst = self.tile(self.master if self.master is not None else self.weights, unit)
             for slot in unit.params:
                 init_param(slot.name, unit.view(dst, slot), seed, device=device)
-            if target is not None:
+            if self.master is not None:
                 self.tile(self.weights, unit).copy_(dst)
 
     def host_bytes(self) -> int:
@@ -83,11 +82,8 @@ class HostStore:
 
     def named_parameters_fp32(self) -> dict[str, torch.Tensor]:
         src = self.master if self.master is not None else self.weights
-        return {slot.name: self.unit_view(src, unit, slot).float().clone()
+        return {slot.name: unit.view(self.tile(src, unit), slot).float().clone()
                 for unit in self.units for slot in unit.params}
-
-    def unit_view(self, flat: torch.Tensor, unit: Unit, slot) -> torch.Tensor:
-        return unit.view(self.tile(flat, unit), slot)
 
     def close(self) -> None:
         for t in self._pinned:

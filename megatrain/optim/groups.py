@@ -7,15 +7,17 @@ import torch
 from megatrain.config import OptimConfig
 
 
-def decays(param: torch.Tensor) -> bool:
-    return param.ndim >= 2
+def decays(shape) -> bool:
+    """The one weight-decay rule: matrices (2 or more dims) decay; norms and biases do not."""
+    return len(shape) >= 2
 
 
-def adamw_param_groups(params, optim: OptimConfig) -> list[dict]:
+def adamw_param_groups(params, optim: OptimConfig, shape_of=lambda p: p.shape) -> list[dict]:
+    """Decay / no-decay groups; `shape_of` gives a parameter's full shape (ZeRO-3 partitions are 1-D stubs)."""
     params = [p for p in params if p.requires_grad]
     return [
-        {"params": [p for p in params if decays(p)], "weight_decay": optim.weight_decay},
-        {"params": [p for p in params if not decays(p)], "weight_decay": 0.0},
+        {"params": [p for p in params if decays(shape_of(p))], "weight_decay": optim.weight_decay},
+        {"params": [p for p in params if not decays(shape_of(p))], "weight_decay": 0.0},
     ]
 
 
