@@ -46,7 +46,9 @@ def run_case(case: CaseConfig, gemm_peak_tflops: float | None = None, on_step=No
     step_times: list[float] = []
     sampler = start_trace()  # NVML/psutil samples to a sidecar file when the suite runner sets MEGATRAIN_TRACE_FILE
     try:
+        t_build = time.perf_counter()
         system = build_system(case)
+        record["build_s"] = time.perf_counter() - t_build  # model init, host state, pinning, zero.Init
         batches = make_batches(case, case.model_config().vocab_size)
         for step in range(case.steps):
             inputs, labels = batches.batch_at(step)

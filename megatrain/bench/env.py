@@ -46,6 +46,18 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def host_memory_gib() -> tuple[float, float, str]:
+    """(total, available, source) host memory in GiB. MEGATRAIN_HOST_MEM_GIB declares the total on VMs whose
+    MemTotal grows as memory is touched (the lent multi-GPU hosts read ~31 GiB until they have been filled);
+    available is then that total less what is in use now."""
+    vm = psutil.virtual_memory()
+    declared = os.environ.get("MEGATRAIN_HOST_MEM_GIB")
+    if declared:
+        total = float(declared)
+        return total, total - (vm.total - vm.available) / 2**30, "MEGATRAIN_HOST_MEM_GIB"
+    return vm.total / 2**30, vm.available / 2**30, "MemTotal"
+
+
 @functools.lru_cache(maxsize=1)
 def environment() -> dict:
     commit, dirty = git_commit()
@@ -60,7 +72,8 @@ def environment() -> dict:
         "hostname_kind": os.environ.get("MEGATRAIN_HOST_KIND"),
         "cpu": cpu_name(),
         "cpu_cores": os.cpu_count(),
-        "host_mem_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "host_mem_gib": round(host_memory_gib()[0], 1),
+        "host_mem_source": host_memory_gib()[2],
         "gpu": None,
         "gpu_mem_gib": None,
         "driver": None,

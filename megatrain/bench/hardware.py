@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from megatrain.bench.env import cpu_name
+from megatrain.bench.env import cpu_name, host_memory_gib
 
 GIB = 2**30
 
@@ -151,10 +151,10 @@ def measure(rates: bool = True) -> dict:
     Rates a machine cannot have (GPU ones without CUDA) or that were not asked for are None.
     """
     t0 = time.perf_counter()
-    vm = psutil.virtual_memory()
+    host_total, host_available, host_source = host_memory_gib()
     out = {
-        "cpu": cpu_name(), "cpu_cores": psutil.cpu_count(), "host_mem_gib": round(vm.total / GIB, 1),
-        "host_available_gib": round(vm.available / GIB, 1), "gpu_name": None, "gpu_count": 0, "gpu_mem_gib": None,
+        "cpu": cpu_name(), "cpu_cores": psutil.cpu_count(), "host_mem_gib": round(host_total, 1),
+        "host_available_gib": round(host_available, 1), "host_mem_source": host_source, "gpu_name": None, "gpu_count": 0, "gpu_mem_gib": None,
         "h2d_gbs": None, "d2h_gbs": None, "both_gbs": None, "gemm_bf16_tflops": None, "cpu_adamw_gparams_s": None,
     }
     cuda = torch.cuda.is_available()

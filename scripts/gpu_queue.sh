@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Run several suites back to back on the GPU host, past the 10-minute limit of one device call.
+#
+#   bash scripts/gpu_queue.sh start 'SUITE [suite args]' ['run COMMAND ARGS' ...]
+#       installs the DeepSpeed wheelhouse (.whl, scripts/wheelhouse.sh) and runs the suites in order
+#       (an item 'run CMD...' runs CMD) in a new process session, which outlives the call;
+#       the log is /tmp/megatrain-queue/log.
+#   bash scripts/gpu_queue.sh collect SECONDS SUITE [SUITE ...]
+#       waits until the queue ends or SECONDS pass, then puts the log and a tarball of each
+#       results/SUITE into $OUT. Each call of it keeps the lent machine busy (and so held).
+#
+# Every case's record is appended as it finishes, so a collect after a lost machine still brings
+# back all that was measured; `python -m megatrain suite` resumes a run by case id.
+set -uo pipefail
+Q=/tmp/megatrain-queue
+mode=$1; shift
+case "$mode" in
+start)
+    mkdir -p "$Q"; rm -f "$Q/done"
+    if ls .whl/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .whl/*.whl || exit 1
+    fi
+    printf '%s\n' "$@" > "$Q/items"
+    setsid bash -c '
+        export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+        while IFS= read -r item; do
+            echo "=== $(date -u +%FT%TZ) $item"
+            eval "set -- $item"
+            if [ "$1" = run ]; then
+                shift; "$@"
+            else
+                suite=$1; shift
+                python3 -m megatrain suite "$suite" --out-dir "results/$suite" --any-hardware "$@"
+            fi
+            rc=$?
+            echo "=== $(date -u +%FT%TZ) exit $rc: $item"
+        done < '"$Q"'/items
+        touch '"$Q"'/done' > "$Q/log" 2>&1 < /dev/null &
+    echo "queue started: $(wc -l < "$Q/items") suites; log $Q/log"
+    ;;
+collect)
+    seconds=$1; shift
+    end=$((SECONDS + seconds))
+    while [ ! -e "$Q/done" ] && [ $SECONDS -lt $end ]; do sleep 5; done
+    O=${OUT:-/tmp/out}; mkdir -p "$O"
+    cp "$Q/log" "$O/queue.log" 2>/dev/null
+    grep -v '^{' "$Q/log" | tail -n 40
+    for suite in "$@"; do
+        [ -d "results/$suite" ] && tar czf "$O/$suite.tgz" "results/$suite"
+    done
+    [ -e "$Q/done" ] && echo "queue: done" || echo "queue: still running"
+    ;;
+*)
+    echo "usage: $0 start 'SUITE [args]'... | collect SECONDS SUITE..." >&2; exit 2 ;;
+esac
