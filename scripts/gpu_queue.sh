@@ -7,10 +7,13 @@
 #       the log is /tmp/megatrain-queue/log.
 #   bash scripts/gpu_queue.sh collect SECONDS SUITE [SUITE ...]
 #       waits until the queue ends or SECONDS pass, then puts the log and a tarball of each
-#       results/SUITE into $OUT. Each call of it keeps the lent machine busy (and so held).
+#       suite's results (paths results/SUITE/...) into $OUT. Each call of it keeps the lent machine busy (and so held).
 #
-# Every case's record is appended as it finishes, so a collect after a lost machine still brings
-# back all that was measured; `python -m megatrain suite` resumes a run by case id.
+# Results go to /tmp/megatrain-queue/results/SUITE, outside the repository copy: each device call
+# re-syncs that copy from the developer's tree, which would replace or delete records written
+# into results/ by an earlier call (it did: one record was lost that way). Every case's record is
+# appended as it finishes, so each collect brings back all measured so far; unpack the tarballs
+# into the repository's results/. `python -m megatrain suite` resumes a run by case id.
 set -uo pipefail
 Q=/tmp/megatrain-queue
 mode=$1; shift
@@ -31,7 +34,7 @@ start)
                 shift; "$@"
             else
                 suite=$1; shift
-                python3 -m megatrain suite "$suite" --out-dir "results/$suite" --any-hardware "$@"
+                python3 -m megatrain suite "$suite" --out-dir "'"$Q"'/results/$suite" --any-hardware "$@"
             fi
             rc=$?
             echo "=== $(date -u +%FT%TZ) exit $rc: $item"
@@ -47,7 +50,7 @@ collect)
     cp "$Q/log" "$O/queue.log" 2>/dev/null
     grep -v '^{' "$Q/log" | tail -n 40
     for suite in "$@"; do
-        [ -d "results/$suite" ] && tar czf "$O/$suite.tgz" "results/$suite"
+        [ -d "$Q/results/$suite" ] && tar czf "$O/$suite.tgz" -C "$Q" "results/$suite"
     done
     [ -e "$Q/done" ] && echo "queue: done" || echo "queue: still running"
     ;;

@@ -76,7 +76,7 @@ def _runs_section(records: list[dict], scope: pd.DataFrame) -> str:
         facts = {
             "hardware profile": ", ".join(f"{p}: {get_profile(p).description}" for p in profiles),
             "measured": describe(machine),
-            "commits": ", ".join(commits), "started": min(r["suite"]["started_at"] for r in rs),
+            "commits": ", ".join(commits), "started": min(r["suite"]["started_at"] or "?" for r in rs),
             "python / torch / CUDA": f"{env['python']} / {env['torch']} / {env['cuda'] or 'none'}",
             "DeepSpeed / transformers": f"{env['deepspeed'] or 'not installed'} / {env['transformers'] or '—'}",
             "GPU / driver": f"{env['gpu'] or 'none'} / {env['driver'] or '—'}",
@@ -101,6 +101,16 @@ def _failures_section(scope: pd.DataFrame, by_key: dict) -> str:
         items.append(f"<details><summary>{summary}</summary><pre>{html.escape(detail)}</pre></details>"
                      if detail else f"<p>{summary}</p>")
     return "".join(items)
+
+
+def _reconstructed_section(scope: pd.DataFrame, by_key: dict) -> str:
+    rows = scope[scope["reconstructed"]]
+    if rows.empty:
+        return ""
+    items = [f"<p><b>{html.escape(row['label'])} {html.escape(row['model'])} b{row['batch']} s{row['seq']}</b>: "
+             f"{html.escape(by_key[(row['run_id'], row['case_id'])]['reconstructed'])}</p>"
+             for _, row in rows.iterrows()]
+    return "<h3>Records rebuilt from the run's log</h3>" + "".join(items)
 
 
 def _figures(scope: pd.DataFrame, by_key: dict, results_dir: Path, out_dir: Path) -> list[tuple[Path, str]]:
@@ -168,7 +178,7 @@ def write_report(results_dir: Path, out_dir: Path, all_runs: bool = False) -> Pa
         *(f"<figure><img src='{p.name}' alt='{html.escape(c)}'><figcaption>{html.escape(c)}</figcaption></figure>"
           for p, c in figures),
         "" if figures else "<p class='muted'>no figure has data in these records</p>",
-        "<h2>Failures and skips</h2>", _failures_section(scope, by_key),
+        "<h2>Failures and skips</h2>", _failures_section(scope, by_key), _reconstructed_section(scope, by_key),
         "<h2>Cases</h2><details><summary>exact command of every case</summary>",
         html_table(scope.sort_values(["label", "model", "seq", "batch"])[["case_id", "label", "command"]]
                    .rename(columns={"case_id": "case", "label": "system"})),

@@ -42,16 +42,40 @@ def records_frame(records: list[dict]) -> pd.DataFrame:
             "plan_host_gib": plan["host_bytes"] / GIB if "host_bytes" in plan else None,
             "plan_gpu_gib": plan["gpu_bytes"] / GIB if "gpu_bytes" in plan else None,
             "trace_path": trace.get("path"), "has_timeline": bool((r.get("metrics") or {}).get("timeline")),
-            "commit": r["env"]["commit"], "gpu": r["env"]["gpu"], "started_at": s["started_at"],
+            "commit": r["env"]["commit"], "host_kind": r["env"].get("hostname_kind"), "gpu": r["env"]["gpu"],
+            "started_at": s["started_at"], "reconstructed": bool(r.get("reconstructed")),
             "command": s["command"],
         }
-    return pd.DataFrame(list(rows.values()))
+    df = pd.DataFrame(list(rows.values()))
+    if len(df):
+        df["session"] = _sessions(df)
+    return df
+
+
+def _sessions(df: pd.DataFrame) -> pd.Series:
+    """The measuring session of each row: consecutive runs of one hardware profile at the same commit on the
+    same kind of machine are one session (a run cut short and resumed under a new run id, say), named by its
+    latest run id. Rows of one session are compared with each other like rows of one run."""
+    session = {}
+    for _, g in df.groupby("hardware"):
+        runs = g.groupby("run_id")[["commit", "host_kind", "gpu"]].first().sort_index()
+        current, key = None, None
+        for run_id, row in runs.iterrows():
+            this = (row["commit"], row["host_kind"], row["gpu"])
+            if this != key:
+                current, key = [], this
+            current.append(run_id)
+            for part in current:
+                session[part] = run_id
+    return df["run_id"].map(session)
 
 
 def latest_runs(df: pd.DataFrame) -> pd.DataFrame:
-    """Rows of the latest run of each hardware profile (run_ids sort by their start time)."""
-    latest = df.groupby("hardware")["run_id"].max()
-    return df[df["run_id"].isin(latest.values)]
+    """Rows of the latest session of each hardware profile (run_ids sort by their start time; see _sessions),
+    one row per case: the latest run's record of it."""
+    latest = df.groupby("hardware")["session"].max()
+    scope = df[df["session"].isin(latest.values)].sort_values("run_id")
+    return scope.drop_duplicates(["session", "case_id"], keep="last")
 
 
 def results_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -61,8 +85,8 @@ def results_table(df: pd.DataFrame) -> pd.DataFrame:
             "step_time_s": "step (s)", "step_time_iqr_s": "step IQR (s)", "peak_gpu_alloc_gib": "GPU peak (GiB)",
             "peak_host_rss_gib": "host peak (GiB)", "host_bytes_per_param": "host B/param",
             "plan_host_gib": "host plan (GiB)", "plan_gpu_gib": "GPU plan (GiB)"}
-    if df["run_id"].nunique() > 1:
-        cols = {"run_id": "run", **cols}
+    if df["session"].nunique() > 1:
+        cols = {"session": "run", **cols}
     out = df.sort_values(["params_b", "model", "seq", "label", "batch"])[list(cols)].rename(columns=cols)
     return out.reset_index(drop=True)
 
@@ -72,13 +96,13 @@ def _is_megatrain(label: str) -> bool:
 
 
 def speedups(df: pd.DataFrame) -> pd.DataFrame:
-    """MegaTrain's TFLOPS over each other system's, within one run, model and sequence length.
+    """MegaTrain's TFLOPS over each other system's, within one session (run), model and sequence length.
 
     Rows compare at each common batch, and best against best (each at its own fastest batch).
     When the other system did not run ok at a batch where MegaTrain did, the row says why.
     """
     rows = []
-    for (run_id, model, seq), g in df.groupby(["run_id", "model", "seq"]):
+    for (run_id, model, seq), g in df.groupby(["session", "model", "seq"]):
         ok = g[g["status"] == "ok"]
         for ref in sorted(x for x in ok["label"].unique() if _is_megatrain(x)):
             mine = ok[ok["label"] == ref].set_index("batch")["tflops"]

@@ -70,6 +70,20 @@ def test_latest_record_of_a_case_wins_and_runs_stay_apart():
     assert list(tables.latest_runs(df)["tflops"]) == [100.0]
 
 
+def test_a_run_resumed_under_a_new_id_is_one_session_and_a_new_commit_is_another():
+    first = _record("megatrain", 96, 480.0, run_id="20260101-000000-aaaa")
+    rest = _record("deepspeed", 96, 350.0, run_id="20260101-010000-bbbb")
+    df = tables.records_frame([first, rest])
+    scope = tables.latest_runs(df)
+    assert sorted(scope["label"]) == ["deepspeed", "megatrain"]
+    sp = tables.speedups(scope)
+    assert sp[sp["at"] == "b=96"]["speedup"].item() == pytest.approx(480 / 350)
+    later = _record("fsdp", 96, 300.0, run_id="20260303-000000-cccc")
+    later["env"] = {**later["env"], "commit": "another"}
+    scope = tables.latest_runs(tables.records_frame([first, rest, later]))
+    assert list(scope["label"]) == ["fsdp"]
+
+
 def test_speedups_at_common_batch_and_best_vs_best():
     sp = tables.speedups(tables.records_frame(_records()))
     row = sp[(sp["model"] == "qwen2.5-14b") & (sp["system"] == "megatrain") & (sp["vs"] == "deepspeed")]
