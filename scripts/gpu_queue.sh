@@ -7,13 +7,20 @@
 #       the log is /tmp/megatrain-queue/log.
 #   bash scripts/gpu_queue.sh collect SECONDS SUITE [SUITE ...]
 #       waits until the queue ends or SECONDS pass, then puts the log and a tarball of each
-#       suite's results (paths results/SUITE/...) into $OUT. Each call of it keeps the lent machine busy (and so held).
+#       suite's results (paths results/SUITE/...) into $OUT. Each call of it keeps the lent machine
+#       busy (and so held); the next call must follow within the machine's idle release (30 s).
 #
 # Results go to /tmp/megatrain-queue/results/SUITE, outside the repository copy: each device call
 # re-syncs that copy from the developer's tree, which would replace or delete records written
 # into results/ by an earlier call (it did: one record was lost that way). Every case's record is
 # appended as it finishes, so each collect brings back all measured so far; unpack the tarballs
 # into the repository's results/. `python -m megatrain suite` resumes a run by case id.
+#
+# Example (a lent 512 GiB host, one of its GPUs):
+#   export MEGATRAIN_HOST_MEM_GIB=500 MEGATRAIN_COMMIT=<sha> MEGATRAIN_DIRTY=0 MEGATRAIN_HOST_KIND=nvidia-h200-x4
+#   export CUDA_VISIBLE_DEVICES=0
+#   bash scripts/gpu_queue.sh start "reproduce_14b --only '^paper '" smoke_gpu && \
+#       bash scripts/gpu_queue.sh collect 540 reproduce_14b smoke_gpu
 set -uo pipefail
 Q=/tmp/megatrain-queue
 mode=$1; shift

@@ -154,7 +154,8 @@ def measure(rates: bool = True) -> dict:
     host_total, host_available, host_source = host_memory_gib()
     out = {
         "cpu": cpu_name(), "cpu_cores": psutil.cpu_count(), "host_mem_gib": round(host_total, 1),
-        "host_available_gib": round(host_available, 1), "host_mem_source": host_source, "gpu_name": None, "gpu_count": 0, "gpu_mem_gib": None,
+        "host_available_gib": round(host_available, 1), "host_mem_source": host_source,
+        "gpu_name": None, "gpu_count": 0, "gpu_mem_gib": None,
         "h2d_gbs": None, "d2h_gbs": None, "both_gbs": None, "gemm_bf16_tflops": None, "cpu_adamw_gparams_s": None,
     }
     cuda = torch.cuda.is_available()

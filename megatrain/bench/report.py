@@ -103,6 +103,16 @@ def _failures_section(scope: pd.DataFrame, by_key: dict) -> str:
     return "".join(items)
 
 
+def _headroom_section(scope: pd.DataFrame) -> list[str]:
+    headroom = tables.batch_headroom(scope)
+    if headroom.empty:
+        return []
+    return ["<h3>Batch headroom (projected)</h3>", html_table(headroom),
+            "<p class='muted'>GPU peak grows linearly with the batch: the two largest batches a system ran give "
+            "GiB per sequence, and 92% of the GPU's memory bounds the batch. A projection, not a measurement; "
+            "a ladder run to the first failure settles it.</p>"]
+
+
 def _reconstructed_section(scope: pd.DataFrame, by_key: dict) -> str:
     rows = scope[scope["reconstructed"]]
     if rows.empty:
@@ -168,6 +178,7 @@ def write_report(results_dir: Path, out_dir: Path, all_runs: bool = False) -> Pa
         "<p class='muted'>host B/param: peak RSS of the case's process over its parameters (includes the "
         "process's fixed ~0.3-3 GiB, so it reads high for small models). plan: the pre-flight estimate "
         "(megatrain.bench.fit).</p>",
+        *_headroom_section(scope),
         "<h2>Speedups</h2>",
         html_table(speedups) if not speedups.empty else "<p class='muted'>no MegaTrain case beside another system "
         "at the same model and sequence length in this run</p>",

@@ -42,7 +42,8 @@ def records_frame(records: list[dict]) -> pd.DataFrame:
             "plan_host_gib": plan["host_bytes"] / GIB if "host_bytes" in plan else None,
             "plan_gpu_gib": plan["gpu_bytes"] / GIB if "gpu_bytes" in plan else None,
             "trace_path": trace.get("path"), "has_timeline": bool((r.get("metrics") or {}).get("timeline")),
-            "commit": r["env"]["commit"], "host_kind": r["env"].get("hostname_kind"), "gpu": r["env"]["gpu"],
+            "gpu_mem_gib": r["env"].get("gpu_mem_gib"), "commit": r["env"]["commit"],
+            "host_kind": r["env"].get("hostname_kind"), "gpu": r["env"]["gpu"],
             "started_at": s["started_at"], "reconstructed": bool(r.get("reconstructed")),
             "command": s["command"],
         }
@@ -151,6 +152,33 @@ def paper_comparison(df: pd.DataFrame) -> pd.DataFrame:
             "our GPU": None if best is None else best["gpu"],
         })
     return pd.DataFrame(rows)
+
+
+def batch_headroom(df: pd.DataFrame, usable: float = 0.92) -> pd.DataFrame:
+    """How far each system's batch could go on this GPU, projected from its measured GPU peaks.
+
+    Peak allocated GPU memory grows linearly with the batch at a fixed sequence length (activation
+    checkpoints and per-layer work scale with tokens; weights, buffers and optimizer state do not), so
+    the two largest batches a system ran give GiB per sequence, and `usable` x the GPU's memory bounds
+    the batch. A projection, labelled as such: the measured columns are the record's; a ladder run to
+    the failure point is what settles it.
+    """
+    rows = []
+    ok = df[(df["status"] == "ok") & (df["device"] == "cuda") & (df["micro_batch"] == df["batch"])]  # one pass
+    for (session, label, model, seq), g in ok.groupby(["session", "label", "model", "seq"]):
+        g = g.sort_values("batch").drop_duplicates("batch", keep="last")
+        if len(g) < 2:
+            continue
+        lo, hi = g.iloc[-2], g.iloc[-1]
+        per_seq = (hi["peak_gpu_alloc_gib"] - lo["peak_gpu_alloc_gib"]) / (hi["batch"] - lo["batch"])
+        budget = usable * hi["gpu_mem_gib"] if hi["gpu_mem_gib"] else None
+        projected = int(hi["batch"] + (budget - hi["peak_gpu_alloc_gib"]) / per_seq) \
+            if budget and per_seq > 0 else None
+        rows.append({"run": session, "system": label, "model": model, "seq": seq,
+                     "largest batch run": int(hi["batch"]), "its GPU peak (GiB)": hi["peak_gpu_alloc_gib"],
+                     "GiB per sequence": per_seq, "projected largest batch": projected})
+    out = pd.DataFrame(rows)
+    return out.drop(columns="run") if len(out) and out["run"].nunique() == 1 else out
 
 
 def status_counts(df: pd.DataFrame) -> pd.DataFrame:

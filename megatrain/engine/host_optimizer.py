@@ -29,6 +29,9 @@ class HostOptimizer:
         self.adamw = FlatAdamW(optim)
         self.weight_decay = optim.weight_decay
         self.kernel = "fused" if kernel == "fused" and fused.available() else "torch"
+        # torch's AdamW wants fp32 gradients: one chunk of them, converted from the streamed bf16 tile
+        self.grad_scratch = torch.empty(min(OPT_CHUNK, store.max_unit_numel), dtype=torch.float32) \
+            if self.kernel == "torch" and store.grads.dtype != torch.float32 else None
         self.step_count = 0
         self.done = [threading.Event() for _ in store.units]
         for ev in self.done:
@@ -105,7 +108,7 @@ class HostOptimizer:
                     fused.fused_adamw(p32, grads[a:b], m[a:b], v[a:b], None if p32 is w else w, step, clip_coef,
                                       o.lr, o.beta1, o.beta2, o.eps, weight_decay)
                     continue
-                g32 = grads[a:b] if s.grad_scratch is None else s.grad_scratch[:b - a].copy_(grads[a:b])
+                g32 = grads[a:b] if self.grad_scratch is None else self.grad_scratch[:b - a].copy_(grads[a:b])
                 if clip_coef != 1.0:  # torch's clip_grad_norm_ multiplies by the clamped coefficient; x1.0 is exact
                     g32.mul_(clip_coef)
                 self.adamw.update((unit.index, a), p32, g32, m[a:b], v[a:b], weight_decay)

@@ -51,9 +51,9 @@ class HostStore:
         self.master = None if (fp32_compute or precision == "bf16") else torch.empty(n, dtype=torch.float32)
         self.exp_avg = torch.zeros(n, dtype=torch.float32)
         self.exp_avg_sq = torch.zeros(n, dtype=torch.float32)
-        # fp32 scratch for one optimizer chunk: grads (when streamed in bf16) and, in bf16 mode, weights
+        # bf16 mode updates one optimizer chunk at a time in fp32 (the torch kernel's fp32 gradient scratch
+        # belongs to the optimizer: the one-pass kernel reads bf16 gradients directly)
         chunk = min(OPT_CHUNK, self.max_unit_numel)
-        self.grad_scratch = None if fp32_compute else torch.empty(chunk, dtype=torch.float32)
         self.param_scratch = torch.empty(chunk, dtype=torch.float32) if precision == "bf16" else None
         self._pinned: list[torch.Tensor] = []
         self.pinned_bytes = 0
@@ -76,8 +76,7 @@ class HostStore:
                 self.tile(self.weights, unit).copy_(dst)
 
     def host_bytes(self) -> int:
-        tensors = [self.weights, self.grads, self.master, self.exp_avg, self.exp_avg_sq, self.grad_scratch,
-                   self.param_scratch]
+        tensors = [self.weights, self.grads, self.master, self.exp_avg, self.exp_avg_sq, self.param_scratch]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def named_parameters_fp32(self) -> dict[str, torch.Tensor]:

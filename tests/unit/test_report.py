@@ -84,6 +84,16 @@ def test_a_run_resumed_under_a_new_id_is_one_session_and_a_new_commit_is_another
     assert list(scope["label"]) == ["fsdp"]
 
 
+def test_batch_headroom_projects_from_the_two_largest_batches():
+    rows = [_record("deepspeed", b, 300.0, peak_gpu_alloc_gib=peak) for b, peak in ((8, 30.0), (16, 40.0), (32, 48.0))]
+    for r in rows:
+        r["env"] = {**r["env"], "gpu_mem_gib": 100.0}
+    head = tables.batch_headroom(tables.records_frame(rows))
+    assert head["largest batch run"].item() == 32
+    assert head["GiB per sequence"].item() == pytest.approx(0.5)
+    assert head["projected largest batch"].item() == 32 + int((92.0 - 48.0) / 0.5)
+
+
 def test_speedups_at_common_batch_and_best_vs_best():
     sp = tables.speedups(tables.records_frame(_records()))
     row = sp[(sp["model"] == "qwen2.5-14b") & (sp["system"] == "megatrain") & (sp["vs"] == "deepspeed")]
