@@ -29,9 +29,14 @@ class HostOptimizer:
         self.adamw = FlatAdamW(optim)
         self.weight_decay = optim.weight_decay
         self.kernel = "fused" if kernel == "fused" and fused.available() else "torch"
-        # torch's AdamW wants fp32 gradients: one chunk of them, converted from the streamed bf16 tile
-        self.grad_scratch = torch.empty(min(OPT_CHUNK, store.max_unit_numel), dtype=torch.float32) \
-            if self.kernel == "torch" and store.grads.dtype != torch.float32 else None
+        # torch's AdamW works on fp32 tensors: one optimizer chunk of fp32 scratch for the streamed bf16
+        # gradients and, in bf16 mode, the weights (the one-pass kernel reads and writes bf16 directly)
+        chunk = min(OPT_CHUNK, store.max_unit_numel)
+        torch_kernel = self.kernel == "torch"
+        self.grad_scratch = torch.empty(chunk, dtype=torch.float32) \
+            if torch_kernel and store.grads.dtype != torch.float32 else None
+        self.param_scratch = torch.empty(chunk, dtype=torch.float32) \
+            if torch_kernel and store.master is None and store.weights.dtype != torch.float32 else None
         self.step_count = 0
         self.done = [threading.Event() for _ in store.units]
         for ev in self.done:
@@ -98,16 +103,17 @@ class HostOptimizer:
             for a in range(lo, hi, OPT_CHUNK):
                 b = min(a + OPT_CHUNK, hi)
                 w = weights[a:b]
+                if self.kernel == "fused":  # mixed: fp32 master in, bf16 copy out; bf16 mode: bf16 in place
+                    p = master[a:b] if master is not None else w
+                    fused.fused_adamw(p, grads[a:b], m[a:b], v[a:b], None if p is w else w, step, clip_coef,
+                                      o.lr, o.beta1, o.beta2, o.eps, weight_decay)
+                    continue
                 if master is not None:
                     p32 = master[a:b]
                 elif w.dtype == torch.float32:
                     p32 = w
                 else:  # bf16 mode: update in fp32, round back to the stored bf16 weights
-                    p32 = s.param_scratch[:b - a].copy_(w)
-                if self.kernel == "fused":
-                    fused.fused_adamw(p32, grads[a:b], m[a:b], v[a:b], None if p32 is w else w, step, clip_coef,
-                                      o.lr, o.beta1, o.beta2, o.eps, weight_decay)
-                    continue
+                    p32 = self.param_scratch[:b - a].copy_(w)
                 g32 = grads[a:b] if self.grad_scratch is None else self.grad_scratch[:b - a].copy_(grads[a:b])
                 if clip_coef != 1.0:  # torch's clip_grad_norm_ multiplies by the clamped coefficient; x1.0 is exact
                     g32.mul_(clip_coef)

@@ -41,8 +41,9 @@ def plan_memory(case: CaseConfig) -> dict:
     slot = max(u.numel for u in units[1:])
     embed = units[0].numel
     w = 2 if case.dtype == "bfloat16" else 4
+    # the torch optimizer kernel's fp32 scratch (one chunk of gradients, and of weights in bf16 mode)
     torch_kernel = case.options.get("optimizer_kernel", "fused") == "torch"
-    scratch = min(OPT_CHUNK, max(u.numel for u in units)) * 4 * ((w == 2 and torch_kernel) + (case.precision == "bf16"))
+    scratch = min(OPT_CHUNK, max(u.numel for u in units)) * 4 * ((w == 2) + (case.precision == "bf16")) * torch_kernel
     host_state = n * sum(per.values())
     host = host_state + scratch + PROCESS_OVERHEAD_BYTES
 

@@ -51,10 +51,6 @@ class HostStore:
         self.master = None if (fp32_compute or precision == "bf16") else torch.empty(n, dtype=torch.float32)
         self.exp_avg = torch.zeros(n, dtype=torch.float32)
         self.exp_avg_sq = torch.zeros(n, dtype=torch.float32)
-        # bf16 mode updates one optimizer chunk at a time in fp32 (the torch kernel's fp32 gradient scratch
-        # belongs to the optimizer: the one-pass kernel reads bf16 gradients directly)
-        chunk = min(OPT_CHUNK, self.max_unit_numel)
-        self.param_scratch = torch.empty(chunk, dtype=torch.float32) if precision == "bf16" else None
         self._pinned: list[torch.Tensor] = []
         self.pinned_bytes = 0
         if pin:
@@ -76,7 +72,7 @@ class HostStore:
                 self.tile(self.weights, unit).copy_(dst)
 
     def host_bytes(self) -> int:
-        tensors = [self.weights, self.grads, self.master, self.exp_avg, self.exp_avg_sq, self.param_scratch]
+        tensors = [self.weights, self.grads, self.master, self.exp_avg, self.exp_avg_sq]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def named_parameters_fp32(self) -> dict[str, torch.Tensor]:
