@@ -38,6 +38,7 @@ class HostOptimizer:
         self.param_scratch = torch.empty(chunk, dtype=torch.float32) \
             if torch_kernel and store.master is None and store.weights.dtype != torch.float32 else None
         self.step_count = 0
+        self.skip: set[int] = set()  # units whose state lives on the GPU (the resident embedding)
         self.done = [threading.Event() for _ in store.units]
         for ev in self.done:
             ev.set()
@@ -83,6 +84,9 @@ class HostOptimizer:
             done, clip_coef, grad_ready, step = job
             try:
                 for unit in self.store.units:
+                    if unit.index in self.skip:
+                        done[unit.index].set()
+                        continue
                     grad_ready[unit.index].synchronize()
                     t0 = time.perf_counter()
                     self._update(unit, clip_coef, step)

@@ -1,9 +1,10 @@
 """Pre-flight memory plan of the streaming engine: refuse what cannot fit before allocating anything.
 
 Host: the store's tiles exactly (see engine/store.py), offloaded activations, and a fixed process
-overhead. GPU: the two weight slots, the resident embedding, fp32 gradient accumulators and
-staging, the saved layer inputs (all of them, or about three when offloaded), and an estimate of
-one layer's recompute-plus-backward working set and the chunked loss of one micro-batch.
+overhead. GPU: the two weight slots, the embedding (with its AdamW state when resident), fp32
+gradient accumulators and staging, the saved layer inputs (all of them, or about three when
+offloaded), and an estimate of one layer's recompute-plus-backward working set and the chunked loss
+of one micro-batch.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def plan_memory(case: CaseConfig) -> dict:
     offload = bool(case.options.get("offload_activations", False))
     mlp_tokens = min(tokens_mb, int(case.options.get("mlp_chunk_tokens", 0)) or tokens_mb)
     buffers = 2 * slot * w + embed * w + 2 * slot * 4 + embed * 4 + (2 * slot * w if w == 2 else 0)
+    if case.options.get("resident_embedding", False):  # its moments, fp32 master (mixed) or fp32 update copy
+        buffers += embed * (8 + (4 if w == 2 else 0))
     activation = case.batch * seq * h * w  # one layer's input for every micro-batch
     # offloaded: the head's input, a layer's input and output, and the next input streaming back
     checkpoints = (3 if offload else cfg.num_layers + 1) * activation

@@ -13,7 +13,9 @@ Gradients accumulate over micro-batches in an fp32 GPU buffer (two, alternating)
 norm is summed on the GPU, and they leave in the streamed dtype on the D2H stream while the next
 layer's backward runs. The embedding stays in its
 own buffer for the whole step (the tied LM head reads it too) and its buffer is reused as the
-staging area for its gradient.
+staging area for its gradient. With `resident_embedding` its AdamW state lives on the GPU too: it
+is never loaded or offloaded, and it is updated on the GPU as soon as the norm is known, so the
+next forward does not wait for the host optimizer to update the first (and often largest) unit.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from megatrain.engine.store import HostStore
 from megatrain.engine.streams import StreamSet
 from megatrain.engine.templates import HeadTemplate, LayerTemplate, bind
 from megatrain.models import rotary_tables
+from megatrain.optim.host_adamw import FlatAdamW
 
 
 def plan_uses(num_layers: int) -> list[tuple[int, str, int, bool]]:
@@ -78,6 +81,9 @@ class Schedule:
         self.slot_free = [None, None]  # compute-stream event: last use of the weight slot finished
         self.gslot_free = [None, None]  # d2h-stream event: last gradient copied out of the grad slot
         self.embed_free = None  # d2h-stream event: the embedding gradient left the embedding buffer
+        self.resident = None
+        if case.options.get("resident_embedding", False):
+            self._make_embedding_resident()
         self.elsize = torch.empty((), dtype=dt).element_size()
         self.history: list[dict] = []
         self.timeline: list[dict] = []
@@ -125,7 +131,7 @@ class Schedule:
         with s.use("compute"):
             tokens = [inputs_BS[i:i + mb].to(dev, non_blocking=True) for i in range(0, inputs_BS.shape[0], mb)]
             labels = [labels_BS[i:i + mb].to(dev, non_blocking=True) for i in range(0, labels_BS.shape[0], mb)]
-        embed_ready = self._load(self.embed, self.embed_buf, self.embed_free)
+        embed_ready = None if self.resident else self._load(self.embed, self.embed_buf, self.embed_free)
         first_unit, _, first_slot, _ = self.plan[0]
         ready = {0: self._load(self.units[first_unit], self.wbuf[first_slot], self.slot_free[first_slot])}
         embed_w = self.embed.view(self.embed_buf, self.embed.params[0])
@@ -172,6 +178,11 @@ class Schedule:
         max_norm = self.case.optim.max_grad_norm
         clip = min(1.0, max_norm / (total_norm + 1e-6)) if max_norm > 0 else 1.0
         loss = float(self.loss_sum)
+        if self.resident:
+            with s.use("compute"):
+                start = s.record("compute")
+                self._update_resident_embedding(clip)
+                s.span("compute", 0, "opt", start, s.record("compute"))
         if s.cuda:
             torch.cuda.synchronize(dev)
         step_s = time.perf_counter() - host_t0
@@ -245,10 +256,51 @@ class Schedule:
             gacc.index_add_(0, t.flatten(), dy.flatten(0, 1).float())
         self.dys = []
         self.sumsq += torch.linalg.vector_norm(self.embed_gacc).square()
+        if self.resident:  # stays on the GPU: updated there once the norm is known
+            return
         src = self.embed_gacc
         if self.stage is not None:  # the embedding weights are not needed again this step: stage in place
             src = self.embed_buf.copy_(self.embed_gacc)
         self.embed_free = self._offload(self.embed, src, None)
+
+    # ---- the resident embedding ---------------------------------------------------------------------
+    def _make_embedding_resident(self) -> None:
+        """Move the embedding's training state to the GPU: its weights stay in embed_buf, its fp32 master
+        (mixed precision) and moments beside them; the host optimizer skips it (see HostOptimizer.skip)."""
+        store, unit, dev = self.store, self.embed, self.device
+        master = store.tile(store.master, unit).to(dev, copy=True) if store.master is not None else None
+        self.embed_buf.copy_(store.tile(store.weights, unit))
+        self.resident = {
+            "master": master,
+            "exp_avg": store.tile(store.exp_avg, unit).to(dev, copy=True),
+            "exp_avg_sq": store.tile(store.exp_avg_sq, unit).to(dev, copy=True),
+            "adamw": FlatAdamW(self.case.optim),
+        }
+
+    def _update_resident_embedding(self, clip: float) -> None:
+        """AdamW of the embedding on the compute stream, before the next step's forward reads it."""
+        r, unit, o = self.resident, self.embed, self.case.optim
+        if clip != 1.0:  # as the host path: the gradient times the clamped coefficient
+            self.embed_gacc.mul_(clip)
+        w = self.embed_buf
+        p32 = r["master"] if r["master"] is not None else (w if w.dtype == torch.float32 else w.float())
+        d = unit.decay_numel
+        for lo, hi, weight_decay in ((0, d, o.weight_decay), (d, unit.numel, 0.0)):
+            r["adamw"].update(lo, p32[lo:hi], self.embed_gacc[lo:hi], r["exp_avg"][lo:hi], r["exp_avg_sq"][lo:hi],
+                              weight_decay)
+        if p32 is not w:
+            w.copy_(p32)
+
+    def sync_resident_to_host(self) -> None:
+        """Write the resident embedding's state back to its host tiles (for reading or saving the model)."""
+        if not self.resident:
+            return
+        store, unit, r = self.store, self.embed, self.resident
+        store.tile(store.weights, unit).copy_(self.embed_buf)
+        if r["master"] is not None:
+            store.tile(store.master, unit).copy_(r["master"])
+        store.tile(store.exp_avg, unit).copy_(r["exp_avg"])
+        store.tile(store.exp_avg_sq, unit).copy_(r["exp_avg_sq"])
 
     # ---- measurement -------------------------------------------------------------------------------
     def _record_step(self, host_t0: float, step_s: float, grad_norm: float) -> None:

@@ -31,6 +31,8 @@ class StreamingSystem:
         self.optimizer = HostOptimizer(self.store, case.optim, kernel=case.options.get("optimizer_kernel", "fused"))
         self.streams = StreamSet(self.device, timeline=bool(case.options.get("timeline", True)))
         self.schedule = Schedule(case, self.store, self.optimizer, self.streams, self.device)
+        if self.schedule.resident:
+            self.optimizer.skip = {self.schedule.embed.index}
 
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> float:
         return self.schedule.step(inputs_BS, labels_BS, valid_tokens(labels_BS))
@@ -47,6 +49,7 @@ class StreamingSystem:
                 "in pinned host memory" if self.schedule.acts.offload else "on the GPU") + ", recomputed in backward",
             "mlp_chunk_tokens": self.schedule.layer_t.module.mlp.chunk_tokens,
             "compile": self.schedule.layer_t.compiled,
+            "resident_embedding": self.schedule.resident is not None,
             "plan": {k: v for k, v in self.plan.items() if k != "host_tiles_bytes_per_param"},
         }
 
@@ -77,6 +80,7 @@ class StreamingSystem:
 
     def named_parameters_fp32(self) -> dict[str, torch.Tensor]:
         self.optimizer.flush()
+        self.schedule.sync_resident_to_host()
         return self.store.named_parameters_fp32()
 
     def close(self) -> None:

@@ -27,7 +27,7 @@ class FlatAdamW:
         """One AdamW step of the fp32 region `param` in place (grad, moments: same shape, fp32)."""
         if param.numel() == 0:
             return
-        step = self.steps.setdefault(key, torch.zeros((), dtype=torch.float32))
+        step = self.steps.setdefault(key, torch.zeros((), dtype=torch.float32, device=param.device))
         o = self.optim
         adam([param], [grad], [exp_avg], [exp_avg_sq], [], [step], fused=self.fused,
              foreach=False if self.fused else None, decoupled_weight_decay=True, amsgrad=False,

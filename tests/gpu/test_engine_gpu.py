@@ -9,20 +9,21 @@ from megatrain.config import CaseConfig
 pytestmark = pytest.mark.gpu
 
 
-def _losses(system, precision, model="qwen2.5-0.5b", steps=20):
+def _losses(system, precision, model="qwen2.5-0.5b", steps=20, options=None):
     case = CaseConfig(system=system, model=model, batch=4, micro_batch=2, seq=256, steps=steps, device="cuda",
-                      dtype="bfloat16", precision=precision, seed=0)
+                      dtype="bfloat16", precision=precision, seed=0, options=options or {})
     record = run_case(case)
     assert record["status"] == "ok", record.get("error")
     return torch.tensor(record["losses"])
 
 
-@pytest.mark.parametrize("precision", ["mixed", "bf16"])
-def test_bf16_loss_curve_matches_native(precision):
+@pytest.mark.parametrize("precision,options", [("mixed", {}), ("bf16", {}), ("mixed", {"resident_embedding": True})],
+                         ids=["mixed", "bf16", "mixed-resident-embedding"])
+def test_bf16_loss_curve_matches_native(precision, options):
     ref = _losses("native", precision)
-    ours = _losses("megatrain", precision)
+    ours = _losses("megatrain", precision, options=options)
     rel = ((ours - ref).abs() / ref.abs()).max().item()
-    print(f"{precision}: max per-step relative loss difference {rel:.2e}")
+    print(f"{precision} {options}: max per-step relative loss difference {rel:.2e}")
     assert rel < 2e-2
     assert ours[-1] < ours[0]  # it trains
 

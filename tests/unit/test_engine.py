@@ -40,6 +40,10 @@ CASES = {
     "offloaded-activations": dict(model="tiny", batch=4, micro_batch=2, seq=16, options={"offload_activations": True}),
     "offload-chunked-mlp-tied": dict(model="tiny-tied", num_layers=3, batch=2, seq=16,
                                      options={"offload_activations": True, "mlp_chunk_tokens": 8}),
+    "resident-embedding-clip": dict(model="tiny", batch=4, micro_batch=2, seq=16,
+                                    optim=OptimConfig(lr=1e-3, max_grad_norm=0.05),
+                                    options={"resident_embedding": True}),
+    "resident-embedding-tied": dict(model="tiny-tied", batch=2, seq=7, options={"resident_embedding": True}),
     "torch-optimizer-kernel": dict(model="tiny", batch=4, micro_batch=2, seq=16,
                                    optim=OptimConfig(lr=1e-3, max_grad_norm=0.05),
                                    options={"optimizer_kernel": "torch"}),
@@ -65,6 +69,22 @@ def test_offloaded_activations_cross_pcie_and_leave_nothing_behind():
     act_bytes = 4 * 2 * 8 * 64 * 4  # layers 0..3 inputs, [2, 8, 64] fp32 each, out and back
     assert off["d2h_bytes"] - plain["d2h_bytes"] == act_bytes
     assert off["h2d_bytes"] - plain["h2d_bytes"] == act_bytes
+
+
+def test_resident_embedding_never_crosses_pcie_and_matches_the_streamed_one_in_bf16():
+    kw = dict(steps=2, model="tiny", num_layers=3, batch=2, seq=8)
+    _, _, streamed = _train("megatrain", **kw)
+    _, _, resident = _train("megatrain", options={"resident_embedding": True}, **kw)
+    embed_bytes = build_units(get_model_config("tiny", num_layers=3))[0].numel * 4  # fp32 weights, fp32 grads
+    assert streamed["h2d_bytes"] - resident["h2d_bytes"] == embed_bytes
+    assert streamed["d2h_bytes"] - resident["d2h_bytes"] == embed_bytes
+    # bf16 mode, one step: the GPU-side torch AdamW and the host one-pass kernel agree to a bf16 ulp
+    kw = dict(steps=1, model="tiny-tied", batch=2, seq=16, dtype="bfloat16", precision="bf16",
+              optim=OptimConfig(lr=1e-2, weight_decay=5.0))
+    _, host_params, _ = _train("megatrain", **kw)
+    _, gpu_params, _ = _train("megatrain", options={"resident_embedding": True}, **kw)
+    for name, p in host_params.items():
+        torch.testing.assert_close(gpu_params[name], p, rtol=2 ** -7, atol=1e-6, msg=name)
 
 
 def test_clipping_changes_the_result():
