@@ -9,6 +9,7 @@ of one micro-batch.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import psutil
@@ -34,6 +35,39 @@ def host_bytes_per_param(case: CaseConfig) -> dict[str, int]:
     return per
 
 
+AUTO_RESIDENT_SHARE = 0.9  # resident_layers=auto fills up to this share of the GPU, by the plan's estimate
+
+
+def resident_layer_bytes(case: CaseConfig) -> int:
+    """GPU bytes one resident decoder layer adds: weights, fp32 gradients, fp32 moments, and an fp32
+    master (mixed precision) or fp32 update copy (bf16 mode)."""
+    w = 2 if case.dtype == "bfloat16" else 4
+    return build_units(case.model_config())[1].numel * (w + 4 + 8 + (4 if w == 2 else 0))
+
+
+def resident_unit_indices(case: CaseConfig) -> list[int]:
+    """Units whose weights, gradients and AdamW state stay on the GPU: the embedding (option
+    resident_embedding) and the first K layers (option resident_layers=K, or 'auto': as many as fit
+    in AUTO_RESIDENT_SHARE of the GPU beside everything else the plan counts; none without a GPU)."""
+    layers = case.model_config().num_layers
+    k = case.options.get("resident_layers", 0)
+    if k == "auto":
+        k = auto_resident_layers(case)
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= layers:
+        raise ValueError(f"resident_layers must be 'auto' or an integer from 0 to the model's {layers} layers, "
+                         f"got {k!r}")
+    return ([0] if case.options.get("resident_embedding", False) else []) + list(range(1, k + 1))
+
+
+def auto_resident_layers(case: CaseConfig) -> int:
+    gpu = available_memory(case)[1]
+    if gpu is None:
+        return 0
+    base = plan_memory(dataclasses.replace(case, options={**case.options, "resident_layers": 0}))["gpu_bytes"]
+    room = AUTO_RESIDENT_SHARE * gpu - base
+    return max(0, min(case.model_config().num_layers, int(room // resident_layer_bytes(case))))
+
+
 def plan_memory(case: CaseConfig) -> dict:
     cfg = case.model_config()
     units = build_units(cfg)
@@ -53,8 +87,11 @@ def plan_memory(case: CaseConfig) -> dict:
     offload = bool(case.options.get("offload_activations", False))
     mlp_tokens = min(tokens_mb, int(case.options.get("mlp_chunk_tokens", 0)) or tokens_mb)
     buffers = 2 * slot * w + embed * w + 2 * slot * 4 + embed * 4 + (2 * slot * w if w == 2 else 0)
-    if case.options.get("resident_embedding", False):  # its moments, fp32 master (mixed) or fp32 update copy
-        buffers += embed * (8 + (4 if w == 2 else 0))
+    # resident units: moments and an fp32 master (mixed) or fp32 update copy (bf16 mode); a layer also
+    # its own weights and fp32 gradient buffer (the embedding has both already)
+    resident = resident_unit_indices(case)
+    for u in resident:
+        buffers += units[u].numel * (8 + (4 if w == 2 else 0) + (0 if u == 0 else w + 4))
     activation = case.batch * seq * h * w  # one layer's input for every micro-batch
     # offloaded: the head's input, a layer's input and output, and the next input streaming back
     checkpoints = (3 if offload else cfg.num_layers + 1) * activation
@@ -76,6 +113,7 @@ def plan_memory(case: CaseConfig) -> dict:
         "gpu_checkpoint_bytes": checkpoints,
         "gpu_work_bytes": max(layer_work, head_work),
         "host_activation_bytes": host_activations,
+        "resident_units": resident,
     }
 
 

@@ -13,9 +13,10 @@ Gradients accumulate over micro-batches in an fp32 GPU buffer (two, alternating)
 norm is summed on the GPU, and they leave in the streamed dtype on the D2H stream while the next
 layer's backward runs. The embedding stays in its
 own buffer for the whole step (the tied LM head reads it too) and its buffer is reused as the
-staging area for its gradient. With `resident_embedding` its AdamW state lives on the GPU too: it
-is never loaded or offloaded, and it is updated on the GPU as soon as the norm is known, so the
-next forward does not wait for the host optimizer to update the first (and often largest) unit.
+staging area for its gradient. Resident units (`resident_embedding`, `resident_layers=K`: the
+first K layers) keep weights, fp32 gradients and AdamW state on the GPU: they are never loaded or
+offloaded and are updated on the GPU as soon as the norm is known, so the next forward starts on
+them while the host optimizer updates the streamed units behind it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from megatrain.config import CaseConfig
 from megatrain.engine.activations import ActivationStore
 from megatrain.engine.host_optimizer import HostOptimizer
 from megatrain.engine.layout import Unit
+from megatrain.engine.plan import resident_unit_indices
 from megatrain.engine.store import HostStore
 from megatrain.engine.streams import StreamSet
 from megatrain.engine.templates import HeadTemplate, LayerTemplate, bind
@@ -37,13 +39,17 @@ from megatrain.models import rotary_tables
 from megatrain.optim.host_adamw import FlatAdamW
 
 
-def plan_uses(num_layers: int) -> list[tuple[int, str, int, bool]]:
-    """(unit index, phase, weight slot, needs a load) for every use of a step."""
+def plan_uses(num_layers: int, resident: frozenset = frozenset()) -> list[tuple[int, str, int | None, bool]]:
+    """(unit index, phase, weight slot, needs a load) for every use of a step; resident units (weights
+    kept on the GPU) take no slot (None) and no load."""
     uses = [(u, "fwd") for u in range(1, num_layers + 1)] + [(num_layers + 1, "head")]
     uses += [(u, "bwd") for u in range(num_layers, 0, -1)]
     content: list[int | None] = [None, None]
     plan, prev = [], None
     for unit, phase in uses:
+        if unit in resident:
+            plan.append((unit, phase, None, False))
+            continue
         if unit in content:
             slot, load = content.index(unit), False
         else:
@@ -77,13 +83,13 @@ class Schedule:
                                     cfg.num_layers, case.grad_accum, (case.micro_batch, case.seq, cfg.hidden_size), dt)
         self.head_t = HeadTemplate(cfg)
         self.cos, self.sin = rotary_tables(cfg, case.seq, device, dt)
-        self.plan = plan_uses(cfg.num_layers)
+        resident_units = resident_unit_indices(case)
+        self.plan = plan_uses(cfg.num_layers, frozenset(resident_units))
         self.slot_free = [None, None]  # compute-stream event: last use of the weight slot finished
         self.gslot_free = [None, None]  # d2h-stream event: last gradient copied out of the grad slot
         self.embed_free = None  # d2h-stream event: the embedding gradient left the embedding buffer
-        self.resident = None
-        if case.options.get("resident_embedding", False):
-            self._make_embedding_resident()
+        self.resident: dict[int, dict] = {u: self._make_resident(self.units[u]) for u in resident_units}
+        self.resident_adamw = FlatAdamW(case.optim)
         self.elsize = torch.empty((), dtype=dt).element_size()
         self.history: list[dict] = []
         self.timeline: list[dict] = []
@@ -131,9 +137,10 @@ class Schedule:
         with s.use("compute"):
             tokens = [inputs_BS[i:i + mb].to(dev, non_blocking=True) for i in range(0, inputs_BS.shape[0], mb)]
             labels = [labels_BS[i:i + mb].to(dev, non_blocking=True) for i in range(0, labels_BS.shape[0], mb)]
-        embed_ready = None if self.resident else self._load(self.embed, self.embed_buf, self.embed_free)
-        first_unit, _, first_slot, _ = self.plan[0]
-        ready = {0: self._load(self.units[first_unit], self.wbuf[first_slot], self.slot_free[first_slot])}
+        embed_ready = None if 0 in self.resident else self._load(self.embed, self.embed_buf, self.embed_free)
+        first_unit, _, first_slot, first_load = self.plan[0]
+        ready = {0: self._load(self.units[first_unit], self.wbuf[first_slot], self.slot_free[first_slot])} \
+            if first_load else {}
         embed_w = self.embed.view(self.embed_buf, self.embed.params[0])
         with s.use("compute"):
             s.wait("compute", embed_ready)
@@ -158,17 +165,19 @@ class Schedule:
                     after = s.record("compute")
                     self.stall_events.append((before, after))
                 start = s.record("compute")
+                weights = self.resident[u]["w"] if slot is None else self.wbuf[slot]
                 if phase == "fwd":
-                    self._forward(unit, self.wbuf[slot])
+                    self._forward(unit, weights)
                 elif phase == "head":
-                    self._head(unit, self.wbuf[slot], gslot, labels, normalizer, embed_w)
+                    self._head(unit, weights, gslot, labels, normalizer, embed_w)
                 else:
-                    self._backward(unit, self.wbuf[slot], gslot)
-                if phase != "fwd":  # head and backward each fill one grad slot; they alternate
+                    self._backward(unit, weights, gslot)
+                if phase != "fwd" and slot is not None:  # streamed head/backward fill alternating grad slots
                     gslot = 1 - gslot
                 end = s.record("compute")
                 s.span("compute", u, phase, start, end)
-                self.slot_free[slot] = end
+                if slot is not None:
+                    self.slot_free[slot] = end
         with s.use("compute"):
             start = s.record("compute")
             self._embed_backward(tokens)
@@ -180,9 +189,10 @@ class Schedule:
         loss = float(self.loss_sum)
         if self.resident:
             with s.use("compute"):
-                start = s.record("compute")
-                self._update_resident_embedding(clip)
-                s.span("compute", 0, "opt", start, s.record("compute"))
+                for u in self.resident:
+                    start = s.record("compute")
+                    self._update_resident(u, clip)
+                    s.span("compute", u, "opt", start, s.record("compute"))
         if s.cuda:
             torch.cuda.synchronize(dev)
         step_s = time.perf_counter() - host_t0
@@ -202,9 +212,16 @@ class Schedule:
         views = bind(unit, gacc, requires_grad=False)
         torch._foreach_add_([views[n] for n in names], list(grads))
 
-    def _head(self, unit: Unit, wbuf: torch.Tensor, gslot: int, labels, normalizer: int, embed_w) -> None:
+    def _grad_buffer(self, unit: Unit, gslot: int) -> torch.Tensor:
+        """The zeroed fp32 buffer this use accumulates its gradient in: the unit's own when resident, else
+        grad slot `gslot` once its last gradient has left for the host."""
+        if unit.index in self.resident:
+            return self.resident[unit.index]["gacc"].zero_()
         self.streams.wait("compute", self.gslot_free[gslot])
-        gacc = self.gacc[gslot][:unit.numel].zero_()
+        return self.gacc[gslot][:unit.numel].zero_()
+
+    def _head(self, unit: Unit, wbuf: torch.Tensor, gslot: int, labels, normalizer: int, embed_w) -> None:
+        gacc = self._grad_buffer(unit, gslot)
         params = bind(unit, wbuf, requires_grad=True)
         tied = "lm_head.weight" not in params
         head_w = embed_w.detach().requires_grad_() if tied else params["lm_head.weight"]
@@ -226,8 +243,7 @@ class Schedule:
         self._finish_grads(unit, gacc, gslot)
 
     def _backward(self, unit: Unit, wbuf: torch.Tensor, gslot: int) -> None:
-        self.streams.wait("compute", self.gslot_free[gslot])
-        gacc = self.gacc[gslot][:unit.numel].zero_()
+        gacc = self._grad_buffer(unit, gslot)
         params = bind(unit, wbuf, requires_grad=True)
         names, tensors = list(params), list(params.values())
         inputs = self.acts.take(unit.index - 1)  # this layer's inputs; its outputs were consumed already
@@ -244,6 +260,8 @@ class Schedule:
 
     def _finish_grads(self, unit: Unit, gacc: torch.Tensor, gslot: int) -> None:
         self.sumsq += torch.linalg.vector_norm(gacc).square()
+        if unit.index in self.resident:  # stays on the GPU: updated there once the norm is known
+            return
         src = gacc
         if self.stage is not None:
             src = self.stage[gslot][:unit.numel]
@@ -256,51 +274,55 @@ class Schedule:
             gacc.index_add_(0, t.flatten(), dy.flatten(0, 1).float())
         self.dys = []
         self.sumsq += torch.linalg.vector_norm(self.embed_gacc).square()
-        if self.resident:  # stays on the GPU: updated there once the norm is known
+        if 0 in self.resident:  # stays on the GPU: updated there once the norm is known
             return
         src = self.embed_gacc
         if self.stage is not None:  # the embedding weights are not needed again this step: stage in place
             src = self.embed_buf.copy_(self.embed_gacc)
         self.embed_free = self._offload(self.embed, src, None)
 
-    # ---- the resident embedding ---------------------------------------------------------------------
-    def _make_embedding_resident(self) -> None:
-        """Move the embedding's training state to the GPU: its weights stay in embed_buf, its fp32 master
-        (mixed precision) and moments beside them; the host optimizer skips it (see HostOptimizer.skip)."""
-        store, unit, dev = self.store, self.embed, self.device
-        master = store.tile(store.master, unit).to(dev, copy=True) if store.master is not None else None
-        self.embed_buf.copy_(store.tile(store.weights, unit))
-        self.resident = {
-            "master": master,
+    # ---- resident units ---------------------------------------------------------------------------
+    def _make_resident(self, unit: Unit) -> dict:
+        """Move a unit's training state to the GPU: weights (the embedding keeps its buffer), an fp32
+        gradient buffer, the fp32 master (mixed precision) and moments; the host optimizer skips it."""
+        store, dev = self.store, self.device
+        if unit.index == 0:
+            w, gacc = self.embed_buf, self.embed_gacc
+        else:
+            w = torch.empty(unit.numel, dtype=store.compute_dtype, device=dev)
+            gacc = torch.empty(unit.numel, dtype=torch.float32, device=dev)
+        w.copy_(store.tile(store.weights, unit))
+        return {
+            "w": w, "gacc": gacc,
+            "master": store.tile(store.master, unit).to(dev, copy=True) if store.master is not None else None,
             "exp_avg": store.tile(store.exp_avg, unit).to(dev, copy=True),
             "exp_avg_sq": store.tile(store.exp_avg_sq, unit).to(dev, copy=True),
-            "adamw": FlatAdamW(self.case.optim),
         }
 
-    def _update_resident_embedding(self, clip: float) -> None:
-        """AdamW of the embedding on the compute stream, before the next step's forward reads it."""
-        r, unit, o = self.resident, self.embed, self.case.optim
+    def _update_resident(self, index: int, clip: float) -> None:
+        """AdamW of a resident unit on the compute stream, before the next step's forward reads it."""
+        r, unit, o = self.resident[index], self.units[index], self.case.optim
+        g, w = r["gacc"], r["w"]
         if clip != 1.0:  # as the host path: the gradient times the clamped coefficient
-            self.embed_gacc.mul_(clip)
-        w = self.embed_buf
+            g.mul_(clip)
         p32 = r["master"] if r["master"] is not None else (w if w.dtype == torch.float32 else w.float())
         d = unit.decay_numel
         for lo, hi, weight_decay in ((0, d, o.weight_decay), (d, unit.numel, 0.0)):
-            r["adamw"].update(lo, p32[lo:hi], self.embed_gacc[lo:hi], r["exp_avg"][lo:hi], r["exp_avg_sq"][lo:hi],
-                              weight_decay)
+            self.resident_adamw.update((index, lo), p32[lo:hi], g[lo:hi], r["exp_avg"][lo:hi],
+                                       r["exp_avg_sq"][lo:hi], weight_decay)
         if p32 is not w:
             w.copy_(p32)
 
     def sync_resident_to_host(self) -> None:
-        """Write the resident embedding's state back to its host tiles (for reading or saving the model)."""
-        if not self.resident:
-            return
-        store, unit, r = self.store, self.embed, self.resident
-        store.tile(store.weights, unit).copy_(self.embed_buf)
-        if r["master"] is not None:
-            store.tile(store.master, unit).copy_(r["master"])
-        store.tile(store.exp_avg, unit).copy_(r["exp_avg"])
-        store.tile(store.exp_avg_sq, unit).copy_(r["exp_avg_sq"])
+        """Write the resident units' state back to their host tiles (for reading or saving the model)."""
+        store = self.store
+        for index, r in self.resident.items():
+            unit = self.units[index]
+            store.tile(store.weights, unit).copy_(r["w"])
+            if r["master"] is not None:
+                store.tile(store.master, unit).copy_(r["master"])
+            store.tile(store.exp_avg, unit).copy_(r["exp_avg"])
+            store.tile(store.exp_avg_sq, unit).copy_(r["exp_avg_sq"])
 
     # ---- measurement -------------------------------------------------------------------------------
     def _record_step(self, host_t0: float, step_s: float, grad_norm: float) -> None:

@@ -31,8 +31,7 @@ class StreamingSystem:
         self.optimizer = HostOptimizer(self.store, case.optim, kernel=case.options.get("optimizer_kernel", "fused"))
         self.streams = StreamSet(self.device, timeline=bool(case.options.get("timeline", True)))
         self.schedule = Schedule(case, self.store, self.optimizer, self.streams, self.device)
-        if self.schedule.resident:
-            self.optimizer.skip = {self.schedule.embed.index}
+        self.optimizer.skip = set(self.schedule.resident)
 
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> float:
         return self.schedule.step(inputs_BS, labels_BS, valid_tokens(labels_BS))
@@ -49,7 +48,7 @@ class StreamingSystem:
                 "in pinned host memory" if self.schedule.acts.offload else "on the GPU") + ", recomputed in backward",
             "mlp_chunk_tokens": self.schedule.layer_t.module.mlp.chunk_tokens,
             "compile": self.schedule.layer_t.compiled,
-            "resident_embedding": self.schedule.resident is not None,
+            "resident_units": sorted(self.schedule.resident),
             "plan": {k: v for k, v in self.plan.items() if k != "host_tiles_bytes_per_param"},
         }
 

@@ -17,8 +17,9 @@ def _losses(system, precision, model="qwen2.5-0.5b", steps=20, options=None):
     return torch.tensor(record["losses"])
 
 
-@pytest.mark.parametrize("precision,options", [("mixed", {}), ("bf16", {}), ("mixed", {"resident_embedding": True})],
-                         ids=["mixed", "bf16", "mixed-resident-embedding"])
+@pytest.mark.parametrize("precision,options", [("mixed", {}), ("bf16", {}),
+                                               ("mixed", {"resident_embedding": True, "resident_layers": 4})],
+                         ids=["mixed", "bf16", "mixed-resident-embedding-and-4-layers"])
 def test_bf16_loss_curve_matches_native(precision, options):
     ref = _losses("native", precision)
     ours = _losses("megatrain", precision, options=options)

@@ -44,6 +44,11 @@ CASES = {
                                     optim=OptimConfig(lr=1e-3, max_grad_norm=0.05),
                                     options={"resident_embedding": True}),
     "resident-embedding-tied": dict(model="tiny-tied", batch=2, seq=7, options={"resident_embedding": True}),
+    "resident-layers-accum-clip": dict(model="tiny", num_layers=4, batch=4, micro_batch=2, seq=16,
+                                       optim=OptimConfig(lr=1e-3, max_grad_norm=0.05),
+                                       options={"resident_layers": 2}),
+    "all-resident-but-head-tied": dict(model="tiny-tied", num_layers=3, batch=2, seq=7,
+                                       options={"resident_embedding": True, "resident_layers": 3}),
     "torch-optimizer-kernel": dict(model="tiny", batch=4, micro_batch=2, seq=16,
                                    optim=OptimConfig(lr=1e-3, max_grad_norm=0.05),
                                    options={"optimizer_kernel": "torch"}),
@@ -85,6 +90,45 @@ def test_resident_embedding_never_crosses_pcie_and_matches_the_streamed_one_in_b
     _, gpu_params, _ = _train("megatrain", options={"resident_embedding": True}, **kw)
     for name, p in host_params.items():
         torch.testing.assert_close(gpu_params[name], p, rtol=2 ** -7, atol=1e-6, msg=name)
+
+
+def test_resident_layers_take_no_slot_and_never_cross_pcie():
+    plan = plan_uses(4, frozenset({1, 2}))
+    assert [use for use in plan if use[0] in (1, 2)] == [(1, "fwd", None, False), (2, "fwd", None, False),
+                                                          (2, "bwd", None, False), (1, "bwd", None, False)]
+    streamed = [(u, ph, load) for u, ph, slot, load in plan_uses(4) if u > 2]
+    assert [(u, ph, load) for u, ph, slot, load in plan if u > 2] == streamed  # the rest streams as before
+    kw = dict(steps=2, model="tiny", num_layers=4, batch=2, seq=8)
+    _, _, plain = _train("megatrain", **kw)
+    _, _, res = _train("megatrain", options={"resident_layers": 2}, **kw)
+    units = build_units(get_model_config("tiny", num_layers=4))
+    assert plain["h2d_bytes"] - res["h2d_bytes"] == 2 * (units[1].numel + units[2].numel) * 4  # in twice a step
+    assert plain["d2h_bytes"] - res["d2h_bytes"] == (units[1].numel + units[2].numel) * 4
+
+
+def test_auto_resident_layers_fill_the_gpu_share_the_plan_leaves(monkeypatch):
+    from megatrain.engine import plan as plan_mod
+
+    case = CaseConfig(system="megatrain", model="qwen2.5-3b", dtype="bfloat16", batch=8, seq=1024, device="cuda",
+                      options={"resident_layers": "auto"})
+    base = plan_memory(CaseConfig(system="megatrain", model="qwen2.5-3b", dtype="bfloat16", batch=8, seq=1024,
+                                  device="cuda"))["gpu_bytes"]
+    per_layer = plan_mod.resident_layer_bytes(case)
+    gpu = int((base + 5.5 * per_layer) / plan_mod.AUTO_RESIDENT_SHARE)
+    monkeypatch.setattr(plan_mod, "available_memory", lambda c: (2**40, gpu))
+    assert plan_mod.resident_unit_indices(case) == [1, 2, 3, 4, 5]
+    planned = plan_memory(case)
+    assert planned["resident_units"] == [1, 2, 3, 4, 5]
+    assert planned["gpu_bytes"] == base + 5 * per_layer
+    monkeypatch.setattr(plan_mod, "available_memory", lambda c: (2**40, None))  # no GPU: nothing resident
+    assert plan_mod.resident_unit_indices(case) == []
+
+
+@pytest.mark.parametrize("bad", [-1, 5, 1.5, "2"])
+def test_resident_layers_out_of_range_are_refused_before_allocating(bad):
+    case = CaseConfig(system="megatrain", model="tiny", num_layers=4, options={"resident_layers": bad})
+    with pytest.raises(ValueError, match="resident_layers must be 'auto' or an integer from 0 to the model's 4"):
+        check_fits(case)
 
 
 def test_clipping_changes_the_result():
