@@ -154,9 +154,8 @@ class Schedule:
         self.dys: list[torch.Tensor] = []
         gslot = 0
         for k, (u, phase, slot, _) in enumerate(self.plan):
-            if k + 1 < len(self.plan) and self.plan[k + 1][3]:
-                nu, _, nslot, _ = self.plan[k + 1]
-                ready[k + 1] = self._load(self.units[nu], self.wbuf[nslot], self.slot_free[nslot])
+            if slot is not None:  # prefetch the next use's weights while this one computes
+                self._prefetch(k + 1, ready)
             unit = self.units[u]
             with s.use("compute"):
                 if k in ready:
@@ -178,6 +177,8 @@ class Schedule:
                 s.span("compute", u, phase, start, end)
                 if slot is not None:
                     self.slot_free[slot] = end
+            if slot is None:  # resident: queue its compute first, since _load may wait for the host optimizer
+                self._prefetch(k + 1, ready)
         with s.use("compute"):
             start = s.record("compute")
             self._embed_backward(tokens)
@@ -199,6 +200,12 @@ class Schedule:
         self.optimizer.submit(clip, self.grad_ready)
         self._record_step(host_t0, step_s, total_norm)
         return loss
+
+    def _prefetch(self, k: int, ready: dict) -> None:
+        """Start loading use k's weights into its slot, if it needs a load."""
+        if k < len(self.plan) and self.plan[k][3]:
+            u, _, slot, _ = self.plan[k]
+            ready[k] = self._load(self.units[u], self.wbuf[slot], self.slot_free[slot])
 
     def _forward(self, unit: Unit, wbuf: torch.Tensor) -> None:
         params = bind(unit, wbuf, requires_grad=False)
