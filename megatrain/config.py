@@ -103,6 +103,11 @@ class CaseConfig:
         return self.batch // self.micro_batch
 
     @property
+    def dtype_bytes(self) -> int:
+        """Bytes per element of the compute dtype."""
+        return 2 if self.dtype == "bfloat16" else 4
+
+    @property
     def tokens_per_step(self) -> int:
         return self.batch * self.seq
 

@@ -61,6 +61,7 @@ def host_memory_gib() -> tuple[float, float, str]:
 @functools.lru_cache(maxsize=1)
 def environment() -> dict:
     commit, dirty = git_commit()
+    host_total_gib, _, host_source = host_memory_gib()
     env = {
         "commit": commit,
         "dirty": dirty,
@@ -72,8 +73,8 @@ def environment() -> dict:
         "hostname_kind": os.environ.get("MEGATRAIN_HOST_KIND"),
         "cpu": cpu_name(),
         "cpu_cores": os.cpu_count(),
-        "host_mem_gib": round(host_memory_gib()[0], 1),
-        "host_mem_source": host_memory_gib()[2],
+        "host_mem_gib": round(host_total_gib, 1),
+        "host_mem_source": host_source,
         "gpu": None,
         "gpu_mem_gib": None,
         "driver": None,

@@ -54,7 +54,7 @@ def activation_bytes(case: CaseConfig) -> int:
     [chunk, V] logits block and its gradient (megatrain.models.loss).
     """
     cfg = case.model_config()
-    e = 2 if case.dtype == "bfloat16" else 4
+    e = case.dtype_bytes
     tokens = case.micro_batch * case.seq
     saved = cfg.num_layers * tokens * cfg.hidden_size * e
     working = tokens * 2 * (6 * cfg.hidden_size + 3 * cfg.intermediate_size) * e

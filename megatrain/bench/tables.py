@@ -60,14 +60,14 @@ def _sessions(df: pd.DataFrame) -> pd.Series:
     session = {}
     for _, g in df.groupby("hardware"):
         runs = g.groupby("run_id")[["commit", "host_kind", "gpu"]].first().sort_index()
-        current, key = None, None
+        groups: list[tuple[tuple, list]] = []  # (commit, host kind, gpu), consecutive run ids
         for run_id, row in runs.iterrows():
-            this = (row["commit"], row["host_kind"], row["gpu"])
-            if this != key:
-                current, key = [], this
-            current.append(run_id)
-            for part in current:
-                session[part] = run_id
+            key = (row["commit"], row["host_kind"], row["gpu"])
+            if not groups or groups[-1][0] != key:
+                groups.append((key, []))
+            groups[-1][1].append(run_id)
+        for _, run_ids in groups:
+            session.update(dict.fromkeys(run_ids, run_ids[-1]))
     return df["run_id"].map(session)
 
 

@@ -15,13 +15,41 @@ import time
 import torch
 
 from megatrain.config import OptimConfig
+from megatrain.engine.layout import Unit
 from megatrain.engine.store import OPT_CHUNK, HostStore
 from megatrain.optim import fused
 from megatrain.optim.host_adamw import FlatAdamW
 
 
+def torch_adamw_unit(adamw: FlatAdamW, unit: Unit, weights: torch.Tensor, grads: torch.Tensor,
+                     master: torch.Tensor | None, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, clip: float,
+                     weight_decay: float, grad_scratch: torch.Tensor | None,
+                     param_scratch: torch.Tensor | None) -> None:
+    """torch's AdamW over one unit's flat tensors (host tiles or resident GPU buffers), its decayed region
+    then the rest, in chunks of OPT_CHUNK: gradients in fp32 (converted in grad_scratch when they are
+    not) times the clip coefficient, weights updated in fp32 (the master, the weights themselves, or a
+    copy in param_scratch rounded back to bf16)."""
+    d = unit.decay_numel
+    for lo, hi, wd in ((0, d, weight_decay), (d, unit.numel, 0.0)):
+        for a in range(lo, hi, OPT_CHUNK):
+            b = min(a + OPT_CHUNK, hi)
+            w = weights[a:b]
+            if master is not None:
+                p32 = master[a:b]
+            elif w.dtype == torch.float32:
+                p32 = w
+            else:  # bf16 mode: update in fp32, round back to the stored bf16 weights
+                p32 = param_scratch[:b - a].copy_(w)
+            g32 = grads[a:b] if grads.dtype == torch.float32 else grad_scratch[:b - a].copy_(grads[a:b])
+            if clip != 1.0:  # torch's clip_grad_norm_ multiplies by the clamped coefficient; x1.0 is exact
+                g32.mul_(clip)
+            adamw.update((unit.index, a), p32, g32, exp_avg[a:b], exp_avg_sq[a:b], wd)
+            if p32 is not w:
+                w.copy_(p32)  # the bf16 weights the next step streams
+
+
 class HostOptimizer:
-    def __init__(self, store: HostStore, optim: OptimConfig, kernel: str = "fused"):
+    def __init__(self, store: HostStore, optim: OptimConfig, kernel: str = "fused", skip: frozenset = frozenset()):
         if kernel not in ("fused", "torch"):
             raise ValueError(f"optimizer kernel must be 'fused' or 'torch', got {kernel!r}")
         self.store = store
@@ -38,7 +66,7 @@ class HostOptimizer:
         self.param_scratch = torch.empty(chunk, dtype=torch.float32) \
             if torch_kernel and store.master is None and store.weights.dtype != torch.float32 else None
         self.step_count = 0
-        self.skip: set[int] = set()  # units whose state lives on the GPU (the resident embedding)
+        self.skip = skip  # resident units: their state lives and is updated on the GPU
         self.done = [threading.Event() for _ in store.units]
         for ev in self.done:
             ev.set()
@@ -102,25 +130,15 @@ class HostOptimizer:
         grads, weights = s.tile(s.grads, unit), s.tile(s.weights, unit)
         master = s.tile(s.master, unit) if s.master is not None else None
         m, v = s.tile(s.exp_avg, unit), s.tile(s.exp_avg_sq, unit)
+        if self.kernel == "torch":
+            torch_adamw_unit(self.adamw, unit, weights, grads, master, m, v, clip_coef, self.weight_decay,
+                             self.grad_scratch, self.param_scratch)
+            return
         d = unit.decay_numel
         for lo, hi, weight_decay in ((0, d, self.weight_decay), (d, unit.numel, 0.0)):
             for a in range(lo, hi, OPT_CHUNK):
                 b = min(a + OPT_CHUNK, hi)
                 w = weights[a:b]
-                if self.kernel == "fused":  # mixed: fp32 master in, bf16 copy out; bf16 mode: bf16 in place
-                    p = master[a:b] if master is not None else w
-                    fused.fused_adamw(p, grads[a:b], m[a:b], v[a:b], None if p is w else w, step, clip_coef,
-                                      o.lr, o.beta1, o.beta2, o.eps, weight_decay)
-                    continue
-                if master is not None:
-                    p32 = master[a:b]
-                elif w.dtype == torch.float32:
-                    p32 = w
-                else:  # bf16 mode: update in fp32, round back to the stored bf16 weights
-                    p32 = self.param_scratch[:b - a].copy_(w)
-                g32 = grads[a:b] if self.grad_scratch is None else self.grad_scratch[:b - a].copy_(grads[a:b])
-                if clip_coef != 1.0:  # torch's clip_grad_norm_ multiplies by the clamped coefficient; x1.0 is exact
-                    g32.mul_(clip_coef)
-                self.adamw.update((unit.index, a), p32, g32, m[a:b], v[a:b], weight_decay)
-                if p32 is not w:
-                    w.copy_(p32)  # the bf16 weights the next step streams
+                p = master[a:b] if master is not None else w  # mixed: fp32 master, bf16 copy out; bf16: in place
+                fused.fused_adamw(p, grads[a:b], m[a:b], v[a:b], None if p is w else w, step, clip_coef,
+                                  o.lr, o.beta1, o.beta2, o.eps, weight_decay)

@@ -10,13 +10,12 @@ of one micro-batch.
 from __future__ import annotations
 
 import dataclasses
-import os
 
-import psutil
 import torch
 
+from megatrain.bench.env import host_memory_gib
 from megatrain.config import CaseConfig
-from megatrain.engine.layout import build_units, total_numel
+from megatrain.engine.layout import Unit, build_units, total_numel
 from megatrain.engine.store import OPT_CHUNK
 from megatrain.models.loss import chunk_tokens_for
 
@@ -27,10 +26,9 @@ GPU_RESERVE_BYTES = 2 * GIB  # CUDA context, cuBLAS workspaces, allocator fragme
 
 def host_bytes_per_param(case: CaseConfig) -> dict[str, int]:
     """Bytes per parameter of each persistent host tile."""
-    bf16 = case.dtype == "bfloat16"
-    w = 2 if bf16 else 4
+    w = case.dtype_bytes
     per = {"weights": w, "grads": w, "exp_avg": 4, "exp_avg_sq": 4}
-    if bf16 and case.precision == "mixed":
+    if w == 2 and case.precision == "mixed":
         per["master"] = 4
     return per
 
@@ -38,11 +36,13 @@ def host_bytes_per_param(case: CaseConfig) -> dict[str, int]:
 AUTO_RESIDENT_SHARE = 0.9  # resident_layers=auto fills up to this share of the GPU, by the plan's estimate
 
 
-def resident_layer_bytes(case: CaseConfig) -> int:
-    """GPU bytes one resident decoder layer adds: weights, fp32 gradients, fp32 moments, and an fp32
-    master (mixed precision) or fp32 update copy (bf16 mode)."""
-    w = 2 if case.dtype == "bfloat16" else 4
-    return build_units(case.model_config())[1].numel * (w + 4 + 8 + (4 if w == 2 else 0))
+def resident_bytes(case: CaseConfig, unit: Unit) -> int:
+    """GPU bytes a resident unit adds: fp32 moments, an fp32 master (mixed precision with bf16 compute),
+    and for a layer its own weights and fp32 gradient buffer (the embedding has both already). bf16
+    mode adds one shared fp32 update chunk (plan_memory)."""
+    w = case.dtype_bytes
+    master = 4 if w == 2 and case.precision == "mixed" else 0
+    return unit.numel * (8 + master + (0 if unit.index == 0 else w + 4))
 
 
 def resident_unit_indices(case: CaseConfig) -> list[int]:
@@ -65,7 +65,8 @@ def auto_resident_layers(case: CaseConfig) -> int:
         return 0
     base = plan_memory(dataclasses.replace(case, options={**case.options, "resident_layers": 0}))["gpu_bytes"]
     room = AUTO_RESIDENT_SHARE * gpu - base
-    return max(0, min(case.model_config().num_layers, int(room // resident_layer_bytes(case))))
+    per_layer = resident_bytes(case, build_units(case.model_config())[1])
+    return max(0, min(case.model_config().num_layers, int(room // per_layer)))
 
 
 def plan_memory(case: CaseConfig) -> dict:
@@ -75,7 +76,7 @@ def plan_memory(case: CaseConfig) -> dict:
     per = host_bytes_per_param(case)
     slot = max(u.numel for u in units[1:])
     embed = units[0].numel
-    w = 2 if case.dtype == "bfloat16" else 4
+    w = case.dtype_bytes
     # the torch optimizer kernel's fp32 scratch (one chunk of gradients, and of weights in bf16 mode)
     torch_kernel = case.options.get("optimizer_kernel", "fused") == "torch"
     scratch = min(OPT_CHUNK, max(u.numel for u in units)) * 4 * ((w == 2) + (case.precision == "bf16")) * torch_kernel
@@ -87,11 +88,10 @@ def plan_memory(case: CaseConfig) -> dict:
     offload = bool(case.options.get("offload_activations", False))
     mlp_tokens = min(tokens_mb, int(case.options.get("mlp_chunk_tokens", 0)) or tokens_mb)
     buffers = 2 * slot * w + embed * w + 2 * slot * 4 + embed * 4 + (2 * slot * w if w == 2 else 0)
-    # resident units: moments and an fp32 master (mixed) or fp32 update copy (bf16 mode); a layer also
-    # its own weights and fp32 gradient buffer (the embedding has both already)
     resident = resident_unit_indices(case)
-    for u in resident:
-        buffers += units[u].numel * (8 + (4 if w == 2 else 0) + (0 if u == 0 else w + 4))
+    buffers += sum(resident_bytes(case, units[u]) for u in resident)
+    if resident and case.precision == "bf16":  # the fp32 chunk resident bf16 weights are updated in
+        buffers += min(OPT_CHUNK, max(units[u].numel for u in resident)) * 4
     activation = case.batch * seq * h * w  # one layer's input for every micro-batch
     # offloaded: the head's input, a layer's input and output, and the next input streaming back
     checkpoints = (3 if offload else cfg.num_layers + 1) * activation
@@ -120,8 +120,8 @@ def plan_memory(case: CaseConfig) -> dict:
 def available_memory(case: CaseConfig) -> tuple[int, int | None]:
     """(host bytes, GPU bytes) this case may use. Host: option host_mem_gib or MEGATRAIN_HOST_MEM_GIB
     (for VMs whose MemTotal grows as memory is touched), else MemTotal."""
-    host_gib = case.options.get("host_mem_gib") or os.environ.get("MEGATRAIN_HOST_MEM_GIB")
-    host = int(float(host_gib) * GIB) if host_gib else psutil.virtual_memory().total
+    host_gib = case.options.get("host_mem_gib") or host_memory_gib()[0]
+    host = int(float(host_gib) * GIB)
     gpu = None
     if case.device == "cuda" and torch.cuda.is_available():
         gpu = torch.cuda.get_device_properties(0).total_memory

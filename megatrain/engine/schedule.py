@@ -29,10 +29,9 @@ import torch.nn.functional as F
 
 from megatrain.config import CaseConfig
 from megatrain.engine.activations import ActivationStore
-from megatrain.engine.host_optimizer import HostOptimizer
+from megatrain.engine.host_optimizer import HostOptimizer, torch_adamw_unit
 from megatrain.engine.layout import Unit
-from megatrain.engine.plan import resident_unit_indices
-from megatrain.engine.store import HostStore
+from megatrain.engine.store import OPT_CHUNK, HostStore
 from megatrain.engine.streams import StreamSet
 from megatrain.engine.templates import HeadTemplate, LayerTemplate, bind
 from megatrain.models import rotary_tables
@@ -62,7 +61,7 @@ def plan_uses(num_layers: int, resident: frozenset = frozenset()) -> list[tuple[
 
 class Schedule:
     def __init__(self, case: CaseConfig, store: HostStore, optimizer: HostOptimizer, streams: StreamSet,
-                 device: torch.device):
+                 device: torch.device, resident_units: list[int]):
         cfg = case.model_config()
         self.case, self.store, self.optimizer, self.streams, self.device = case, store, optimizer, streams, device
         self.cfg = cfg
@@ -83,13 +82,16 @@ class Schedule:
                                     cfg.num_layers, case.grad_accum, (case.micro_batch, case.seq, cfg.hidden_size), dt)
         self.head_t = HeadTemplate(cfg)
         self.cos, self.sin = rotary_tables(cfg, case.seq, device, dt)
-        resident_units = resident_unit_indices(case)
         self.plan = plan_uses(cfg.num_layers, frozenset(resident_units))
         self.slot_free = [None, None]  # compute-stream event: last use of the weight slot finished
         self.gslot_free = [None, None]  # d2h-stream event: last gradient copied out of the grad slot
         self.embed_free = None  # d2h-stream event: the embedding gradient left the embedding buffer
         self.resident: dict[int, dict] = {u: self._make_resident(self.units[u]) for u in resident_units}
         self.resident_adamw = FlatAdamW(case.optim)
+        # bf16 mode updates resident weights in fp32 one chunk at a time
+        self.resident_scratch = torch.empty(min(OPT_CHUNK, max(self.units[u].numel for u in resident_units)),
+                                            dtype=torch.float32, device=device) \
+            if resident_units and store.master is None and dt != torch.float32 else None
         self.elsize = torch.empty((), dtype=dt).element_size()
         self.history: list[dict] = []
         self.timeline: list[dict] = []
@@ -308,17 +310,9 @@ class Schedule:
 
     def _update_resident(self, index: int, clip: float) -> None:
         """AdamW of a resident unit on the compute stream, before the next step's forward reads it."""
-        r, unit, o = self.resident[index], self.units[index], self.case.optim
-        g, w = r["gacc"], r["w"]
-        if clip != 1.0:  # as the host path: the gradient times the clamped coefficient
-            g.mul_(clip)
-        p32 = r["master"] if r["master"] is not None else (w if w.dtype == torch.float32 else w.float())
-        d = unit.decay_numel
-        for lo, hi, weight_decay in ((0, d, o.weight_decay), (d, unit.numel, 0.0)):
-            self.resident_adamw.update((index, lo), p32[lo:hi], g[lo:hi], r["exp_avg"][lo:hi],
-                                       r["exp_avg_sq"][lo:hi], weight_decay)
-        if p32 is not w:
-            w.copy_(p32)
+        r = self.resident[index]
+        torch_adamw_unit(self.resident_adamw, self.units[index], r["w"], r["gacc"], r["master"], r["exp_avg"],
+                         r["exp_avg_sq"], clip, self.case.optim.weight_decay, None, self.resident_scratch)
 
     def sync_resident_to_host(self) -> None:
         """Write the resident units' state back to their host tiles (for reading or saving the model)."""

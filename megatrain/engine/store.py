@@ -4,7 +4,7 @@ Per parameter, by precision mode (compute dtype bf16):
 - mixed: bf16 weights (pinned, streamed to the GPU) 2 B, bf16 gradients (pinned, streamed back)
   2 B, fp32 master weights 4 B, fp32 Adam moments 8 B: 16 B/param.
 - bf16: bf16 weights 2 B, bf16 gradients 2 B, fp32 Adam moments 8 B: 12 B/param (the paper's
-  layout; updates run in fp32 on a per-unit scratch and are rounded back to bf16).
+  layout; updates run in fp32 and are rounded back to bf16).
 With compute dtype fp32 (CPU parity runs) weights are the master weights and gradients are fp32.
 Only tiles that DMA reads or writes are pinned (page-locked in place with cudaHostRegister, which
 does not round sizes up the way the caching pinned allocator does).

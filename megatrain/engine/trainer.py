@@ -28,10 +28,11 @@ class StreamingSystem:
         cuda = self.device.type == "cuda"
         self.store = HostStore(cfg, compute_dtype(case), case.precision, pin=cuda)
         self.store.initialise(case.seed, self.device)
-        self.optimizer = HostOptimizer(self.store, case.optim, kernel=case.options.get("optimizer_kernel", "fused"))
+        resident = self.plan["resident_units"]
+        self.optimizer = HostOptimizer(self.store, case.optim, kernel=case.options.get("optimizer_kernel", "fused"),
+                                       skip=frozenset(resident))
         self.streams = StreamSet(self.device, timeline=bool(case.options.get("timeline", True)))
-        self.schedule = Schedule(case, self.store, self.optimizer, self.streams, self.device)
-        self.optimizer.skip = set(self.schedule.resident)
+        self.schedule = Schedule(case, self.store, self.optimizer, self.streams, self.device, resident)
 
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> float:
         return self.schedule.step(inputs_BS, labels_BS, valid_tokens(labels_BS))

@@ -113,7 +113,7 @@ def test_auto_resident_layers_fill_the_gpu_share_the_plan_leaves(monkeypatch):
                       options={"resident_layers": "auto"})
     base = plan_memory(CaseConfig(system="megatrain", model="qwen2.5-3b", dtype="bfloat16", batch=8, seq=1024,
                                   device="cuda"))["gpu_bytes"]
-    per_layer = plan_mod.resident_layer_bytes(case)
+    per_layer = plan_mod.resident_bytes(case, build_units(case.model_config())[1])
     gpu = int((base + 5.5 * per_layer) / plan_mod.AUTO_RESIDENT_SHARE)
     monkeypatch.setattr(plan_mod, "available_memory", lambda c: (2**40, gpu))
     assert plan_mod.resident_unit_indices(case) == [1, 2, 3, 4, 5]
