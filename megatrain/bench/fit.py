@@ -26,7 +26,9 @@ GIB = 2**30
 GPU_OVERHEAD_BYTES = 2 * GIB
 # What a Python process with torch (and the system's libraries) holds on the host beyond its state.
 HOST_OVERHEAD_BYTES = 3 * GIB
-# Leave this share of the measured budget free: estimates are estimates, and a host OOM kills more than the case.
+# Leave this share of the measured host budget free: estimates are estimates, and a host OOM kills more
+# than the case. The GPU budget is the whole GPU: a CUDA OOM ends only its case (recorded `oom`), and a
+# margin there would refuse batches that fit, which is what a largest-batch ladder measures.
 SAFETY = 0.92
 # Packages a system needs beyond torch.
 REQUIRED_PACKAGES = {"deepspeed": "deepspeed"}
@@ -130,8 +132,8 @@ def _engine_planner():
 def plan_memory(case: CaseConfig, machine: dict) -> dict:
     """Estimated peak host and GPU bytes of `case`, and whether they fit `machine`.
 
-    Every system is judged against the same budget: SAFETY x (host memory available at the
-    probe, GPU memory). MegaTrain's sizes come from megatrain.engine.plan when it exists.
+    Every system is judged against the same budget: SAFETY x the host memory available at the
+    probe, and the GPU's memory. MegaTrain's sizes come from megatrain.engine.plan when it exists.
 
     Args:
         case: the case to run.
@@ -159,7 +161,7 @@ def plan_memory(case: CaseConfig, machine: dict) -> dict:
     if host > host_budget:
         reasons.append(f"needs ~{host / GIB:.0f} GiB host memory, {host_budget / GIB:.0f} GiB usable here")
     if case.device == "cuda":
-        gpu_budget = SAFETY * (machine["gpu_mem_gib"] or 0) * GIB
+        gpu_budget = (machine["gpu_mem_gib"] or 0) * GIB
         if gpu > gpu_budget:
             reasons.append(f"needs ~{gpu / GIB:.0f} GiB GPU memory, {gpu_budget / GIB:.0f} GiB usable here")
     plan.update(host_bytes=int(host), gpu_bytes=int(gpu), fits=not reasons, reason="; ".join(reasons) or None)

@@ -17,8 +17,8 @@ system whether the case fits (megatrain.bench.fit) and runs every case in a fres
 `<out_dir>/records.jsonl`, with a `suite` block: run_id, case_id, group, label, hardware profile,
 the measured machine, the memory plan, the exact command, wall time.
 
-Resume: a rerun continues the latest run in `out_dir` when it is on the same kind of machine
-(same run_id), and skips the cases that run already recorded with a final status (ok, oom,
+Resume: a rerun continues the latest run in `out_dir` when it is on the same kind of machine and
+the same commit (same run_id), and skips the cases that run already recorded with a final status (ok, oom,
 skipped). Cases that ended `error` or `timeout` are run again: both are often transient (a
 compile cache race, a slow first start) and a retry costs only that case. `new_run=True` starts a
 fresh run_id and runs everything.
@@ -41,7 +41,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatrain.bench.env import REPO_ROOT
+from megatrain.bench.env import REPO_ROOT, git_commit
 from megatrain.bench.hardware import get_profile, same_machine
 from megatrain.bench.record import append_jsonl, base_record, read_jsonl
 from megatrain.config import CaseConfig, OptimConfig
@@ -260,9 +260,16 @@ def new_run_id() -> str:
 
 
 def _current_run(records: list[dict], machine: dict) -> str | None:
-    """run_id of the latest run in these records if it ran on the same kind of machine."""
-    if records and same_machine(records[-1]["suite"]["machine"], machine):
-        return records[-1]["suite"]["run_id"]
+    """run_id of the latest run in these records if it ran on the same kind of machine and commit.
+
+    A run is one commit: cases added to a suite after a commit (or code changed under it) start a new
+    run, so that no run mixes two versions of the code.
+    """
+    if not records:
+        return None
+    last = records[-1]
+    if same_machine(last["suite"]["machine"], machine) and last["env"].get("commit") == git_commit()[0]:
+        return last["suite"]["run_id"]
     return None
 
 

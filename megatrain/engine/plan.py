@@ -97,8 +97,10 @@ def plan_memory(case: CaseConfig) -> dict:
     checkpoints = (3 if offload else cfg.num_layers + 1) * activation
     host_activations = cfg.num_layers * activation if offload else 0
     # one layer's recompute + backward for a micro-batch: saved activations (~7H + q/k/v per token; the
-    # MLP's 4I for one chunk of tokens; flash/SDPA keeps no S x S matrix) and their gradients, ~1.5x
-    layer_work = int(1.5 * w * (tokens_mb * (7 * h + cfg.q_size + 2 * cfg.kv_size) + mlp_tokens * 4 * i))
+    # MLP's 4I for one chunk of tokens; flash/SDPA keeps no S x S matrix) and the gradients alive beside
+    # them. Calibrated on H200 peaks at batch 128 (results/smoke_gpu, Qwen2.5-1.5B/3B): peak minus
+    # saved inputs and buffers was 0.87-0.89x of this element count, so 1.0x keeps a ~12% margin.
+    layer_work = int(w * (tokens_mb * (7 * h + cfg.q_size + 2 * cfg.kv_size) + mlp_tokens * 4 * i))
     # loss: fp32 logits of one chunk, the head's fp32 weight gradient and its per-chunk product
     head_work = min(chunk_tokens_for(cfg.vocab_size), tokens_mb) * cfg.vocab_size * 4 * 2 + cfg.vocab_size * h * (4 + w)
     gpu = buffers + checkpoints + max(layer_work, head_work) + tokens_mb * h * w * 2 + GPU_RESERVE_BYTES

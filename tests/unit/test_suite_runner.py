@@ -94,3 +94,19 @@ def test_failures_become_records_and_a_rerun_finishes_only_what_is_missing(tmp_p
 
     fresh = _run(suite, out, new_run=True, only="good")
     assert len(fresh) == 2 and fresh[0]["suite"]["run_id"] != first[0]["suite"]["run_id"]
+
+
+def test_a_new_commit_starts_a_new_run_instead_of_resuming(tmp_path, monkeypatch):
+    (tmp_path / "robust.toml").write_text(SUITE)
+    suite = load_suite(str(tmp_path / "robust.toml"))
+    out = tmp_path / "results"
+    monkeypatch.setenv("MEGATRAIN_COMMIT", "a" * 40)
+    first = _run(suite, out, only="good")
+    again = _run(suite, out, only="good|oom")
+    assert [r["suite"]["group"] for r in again] == ["oom"], "same commit: the run resumes"
+    assert again[0]["suite"]["run_id"] == first[0]["suite"]["run_id"]
+    monkeypatch.setenv("MEGATRAIN_COMMIT", "b" * 40)
+    later = _run(suite, out, only="good")
+    assert len(later) == 2 and later[0]["suite"]["run_id"] != first[0]["suite"]["run_id"], \
+        "a run never mixes two commits"
+    assert all(r["env"]["commit"] == "b" * 40 for r in later)
