@@ -13,7 +13,7 @@ import traceback
 import torch
 
 from baselines.protocol import build_system
-from megatrain.bench.record import base_record, timing_metrics
+from megatrain.bench.record import base_record, relative_paths, timing_metrics
 from megatrain.bench.trace import start_trace, stop_trace
 from megatrain.config import CaseConfig
 from megatrain.data import make_batches
@@ -67,8 +67,8 @@ def run_case(case: CaseConfig, gemm_peak_tflops: float | None = None, on_step=No
         record["metrics"] = system.metrics()
     except Exception as exc:  # recorded, not raised: a sweep goes on after a failed case
         record["status"] = "oom" if _is_oom(exc) else "error"
-        record["error"] = f"{type(exc).__name__}: {exc}"[:4000]
-        record["traceback"] = traceback.format_exc()[-4000:]
+        record["error"] = relative_paths(f"{type(exc).__name__}: {exc}")[:4000]
+        record["traceback"] = relative_paths(traceback.format_exc())[-4000:]
     finally:
         record["trace"] = stop_trace(sampler)
         record["losses"] = losses

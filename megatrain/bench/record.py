@@ -6,16 +6,26 @@ Units sit in the key names. Status is one of: ok, oom, error, timeout, skipped.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from pathlib import Path
 
-from megatrain.bench.env import environment
+from megatrain.bench.env import REPO_ROOT, environment
 from megatrain.bench.flops import hardware_flops, mfu, model_flops
 from megatrain.config import CaseConfig
 
 STATUSES = ("ok", "oom", "error", "timeout", "skipped")
 REQUIRED_KEYS = ("status", "system", "model", "num_params", "batch", "seq", "tokens_per_step", "step_time_s",
                  "tokens_per_s", "tflops", "peak_gpu_alloc_gib", "peak_host_rss_gib", "losses", "env", "config")
+
+
+_SITE_PACKAGES = re.compile(r"/[^\s\"']*/(site-packages|dist-packages)/")
+
+
+def relative_paths(text: str) -> str:
+    """`text` (a traceback, a stderr tail) without this machine's paths: files in the repository
+    relative to its root, installed packages from `site-packages/`. Records are committed."""
+    return _SITE_PACKAGES.sub(r"\1/", text.replace(f"{REPO_ROOT}/", ""))
 
 
 def base_record(case: CaseConfig, status: str) -> dict:

@@ -152,7 +152,7 @@ def write_report(results_dir: Path, out_dir: Path, all_runs: bool = False) -> Pa
     if not records:
         raise ValueError(f"no records in {results_dir / 'records.jsonl'}; run the suite first")
     df = tables.records_frame(records)
-    scope = df if all_runs else tables.latest_runs(df)
+    scope = df if all_runs else tables.latest_records(df)
     by_key = {(r["suite"]["run_id"], r["suite"]["case_id"]): r for r in records}
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in out_dir.glob("*.png"):

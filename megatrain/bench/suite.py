@@ -43,7 +43,7 @@ from pathlib import Path
 
 from megatrain.bench.env import REPO_ROOT, git_commit
 from megatrain.bench.hardware import get_profile, same_machine
-from megatrain.bench.record import append_jsonl, base_record, read_jsonl
+from megatrain.bench.record import append_jsonl, base_record, read_jsonl, relative_paths
 from megatrain.config import CaseConfig, OptimConfig
 
 SUITES_DIR = REPO_ROOT / "suites"
@@ -234,7 +234,7 @@ def run_case_subprocess(case: SuiteCase, command: list[str], trace_file: Path) -
         stdout, stderr = proc.communicate()
     facts = {"exit_code": proc.returncode, "wall_s": round(time.perf_counter() - t0, 3)}
     record = _last_json_line(stdout)
-    tail = stderr[-STDERR_TAIL_CHARS:]
+    tail = relative_paths(stderr)[-STDERR_TAIL_CHARS:]
     if record is not None:
         return record, facts
     if timed_out:

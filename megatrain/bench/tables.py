@@ -71,12 +71,22 @@ def _sessions(df: pd.DataFrame) -> pd.Series:
     return df["run_id"].map(session)
 
 
-def latest_runs(df: pd.DataFrame) -> pd.DataFrame:
-    """Rows of the latest session of each hardware profile (run_ids sort by their start time; see _sessions),
-    one row per case: the latest run's record of it."""
-    latest = df.groupby("hardware")["session"].max()
-    scope = df[df["session"].isin(latest.values)].sort_values("run_id")
-    return scope.drop_duplicates(["session", "case_id"], keep="last")
+# What a table row shows: a newer record of the same row replaces the older one (say, one run with more steps).
+ROW_KEY = ["hardware", "label", "model", "num_layers", "seq", "batch", "micro_batch"]
+
+
+def latest_records(df: pd.DataFrame) -> pd.DataFrame:
+    """The latest measurement of each table row on the kind of machine (GPU and host kind) of each
+    hardware profile's latest session (run_ids sort by their start time).
+
+    Rows only an earlier session on that kind of machine measured stay, under that session's name, so a
+    suite run in parts (the common batch one day, the largest batch the next) reads whole; rows from
+    other machines drop out. Ratios are still taken within one session (speedups)."""
+    df = df.sort_values("run_id", kind="stable")
+    latest = df.drop_duplicates("hardware", keep="last").set_index("hardware")[["host_kind", "gpu"]]
+    same = (df["host_kind"].fillna("") == df["hardware"].map(latest["host_kind"]).fillna("")) & \
+        (df["gpu"].fillna("") == df["hardware"].map(latest["gpu"]).fillna(""))
+    return df[same].drop_duplicates(ROW_KEY, keep="last")
 
 
 def results_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -165,8 +175,8 @@ def batch_headroom(df: pd.DataFrame, usable: float = 0.92) -> pd.DataFrame:
     """
     rows = []
     ok = df[(df["status"] == "ok") & (df["device"] == "cuda") & (df["micro_batch"] == df["batch"])]  # one pass
-    for (session, label, model, seq), g in ok.groupby(["session", "label", "model", "seq"]):
-        g = g.sort_values("batch").drop_duplicates("batch", keep="last")
+    for (gpu, label, model, seq), g in ok.groupby(["gpu", "label", "model", "seq"], dropna=False):
+        g = g.sort_values(["batch", "run_id"]).drop_duplicates("batch", keep="last")
         if len(g) < 2:
             continue
         lo, hi = g.iloc[-2], g.iloc[-1]
@@ -174,11 +184,11 @@ def batch_headroom(df: pd.DataFrame, usable: float = 0.92) -> pd.DataFrame:
         budget = usable * hi["gpu_mem_gib"] if hi["gpu_mem_gib"] else None
         projected = int(hi["batch"] + (budget - hi["peak_gpu_alloc_gib"]) / per_seq) \
             if budget and per_seq > 0 else None
-        rows.append({"run": session, "system": label, "model": model, "seq": seq,
+        rows.append({"GPU": gpu, "system": label, "model": model, "seq": seq,
                      "largest batch run": int(hi["batch"]), "its GPU peak (GiB)": hi["peak_gpu_alloc_gib"],
                      "GiB per sequence": per_seq, "projected largest batch": projected})
     out = pd.DataFrame(rows)
-    return out.drop(columns="run") if len(out) and out["run"].nunique() == 1 else out
+    return out.drop(columns="GPU") if len(out) and out["GPU"].nunique() == 1 else out
 
 
 def status_counts(df: pd.DataFrame) -> pd.DataFrame:

@@ -67,21 +67,29 @@ def test_latest_record_of_a_case_wins_and_runs_stay_apart():
                _record("deepspeed", 16, 100.0, run_id="20260202-000000-bbbb")]
     df = tables.records_frame(retried)
     assert len(df) == 2
-    assert list(tables.latest_runs(df)["tflops"]) == [100.0]
+    assert list(tables.latest_records(df)["tflops"]) == [100.0]
 
 
 def test_a_run_resumed_under_a_new_id_is_one_session_and_a_new_commit_is_another():
     first = _record("megatrain", 96, 480.0, run_id="20260101-000000-aaaa")
     rest = _record("deepspeed", 96, 350.0, run_id="20260101-010000-bbbb")
     df = tables.records_frame([first, rest])
-    scope = tables.latest_runs(df)
+    scope = tables.latest_records(df)
     assert sorted(scope["label"]) == ["deepspeed", "megatrain"]
     sp = tables.speedups(scope)
     assert sp[sp["at"] == "b=96"]["speedup"].item() == pytest.approx(480 / 350)
     later = _record("fsdp", 96, 300.0, run_id="20260303-000000-cccc")
     later["env"] = {**later["env"], "commit": "another"}
-    scope = tables.latest_runs(tables.records_frame([first, rest, later]))
-    assert list(scope["label"]) == ["fsdp"]
+    scope = tables.latest_records(tables.records_frame([first, rest, later]))
+    assert sorted(scope["label"]) == ["deepspeed", "fsdp", "megatrain"], "an earlier session's cases stay"
+    assert scope.set_index("label")["session"].to_dict() == {
+        "megatrain": "20260101-010000-bbbb", "deepspeed": "20260101-010000-bbbb", "fsdp": "20260303-000000-cccc"}
+    sp = tables.speedups(scope)
+    assert set(sp["vs"]) == {"deepspeed"}, "no ratio across two sessions (fsdp ran at another commit)"
+    elsewhere = _record("native", 96, 320.0, run_id="20260404-000000-dddd")
+    elsewhere["env"] = {**elsewhere["env"], "hostname_kind": "another-host"}
+    scope = tables.latest_records(tables.records_frame([first, rest, later, elsewhere]))
+    assert list(scope["label"]) == ["native"], "a newer session on another kind of machine replaces the rest"
 
 
 def test_batch_headroom_projects_from_the_two_largest_batches():
@@ -177,3 +185,14 @@ def test_report_loads_in_a_headless_browser_without_errors(tmp_path):
     assert "Uncaught" not in proc.stderr
     assert len(result["images"]) >= 5
     assert all(img["width"] > 0 for img in result["images"]), result["images"]
+
+
+def test_records_keep_no_machine_paths():
+    from megatrain.bench.env import REPO_ROOT
+    from megatrain.bench.record import relative_paths
+
+    text = (f'File "{REPO_ROOT}/megatrain/bench/case.py", line 58\n'
+            'File "/opt/venv/lib/python3.12/site-packages/torch/nn/modules/module.py", line 1'
+            '\nFile "/usr/lib/python3/dist-packages/x.py"')
+    assert relative_paths(text) == ('File "megatrain/bench/case.py", line 58\n'
+                                    'File "site-packages/torch/nn/modules/module.py", line 1\nFile "dist-packages/x.py"')

@@ -76,6 +76,8 @@ def test_failures_become_records_and_a_rerun_finishes_only_what_is_missing(tmp_p
         "good and oom cases are final; the ladder stops after its first OOM (batch 4 never runs)"
     assert got[("crash", 2, 16)]["status"] == "error"
     assert "injected crash" in got[("crash", 2, 16)]["stderr_tail"]
+    assert 'File "tests/unit/fake_system.py"' in got[("crash", 2, 16)]["stderr_tail"], \
+        "records are committed: paths in them are relative to the repository, not this machine's"
     assert got[("hang", 2, 16)]["status"] == "timeout"
     assert got[("ladder", 1, 16)]["status"] == "ok" and got[("ladder", 2, 16)]["status"] == "oom"
 
