@@ -6,7 +6,8 @@ instead of letting it take the host down. The estimates below are deliberately s
 parameter for the training state, plus activations); each record keeps its plan beside the
 measured peaks, so the estimates can be checked against measurement.
 
-MegaTrain's own planner, `megatrain.engine.plan.plan_memory(case)`, is used when it exists.
+MegaTrain's sizes come from its own planner, `megatrain.engine.plan.plan_memory(case)` (the
+engine's exact tiles); the fixed process overheads below are the engine plan's, counted for every system.
 
 Symbols: N parameters, L layers, H hidden, I SwiGLU width, V vocabulary, T = micro_batch * seq
 tokens per forward/backward, e bytes per activation element (2 for bf16 compute, 4 for fp32).
@@ -14,18 +15,15 @@ tokens per forward/backward, e bytes per activation element (2 for bf16 compute,
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 
 from baselines.protocol import SYSTEMS
 from megatrain.config import CaseConfig
+from megatrain.engine.plan import GPU_RESERVE_BYTES, PROCESS_OVERHEAD_BYTES
+from megatrain.engine.plan import plan_memory as engine_plan_memory
 from megatrain.models.loss import chunk_tokens_for
 
 GIB = 2**30
-# What a CUDA process holds beyond its tensors: context, cuBLAS/cuDNN workspaces, allocator slack.
-GPU_OVERHEAD_BYTES = 2 * GIB
-# What a Python process with torch (and the system's libraries) holds on the host beyond its state.
-HOST_OVERHEAD_BYTES = 3 * GIB
 # Leave this share of the measured host budget free: estimates are estimates, and a host OOM kills more
 # than the case. The GPU budget is the whole GPU: a CUDA OOM ends only its case (recorded `oom`), and a
 # margin there would refuse batches that fit, which is what a largest-batch ladder measures.
@@ -103,37 +101,15 @@ def _fsdp(case: CaseConfig) -> tuple[int, int]:
     return host, gpu
 
 
-def _megatrain_estimate(case: CaseConfig) -> tuple[int, int]:
-    # All training state on the host (docs/DESIGN.md): mixed = bf16 weights and grads (4) + fp32
-    # master (4) + Adam m and v (8) = 16 B/param; bf16 = bf16 weights and grads (4) + m and v (8)
-    # = 12 B/param. GPU: two bf16 weight buffers and two gradient buffers of the largest layer,
-    # plus activations (saved layer inputs may move to pinned host memory for long contexts;
-    # this estimate keeps them on the GPU).
-    n = case.model_config().num_params()
-    host = n * (16 if case.precision == "mixed" else 12)
-    gpu = 4 * 2 * case.model_config().layer_params() + activation_bytes(case)
-    return host, gpu
-
-
-# Each estimate returns (host bytes beyond the process overhead, bytes on the compute device).
-ESTIMATES = {"native": _native, "deepspeed": _deepspeed, "fsdp": _fsdp, "megatrain": _megatrain_estimate}
-
-
-def _engine_planner():
-    """megatrain.engine.plan.plan_memory (the engine's exact tile sizes) when it exists, else None."""
-    try:
-        return importlib.import_module("megatrain.engine.plan").plan_memory
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("megatrain.engine", "megatrain.engine.plan"):
-            raise
-        return None
+# Each baseline's estimate returns (host bytes beyond the process overhead, bytes on the compute device).
+ESTIMATES = {"native": _native, "deepspeed": _deepspeed, "fsdp": _fsdp}
 
 
 def plan_memory(case: CaseConfig, machine: dict) -> dict:
     """Estimated peak host and GPU bytes of `case`, and whether they fit `machine`.
 
     Every system is judged against the same budget: SAFETY x the host memory available at the
-    probe, and the GPU's memory. MegaTrain's sizes come from megatrain.engine.plan when it exists.
+    probe, and the GPU's memory. MegaTrain's sizes come from megatrain.engine.plan.
 
     Args:
         case: the case to run.
@@ -144,18 +120,17 @@ def plan_memory(case: CaseConfig, machine: dict) -> dict:
         case everything counts as host memory and gpu_bytes is 0; reason says which budget is
         exceeded (None when it fits).
     """
-    planner = _engine_planner() if case.system == "megatrain" else None
-    if planner is not None:
-        plan = dict(planner(case), source="megatrain.engine.plan")
-        host, gpu = plan["host_bytes"], plan["gpu_bytes"] - GPU_OVERHEAD_BYTES  # it counts a CUDA reserve too
+    if case.system == "megatrain":
+        plan = dict(engine_plan_memory(case), source="megatrain.engine.plan")
+        host, gpu = plan["host_bytes"], plan["gpu_bytes"] - GPU_RESERVE_BYTES  # its reserve is added back below
     else:
         plan = {"source": "estimate (megatrain.bench.fit)"}
         state_host, state_gpu = ESTIMATES[case.system](case)
-        host, gpu = state_host + HOST_OVERHEAD_BYTES, state_gpu
+        host, gpu = state_host + PROCESS_OVERHEAD_BYTES, state_gpu
     if case.device == "cpu":
         host, gpu = host + gpu, 0
     else:
-        gpu += GPU_OVERHEAD_BYTES
+        gpu += GPU_RESERVE_BYTES
     host_budget = SAFETY * machine["host_available_gib"] * GIB
     reasons = []
     if host > host_budget:

@@ -20,6 +20,8 @@ from megatrain.engine.store import OPT_CHUNK
 from megatrain.models.loss import chunk_tokens_for
 
 GIB = 2**30
+# Fixed per-process costs beyond the training state; the suite's pre-flight (megatrain.bench.fit)
+# counts the same for every system.
 PROCESS_OVERHEAD_BYTES = 3 * GIB  # python, torch, CUDA context and libraries in host RSS
 GPU_RESERVE_BYTES = 2 * GIB  # CUDA context, cuBLAS workspaces, allocator fragmentation
 
