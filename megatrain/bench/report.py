@@ -109,8 +109,8 @@ def _headroom_section(scope: pd.DataFrame) -> list[str]:
         return []
     return ["<h3>Batch headroom (projected)</h3>", html_table(headroom),
             "<p class='muted'>GPU peak grows linearly with the batch: the two largest batches a system ran give "
-            "GiB per sequence, and 92% of the GPU's memory bounds the batch. A projection, not a measurement; "
-            "a ladder run to the first failure settles it.</p>"]
+            f"GiB per sequence, and {tables.HEADROOM_USABLE:.0%} of the GPU's memory bounds the batch. A projection, "
+            "not a measurement; a ladder run to the first failure settles it.</p>"]
 
 
 def _reconstructed_section(scope: pd.DataFrame, by_key: dict) -> str:

@@ -164,7 +164,12 @@ def paper_comparison(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def batch_headroom(df: pd.DataFrame, usable: float = 0.92) -> pd.DataFrame:
+# Share of the GPU a projected batch may fill: the allocator's fragmentation takes the rest (native's
+# 1.5B b512 OOM on an H200 had 34 GiB reserved but unallocated).
+HEADROOM_USABLE = 0.92
+
+
+def batch_headroom(df: pd.DataFrame, usable: float = HEADROOM_USABLE) -> pd.DataFrame:
     """How far each system's batch could go on this GPU, projected from its measured GPU peaks.
 
     Peak allocated GPU memory grows linearly with the batch at a fixed sequence length (activation
