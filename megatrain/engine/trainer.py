@@ -31,7 +31,9 @@ class StreamingSystem:
         resident = self.plan["resident_units"]
         self.optimizer = HostOptimizer(self.store, case.optim, kernel=case.options.get("optimizer_kernel", "fused"),
                                        skip=frozenset(resident))
-        self.streams = StreamSet(self.device, timeline=bool(case.options.get("timeline", True)))
+        stress = case.options.get("stream_stress")  # debug: seed of random per-stream delays (engine/streams.py)
+        self.streams = StreamSet(self.device, timeline=bool(case.options.get("timeline", True)),
+                                 stress_seed=None if stress is None else int(stress))
         self.schedule = Schedule(case, self.store, self.optimizer, self.streams, self.device, resident)
 
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> float:

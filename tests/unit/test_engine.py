@@ -2,29 +2,15 @@
 
 import pytest
 import torch
+from engine_helpers import train as _train
 
 from baselines.protocol import build_system
 from megatrain.config import CaseConfig, OptimConfig
-from megatrain.data import make_batches
 from megatrain.engine.layout import build_units
 from megatrain.engine.plan import check_fits, plan_memory
 from megatrain.engine.schedule import plan_uses
 from megatrain.models import get_model_config
 from megatrain.optim.host_adamw import FlatAdamW
-
-
-def _train(system: str, steps: int = 10, **kw):
-    case = CaseConfig(system=system, steps=steps, **kw)
-    trainer = build_system(case)
-    data = make_batches(case, case.model_config().vocab_size)
-    try:
-        losses = [trainer.step(*data.batch_at(i)) for i in range(steps)]
-        params = trainer.named_parameters_fp32()
-        metrics = trainer.metrics() if system == "megatrain" else {}
-    finally:
-        trainer.close()
-    return losses, params, metrics
-
 
 CASES = {
     "untied-qkv-bias-gqa": dict(model="tiny", batch=2, seq=16),
