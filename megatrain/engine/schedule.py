@@ -185,11 +185,14 @@ class Schedule:
             start = s.record("compute")
             self._embed_backward(tokens)
             s.span("compute", 0, "bwd", start, s.record("compute"))
-        # the global norm is known only now: one synchronisation per step
-        total_norm = math.sqrt(float(self.sumsq))
+        # the global norm is known only now: one synchronisation per step. The read must run on the compute
+        # stream: the default stream does not wait for the side streams, so reading there could take the
+        # sum before the last backward and the embedding's gradient were added to it.
+        with s.use("compute"):
+            norm_sq, loss = torch.stack([self.sumsq, self.loss_sum]).tolist()
+        total_norm = math.sqrt(norm_sq)
         max_norm = self.case.optim.max_grad_norm
         clip = min(1.0, max_norm / (total_norm + 1e-6)) if max_norm > 0 else 1.0
-        loss = float(self.loss_sum)
         if self.resident:
             with s.use("compute"):
                 for u in self.resident:
