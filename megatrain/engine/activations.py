@@ -4,7 +4,9 @@ Offloaded (long contexts): each layer's output leaves on the D2H stream as soon 
 its GPU copy is dropped once the next layer has consumed it, and in backward the input of the
 next layer to recompute streams back on the H2D stream while the current layer's backward runs.
 At most about three activations per micro-batch then live on the GPU. The last layer's output
-stays on the GPU for the head.
+stays on the GPU for the head. A host slot is read back only after its offload finished (`written`),
+and overwritten only after its last read-back finished (`read`): the two copies run on different
+streams, and without these waits the head's read-back of the last offloaded layer raced its offload.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ class ActivationStore:
         self.last = num_layers  # index of the head's input, never offloaded
         self.stats = {"h2d_bytes": 0, "d2h_bytes": 0}  # the schedule hands in each step's counters
         self.gpu: dict[int, list] = {}
-        self.ready: dict[int, object] = {}
+        self.ready: dict[int, object] = {}  # h2d event: activations index are back on the GPU
+        self.written: dict[int, object] = {}  # d2h event: host slot index holds activations index
+        self.read: dict[int, object] = {}  # h2d event: the last read-back of host slot index finished
         self.host = None
         self.pinned_bytes = 0
         if offload:
@@ -37,13 +41,15 @@ class ActivationStore:
             return
         s = self.streams
         s.wait("d2h", s.record("compute"))
+        s.wait("d2h", self.read.pop(index, None))
         start = s.record("d2h")
         with s.use("d2h"):
             for m, x in enumerate(xs):
                 self.host[index, m].copy_(x, non_blocking=True)
                 if s.cuda:
                     x.record_stream(s.streams["d2h"])  # its memory is reused only after the copy
-        s.span("d2h", index, "act_offload", start, s.record("d2h"))
+        self.written[index] = s.record("d2h")
+        s.span("d2h", index, "act_offload", start, self.written[index])
         self.stats["d2h_bytes"] += sum(x.numel() * x.element_size() for x in xs)
 
     def consumed(self, index: int) -> None:
@@ -56,6 +62,7 @@ class ActivationStore:
         if not self.offload or index < 0 or index in self.gpu:
             return
         s = self.streams
+        s.wait("h2d", self.written.pop(index))
         start = s.record("h2d")
         with s.use("h2d"):
             xs = [torch.empty(self.host.shape[2:], dtype=self.host.dtype, device=self.device)
@@ -67,7 +74,7 @@ class ActivationStore:
         end = s.record("h2d")
         s.span("h2d", index, "act_load", start, end)
         self.stats["h2d_bytes"] += sum(x.numel() * x.element_size() for x in xs)
-        self.gpu[index], self.ready[index] = xs, end
+        self.gpu[index], self.ready[index], self.read[index] = xs, end, end
 
     def take(self, index: int) -> list[torch.Tensor]:
         """Activations `index` on the GPU, ordered after their prefetch; the store forgets them."""
