@@ -95,6 +95,8 @@ class Schedule:
         self.elsize = torch.empty((), dtype=dt).element_size()
         self.history: list[dict] = []
         self.timeline: list[dict] = []
+        if streams.cuda:  # the rotary tables and resident copies above ran on the default stream, which the
+            torch.cuda.synchronize(device)  # side streams do not wait for
 
     # ---- transfers -------------------------------------------------------------------------------
     def _load(self, unit: Unit, dst: torch.Tensor, after) -> object:
@@ -320,13 +322,14 @@ class Schedule:
     def sync_resident_to_host(self) -> None:
         """Write the resident units' state back to their host tiles (for reading or saving the model)."""
         store = self.store
-        for index, r in self.resident.items():
-            unit = self.units[index]
-            store.tile(store.weights, unit).copy_(r["w"])
-            if r["master"] is not None:
-                store.tile(store.master, unit).copy_(r["master"])
-            store.tile(store.exp_avg, unit).copy_(r["exp_avg"])
-            store.tile(store.exp_avg_sq, unit).copy_(r["exp_avg_sq"])
+        with self.streams.use("compute"):  # after the updates queued there; blocking copies wait for them
+            for index, r in self.resident.items():
+                unit = self.units[index]
+                store.tile(store.weights, unit).copy_(r["w"])
+                if r["master"] is not None:
+                    store.tile(store.master, unit).copy_(r["master"])
+                store.tile(store.exp_avg, unit).copy_(r["exp_avg"])
+                store.tile(store.exp_avg_sq, unit).copy_(r["exp_avg_sq"])
 
     # ---- measurement -------------------------------------------------------------------------------
     def _record_step(self, host_t0: float, step_s: float, grad_norm: float) -> None:
