@@ -147,6 +147,11 @@ class DeepSpeedSystem:
         assert self.engine.global_steps == steps_before + 1, "micro-batches and gradient_accumulation_steps disagree"
         return float(total)
 
+    @property
+    def skipped_steps(self) -> int:
+        """DeepSpeed's own count of steps it skipped (its overflow check; the policy is DeepSpeed's)."""
+        return int(self.engine.skipped_steps)
+
     def system_config(self) -> dict:
         return {"deepspeed_config": self.config, "zero_init": True, "activation_checkpointing": True,
                 "checkpointing": "torch.utils.checkpoint(use_reentrant=False) per layer",

@@ -58,9 +58,12 @@ class FSDPSystem:
         for name, p in self.model.named_parameters():
             init_param(name, p.to_local(), case.seed, device=self.device)
         self.optimizer = torch_adamw(self.model.parameters(), case.optim, fused=True)
+        self.skipped_steps = 0
 
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> float:
-        return accumulate_and_step(self.model, self.optimizer, self.case, self.device, inputs_BS, labels_BS)
+        loss, stepped = accumulate_and_step(self.model, self.optimizer, self.case, self.device, inputs_BS, labels_BS)
+        self.skipped_steps += not stepped
+        return loss
 
     def system_config(self) -> dict:
         mp = None if self.mp_policy is None else \

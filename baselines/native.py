@@ -36,6 +36,7 @@ class NativeSystem:
         self.autocast = case.precision == "mixed" and self.dtype != torch.float32
         self.optimizer = torch_adamw(self.model.parameters(), case.optim, fused=True)
         self.ckpt = ckpt
+        self.skipped_steps = 0
 
     def _autocast(self):
         if not self.autocast:
@@ -43,8 +44,10 @@ class NativeSystem:
         return torch.autocast(self.device.type, dtype=self.dtype)
 
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> float:
-        return accumulate_and_step(self.model, self.optimizer, self.case, self.device, inputs_BS, labels_BS,
-                                   self._autocast)
+        loss, stepped = accumulate_and_step(self.model, self.optimizer, self.case, self.device, inputs_BS,
+                                            labels_BS, self._autocast)
+        self.skipped_steps += not stepped
+        return loss
 
     def system_config(self) -> dict:
         return {"param_dtype": str(self.param_dtype), "autocast": self.autocast, "activation_checkpointing": self.ckpt,
@@ -54,7 +57,7 @@ class NativeSystem:
         return {}
 
     def named_parameters_fp32(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().float().cpu() for n, p in self.model.named_parameters()}
+        return {n: p.detach().float().cpu().clone() for n, p in self.model.named_parameters()}  # a snapshot
 
     def close(self) -> None:
         del self.model, self.optimizer

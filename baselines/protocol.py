@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 from typing import Protocol
 
 import torch
@@ -25,6 +26,8 @@ SYSTEMS = {
 
 
 class TrainSystem(Protocol):
+    skipped_steps: int  # steps whose global gradient norm was not finite: the update was skipped
+
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> float:
         """One optimizer step over the batch; returns the step's mean token loss."""
 
@@ -54,9 +57,11 @@ def compute_dtype(case: CaseConfig) -> torch.dtype:
 
 def accumulate_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, case: CaseConfig,
                         device: torch.device, inputs_BS: torch.Tensor, labels_BS: torch.Tensor,
-                        autocast=contextlib.nullcontext) -> float:
+                        autocast=contextlib.nullcontext) -> tuple[float, bool]:
     """One optimizer step of a module-owning system: micro-batches accumulate gradients of the summed
-    token loss over the step's valid tokens, then global-norm clipping and AdamW. Returns the mean loss."""
+    token loss over the step's valid tokens, then global-norm clipping and AdamW. A non-finite global
+    norm skips the update (weights and AdamW state untouched, as AMP's overflow skip).
+    Returns (the mean loss, whether the update was applied)."""
     normalizer = valid_tokens(labels_BS)
     total = torch.zeros((), device=device)
     mb = case.micro_batch
@@ -67,11 +72,16 @@ def accumulate_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer
             loss = model(x, y, normalizer)
         loss.backward()
         total += loss.detach().float()
-    if case.optim.max_grad_norm > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), case.optim.max_grad_norm)
-    optimizer.step()
+    # with clipping off, max_norm=inf only measures the norm (the coefficient clamps to exactly 1)
+    max_norm = case.optim.max_grad_norm if case.optim.max_grad_norm > 0 else math.inf
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
+        norm = norm.full_tensor()
+    stepped = bool(torch.isfinite(norm))
+    if stepped:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(total)
+    return float(total), stepped
 
 
 def valid_tokens(labels_BS: torch.Tensor) -> int:

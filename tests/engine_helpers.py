@@ -21,3 +21,63 @@ def train(system: str, steps: int = 10, **kw) -> tuple[list[float], dict[str, to
     finally:
         trainer.close()
     return losses, params, metrics
+
+
+def _state(trainer) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """(fp32 parameters, every AdamW moment and step count flattened into one tensor) of a trainer now."""
+    params = trainer.named_parameters_fp32()  # the engine: after its host optimizer and resident units synced
+    if hasattr(trainer, "store"):
+        s = trainer.store
+        steps = [t.float().flatten().cpu() for t in trainer.optimizer.adamw.steps.values()]
+        steps += [t.float().flatten().cpu() for t in trainer.schedule.resident_adamw.steps.values()]
+        return params, torch.cat([s.exp_avg, s.exp_avg_sq, *steps, torch.tensor([trainer.optimizer.step_count])])
+    state = trainer.optimizer.state.values()
+    return params, torch.cat([t.detach().float().flatten().cpu() for st in state for t in st.values()])
+
+
+def train_with_nan_gradient(system: str, nan_step: int, steps: int, **kw) -> dict:
+    """Train `steps` steps with one gradient element made NaN at step `nan_step`: the head's for the engine, the
+    final norm's for a module-owning system. Returns the losses, the state before and after that step, the state
+    at the end and the system's skipped-step count."""
+    case = CaseConfig(system=system, steps=steps, **kw)
+    trainer = build_system(case)
+    data = make_batches(case, case.model_config().vocab_size)
+    current = {"step": -1}
+    if hasattr(trainer, "schedule"):
+        sched = trainer.schedule
+        finish = sched._finish_grads
+
+        def poisoned(unit, gacc, gslot):
+            if current["step"] == nan_step and unit.index == len(sched.units) - 1:
+                gacc[0] = float("nan")
+            finish(unit, gacc, gslot)
+
+        sched._finish_grads = poisoned
+    else:
+        trainer.model.norm.weight.register_hook(
+            lambda g: g * float("nan") if current["step"] == nan_step else g)
+    out = {"losses": []}
+    try:
+        for i in range(steps):
+            if i == nan_step:
+                out["before"] = _state(trainer)
+            current["step"] = i
+            out["losses"].append(trainer.step(*data.batch_at(i)))
+            if i == nan_step:
+                out["after"] = _state(trainer)
+        out["end"] = _state(trainer)
+        out["skipped_steps"] = trainer.skipped_steps
+    finally:
+        trainer.close()
+    return out
+
+
+def assert_nan_step_skipped(run: dict) -> None:
+    """The run of train_with_nan_gradient skipped exactly its NaN step, left the state untouched, and trained on."""
+    (before_p, before_m), (after_p, after_m), (end_p, _) = run["before"], run["after"], run["end"]
+    assert run["skipped_steps"] == 1
+    assert all(torch.equal(after_p[n], before_p[n]) for n in before_p)  # weights untouched
+    assert torch.equal(after_m, before_m)  # moments and step counts untouched
+    assert all(torch.isfinite(p).all() for p in end_p.values())  # the next step trains on
+    assert any(not torch.equal(end_p[n], after_p[n]) for n in end_p)
+    assert all(torch.isfinite(torch.tensor(run["losses"])))

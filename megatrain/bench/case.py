@@ -63,6 +63,7 @@ def run_case(case: CaseConfig, gemm_peak_tflops: float | None = None, on_step=No
             if on_step:
                 on_step(step, loss, step_times[-1])
         record.update(timing_metrics(case, step_times, gemm_peak_tflops))
+        record["skipped_steps"] = system.skipped_steps
         record["system_config"] = system.system_config()
         record["metrics"] = system.metrics()
     except Exception as exc:  # recorded, not raised: a sweep goes on after a failed case

@@ -48,6 +48,7 @@ def base_record(case: CaseConfig, status: str) -> dict:
         "peak_gpu_alloc_gib": None,
         "peak_host_rss_gib": None,
         "losses": [],
+        "skipped_steps": 0,  # steps whose gradient norm was not finite, so no update was applied
         "error": None,
         "config": case.to_dict(),
         "env": environment(),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -95,6 +96,7 @@ class Schedule:
         self.elsize = torch.empty((), dtype=dt).element_size()
         self.history: list[dict] = []
         self.timeline: list[dict] = []
+        self.skipped_steps = 0  # steps whose gradient norm was not finite: no update applied
         if streams.cuda:  # the rotary tables and resident copies above ran on the default stream, which the
             torch.cuda.synchronize(device)  # side streams do not wait for
 
@@ -195,7 +197,8 @@ class Schedule:
         total_norm = math.sqrt(norm_sq)
         max_norm = self.case.optim.max_grad_norm
         clip = min(1.0, max_norm / (total_norm + 1e-6)) if max_norm > 0 else 1.0
-        if self.resident:
+        skip = not math.isfinite(total_norm)  # a NaN/inf gradient: leave weights and moments as they are
+        if self.resident and not skip:
             with s.use("compute"):
                 for u in self.resident:
                     start = s.record("compute")
@@ -204,8 +207,13 @@ class Schedule:
         if s.cuda:
             torch.cuda.synchronize(dev)
         step_s = time.perf_counter() - host_t0
-        self.optimizer.submit(clip, self.grad_ready)
-        self._record_step(host_t0, step_s, total_norm)
+        if skip:
+            self.skipped_steps += 1
+            warnings.warn(f"step {len(self.history)}: gradient norm is {total_norm}; update skipped "
+                          f"({self.skipped_steps} skipped so far)", stacklevel=2)
+        else:
+            self.optimizer.submit(clip, self.grad_ready)
+        self._record_step(host_t0, step_s, total_norm, skip)
         return loss
 
     def _prefetch(self, k: int, ready: dict) -> None:
@@ -332,7 +340,7 @@ class Schedule:
                 store.tile(store.exp_avg_sq, unit).copy_(r["exp_avg_sq"])
 
     # ---- measurement -------------------------------------------------------------------------------
-    def _record_step(self, host_t0: float, step_s: float, grad_norm: float) -> None:
+    def _record_step(self, host_t0: float, step_s: float, grad_norm: float, skipped: bool) -> None:
         s = self.streams
         timeline = s.resolve_timeline()
         host_end = host_t0 + step_s
@@ -354,4 +362,5 @@ class Schedule:
             "compute_wait_h2d_s": stall_ms / 1e3,
             "optim_wait_s": self.stats["optim_wait_s"],
             "grad_norm": grad_norm,
+            "skipped": skipped,
         })

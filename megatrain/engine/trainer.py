@@ -39,6 +39,10 @@ class StreamingSystem:
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> float:
         return self.schedule.step(inputs_BS, labels_BS, valid_tokens(labels_BS))
 
+    @property
+    def skipped_steps(self) -> int:
+        return self.schedule.skipped_steps
+
     def system_config(self) -> dict:
         return {
             "precision": self.case.precision,
@@ -57,7 +61,7 @@ class StreamingSystem:
 
     def metrics(self) -> dict:
         timed = self.schedule.history[self.case.warmup:] or self.schedule.history
-        med = {k: statistics.median(h[k] for h in timed) for k in timed[0] if k != "grad_norm"}
+        med = {k: statistics.median(h[k] for h in timed) for k in timed[0] if k not in ("grad_norm", "skipped")}
         step = med["step_s"]
         rss = peak_host_rss_gib() * GIB
         return {

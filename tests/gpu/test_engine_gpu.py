@@ -11,6 +11,7 @@ Needs CUDA; about 8 minutes on one H100 or H200, every check recorded where MEGA
    both precisions, eager (it sees only kernels launched through the dispatcher, not Inductor's).
 4. bf16 loss curves on a repeated batch, two shapes: per step within 3x native's own run-to-run spread plus 1% of
    the loss, in both precisions and every option; the loss never rises where native's falls.
+5. A NaN gradient skips the update on the GPU too: weights, moments and step counts untouched.
 """
 
 import json
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import train
+from engine_helpers import assert_nan_step_skipped, train, train_with_nan_gradient
 
 from megatrain.bench.case import run_case
 from megatrain.config import CaseConfig, OptimConfig
@@ -214,3 +215,20 @@ def test_bf16_loss_curve_tracks_native(shape, name, check):
                  max_excess_over_tol=excess, rising_steps=rises)
     assert excess <= 0, f"loss leaves native's band by {excess:.4f} (curve {ours.tolist()} vs {ref.tolist()})"
     assert not rises, f"loss rises at steps {rises} where native's falls: {ours.tolist()}"
+
+
+# ---- 5: a non-finite gradient norm skips the update -------------------------------------------------------------
+NAN_SETS = {"megatrain-mixed": ("megatrain", "mixed", {}),
+            "megatrain-bf16-resident": ("megatrain", "bf16", {"resident_embedding": True, "resident_layers": 1}),
+            "megatrain-mixed-offload-stress": ("megatrain", "mixed", {"offload_activations": True, "stream_stress": 1}),
+            "native-mixed": ("native", "mixed", {})}
+
+
+@pytest.mark.parametrize("name", NAN_SETS)
+def test_nan_gradient_skips_the_update_on_gpu(name, check):
+    system, precision, options = NAN_SETS[name]
+    run = train_with_nan_gradient(system, nan_step=2, steps=4, model="tiny", batch=2, seq=64, device="cuda",
+                                  dtype="bfloat16", precision=precision, options=options)
+    check.update(system=system, precision=precision, options=options, losses=run["losses"],
+                 skipped_steps=run["skipped_steps"])
+    assert_nan_step_skipped(run)

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from engine_helpers import assert_nan_step_skipped, train_with_nan_gradient
 from engine_helpers import train as _train
 
 from baselines.protocol import build_system
@@ -241,3 +242,11 @@ def test_flat_adamw_equals_torch_adamw():
         torch_opt.step()
         ours.update("k", flat, torch.cat([g.flatten() for g in grads]), m, v, optim.weight_decay)
     torch.testing.assert_close(flat, torch.cat([p.detach().flatten() for p in ref]), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("system,options", [("megatrain", {}), ("megatrain", {"resident_embedding": True,
+                                                                               "resident_layers": 1}),
+                                            ("native", {})], ids=["megatrain", "megatrain-resident", "native"])
+def test_non_finite_gradient_norm_skips_the_update(system, options):
+    assert_nan_step_skipped(train_with_nan_gradient(system, nan_step=2, steps=4, model="tiny", batch=2, seq=16,
+                                                    options=options))
