@@ -44,11 +44,32 @@ class LayerTemplate:
         if self.compiled:
             try:
                 return self._compiled_fn(params, x_BSH, cos_SD, sin_SD)
-            except Exception as exc:  # a compiler failure must not stop training: eager computes the same
+            except Exception as exc:
+                if not is_compiler_failure(exc):  # an OOM or a bug in the layer is the caller's to see
+                    raise
+                # a compiler failure must not stop training: eager computes the same
                 warnings.warn(f"torch.compile of the layer failed ({type(exc).__name__}: {exc}); running eager",
                               stacklevel=2)
                 self.compiled = False
         return self._call(params, x_BSH, cos_SD, sin_SD)
+
+
+def is_compiler_failure(exc: BaseException) -> bool:
+    """Whether `exc` is torch.compile's own failure (the backend, Inductor, Dynamo's internals), not an error the
+    eager layer would raise too: an out-of-memory anywhere in its cause chain is never a compiler failure."""
+    from torch._dynamo import exc as dynamo_exc
+    from torch._inductor import exc as inductor_exc
+
+    compiler = (dynamo_exc.BackendCompilerFailed, dynamo_exc.InternalTorchDynamoError)
+    compiler += (inductor_exc.InductorError,) if hasattr(inductor_exc, "InductorError") else ()
+    if not isinstance(exc, compiler):
+        return False
+    cause = exc
+    while cause is not None:
+        if isinstance(cause, torch.OutOfMemoryError):
+            return False
+        cause = cause.__cause__ or getattr(cause, "inner_exception", None)
+    return True
 
 
 class HeadTemplate:

@@ -4,13 +4,15 @@ import pytest
 import torch
 from engine_helpers import assert_nan_step_skipped, train_with_nan_gradient
 from engine_helpers import train as _train
+from torch._dynamo.exc import BackendCompilerFailed
 
 from baselines.protocol import build_system
 from megatrain.config import CaseConfig, OptimConfig
 from megatrain.engine.layout import build_units
 from megatrain.engine.plan import check_fits, plan_memory
 from megatrain.engine.schedule import plan_uses
-from megatrain.models import get_model_config
+from megatrain.engine.templates import LayerTemplate, bind
+from megatrain.models import get_model_config, rotary_tables
 from megatrain.optim.host_adamw import FlatAdamW
 
 CASES = {
@@ -250,3 +252,40 @@ def test_flat_adamw_equals_torch_adamw():
 def test_non_finite_gradient_norm_skips_the_update(system, options):
     assert_nan_step_skipped(train_with_nan_gradient(system, nan_step=2, steps=4, model="tiny", batch=2, seq=16,
                                                     options=options))
+
+
+def _failing_compiled_layer(exc: BaseException):
+    template = LayerTemplate(get_model_config("tiny"), compile_layer=False)
+    template.compiled = True
+
+    def fail(*args):
+        raise exc
+
+    template._compiled_fn = fail
+    return template
+
+
+def _layer_inputs():
+    cfg = get_model_config("tiny")
+    unit = build_units(cfg)[1]
+    params = bind(unit, torch.randn(unit.numel) * 0.02, requires_grad=False)
+    cos, sin = rotary_tables(cfg, 8, torch.device("cpu"), torch.float32)
+    return params, torch.randn(1, 8, cfg.hidden_size), cos, sin
+
+
+def test_compile_failure_falls_back_to_eager_with_a_warning():
+    template = _failing_compiled_layer(BackendCompilerFailed(lambda *a: None, RuntimeError("no compiler"), None))
+    with pytest.warns(UserWarning, match="torch.compile of the layer failed"):
+        out = template(*_layer_inputs())
+    assert out.shape == (1, 8, 64) and not template.compiled
+
+
+@pytest.mark.parametrize("exc", [torch.OutOfMemoryError("CUDA out of memory"), RuntimeError("shape mismatch"),
+                                 "compile-wrapped-oom"], ids=["oom", "layer-bug", "oom-inside-compile"])
+def test_errors_that_are_not_the_compilers_are_raised(exc):
+    if exc == "compile-wrapped-oom":
+        exc = BackendCompilerFailed(lambda *a: None, torch.OutOfMemoryError("CUDA out of memory"), None)
+    template = _failing_compiled_layer(exc)
+    with pytest.raises(type(exc)):
+        template(*_layer_inputs())
+    assert template.compiled
