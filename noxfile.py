@@ -1,4 +1,4 @@
-"""Sessions: tests, smoke, reproduce_14b, report, bench, lint. Every session runs in the current
+"""Sessions: tests, smoke, gpu, reproduce_14b, report, bench, lint. Every session runs in the current
 environment (python=False): a per-session virtualenv would download a fresh (CUDA) torch. Set up
 first with scripts/setup.sh."""
 
@@ -13,6 +13,13 @@ nox.options.sessions = ["tests"]
 def tests(session):
     """Unit tests on CPU (GPU tests skip without CUDA)."""
     session.run("python", "-m", "pytest", "tests", "-q", *session.posargs)
+
+
+@nox.session(python=False)
+def gpu(session):
+    """The GPU correctness suite (needs CUDA; ~10 min on one H100/H200), a record per check in results/gpu_checks/."""
+    session.run("bash", "scripts/gpu_checks.sh", "results/gpu_checks/records.jsonl", ".", *session.posargs,
+                external=True)
 
 
 @nox.session(python=False)
