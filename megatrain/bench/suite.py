@@ -361,7 +361,7 @@ def _run_one(case: SuiteCase, plan: dict, machine: dict, run_id: str, suite_name
     args = bench_args(case.config)
     if machine["gemm_bf16_tflops"] and case.config.device == "cuda":
         args += ["--gemm-peak-tflops", f"{machine['gemm_bf16_tflops']:.1f}"]
-    trace_rel = Path("traces") / f"{case.case_id}.json"
+    trace_rel = Path("traces") / f"{run_id}-{case.case_id}.json"  # a rerun in a new run keeps the old trace
     started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     if plan["fits"]:
         (out_dir / "traces").mkdir(parents=True, exist_ok=True)
