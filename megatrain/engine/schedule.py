@@ -292,8 +292,8 @@ class Schedule:
 
     def _embed_backward(self, tokens) -> None:
         gacc = self.embed_gacc.view(self.cfg.vocab_size, self.cfg.hidden_size)
-        for t, dy in zip(tokens, self.dys, strict=True):
-            gacc.index_add_(0, t.flatten(), dy.flatten(0, 1).float())
+        for t, dy in zip(tokens, self.dys, strict=True):  # index_put_'s accumulate sorts: repeatable, unlike
+            gacc.index_put_((t.flatten(),), dy.flatten(0, 1).float(), accumulate=True)  # index_add_'s atomics
         self.dys = []
         self.sumsq += torch.linalg.vector_norm(self.embed_gacc).square()
         if 0 in self.resident:  # stays on the GPU: updated there once the norm is known
