@@ -70,11 +70,6 @@ class StreamSet:
         ev.record(self.streams[name])
         return ev
 
-    def synchronize(self, name: str) -> None:
-        """Block the host until everything queued on stream `name` has run."""
-        if self.cuda:
-            self.streams[name].synchronize()
-
     def wait(self, name: str, event) -> None:
         if self.cuda and event is not None:
             self.streams[name].wait_event(event)
