@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from baselines.protocol import build_system
@@ -9,18 +11,22 @@ from megatrain.config import CaseConfig
 from megatrain.data import make_batches
 
 
-def train(system: str, steps: int = 10, **kw) -> tuple[list[float], dict[str, torch.Tensor], dict]:
-    """(per-step losses, final fp32 parameters by name, the system's metrics) of `steps` steps of a case."""
+@contextlib.contextmanager
+def built(system: str, steps: int, **kw):
+    """(the system built for a case, its batches), closed on exit."""
     case = CaseConfig(system=system, steps=steps, **kw)
     trainer = build_system(case)
-    data = make_batches(case, case.model_config().vocab_size)
     try:
-        losses = [trainer.step(*data.batch_at(i)) for i in range(steps)]
-        params = trainer.named_parameters_fp32()
-        metrics = trainer.metrics()
+        yield trainer, make_batches(case, case.model_config().vocab_size)
     finally:
         trainer.close()
-    return losses, params, metrics
+
+
+def train(system: str, steps: int = 10, **kw) -> tuple[list[float], dict[str, torch.Tensor], dict]:
+    """(per-step losses, final fp32 parameters by name, the system's metrics) of `steps` steps of a case."""
+    with built(system, steps, **kw) as (trainer, data):
+        losses = [trainer.step(*data.batch_at(i)) for i in range(steps)]
+        return losses, trainer.named_parameters_fp32(), trainer.metrics()
 
 
 def _state(trainer) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -39,25 +45,22 @@ def train_with_nan_gradient(system: str, nan_step: int, steps: int, **kw) -> dic
     """Train `steps` steps with one gradient element made NaN at step `nan_step`: the head's for the engine, the
     final norm's for a module-owning system. Returns the losses, the state before and after that step, the state
     at the end and the system's skipped-step count."""
-    case = CaseConfig(system=system, steps=steps, **kw)
-    trainer = build_system(case)
-    data = make_batches(case, case.model_config().vocab_size)
-    current = {"step": -1}
-    if hasattr(trainer, "schedule"):
-        sched = trainer.schedule
-        finish = sched._finish_grads
+    with built(system, steps, **kw) as (trainer, data):
+        current = {"step": -1}
+        if hasattr(trainer, "schedule"):
+            sched = trainer.schedule
+            finish = sched._finish_grads
 
-        def poisoned(unit, gacc, gslot):
-            if current["step"] == nan_step and unit.index == len(sched.units) - 1:
-                gacc[0] = float("nan")
-            finish(unit, gacc, gslot)
+            def poisoned(unit, gacc, gslot):
+                if current["step"] == nan_step and unit.index == len(sched.units) - 1:
+                    gacc[0] = float("nan")
+                finish(unit, gacc, gslot)
 
-        sched._finish_grads = poisoned
-    else:
-        trainer.model.norm.weight.register_hook(
-            lambda g: g * float("nan") if current["step"] == nan_step else g)
-    out = {"losses": []}
-    try:
+            sched._finish_grads = poisoned
+        else:
+            trainer.model.norm.weight.register_hook(
+                lambda g: g * float("nan") if current["step"] == nan_step else g)
+        out = {"losses": []}
         for i in range(steps):
             if i == nan_step:
                 out["before"] = _state(trainer)
@@ -67,9 +70,7 @@ def train_with_nan_gradient(system: str, nan_step: int, steps: int, **kw) -> dic
                 out["after"] = _state(trainer)
         out["end"] = _state(trainer)
         out["skipped_steps"] = trainer.skipped_steps
-    finally:
-        trainer.close()
-    return out
+        return out
 
 
 def assert_nan_step_skipped(run: dict) -> None:
