@@ -19,7 +19,7 @@ import warnings
 import torch
 
 from baselines.dist import single_process_env, warn_if_bf16_precision
-from baselines.protocol import compute_dtype, valid_tokens
+from baselines.protocol import COMPILED_LAYERS, compute_dtype, valid_tokens
 from megatrain.config import CaseConfig
 from megatrain.models import Transformer
 from megatrain.models.init import init_module
@@ -86,6 +86,17 @@ def _zero3_param_groups(model: Transformer, optim) -> list[dict]:
     return adamw_param_groups(model.parameters(), optim, shape_of=lambda p: p.ds_shape)
 
 
+def _compile_layers_under_zero3(model: Transformer) -> None:
+    """Compile each decoder layer's forward, as the other systems do. ZeRO-3 gathers parameters in hooks on every
+    submodule, which Dynamo cannot trace (a compiled layer fails on the empty partitioned stubs); marked a ZeRO-3
+    leaf, a layer gathers all its parameters in its own hook, which stays eager around the compiled forward."""
+    from deepspeed.utils import set_z3_leaf_modules
+
+    set_z3_leaf_modules(model, [type(model.layers[0])])
+    for layer in model.layers:
+        layer.forward = torch.compile(layer.forward, dynamic=False)
+
+
 class DeepSpeedSystem:
     def __init__(self, case: CaseConfig):
         self.case = case
@@ -118,6 +129,8 @@ class DeepSpeedSystem:
         # The loss reads the head matrix (or the tied embedding) outside that module's forward: ZeRO-3 must gather it
         # for the root's forward and backward too.
         ds.zero.register_external_parameter(model, model.head_weight())
+        if case.compile:
+            _compile_layers_under_zero3(model)
 
         groups = _zero3_param_groups(model, case.optim)
         o = case.optim
@@ -154,6 +167,8 @@ class DeepSpeedSystem:
 
     def system_config(self) -> dict:
         return {"deepspeed_config": self.config, "zero_init": True, "activation_checkpointing": True,
+                "compile": COMPILED_LAYERS + "'s forward, the layer a ZeRO-3 leaf module (gathered whole)"
+                if self.case.compile else False,
                 "checkpointing": "torch.utils.checkpoint(use_reentrant=False) per layer",
                 "optimizer": self.optimizer_desc,
                 "loss_scaling": "engine.backward(loss, scale_wrt_gas=False), loss / valid tokens of the step"}

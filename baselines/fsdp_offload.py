@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from baselines.dist import single_process_env, warn_if_bf16_precision
-from baselines.protocol import accumulate_and_step, compute_dtype
+from baselines.protocol import COMPILED_LAYERS, accumulate_and_step, compile_layers, compute_dtype
 from megatrain.config import CaseConfig
 from megatrain.models import Transformer
 from megatrain.models.init import init_param
@@ -49,6 +49,8 @@ class FSDPSystem:
         fsdp_kwargs = {"mesh": mesh, "offload_policy": CPUOffloadPolicy(pin_memory=self.pin_memory)}
         if self.mp_policy is not None:
             fsdp_kwargs["mp_policy"] = self.mp_policy
+        if case.compile:  # each block compiled, then sharded (torchtitan's order)
+            compile_layers(self.model)
         for layer in self.model.layers:
             fully_shard(layer, **fsdp_kwargs)
         fully_shard(self.model, **fsdp_kwargs)
@@ -72,6 +74,7 @@ class FSDPSystem:
                 "backend": self.backend, "mixed_precision": mp, "sharded_param_dtype": "torch.float32",
                 "offload_policy": f"CPUOffloadPolicy(pin_memory={self.pin_memory})",
                 "reshard_after_forward": "default (layers True, root False)", "activation_checkpointing": True,
+                "compile": COMPILED_LAYERS + ", before fully_shard" if self.case.compile else False,
                 "optimizer": "torch.optim.AdamW(fused=True) on host shards", "clip": "torch.nn.utils.clip_grad_norm_"}
 
     def metrics(self) -> dict:

@@ -13,7 +13,7 @@ import contextlib
 
 import torch
 
-from baselines.protocol import accumulate_and_step, compute_dtype
+from baselines.protocol import COMPILED_LAYERS, accumulate_and_step, compile_layers, compute_dtype
 from megatrain.config import CaseConfig
 from megatrain.models import Transformer
 from megatrain.models.init import init_module
@@ -33,6 +33,8 @@ class NativeSystem:
         init_module(self.model, case.seed)
         self.param_dtype = self.dtype if case.precision == "bf16" else torch.float32
         self.model.to(self.param_dtype)
+        if case.compile:
+            compile_layers(self.model)
         self.autocast = case.precision == "mixed" and self.dtype != torch.float32
         self.optimizer = torch_adamw(self.model.parameters(), case.optim, fused=True)
         self.ckpt = ckpt
@@ -51,6 +53,7 @@ class NativeSystem:
 
     def system_config(self) -> dict:
         return {"param_dtype": str(self.param_dtype), "autocast": self.autocast, "activation_checkpointing": self.ckpt,
+                "compile": COMPILED_LAYERS if self.case.compile else False,
                 "optimizer": "torch.optim.AdamW(fused=True)", "clip": "torch.nn.utils.clip_grad_norm_"}
 
     def metrics(self) -> dict:

@@ -84,6 +84,17 @@ def accumulate_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     return float(total), stepped
 
 
+def compile_layers(model: torch.nn.Module) -> None:
+    """torch.compile each decoder layer in place (per block, as torchtitan does): the same Inductor graphs of a layer's
+    forward and recompute+backward that the engine's compiled template runs. Whole-model compile is not what any
+    system here does."""
+    for layer in model.layers:
+        layer.compile(dynamic=False)
+
+
+COMPILED_LAYERS = "torch.compile(dynamic=False) of each decoder layer"
+
+
 def valid_tokens(labels_BS: torch.Tensor) -> int:
     """The loss normaliser of a step: labels that are not IGNORE_INDEX (at least 1)."""
     from megatrain.models.loss import IGNORE_INDEX

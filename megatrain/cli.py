@@ -28,6 +28,8 @@ def add_case_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", default="synthetic", help="'synthetic' or a .jsonl/.txt file")
     p.add_argument("--tokenizer", default=None, help="local HF tokenizer dir for text data")
     p.add_argument("--repeat-batch", action="store_true", help="same batch every step")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each decoder layer (every system; eager without it)")
     p.add_argument("--lr", type=float, default=OptimConfig.lr)
     p.add_argument("--weight-decay", type=float, default=OptimConfig.weight_decay)
     p.add_argument("--max-grad-norm", type=float, default=OptimConfig.max_grad_norm, help="0 disables clipping")
@@ -54,17 +56,25 @@ def case_from_args(args: argparse.Namespace) -> CaseConfig:
         system=args.system, model=args.model, num_layers=args.num_layers, batch=args.batch,
         micro_batch=args.micro_batch, seq=args.seq, steps=args.steps, warmup=args.warmup, dtype=args.dtype,
         precision=args.precision, device=args.device, seed=args.seed, data=args.data, tokenizer=args.tokenizer,
-        repeat_batch=args.repeat_batch,
+        repeat_batch=args.repeat_batch, compile=args.compile,
         optim=OptimConfig(lr=args.lr, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm),
         options=_parse_options(args.option),
     )
+
+
+def params_text(n: int) -> str:
+    """A parameter count readable at every size: 1.544B, 494.0M, 2.36M, 85.3K."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.4g}{unit}" if unit != "B" else f"{n / scale:.3f}B"
+    return str(n)
 
 
 def summary_line(record: dict) -> str:
     if record["status"] != "ok":
         return f"{record['system']} {record['model']} b={record['batch']} s={record['seq']}: " \
                f"{record['status'].upper()} {record.get('error') or ''}"
-    return (f"{record['system']} {record['model']} ({record['num_params'] / 1e9:.3f}B) b={record['batch']} "
+    return (f"{record['system']} {record['model']} ({params_text(record['num_params'])}) b={record['batch']} "
             f"s={record['seq']}: step {record['step_time_s']:.3f}s, {record['tokens_per_s']:.0f} tok/s, "
             f"{record['tflops']:.1f} TFLOPS (6NT), GPU peak {record['peak_gpu_alloc_gib']:.2f} GiB, "
             f"host peak {record['peak_host_rss_gib']:.2f} GiB, loss {record['losses'][0]:.4f} -> "

@@ -51,6 +51,8 @@ class CaseConfig:
         data: 'synthetic', or a path to .jsonl / .txt (needs tokenizer).
         tokenizer: local Hugging Face tokenizer directory (tokenizer.json) for text data.
         repeat_batch: train on the same batch every step (convergence checks).
+        compile: run each decoder layer through torch.compile, in every system (the same kernels for all;
+            a comparison gives every system the same setting).
         options: system-specific settings (recorded as given).
     """
 
@@ -69,6 +71,7 @@ class CaseConfig:
     data: str = "synthetic"
     tokenizer: str | None = None
     repeat_batch: bool = False
+    compile: bool = False
     optim: OptimConfig = field(default_factory=OptimConfig)
     options: dict = field(default_factory=dict)
 
@@ -92,6 +95,9 @@ class CaseConfig:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if "compile" in self.options:
+            raise ValueError("compile is a case setting for every system, not an option: use --compile "
+                             "(in a suite: compile = true)")
         if self.data != "synthetic" and not self.tokenizer:
             raise ValueError("text data needs --tokenizer DIR (a local Hugging Face tokenizer directory)")
 

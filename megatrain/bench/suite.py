@@ -1,9 +1,10 @@
 """Suites: declarative case lists (suites/*.toml) and the runner that turns them into records.
 
 A suite file holds suite-wide settings and `[[cases]]` groups. In a group, `systems`, `models`,
-`batch`, `seq`, `num_layers`, `precision` and `hardware` may be lists: the group's cases are their
-product. Every other key is a CaseConfig field (micro_batch, steps, options, ...) or one of
-`label` (a format string over {system} and {precision}), `timeout_s` and `ladder`.
+`batch`, `seq`, `num_layers`, `precision`, `compile` and `hardware` may be lists: the group's cases are
+their product. Every other key is a CaseConfig field (micro_batch, steps, options, ...) or one of
+`label` (a format string over {system} and {precision}; a compiled case's label ends in '-compiled'),
+`timeout_s` and `ladder`.
 
 `ladder = "batch"` (or "seq") makes that list a ladder: per system (and every other setting), the
 values run in increasing order and the runner stops climbing after the first case that does not
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatrain.bench.env import REPO_ROOT, git_commit
-from megatrain.bench.hardware import get_profile, same_machine
+from megatrain.bench.hardware import actual_profile, get_profile, same_machine
 from megatrain.bench.record import append_jsonl, base_record, read_jsonl, relative_paths
 from megatrain.config import CaseConfig, OptimConfig
 
@@ -50,7 +51,7 @@ SUITES_DIR = REPO_ROOT / "suites"
 FINAL_STATUSES = ("ok", "oom", "skipped")
 # Group keys whose values (scalar or list) span the product, and the case field each sets.
 PRODUCT_KEYS = {"systems": "system", "models": "model", "batch": "batch", "seq": "seq", "num_layers": "num_layers",
-                "precision": "precision", "hardware": "hardware"}
+                "precision": "precision", "compile": "compile", "hardware": "hardware"}
 GROUP_KEYS = {"name", "label", "timeout_s", "ladder"}
 CASE_FIELDS = set(CaseConfig.__dataclass_fields__) - set(PRODUCT_KEYS.values())
 STDERR_TAIL_CHARS = 3000
@@ -126,6 +127,7 @@ def _expand_group(group: dict, index: int, default_timeout_s: float) -> list[Sui
         hardware = get_profile(point.pop("hardware")).name
         config = CaseConfig(**fields, **point)
         label = group.get("label", "{system}" if config.precision == "mixed" else "{system}-{precision}")
+        label += "-compiled" if config.compile else ""
         chain = None
         if ladder is not None:
             chain = json.dumps({"group": name, "hardware": hardware,
@@ -176,6 +178,8 @@ def bench_args(config: CaseConfig) -> list[str]:
         args += ["--tokenizer", config.tokenizer]
     if config.repeat_batch:
         args.append("--repeat-batch")
+    if config.compile:
+        args.append("--compile")
     for key, value in config.options.items():
         args += ["--option", f"{key}={json.dumps(value)}"]
     rebuilt = case_from_args(build_parser().parse_args(["bench", *args]))
@@ -372,9 +376,12 @@ def _run_one(case: SuiteCase, plan: dict, machine: dict, run_id: str, suite_name
         record["error"] = plan["reason"]
     if record.get("trace"):
         record["trace"]["path"] = str(trace_rel)  # relative to the results directory, wherever it travels
+    # the profile of the machine it ran on; the suite's, when different (--any-hardware), beside it
+    hardware = actual_profile(case.hardware, machine)
     record["suite"] = {
         "name": suite_name, "run_id": run_id, "case_id": case.case_id, "group": case.group, "label": case.label,
-        "hardware": case.hardware, "ladder": case.ladder, "timeout_s": case.timeout_s, "plan": plan,
+        "hardware": hardware, **({"planned_hardware": case.hardware} if hardware != case.hardware else {}),
+        "ladder": case.ladder, "timeout_s": case.timeout_s, "plan": plan,
         "machine": machine, "command": shlex.join(["python", "-m", "megatrain", "bench", *args]),
         "started_at": started_at, **facts,
     }

@@ -77,7 +77,7 @@ class Schedule:
         grad_dt = store.grads.dtype
         self.stage = None if grad_dt == torch.float32 else \
             [torch.empty(slot_numel, dtype=grad_dt, device=device) for _ in range(2)]
-        self.layer_t = LayerTemplate(cfg, compile_layer=bool(case.options.get("compile", device.type == "cuda")),
+        self.layer_t = LayerTemplate(cfg, compile_layer=case.compile,
                                      mlp_chunk_tokens=int(case.options.get("mlp_chunk_tokens", 0)))
         self.acts = ActivationStore(streams, device, bool(case.options.get("offload_activations", False)),
                                     cfg.num_layers, case.grad_accum, (case.micro_batch, case.seq, cfg.hidden_size), dt)

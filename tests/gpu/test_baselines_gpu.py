@@ -1,6 +1,7 @@
 """FSDP2 and DeepSpeed ZeRO-3 CPU-offload baselines against native on the GPU, through the bench CLI (one fresh
-process per run). Needs CUDA, and deepspeed for its cases; about 4 minutes on one H100/H200, the first DeepSpeed run
-JIT-compiling DeepSpeedCPUAdam: pytest tests/gpu/test_baselines_gpu.py -m gpu -s
+process per run), eager and with compiled layers (native too). Needs CUDA, and deepspeed for its cases; about 5
+minutes on one H100/H200, the first DeepSpeed run JIT-compiling DeepSpeedCPUAdam:
+    pytest tests/gpu/test_baselines_gpu.py -m gpu -s
 """
 
 import importlib.util
@@ -47,10 +48,14 @@ def native_qwen_bf16():
     return torch.tensor(_bench("native", *QWEN_BF16)["losses"])
 
 
-@pytest.mark.parametrize("system", SYSTEMS)
-def test_tiny_fp32_matches_native_with_accumulation_and_clipping(system, native_tiny_fp32):
-    losses = torch.tensor(_bench(system, *TINY_FP32)["losses"])
-    torch.testing.assert_close(losses, native_tiny_fp32, rtol=1e-4, atol=0)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("system", ["native", *SYSTEMS])
+def test_tiny_fp32_matches_native_with_accumulation_and_clipping(system, compiled, native_tiny_fp32):
+    if system == "native" and not compiled:
+        pytest.skip("the reference itself")
+    record = _bench(system, *TINY_FP32, *(["--compile"] if compiled else []))
+    torch.testing.assert_close(torch.tensor(record["losses"]), native_tiny_fp32, rtol=1e-4, atol=0)
+    assert bool(record["system_config"]["compile"]) == compiled
 
 
 @pytest.mark.parametrize("system", SYSTEMS)

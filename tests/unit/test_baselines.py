@@ -5,6 +5,7 @@ Each offloading system runs in its own subprocess: both create and destroy a pro
 its accelerator and patches torch.nn.functional at import and zero.Init, so they must not share a process.
 """
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -93,6 +94,15 @@ def test_deepspeed_matches_native_with_accumulation_and_clipping(model, tmp_path
     h = case.model_config().hidden_size
     assert (zero["stage"], zero["reduce_bucket_size"], zero["stage3_param_persistence_threshold"]) == (3, h * h, 10 * h)
     assert result["config"]["deepspeed_config"]["gradient_accumulation_steps"] == 2
+
+
+@pytest.mark.parametrize("system", ["native", "fsdp", pytest.param("deepspeed", marks=needs_deepspeed), "megatrain"])
+def test_compiled_layers_match_eager_native(system, tmp_path):
+    # every system compiles the same thing (each decoder layer), so every one stays at eager native's float noise
+    case = dataclasses.replace(_case(system, "tiny"), steps=3, compile=True)
+    result = _run_in_subprocess(case, tmp_path)
+    _assert_matches_native(result, _native(dataclasses.replace(case, system="native", compile=False)))
+    assert result["config"]["compile"]
 
 
 @pytest.mark.parametrize("system", ["fsdp", pytest.param("deepspeed", marks=needs_deepspeed)])
