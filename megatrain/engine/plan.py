@@ -35,7 +35,7 @@ def host_bytes_per_param(case: CaseConfig) -> dict[str, int]:
     return per
 
 
-AUTO_RESIDENT_SHARE = 0.9  # resident_layers=auto fills up to this share of the GPU, by the plan's estimate
+AUTO_RESIDENT_SHARE = 0.9  # 'auto' residency fills up to this share of the GPU, by the plan's estimate
 
 
 def resident_bytes(case: CaseConfig, unit: Unit) -> int:
@@ -48,27 +48,39 @@ def resident_bytes(case: CaseConfig, unit: Unit) -> int:
 
 
 def resident_unit_indices(case: CaseConfig) -> list[int]:
-    """Units whose weights, gradients and AdamW state stay on the GPU: the embedding (option
-    resident_embedding) and the first K layers (option resident_layers=K, or 'auto': as many as fit
-    in AUTO_RESIDENT_SHARE of the GPU beside everything else the plan counts; none without a GPU)."""
+    """Units whose weights, gradients and AdamW state stay on the GPU and update there.
+
+    Options: resident_embedding (true, false, or 'auto': when it fits) and resident_layers (K: the first K layers,
+    or 'auto': as many as fit). Both default to 'auto': the embedding first, then leading layers, up to
+    AUTO_RESIDENT_SHARE of the GPU beside everything else the plan counts (so a batch that needs the memory gets
+    none). Without a GPU nothing is resident."""
     layers = case.model_config().num_layers
-    k = case.options.get("resident_layers", 0)
+    embedding = case.options.get("resident_embedding", "auto")
+    if embedding != "auto" and not isinstance(embedding, bool):
+        raise ValueError(f"resident_embedding must be true, false or 'auto', got {embedding!r}")
+    if embedding == "auto":
+        embedding = _auto_fits(case, {"resident_embedding": True, "resident_layers": 0}) > 0
+    k = case.options.get("resident_layers", "auto")
     if k == "auto":
-        k = auto_resident_layers(case)
+        k = _auto_fits(case, {"resident_embedding": embedding, "resident_layers": 0}, per_layer=True)
     if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= layers:
         raise ValueError(f"resident_layers must be 'auto' or an integer from 0 to the model's {layers} layers, "
                          f"got {k!r}")
-    return ([0] if case.options.get("resident_embedding", False) else []) + list(range(1, k + 1))
+    return ([0] if embedding else []) + list(range(1, k + 1))
 
 
-def auto_resident_layers(case: CaseConfig) -> int:
+def _auto_fits(case: CaseConfig, options: dict, per_layer: bool = False) -> int:
+    """With `options` fixed: 1 if that plan fits the resident share of the GPU (0 if not), or with per_layer the
+    number of further resident layers that fit beside it. 0 without a GPU."""
     gpu = available_memory(case)[1]
     if gpu is None:
         return 0
-    base = plan_memory(dataclasses.replace(case, options={**case.options, "resident_layers": 0}))["gpu_bytes"]
-    room = AUTO_RESIDENT_SHARE * gpu - base
-    per_layer = resident_bytes(case, build_units(case.model_config())[1])
-    return max(0, min(case.model_config().num_layers, int(room // per_layer)))
+    room = AUTO_RESIDENT_SHARE * gpu - plan_memory(dataclasses.replace(case, options={**case.options, **options}))[
+        "gpu_bytes"]
+    if not per_layer:
+        return int(room >= 0)
+    per = resident_bytes(case, build_units(case.model_config())[1])
+    return max(0, min(case.model_config().num_layers, int(room // per)))
 
 
 def plan_memory(case: CaseConfig) -> dict:

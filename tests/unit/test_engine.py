@@ -1,5 +1,7 @@
 """Streaming engine vs the native reference, fp32 on CPU. CPU only, ~30 s: pytest tests/unit/test_engine.py"""
 
+import dataclasses
+
 import pytest
 import torch
 from engine_helpers import assert_nan_step_skipped, train_with_nan_gradient
@@ -95,13 +97,16 @@ def test_resident_layers_take_no_slot_and_never_cross_pcie():
     assert plain["d2h_bytes"] - res["d2h_bytes"] == (units[1].numel + units[2].numel) * 4
 
 
+def _qwen_3b_b8(**options) -> CaseConfig:
+    return CaseConfig(system="megatrain", model="qwen2.5-3b", dtype="bfloat16", batch=8, seq=1024, device="cuda",
+                      options=options)
+
+
 def test_auto_resident_layers_fill_the_gpu_share_the_plan_leaves(monkeypatch):
     from megatrain.engine import plan as plan_mod
 
-    case = CaseConfig(system="megatrain", model="qwen2.5-3b", dtype="bfloat16", batch=8, seq=1024, device="cuda",
-                      options={"resident_layers": "auto"})
-    base = plan_memory(CaseConfig(system="megatrain", model="qwen2.5-3b", dtype="bfloat16", batch=8, seq=1024,
-                                  device="cuda"))["gpu_bytes"]
+    case = _qwen_3b_b8(resident_embedding=False, resident_layers="auto")
+    base = plan_memory(_qwen_3b_b8(resident_embedding=False, resident_layers=0))["gpu_bytes"]
     per_layer = plan_mod.resident_bytes(case, build_units(case.model_config())[1])
     gpu = int((base + 5.5 * per_layer) / plan_mod.AUTO_RESIDENT_SHARE)
     monkeypatch.setattr(plan_mod, "available_memory", lambda c: (2**40, gpu))
@@ -111,6 +116,29 @@ def test_auto_resident_layers_fill_the_gpu_share_the_plan_leaves(monkeypatch):
     assert planned["gpu_bytes"] == base + 5 * per_layer
     monkeypatch.setattr(plan_mod, "available_memory", lambda c: (2**40, None))  # no GPU: nothing resident
     assert plan_mod.resident_unit_indices(case) == []
+
+
+def test_by_default_the_plan_makes_resident_what_fits_and_nothing_when_the_batch_needs_the_memory(monkeypatch):
+    from megatrain.engine import plan as plan_mod
+
+    streamed = plan_memory(_qwen_3b_b8(resident_embedding=False, resident_layers=0))["gpu_bytes"]
+    embedding = plan_mod.resident_bytes(_qwen_3b_b8(), build_units(get_model_config("qwen2.5-3b"))[0])
+    per_layer = plan_mod.resident_bytes(_qwen_3b_b8(), build_units(get_model_config("qwen2.5-3b"))[1])
+    monkeypatch.setattr(plan_mod, "available_memory",
+                        lambda c: (2**40, int((streamed + embedding + 2.5 * per_layer) / plan_mod.AUTO_RESIDENT_SHARE)))
+    assert plan_memory(_qwen_3b_b8())["resident_units"] == [0, 1, 2]
+    # batch 64 needs more than that GPU for its activations alone: nothing is made resident (and the plan says
+    # that it does not fit, rather than the resident units making it not fit)
+    assert plan_memory(dataclasses.replace(_qwen_3b_b8(), batch=64))["resident_units"] == []
+    monkeypatch.setattr(plan_mod, "available_memory", lambda c: (2**40, 2**45))  # a huge GPU: everything
+    assert plan_memory(_qwen_3b_b8())["resident_units"] == list(range(37))
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_resident_embedding_takes_true_false_or_auto(bad):
+    case = CaseConfig(system="megatrain", model="tiny", options={"resident_embedding": bad})
+    with pytest.raises(ValueError, match="resident_embedding must be true, false or 'auto'"):
+        check_fits(case)
 
 
 @pytest.mark.parametrize("bad", [-1, 5, 1.5, "2"])
