@@ -3,7 +3,8 @@
 #
 #   bash scripts/gpu_queue.sh start 'SUITE [suite args]' ['run COMMAND ARGS' ...]
 #       installs the DeepSpeed wheelhouse (.whl, scripts/wheelhouse.sh) and runs the suites in order
-#       (an item 'run CMD...' runs CMD) in a new process session, which outlives the call;
+#       (an item 'run CMD...' runs CMD) in a new process session, which outlives the call; a suite
+#       runs the cases of this machine's profile (add --any-hardware to an item to run the others too);
 #       the log is /tmp/megatrain-queue/log.
 #   bash scripts/gpu_queue.sh collect SECONDS SUITE [SUITE ...]
 #       waits until the queue ends or SECONDS pass, then puts the log and a tarball of each
@@ -49,7 +50,7 @@ start)
                 shift; "$@"
             else
                 suite=$1; shift
-                python3 -m megatrain suite "$suite" --out-dir "'"$Q"'/results/$suite" --any-hardware "$@"
+                python3 -m megatrain suite "$suite" --out-dir "'"$Q"'/results/$suite" "$@"
             fi
             rc=$?
             echo "=== $(date -u +%FT%TZ) exit $rc: $item"

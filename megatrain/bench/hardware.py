@@ -69,9 +69,21 @@ PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
     HardwareProfile("h200-141g-256g", "H200", 139.8, 256, "one H200 141 GB of a 2-GPU host with 256 GiB"),
     HardwareProfile("h200-141g-512g", "H200", 139.8, 512, "one H200 141 GB of a 4-8 GPU host with 512-560 GiB"),
 )}
+UNPROFILED = HardwareProfile("unprofiled", None, None, None, "a machine no profile describes (see 'measured')")
+
+
+def actual_profile(planned: str, machine: dict) -> str:
+    """The profile of the machine a case ran on: `planned` when the machine matches it, else the first profile that
+    matches (a suite run with --any-hardware), else 'unprofiled'. Records and reports name this one."""
+    if get_profile(planned).mismatch(machine) is None:
+        return planned
+    return next((p.name for p in PROFILES.values() if p.gpu is not None and p.mismatch(machine) is None),
+                "cpu-ci" if not machine.get("gpu_name") else "unprofiled")
 
 
 def get_profile(name: str) -> HardwareProfile:
+    if name == UNPROFILED.name:
+        return UNPROFILED
     if name not in PROFILES:
         raise ValueError(f"unknown hardware profile {name!r}; choose one of: {', '.join(PROFILES)}")
     return PROFILES[name]

@@ -112,3 +112,14 @@ def test_a_new_commit_starts_a_new_run_instead_of_resuming(tmp_path, monkeypatch
     assert len(later) == 2 and later[0]["suite"]["run_id"] != first[0]["suite"]["run_id"], \
         "a run never mixes two commits"
     assert all(r["env"]["commit"] == "b" * 40 for r in later)
+
+
+def test_a_case_run_on_another_kind_of_machine_is_labelled_by_that_machine_and_still_resumes(tmp_path):
+    (tmp_path / "elsewhere.toml").write_text(SUITE.replace('hardware = "cpu-ci"', 'hardware = "h100-80g"'))
+    suite = load_suite(str(tmp_path / "elsewhere.toml"))
+    out = tmp_path / "results"
+    assert _run(suite, out, only="good") == [], "not an H100: nothing runs without --any-hardware"
+    first = _run(suite, out, only="good", any_hardware=True)
+    assert [(r["suite"]["hardware"], r["suite"]["planned_hardware"]) for r in first] == [("cpu-ci", "h100-80g")] * 2
+    again = _run(suite, out, only="good|oom", any_hardware=True)
+    assert [r["suite"]["group"] for r in again] == ["oom"], "the relabelled cases count as done: the run resumes"
