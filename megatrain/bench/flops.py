@@ -1,7 +1,8 @@
 """FLOP accounting, in one place for every system, table and report.
 
 - `model_flops`: 6 * num_params * tokens, the convention of the paper and its peers (the
-  headline 'TFLOPS' of every record).
+  headline 'TFLOPS' of every record). It counts the input embedding, which does no matmul when
+  untied (a lookup); `matmul_params` leaves it out, for the figure beside it ('tflops_no_embed').
 - `hardware_flops`: what the GPU actually executes: matmuls of the layers and the LM head (2 FLOPs
   per multiply-add), causal attention scores and weighted sums, backward at twice the forward, and
   one extra forward of every decoder layer when activations are recomputed.
@@ -15,6 +16,11 @@ from megatrain.models.config import ModelConfig
 
 def model_flops(num_params: int, tokens: int) -> float:
     return 6.0 * num_params * tokens
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Parameters without an untied input embedding (a lookup, no FLOPs); a tied one is the LM head's matrix."""
+    return cfg.num_params() - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size)
 
 
 def attention_flops_per_seq(cfg: ModelConfig, seq: int) -> float:

@@ -49,13 +49,24 @@ def tflops_vs_model(df: pd.DataFrame, path: Path) -> Path | None:
     best = _best_per(ok, ["label", "model"])
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, g in best.groupby("label"):
-        g = g.sort_values("params_b")
-        ax.plot(g["params_b"], g["tflops"], marker="o", label=label)
+        _size_series(ax, g, "tflops", label)
     ax.set(xscale="log", xlabel="parameters (B)", ylabel="TFLOPS (6NT), best batch",
            title=f"Throughput vs model size (seq {_main_seq(df)})")
     ax.grid(alpha=0.3)
     ax.legend()
     return _save(fig, path)
+
+
+def _size_series(ax, g: pd.DataFrame, col: str, label: str) -> None:
+    """One system against model size: a line through the registry's shapes only; shapes of another depth are
+    marked, unjoined (a line between two shapes of different families would read as a trend)."""
+    g = g.sort_values("params_b")
+    registry = g[~g["model"].str.contains("@")]
+    (line,) = ax.plot(registry["params_b"], registry[col], marker="o", label=label)
+    other = g[g["model"].str.contains("@")]
+    if len(other):
+        ax.plot(other["params_b"], other[col], marker="s", linestyle="none", color=line.get_color(),
+                label=f"{label} (depth-scaled shapes)")
 
 
 def memory_vs_model(df: pd.DataFrame, path: Path) -> Path | None:
@@ -70,8 +81,7 @@ def memory_vs_model(df: pd.DataFrame, path: Path) -> Path | None:
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (col, title) in zip(axes[0], panels, strict=True):
         for label, g in small.groupby("label"):
-            g = g.sort_values("params_b")
-            ax.plot(g["params_b"], g[col], marker="o", label=label)
+            _size_series(ax, g, col, label)
         ax.set(xscale="log", xlabel="parameters (B)", ylabel="GiB", title=title)
         ax.grid(alpha=0.3)
     axes[0][0].legend()
@@ -172,4 +182,51 @@ def timeline(record: dict, path: Path) -> Path | None:
     ax.set(xlabel="ms into the step", title=f"Engine timeline: {record['suite']['label']} {record['model']} "
                                             f"b{record['batch']} s{record['seq']} (one measured step)")
     ax.grid(axis="x", alpha=0.3)
+    return _save(fig, path)
+
+
+def _bars(ax, frame: pd.DataFrame, x: str, value: str) -> None:
+    """Grouped bars: one group per value of `x` (in order), one bar per system label."""
+    labels = sorted(frame["label"].unique())
+    xs = sorted(frame[x].unique())
+    width = 0.8 / len(labels)
+    for i, label in enumerate(labels):
+        g = frame[frame["label"] == label].groupby(x)[value].max()  # several micro-batch splits: the best
+        ax.bar([j + (i - (len(labels) - 1) / 2) * width for j in range(len(xs))], [g.get(v, 0) for v in xs], width,
+               label=label)
+    ax.set_xticks(range(len(xs)), [str(v) for v in xs])
+    ax.grid(axis="y", alpha=0.3)
+
+
+def summary_tflops(df: pd.DataFrame, path: Path) -> Path | None:
+    """TFLOPS per system at each batch, one panel per model, at the main sequence length (a missing bar: that
+    system did not run ok at that batch)."""
+    ok = _ok(df)
+    if ok.empty:
+        return None
+    ok = ok[ok["seq"] == _main_seq(ok)]
+    models = sorted(ok["model"].unique(), key=lambda m: ok[ok["model"] == m]["params_b"].iloc[0])
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        _bars(ax, ok[ok["model"] == model], "batch", "tflops")
+        ax.set(xlabel="batch (sequences per step)", ylabel="TFLOPS (6NT)", title=f"{model}, seq {_main_seq(ok)}")
+    axes[0][-1].legend(fontsize=7)
+    return _save(fig, path)
+
+
+def summary_memory(df: pd.DataFrame, path: Path) -> Path | None:
+    """Peak GPU and host memory per system and model, at the largest batch each system ran ok."""
+    ok = _ok(df)
+    if ok.empty:
+        return None
+    ok = ok[ok["seq"] == _main_seq(ok)]
+    largest = ok.loc[ok.groupby(["label", "model"])["batch"].idxmax()]
+    panels = [("peak_host_rss_gib", "host peak RSS (GiB)")]
+    if (largest["device"] == "cuda").any():
+        panels.insert(0, ("peak_gpu_alloc_gib", "GPU peak allocated (GiB)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    for ax, (col, title) in zip(axes[0], panels, strict=True):
+        _bars(ax, largest, "model", col)
+        ax.set(ylabel="GiB", title=f"{title}, each system's largest batch")
+    axes[0][0].legend(fontsize=7)
     return _save(fig, path)

@@ -146,6 +146,39 @@ def _figures(scope: pd.DataFrame, by_key: dict, results_dir: Path, out_dir: Path
     return [(p, caption) for p, caption in figs if p is not None]
 
 
+def _summary_section(scope: pd.DataFrame, out_dir: Path, paper: pd.DataFrame) -> list[str]:
+    """What a reader needs first: throughput and memory per system, the speedups at equal settings, and the paper's
+    figures where ours are comparable (same model, sequence and, where the paper states one, batch)."""
+    cpu_only = not (scope["device"] == "cuda").any()
+    parts = ["<h2>Summary</h2>"]
+    if cpu_only:
+        parts.append("<p><b>These cases ran on a CPU.</b> They check that every system's path builds, trains and "
+                     "records on the same model and data; they say nothing about speed, so no speedup is taken from "
+                     "them.</p>")
+    for fig, caption in ((plots.summary_tflops(scope, out_dir / "summary_tflops.png"),
+                          "TFLOPS (6NT) per system at each batch; a missing bar: not run, or not ok, at that batch."),
+                         (plots.summary_memory(scope, out_dir / "summary_memory.png"),
+                          "Peak GPU and host memory per system, at the largest batch it ran.")):
+        if fig is not None:
+            parts.append(f"<figure><img src='{fig.name}' alt='{html.escape(caption)}'>"
+                         f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+    if not cpu_only:
+        table = tables.summary_speedups(scope)
+        parts += ["<h3>Speedups at equal settings</h3>",
+                  html_table(table) if not table.empty else "<p class='muted'>no MegaTrain case beside another "
+                  "system at the same model, sequence, batch and kernels</p>",
+                  "<p class='muted'>MegaTrain's TFLOPS over each system's, in one session, at the same model, "
+                  "sequence, batch and kernel setting ('-compiled': every decoder layer through torch.compile, in "
+                  "every system). Best against best, and the failures, are under Speedups below.</p>"]
+        comparable = paper[paper["our status"] == "ok"] if not paper.empty else paper
+        if not comparable.empty:
+            parts += ["<h3>The paper beside us</h3>", html_table(comparable),
+                      "<p class='muted'>Only the published figures with a measured case of ours at the same model "
+                      "and sequence (and the same batch where the source states one). Their hardware is not ours: "
+                      "read these side by side, not as ratios.</p>"]
+    return parts
+
+
 def write_report(results_dir: Path, out_dir: Path, all_runs: bool = False) -> Path:
     """Write out_dir/index.html (and its PNGs) from results_dir/records.jsonl; returns the HTML path."""
     records = read_suite_records(results_dir / "records.jsonl")
@@ -168,7 +201,9 @@ def write_report(results_dir: Path, out_dir: Path, all_runs: bool = False) -> Pa
         f"<h1>Suite <code>{html.escape(suite)}</code></h1>",
         f"<p class='muted'>{len(scope)} cases from <code>{html.escape(str(rel(results_dir)))}/records.jsonl</code>, "
         f"report generated {time.strftime('%Y-%m-%d %H:%M')} from the records (never edited by hand). "
-        "TFLOPS = 6 x parameters x tokens / median step time.</p>",
+        "TFLOPS = 6 x parameters x tokens / median step time; the parameters include the input embedding, which "
+        "does no matmul when untied: the figure without it is beside it in the results.</p>",
+        *_summary_section(scope, out_dir, paper),
         f"<h2>Rerun</h2><pre>{html.escape(rerun)}</pre>"
         "<p class='muted'>Cases run on a machine matching their hardware profile; a rerun resumes the latest run "
         "and repeats only cases that errored or timed out. Each case's exact command is under Cases.</p>",
@@ -179,9 +214,10 @@ def write_report(results_dir: Path, out_dir: Path, all_runs: bool = False) -> Pa
         "process's fixed ~0.3-3 GiB, so it reads high for small models). plan: the pre-flight estimate "
         "(megatrain.bench.fit).</p>",
         *_headroom_section(scope),
-        "<h2>Speedups</h2>",
-        html_table(speedups) if not speedups.empty else "<p class='muted'>no MegaTrain case beside another system "
-        "at the same model and sequence length in this run</p>",
+        *([] if not (scope["device"] == "cuda").any() else [
+            "<h2>Speedups</h2>",
+            html_table(speedups) if not speedups.empty else "<p class='muted'>no MegaTrain case beside another "
+            "system at the same model, sequence length and kernels in this run</p>"]),
         "<h2>The paper beside us</h2>",
         html_table(paper) if not paper.empty else "<p class='muted'>no case of this suite has a model shape the "
         "paper reports on</p>",
@@ -207,8 +243,9 @@ def write_reports(suites: list[str], out: str | None = None) -> list[Path]:
     results_root = REPO_ROOT / "results"
     if suites:
         dirs = [Path(s) if Path(s).is_dir() else results_root / s for s in suites]
-    else:  # *-local directories hold uncommitted local runs (nox -s smoke)
-        dirs = sorted(p.parent for p in results_root.glob("*/records.jsonl") if not p.parent.name.endswith("-local"))
+    else:  # *-local directories hold uncommitted local runs (nox -s smoke); others hold no suite's records
+        dirs = sorted(p.parent for p in results_root.glob("*/records.jsonl")
+                      if not p.parent.name.endswith("-local") and read_suite_records(p))
     if out is not None and len(dirs) != 1:
         raise ValueError("--out names one report directory; give exactly one suite with it")
     return [write_report(d, Path(out) if out else REPO_ROOT / "reports" / d.name) for d in dirs]

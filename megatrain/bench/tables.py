@@ -10,7 +10,9 @@ from __future__ import annotations
 import pandas as pd
 
 from megatrain.bench import paper
-from megatrain.models.registry import MODELS
+from megatrain.bench.flops import matmul_params
+from megatrain.bench.hardware import actual_profile
+from megatrain.models.registry import MODELS, get_model_config
 
 GIB = 2**30
 
@@ -21,8 +23,26 @@ def model_label(record: dict) -> str:
     return f"{record['model']}@{layers}L" if layers is not None else record["model"]
 
 
+def compiled(record: dict) -> bool:
+    """Whether the case's decoder layers ran through torch.compile. Records before `compile` was a case setting kept
+    it as an engine option, on by default on CUDA, and the other systems ran eager; a compile the engine gave up on
+    (its fallback to eager) says so in system_config."""
+    config = record["config"]
+    if "compile" in config:
+        wanted = config["compile"]
+    else:
+        wanted = record["system"] == "megatrain" and config["options"].get("compile", config["device"] == "cuda")
+    return bool(wanted and (record.get("system_config") or {}).get("compile", True))
+
+
+def _label(record: dict) -> str:
+    label = record["suite"]["label"]
+    return label + "-compiled" if compiled(record) and not label.endswith("-compiled") else label
+
+
 def records_frame(records: list[dict]) -> pd.DataFrame:
-    """One row per (run_id, case_id), flat columns; the latest record of a case wins."""
+    """One row per (run_id, case_id), flat columns; the latest record of a case wins. The hardware profile is the
+    one the measured machine matches (older records named the suite's profile even when run elsewhere)."""
     rows = {}
     for r in records:
         s = r["suite"]
@@ -30,11 +50,12 @@ def records_frame(records: list[dict]) -> pd.DataFrame:
         trace = r.get("trace") or {}
         rows[(s["run_id"], s["case_id"])] = {
             "run_id": s["run_id"], "case_id": s["case_id"], "suite": s["name"], "group": s["group"],
-            "label": s["label"], "hardware": s["hardware"], "system": r["system"], "precision": r["precision"],
+            "label": _label(r), "hardware": actual_profile(s["hardware"], s["machine"]) if s.get("machine")
+            else s["hardware"], "compile": compiled(r), "system": r["system"], "precision": r["precision"],
             "dtype": r["dtype"], "device": r["config"]["device"], "model": model_label(r), "model_name": r["model"],
             "num_layers": r["num_layers"], "params_b": r["num_params"] / 1e9, "batch": r["batch"],
             "micro_batch": r["micro_batch"], "seq": r["seq"], "status": r["status"], "error": r.get("error"),
-            "tflops": r["tflops"], "mfu": r.get("mfu"), "tokens_per_s": r["tokens_per_s"],
+            "tflops": r["tflops"], "tflops_no_embed": _tflops_no_embed(r), "mfu": r.get("mfu"), "tokens_per_s": r["tokens_per_s"],
             "step_time_s": r["step_time_s"], "step_time_iqr_s": r.get("step_time_iqr_s"),
             "peak_gpu_alloc_gib": r["peak_gpu_alloc_gib"], "peak_host_rss_gib": r["peak_host_rss_gib"],
             "host_bytes_per_param": r["peak_host_rss_gib"] * GIB / r["num_params"]
@@ -51,6 +72,15 @@ def records_frame(records: list[dict]) -> pd.DataFrame:
     if len(df):
         df["session"] = _sessions(df)
     return df
+
+
+def _tflops_no_embed(record: dict) -> float | None:
+    """The record's figure; for records written before it existed, the same 6NT rate with N without the untied
+    input embedding, from the record's own TFLOPS (exact: same tokens, same step time)."""
+    if "tflops_no_embed" in record or record["tflops"] is None:
+        return record.get("tflops_no_embed")
+    cfg = get_model_config(record["model"], record["config"].get("num_layers"))
+    return record["tflops"] * matmul_params(cfg) / record["num_params"]
 
 
 def _sessions(df: pd.DataFrame) -> pd.Series:
@@ -72,7 +102,7 @@ def _sessions(df: pd.DataFrame) -> pd.Series:
 
 
 # What a table row shows: a newer record of the same row replaces the older one (say, one run with more steps).
-ROW_KEY = ["hardware", "label", "model", "num_layers", "seq", "batch", "micro_batch"]
+ROW_KEY = ["hardware", "label", "compile", "precision", "model", "num_layers", "seq", "batch", "micro_batch"]
 
 
 def latest_records(df: pd.DataFrame) -> pd.DataFrame:
@@ -92,7 +122,7 @@ def latest_records(df: pd.DataFrame) -> pd.DataFrame:
 def results_table(df: pd.DataFrame) -> pd.DataFrame:
     """The main table: one row per case, in model size, sequence, label and batch order."""
     cols = {"label": "system", "model": "model", "params_b": "params (B)", "batch": "batch", "seq": "seq",
-            "status": "status", "tflops": "TFLOPS (6NT)", "mfu": "MFU", "tokens_per_s": "tokens/s",
+            "status": "status", "tflops": "TFLOPS (6NT)", "tflops_no_embed": "TFLOPS (6NT, no input embedding)", "mfu": "MFU", "tokens_per_s": "tokens/s",
             "step_time_s": "step (s)", "step_time_iqr_s": "step IQR (s)", "peak_gpu_alloc_gib": "GPU peak (GiB)",
             "peak_host_rss_gib": "host peak (GiB)", "host_bytes_per_param": "host B/param",
             "plan_host_gib": "host plan (GiB)", "plan_gpu_gib": "GPU plan (GiB)"}
@@ -107,13 +137,14 @@ def _is_megatrain(label: str) -> bool:
 
 
 def speedups(df: pd.DataFrame) -> pd.DataFrame:
-    """MegaTrain's TFLOPS over each other system's, within one session (run), model and sequence length.
+    """MegaTrain's TFLOPS over each other system's, within one session (run), model, sequence length and kernel
+    setting (compiled against compiled, eager against eager: never across).
 
     Rows compare at each common batch, and best against best (each at its own fastest batch).
     When the other system did not run ok at a batch where MegaTrain did, the row says why.
     """
     rows = []
-    for (run_id, model, seq), g in df.groupby(["session", "model", "seq"]):
+    for (run_id, model, seq, _), g in df.groupby(["session", "model", "seq", "compile"]):
         ok = g[g["status"] == "ok"]
         for ref in sorted(x for x in ok["label"].unique() if _is_megatrain(x)):
             mine = ok[ok["label"] == ref].set_index("batch")["tflops"]
@@ -149,6 +180,8 @@ def paper_comparison(df: pd.DataFrame) -> pd.DataFrame:
         if shape.empty:
             continue
         mine = shape[(shape["seq"] == claim.seq) & (shape["system"] == claim.system)]
+        if claim.batch is not None:  # a figure at a stated batch is compared only at that batch
+            mine = mine[mine["batch"] == claim.batch]
         ok = mine[mine["status"] == "ok"]
         best = ok.loc[ok["tflops"].idxmax()] if len(ok) else None
         rows.append({
@@ -158,10 +191,25 @@ def paper_comparison(df: pd.DataFrame) -> pd.DataFrame:
             "our TFLOPS": None if best is None else best["tflops"],
             "our batch": None if best is None else best["batch"],
             "our system": None if best is None else best["label"],
-            "our status": "ok" if best is not None else ", ".join(sorted(set(mine["status"]))) or "not run",
+            "our status": "ok" if best is not None else ", ".join(sorted(set(mine["status"]))) or
+            ("not run" if claim.batch is None else f"not run at batch {claim.batch}"),
             "our GPU": None if best is None else best["gpu"],
         })
     return pd.DataFrame(rows)
+
+
+def summary_speedups(df: pd.DataFrame) -> pd.DataFrame:
+    """The speedups at equal settings, one row per MegaTrain case: same session, model, sequence, batch and kernel
+    setting; a column per other system (its label carries '-compiled' when compiled)."""
+    rows = speedups(df)
+    if rows.empty:
+        return rows
+    rows = rows[rows["at"].str.startswith("b=")]
+    rows = rows.assign(vs=rows["vs"].str.replace("-compiled", "", regex=False))
+    index = ["model", "seq", "system", "batch", "TFLOPS"]
+    wide = rows.pivot_table(index=index, columns="vs", values="speedup", aggfunc="first", dropna=False)
+    wide.columns = [f"x vs {c}" for c in wide.columns]
+    return wide.reset_index().sort_values(["model", "seq", "system", "batch"]).reset_index(drop=True)
 
 
 # Share of the GPU a projected batch may fill: the allocator's fragmentation takes the rest (native's
