@@ -55,7 +55,8 @@ def records_frame(records: list[dict]) -> pd.DataFrame:
             "dtype": r["dtype"], "device": r["config"]["device"], "model": model_label(r), "model_name": r["model"],
             "num_layers": r["num_layers"], "params_b": r["num_params"] / 1e9, "batch": r["batch"],
             "micro_batch": r["micro_batch"], "seq": r["seq"], "status": r["status"], "error": r.get("error"),
-            "tflops": r["tflops"], "tflops_no_embed": _tflops_no_embed(r), "mfu": r.get("mfu"), "tokens_per_s": r["tokens_per_s"],
+            "tflops": r["tflops"], "tflops_no_embed": _tflops_no_embed(r), "mfu": r.get("mfu"),
+            "tokens_per_s": r["tokens_per_s"],
             "step_time_s": r["step_time_s"], "step_time_iqr_s": r.get("step_time_iqr_s"),
             "peak_gpu_alloc_gib": r["peak_gpu_alloc_gib"], "peak_host_rss_gib": r["peak_host_rss_gib"],
             "host_bytes_per_param": r["peak_host_rss_gib"] * GIB / r["num_params"]
@@ -122,7 +123,8 @@ def latest_records(df: pd.DataFrame) -> pd.DataFrame:
 def results_table(df: pd.DataFrame) -> pd.DataFrame:
     """The main table: one row per case, in model size, sequence, label and batch order."""
     cols = {"label": "system", "model": "model", "params_b": "params (B)", "batch": "batch", "seq": "seq",
-            "status": "status", "tflops": "TFLOPS (6NT)", "tflops_no_embed": "TFLOPS (6NT, no input embedding)", "mfu": "MFU", "tokens_per_s": "tokens/s",
+            "status": "status", "tflops": "TFLOPS (6NT)", "tflops_no_embed": "TFLOPS (6NT, no input embedding)",
+            "mfu": "MFU", "tokens_per_s": "tokens/s",
             "step_time_s": "step (s)", "step_time_iqr_s": "step IQR (s)", "peak_gpu_alloc_gib": "GPU peak (GiB)",
             "peak_host_rss_gib": "host peak (GiB)", "host_bytes_per_param": "host B/param",
             "plan_host_gib": "host plan (GiB)", "plan_gpu_gib": "GPU plan (GiB)"}

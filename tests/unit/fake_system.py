@@ -24,7 +24,8 @@ class FailingSystem(NativeSystem):
         if failure == "oom" or self.case.batch >= self.case.options.get("oom_from_batch", sys.maxsize):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
         if failure == "crash":
-            print(f"injected crash: exiting without a record\n  File \"{__file__}\", line 1", file=sys.stderr, flush=True)
+            print(f"injected crash: exiting without a record\n  File \"{__file__}\", line 1", file=sys.stderr,
+                  flush=True)
             os._exit(3)
         if failure == "hang":
             time.sleep(3600)

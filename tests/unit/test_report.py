@@ -195,4 +195,5 @@ def test_records_keep_no_machine_paths():
             'File "/opt/venv/lib/python3.12/site-packages/torch/nn/modules/module.py", line 1'
             '\nFile "/usr/lib/python3/dist-packages/x.py"')
     assert relative_paths(text) == ('File "megatrain/bench/case.py", line 58\n'
-                                    'File "site-packages/torch/nn/modules/module.py", line 1\nFile "dist-packages/x.py"')
+                                    'File "site-packages/torch/nn/modules/module.py", line 1\n'
+                                    'File "dist-packages/x.py"')
