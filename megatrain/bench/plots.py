@@ -185,15 +185,16 @@ def timeline(record: dict, path: Path) -> Path | None:
     return _save(fig, path)
 
 
-def _bars(ax, frame: pd.DataFrame, x: str, value: str) -> None:
-    """Grouped bars: one group per value of `x` (in order), one bar per system label."""
-    labels = sorted(frame["label"].unique())
+def _bars(ax, frame: pd.DataFrame, x: str, value: str, labels: list[str]) -> None:
+    """Grouped bars: one group per value of `x` (in order), one bar per system label, each label the same colour
+    in every panel."""
     xs = sorted(frame[x].unique())
     width = 0.8 / len(labels)
+    colors = plt.get_cmap("tab10").colors
     for i, label in enumerate(labels):
         g = frame[frame["label"] == label].groupby(x)[value].max()  # several micro-batch splits: the best
         ax.bar([j + (i - (len(labels) - 1) / 2) * width for j in range(len(xs))], [g.get(v, 0) for v in xs], width,
-               label=label)
+               label=label, color=colors[i % len(colors)])
     ax.set_xticks(range(len(xs)), [str(v) for v in xs])
     ax.grid(axis="y", alpha=0.3)
 
@@ -208,9 +209,9 @@ def summary_tflops(df: pd.DataFrame, path: Path) -> Path | None:
     models = sorted(ok["model"].unique(), key=lambda m: ok[ok["model"] == m]["params_b"].iloc[0])
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
-        _bars(ax, ok[ok["model"] == model], "batch", "tflops")
+        _bars(ax, ok[ok["model"] == model], "batch", "tflops", sorted(ok["label"].unique()))
         ax.set(xlabel="batch (sequences per step)", ylabel="TFLOPS (6NT)", title=f"{model}, seq {_main_seq(ok)}")
-    axes[0][-1].legend(fontsize=7)
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     return _save(fig, path)
 
 
@@ -226,7 +227,7 @@ def summary_memory(df: pd.DataFrame, path: Path) -> Path | None:
         panels.insert(0, ("peak_gpu_alloc_gib", "GPU peak allocated (GiB)"))
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
     for ax, (col, title) in zip(axes[0], panels, strict=True):
-        _bars(ax, largest, "model", col)
+        _bars(ax, largest, "model", col, sorted(largest["label"].unique()))
         ax.set(ylabel="GiB", title=f"{title}, each system's largest batch")
-    axes[0][0].legend(fontsize=7)
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     return _save(fig, path)

@@ -35,7 +35,7 @@ figure { margin: 1em 0; } figure img { max-width: 100%; border: 1px solid #eee; 
 .muted { color: #666; }
 """
 TEXT_COLUMNS = {"system", "model", "status", "run", "claim", "source", "their hardware", "vs", "at", "note",
-                "our system", "our status", "our GPU", "case", "what", "value", "error", "profile", "command"}
+                "our system", "our status", "our GPU", "our run", "case", "what", "value", "error", "profile", "command"}
 
 
 def _fmt(value) -> str:
@@ -149,8 +149,15 @@ def _figures(scope: pd.DataFrame, by_key: dict, results_dir: Path, out_dir: Path
 def _summary_section(scope: pd.DataFrame, out_dir: Path, paper: pd.DataFrame) -> list[str]:
     """What a reader needs first: throughput and memory per system, the speedups at equal settings, and the paper's
     figures where ours are comparable (same model, sequence and, where the paper states one, batch)."""
+    session = scope["session"].max()  # the latest measuring session: one machine, one commit
+    scope = scope[scope["session"] == session]
+    paper = paper[paper["our run"] == session] if not paper.empty else paper
     cpu_only = not (scope["device"] == "cuda").any()
-    parts = ["<h2>Summary</h2>"]
+    gpu = scope["gpu"].dropna().iloc[0] if scope["gpu"].notna().any() else "no GPU (CPU only)"
+    parts = ["<h2>Summary</h2>",
+             f"<p>The latest session, <code>{html.escape(session)}</code>: {len(scope)} cases on "
+             f"{html.escape(gpu)}, commit {html.escape(scope['commit'].iloc[0][:10])}. Earlier sessions are in the "
+             "detail below, never mixed into these figures.</p>"]
     if cpu_only:
         parts.append("<p><b>These cases ran on a CPU.</b> They check that every system's path builds, trains and "
                      "records on the same model and data; they say nothing about speed, so no speedup is taken from "

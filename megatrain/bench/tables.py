@@ -196,8 +196,10 @@ def paper_comparison(df: pd.DataFrame) -> pd.DataFrame:
             "our status": "ok" if best is not None else ", ".join(sorted(set(mine["status"]))) or
             ("not run" if claim.batch is None else f"not run at batch {claim.batch}"),
             "our GPU": None if best is None else best["gpu"],
+            "our run": None if best is None else best["session"],
         })
-    return pd.DataFrame(rows)
+    out = pd.DataFrame(rows)
+    return out.astype({"their batch": "Int64", "our batch": "Int64"}) if len(out) else out
 
 
 def summary_speedups(df: pd.DataFrame) -> pd.DataFrame:
@@ -208,10 +210,12 @@ def summary_speedups(df: pd.DataFrame) -> pd.DataFrame:
         return rows
     rows = rows[rows["at"].str.startswith("b=")]
     rows = rows.assign(vs=rows["vs"].str.replace("-compiled", "", regex=False))
-    index = ["model", "seq", "system", "batch", "TFLOPS"]
-    wide = rows.pivot_table(index=index, columns="vs", values="speedup", aggfunc="first", dropna=False)
+    index = ["model", "seq", "system", "batch"]
+    wide = rows.pivot(index=index, columns="vs", values="speedup")
     wide.columns = [f"x vs {c}" for c in wide.columns]
-    return wide.reset_index().sort_values(["model", "seq", "system", "batch"]).reset_index(drop=True)
+    tflops = rows.groupby(index)["TFLOPS"].first()
+    return wide.join(tflops).reset_index()[[*index, "TFLOPS", *wide.columns]].sort_values(index).reset_index(
+        drop=True)
 
 
 # Share of the GPU a projected batch may fill: the allocator's fragmentation takes the rest (native's
