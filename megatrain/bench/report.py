@@ -35,7 +35,8 @@ figure { margin: 1em 0; } figure img { max-width: 100%; border: 1px solid #eee; 
 .muted { color: #666; }
 """
 TEXT_COLUMNS = {"system", "model", "status", "run", "claim", "source", "their hardware", "vs", "at", "note",
-                "our system", "our status", "our GPU", "our run", "case", "what", "value", "error", "profile", "command"}
+                "our system", "our status", "our GPU",
+                "our run", "case", "what", "value", "error", "profile", "command"}
 
 
 def _fmt(value) -> str:
