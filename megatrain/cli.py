@@ -81,11 +81,38 @@ def summary_line(record: dict) -> str:
             f"{record['losses'][-1]:.4f}")
 
 
+def preflight(case: CaseConfig) -> None:
+    """Refuse (ValueError: exit 2) a case this system cannot run here or that does not fit this machine's memory,
+    before anything is allocated; the message suggests a setting that fits, or says that none of those does."""
+    import dataclasses
+
+    from megatrain.bench.fit import plan_memory, unavailable
+    from megatrain.bench.hardware import measure
+
+    missing = unavailable(case.system)
+    if missing:
+        raise ValueError(f"{case.system} cannot run here: {missing}")
+    machine = measure(rates=False)
+    plan = plan_memory(case, machine)
+    if plan["fits"]:
+        return
+    tries = [("--precision bf16", dataclasses.replace(case, precision="bf16"))] if case.precision == "mixed" else []
+    half = case.micro_batch // 2
+    if half >= 1 and case.batch % half == 0:
+        tries.append((f"--micro-batch {half}", dataclasses.replace(case, micro_batch=half)))
+    fixes = [flag for flag, other in tries if plan_memory(other, machine)["fits"]]
+    hint = f"try {' or '.join(fixes)}" if fixes else \
+        "no precision or micro-batch of this case fits: a smaller model, --batch or --seq, or a larger machine"
+    raise ValueError(f"{case.system} {case.model} b{case.batch} s{case.seq} does not fit here: {plan['reason']}; "
+                     f"{hint}")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from megatrain.bench.case import run_case
     from megatrain.bench.record import append_jsonl
 
     case = case_from_args(args)
+    preflight(case)
     record = run_case(case, gemm_peak_tflops=args.gemm_peak_tflops,
                       on_step=lambda i, loss, t: print(f"step {i}: loss {loss:.4f} ({t:.3f}s)", flush=True))
     print(summary_line(record))
@@ -113,8 +140,13 @@ def cmd_suite(args: argparse.Namespace) -> int:
 
     suite = load_suite(args.name)
     out_dir = Path(args.out_dir) if args.out_dir else REPO_ROOT / "results" / suite.name
-    run_suite(suite, out_dir, only=args.only, timeout_s=args.timeout, dry_run=args.dry_run, new_run=args.new_run,
-              any_hardware=args.any_hardware)
+    try:
+        run_suite(suite, out_dir, only=args.only, timeout_s=args.timeout, dry_run=args.dry_run,
+                  new_run=args.new_run, any_hardware=args.any_hardware)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: the running case was killed, every finished case is in {out_dir / 'records.jsonl'}; "
+              "run the same command again to resume", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -33,7 +33,7 @@ def run_case(case: CaseConfig, gemm_peak_tflops: float | None = None, on_step=No
     """Build the case's system, run case.steps optimizer steps, and return the record.
 
     Failures inside the run (OOM, errors) come back as records with status 'oom' or 'error';
-    invalid configurations raise ValueError before anything is built.
+    invalid configurations raise ValueError before anything is built (the system's constructor refuses them).
     """
     cuda = case.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -44,6 +44,7 @@ def run_case(case: CaseConfig, gemm_peak_tflops: float | None = None, on_step=No
     system = None
     losses: list[float] = []
     step_times: list[float] = []
+    invalid = None
     sampler = start_trace()  # NVML/psutil samples to a sidecar file when the suite runner sets MEGATRAIN_TRACE_FILE
     try:
         t_build = time.perf_counter()
@@ -66,10 +67,13 @@ def run_case(case: CaseConfig, gemm_peak_tflops: float | None = None, on_step=No
         record["skipped_steps"] = system.skipped_steps
         record["system_config"] = system.system_config()
         record["metrics"] = system.metrics()
+    except ValueError as exc:
+        if system is not None:
+            _record_failure(record, exc)
+        else:  # an invalid setting the system's constructor refused before allocating: the caller's to report
+            invalid = exc
     except Exception as exc:  # recorded, not raised: a sweep goes on after a failed case
-        record["status"] = "oom" if _is_oom(exc) else "error"
-        record["error"] = relative_paths(f"{type(exc).__name__}: {exc}")[:4000]
-        record["traceback"] = relative_paths(traceback.format_exc())[-4000:]
+        _record_failure(record, exc)
     finally:
         record["trace"] = stop_trace(sampler)
         record["losses"] = losses
@@ -81,4 +85,12 @@ def run_case(case: CaseConfig, gemm_peak_tflops: float | None = None, on_step=No
             record["peak_gpu_alloc_gib"] = 0.0
         if system is not None:
             system.close()
+    if invalid is not None:
+        raise invalid
     return record
+
+
+def _record_failure(record: dict, exc: BaseException) -> None:
+    record["status"] = "oom" if _is_oom(exc) else "error"
+    record["error"] = relative_paths(f"{type(exc).__name__}: {exc}")[:4000]
+    record["traceback"] = relative_paths(traceback.format_exc())[-4000:]

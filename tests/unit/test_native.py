@@ -49,8 +49,13 @@ def test_cli_prints_record_as_last_line_and_appends(tmp_path):
     (["--seq", "0"], "seq must be"),
     (["--batch", "3", "--micro-batch", "2"], "must divide batch"),
     (["--system", "nope"], "unknown system"),
+    (["--system", "native", "--model", "qwen2.5-72b", "--steps", "1"], "does not fit here: needs ~"),
+    (["--system", "megatrain", "--model", "qwen2.5-72b", "--steps", "1"], "no precision or micro-batch"),
+    (["--system", "megatrain", "--option", "resident_layers=-3"], "resident_layers must be"),
+    (["--system", "megatrain", "--option", "compile=false"], "use --compile"),
 ])
 def test_cli_rejects_bad_input_with_exit_code_2(args, message):
     proc = _bench(*args)
     assert proc.returncode == 2
     assert message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, "one line saying what to change, no traceback"
