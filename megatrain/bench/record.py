@@ -1,6 +1,7 @@
 """The one benchmark record schema: build, validate, append to JSONL.
 
-Units sit in the key names. Status is one of: ok, oom, error, timeout, skipped.
+Units sit in the key names. Status is one of: ok, oom, error, timeout, skipped, killed (ended by a signal
+that was not the kernel's OOM killer: Ctrl-C, a kill from outside).
 """
 
 from __future__ import annotations
@@ -8,13 +9,14 @@ from __future__ import annotations
 import json
 import re
 import statistics
+import warnings
 from pathlib import Path
 
 from megatrain.bench.env import REPO_ROOT, environment
 from megatrain.bench.flops import hardware_flops, matmul_params, mfu, model_flops
 from megatrain.config import CaseConfig
 
-STATUSES = ("ok", "oom", "error", "timeout", "skipped")
+STATUSES = ("ok", "oom", "error", "timeout", "skipped", "killed")
 REQUIRED_KEYS = ("status", "system", "model", "num_params", "batch", "seq", "tokens_per_step", "step_time_s",
                  "tokens_per_s", "tflops", "peak_gpu_alloc_gib", "peak_host_rss_gib", "losses", "env", "config")
 
@@ -92,7 +94,23 @@ def append_jsonl(path: str | Path, record: dict) -> None:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
+    """The records of a JSONL file. A line that is not a JSON object (a write cut short, a hand edit) is skipped
+    with a warning naming the file and line, so one bad line never makes a results folder unusable."""
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            record, why = None, f"not JSON ({exc.msg} at column {exc.colno})"
+        else:
+            why = "not a JSON object"
+        if not isinstance(record, dict):
+            warnings.warn(f"{path}:{number}: skipped a line that is {why}", stacklevel=2)
+            continue
+        records.append(record)
+    return records

@@ -252,8 +252,11 @@ def write_reports(suites: list[str], out: str | None = None) -> list[Path]:
     if suites:
         dirs = [Path(s) if Path(s).is_dir() else results_root / s for s in suites]
     else:  # *-local directories hold uncommitted local runs (nox -s smoke); others hold no suite's records
-        dirs = sorted(p.parent for p in results_root.glob("*/records.jsonl")
-                      if not p.parent.name.endswith("-local") and read_suite_records(p))
+        found = sorted(p.parent for p in results_root.glob("*/records.jsonl") if not p.parent.name.endswith("-local"))
+        dirs = [d for d in found if read_suite_records(d / "records.jsonl")]
+        for d in sorted(set(found) - set(dirs)):
+            print(f"skipped results/{d.name}: its records carry no suite block (bench --out or check records, "
+                  "not a suite run)")
     if out is not None and len(dirs) != 1:
         raise ValueError("--out names one report directory; give exactly one suite with it")
     return [write_report(d, Path(out) if out else REPO_ROOT / "reports" / d.name) for d in dirs]

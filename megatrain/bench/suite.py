@@ -20,8 +20,9 @@ the measured machine, the memory plan, the exact command, wall time.
 
 Resume: a rerun continues the latest run in `out_dir` when it is on the same kind of machine and
 the same commit (same run_id), and skips the cases that run already recorded with a final status (ok, oom,
-skipped). Cases that ended `error` or `timeout` are run again: both are often transient (a
-compile cache race, a slow first start) and a retry costs only that case. `new_run=True` starts a
+skipped). Cases that ended `error`, `timeout` or `killed` (a signal that was not the OOM killer's,
+Ctrl-C included) are run again: all are often transient (a compile cache race, a slow first start)
+and a retry costs only that case. `new_run=True` starts a
 fresh run_id and runs everything.
 """
 
@@ -48,7 +49,7 @@ from megatrain.bench.record import append_jsonl, base_record, read_jsonl, relati
 from megatrain.config import CaseConfig, OptimConfig
 
 SUITES_DIR = REPO_ROOT / "suites"
-FINAL_STATUSES = ("ok", "oom", "skipped")
+FINAL_STATUSES = ("ok", "oom", "skipped")  # error, timeout and killed are run again on resume
 # Group keys whose values (scalar or list) span the product, and the case field each sets.
 PRODUCT_KEYS = {"systems": "system", "models": "model", "batch": "batch", "seq": "seq", "num_layers": "num_layers",
                 "precision": "precision", "compile": "compile", "hardware": "hardware"}
@@ -146,7 +147,10 @@ def load_suite(name_or_path: str) -> Suite:
     if not path.exists():
         known = ", ".join(sorted(p.stem for p in SUITES_DIR.glob("*.toml")))
         raise ValueError(f"no suite {name_or_path!r}; known suites: {known}")
-    spec = tomllib.loads(path.read_text())
+    try:
+        spec = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:  # its message names the line and column
+        raise ValueError(f"{path}: not valid TOML: {exc}") from None
     defaults = spec.get("defaults", {})
     timeout_s = spec.get("timeout_s", 600)
     cases = []
@@ -154,7 +158,10 @@ def load_suite(name_or_path: str) -> Suite:
         merged = {"hardware": spec.get("hardware"), **defaults, **group}
         if merged["hardware"] is None:
             merged.pop("hardware")
-        cases.extend(_expand_group(merged, index, timeout_s))
+        try:
+            cases.extend(_expand_group(merged, index, timeout_s))
+        except (TypeError, ValueError) as exc:  # a value of the wrong type or range, an unknown optim key
+            raise ValueError(f"{path}: [[cases]] group {group.get('name', index)!r}: {exc}") from None
     ids = [c.case_id for c in cases]
     duplicates = sorted({c.name for c in cases if ids.count(c.case_id) > 1})
     if duplicates:
@@ -227,6 +234,7 @@ def run_case_subprocess(case: SuiteCase, command: list[str], trace_file: Path) -
     """Run one case's command; return (record, facts about the process for the suite block)."""
     env = {**os.environ, "MEGATRAIN_TRACE_FILE": str(trace_file)}
     t0 = time.perf_counter()
+    oom_kills_before = cgroup_oom_kills()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=REPO_ROOT, start_new_session=True)
     timed_out = False
@@ -236,6 +244,10 @@ def run_case_subprocess(case: SuiteCase, command: list[str], trace_file: Path) -
         timed_out = True
         os.killpg(proc.pid, signal.SIGKILL)  # the whole session: DeepSpeed/compile workers too
         stdout, stderr = proc.communicate()
+    except KeyboardInterrupt:  # Ctrl-C: the case's whole session goes too, then the suite stops
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
     facts = {"exit_code": proc.returncode, "wall_s": round(time.perf_counter() - t0, 3)}
     record = _last_json_line(stdout)
     tail = relative_paths(stderr)[-STDERR_TAIL_CHARS:]
@@ -244,14 +256,38 @@ def run_case_subprocess(case: SuiteCase, command: list[str], trace_file: Path) -
     if timed_out:
         record = base_record(case.config, "timeout")
         record["error"] = f"no record after {case.timeout_s:.0f} s; killed"
-    elif proc.returncode == -signal.SIGKILL:
+    elif proc.returncode == -signal.SIGKILL and _oom_killed(oom_kills_before):
         record = base_record(case.config, "oom")
-        record["error"] = "killed by SIGKILL from outside the runner: most likely the kernel's OOM killer (host memory)"
+        record["error"] = "killed by the kernel's OOM killer (host memory): " + _oom_killed(oom_kills_before)
+    elif proc.returncode < 0:
+        record = base_record(case.config, "killed")
+        record["error"] = f"killed by signal {signal.Signals(-proc.returncode).name} from outside the runner, not by " \
+                          "the OOM killer (the cgroup's OOM counter did not move); run again on resume"
     else:
         record = base_record(case.config, "error")
         record["error"] = f"exit code {proc.returncode} without a record: " + (tail.strip().splitlines() or [""])[-1]
     record["stderr_tail"] = tail
     return record, facts
+
+
+def cgroup_oom_kills() -> int | None:
+    """This process's cgroup (v2) count of OOM kills, or None where it cannot be read."""
+    try:
+        group = Path("/proc/self/cgroup").read_text().strip().splitlines()[-1].split("::", 1)[1]
+        events = (Path("/sys/fs/cgroup") / group.lstrip("/") / "memory.events").read_text()
+    except (OSError, IndexError):
+        return None
+    counts = dict(line.split() for line in events.splitlines() if line.strip())
+    return int(counts["oom_kill"]) if "oom_kill" in counts else None
+
+
+def _oom_killed(before: int | None) -> str | None:
+    """The evidence that a SIGKILL came from the OOM killer, or None when the evidence says it did not. Where the
+    cgroup counter cannot be read, the OOM killer is assumed (a retried host OOM could take the machine down)."""
+    after = cgroup_oom_kills()
+    if before is None or after is None:
+        return "assumed (no cgroup OOM counter readable here)"
+    return f"the cgroup's OOM counter rose {before} -> {after}" if after > before else None
 
 
 def read_suite_records(path: Path) -> list[dict]:

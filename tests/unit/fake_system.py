@@ -3,11 +3,13 @@
 Run as a script with `python -m megatrain bench` arguments (the suite runner's `bench_command` in
 tests/unit/test_suite_runner.py): the system registered as 'native' becomes FailingSystem, which
 trains like NativeSystem unless the case's options ask it to fail:
-    inject_failure = "oom" | "crash" | "hang"   (raise CUDA-style OOM, exit without a record, sleep)
+    inject_failure = "oom" | "crash" | "hang" | "sigterm"
+        (raise CUDA-style OOM, exit without a record, sleep, be killed by a signal that is not the OOM killer's)
     oom_from_batch = N                           (OOM when batch >= N: a batch ladder's ceiling)
 """
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -29,6 +31,8 @@ class FailingSystem(NativeSystem):
             os._exit(3)
         if failure == "hang":
             time.sleep(3600)
+        if failure == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
         return super().step(inputs_BS, labels_BS)
 
 

@@ -197,3 +197,14 @@ def test_records_keep_no_machine_paths():
     assert relative_paths(text) == ('File "megatrain/bench/case.py", line 58\n'
                                     'File "site-packages/torch/nn/modules/module.py", line 1\n'
                                     'File "dist-packages/x.py"')
+
+
+def test_report_skips_a_corrupt_line_and_says_where(tmp_path):
+    results = tmp_path / "results"
+    for r in _records():
+        append_jsonl(results / "records.jsonl", r)
+    with (results / "records.jsonl").open("a") as f:
+        f.write("not json\n")
+    with pytest.warns(UserWarning, match=r"records\.jsonl:10: skipped"):
+        page = write_report(results, tmp_path / "report")
+    assert "Summary" in page.read_text()

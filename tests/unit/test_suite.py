@@ -78,6 +78,11 @@ batch = [2, 4, 8]
     ('hardware = "cpu-ci"\n[[cases]]\nsystems = "nope"\nmodels = "tiny"\n', "unknown system"),
     ('hardware = "cpu-ci"\n[[cases]]\nsystems = "native"\nmodels = "tiny"\n[[cases]]\nsystems = "native"\n'
      'models = "tiny"\n', "appears twice"),
+    ('hardware = "cpu-ci"\n[[cases]]\nname = "g"\nsystems = "native"\nmodels = "tiny"\nbatch = "four"\n',
+     r"s\.toml: \[\[cases\]\] group 'g': .*"),
+    ('hardware = "cpu-ci"\n[[cases]]\nsystems = "native"\nmodels = "tiny"\noptim = {bogus = 1}\n',
+     r"s\.toml: \[\[cases\]\] group 0: .*bogus"),
+    ('hardware = "cpu-ci"\n[[cases]\nsystems = "native"\n', r"s\.toml: not valid TOML: .*line 2"),
 ])
 def test_invalid_suites_say_what_to_change(tmp_path, text, match):
     with pytest.raises(ValueError, match=match):

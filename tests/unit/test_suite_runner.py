@@ -123,3 +123,25 @@ def test_a_case_run_on_another_kind_of_machine_is_labelled_by_that_machine_and_s
     assert [(r["suite"]["hardware"], r["suite"]["planned_hardware"]) for r in first] == [("cpu-ci", "h100-80g")] * 2
     again = _run(suite, out, only="good|oom", any_hardware=True)
     assert [r["suite"]["group"] for r in again] == ["oom"], "the relabelled cases count as done: the run resumes"
+
+
+def test_a_case_killed_by_a_signal_that_is_not_the_oom_killer_is_recorded_killed_and_run_again(tmp_path):
+    sigterm = '\n[[cases]]\nname = "sigterm"\noptions = { inject_failure = "sigterm" }\n'
+    (tmp_path / "killed.toml").write_text(SUITE + sigterm)
+    suite = load_suite(str(tmp_path / "killed.toml"))
+    out = tmp_path / "results"
+    first = _run(suite, out, only="sigterm")
+    assert [r["status"] for r in first] == ["killed"] and "SIGTERM" in first[0]["error"]
+    assert [r["status"] for r in _run(suite, out, only="sigterm")] == ["killed"], "not final: resumed runs retry it"
+
+
+def test_a_corrupt_line_in_the_records_is_skipped_with_its_file_and_line(tmp_path):
+    (tmp_path / "robust.toml").write_text(SUITE)
+    suite = load_suite(str(tmp_path / "robust.toml"))
+    out = tmp_path / "results"
+    _run(suite, out, only="good")
+    with (out / "records.jsonl").open("a") as f:
+        f.write('{"status": "ok", "cut sh\n')
+    with pytest.warns(UserWarning, match=r"records\.jsonl:3: skipped a line that is not JSON"):
+        again = _run(suite, out, only="good|oom")
+    assert [r["suite"]["group"] for r in again] == ["oom"], "the run still resumes past the bad line"
