@@ -76,7 +76,7 @@ def summary_line(record: dict) -> str:
                f"{record['status'].upper()} {record.get('error') or ''}"
     return (f"{record['system']} {record['model']} ({params_text(record['num_params'])}) b={record['batch']} "
             f"s={record['seq']}: step {record['step_time_s']:.3f}s, {record['tokens_per_s']:.0f} tok/s, "
-            f"{record['tflops']:.1f} TFLOPS (6NT), GPU peak {record['peak_gpu_alloc_gib']:.2f} GiB, "
+            f"{record['tflops']:.4g} TFLOPS (6NT), GPU peak {record['peak_gpu_alloc_gib']:.2f} GiB, "
             f"host peak {record['peak_host_rss_gib']:.2f} GiB, loss {record['losses'][0]:.4f} -> "
             f"{record['losses'][-1]:.4f}")
 
