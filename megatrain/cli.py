@@ -86,16 +86,15 @@ def preflight(case: CaseConfig) -> None:
     before anything is allocated; the message suggests a setting that fits, or says that none of those does."""
     import dataclasses
 
-    from megatrain.bench.fit import plan_memory, unavailable
+    from megatrain.bench.fit import plan_case, plan_memory
     from megatrain.bench.hardware import measure
 
-    missing = unavailable(case.system)
-    if missing:
-        raise ValueError(f"{case.system} cannot run here: {missing}")
     machine = measure(rates=False)
-    plan = plan_memory(case, machine)
+    plan = plan_case(case, machine)
     if plan["fits"]:
         return
+    if "host_bytes" not in plan:  # the system cannot run here at all
+        raise ValueError(plan["reason"])
     tries = [("--precision bf16", dataclasses.replace(case, precision="bf16"))] if case.precision == "mixed" else []
     half = case.micro_batch // 2
     if half >= 1 and case.batch % half == 0:

@@ -141,3 +141,11 @@ def plan_memory(case: CaseConfig, machine: dict) -> dict:
             reasons.append(f"needs ~{gpu / GIB:.0f} GiB GPU memory, {gpu_budget / GIB:.0f} GiB usable here")
     plan.update(host_bytes=int(host), gpu_bytes=int(gpu), fits=not reasons, reason="; ".join(reasons) or None)
     return plan
+
+
+def plan_case(case: CaseConfig, machine: dict) -> dict:
+    """plan_memory, or for a system this environment cannot run, a plan that does not fit and says why."""
+    missing = unavailable(case.system)
+    if missing:
+        return {"fits": False, "reason": f"{case.system} cannot run here: {missing}"}
+    return plan_memory(case, machine)

@@ -69,16 +69,23 @@ def _size_series(ax, g: pd.DataFrame, col: str, label: str) -> None:
                 label=f"{label} (depth-scaled shapes)")
 
 
+def _memory_panels(frame: pd.DataFrame, panel_width: float):
+    """(figure, axes, [(column, title)]) of the memory figures: host peak RSS, and GPU peak first when any case of
+    `frame` ran on a GPU."""
+    panels = [("peak_host_rss_gib", "host peak RSS (GiB)")]
+    if (frame["device"] == "cuda").any():
+        panels.insert(0, ("peak_gpu_alloc_gib", "GPU peak allocated (GiB)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(panel_width * len(panels), 4), squeeze=False)
+    return fig, axes, panels
+
+
 def memory_vs_model(df: pd.DataFrame, path: Path) -> Path | None:
     """Peak host (and, for GPU cases, GPU) memory per system against model size, smallest batch that ran."""
     ok = _ok(df)
     if ok["model"].nunique() < 2:
         return None
     small = ok.loc[ok.groupby(["label", "model"])["batch"].idxmin()]
-    panels = [("peak_host_rss_gib", "host peak RSS")]
-    if (small["device"] == "cuda").any():
-        panels.insert(0, ("peak_gpu_alloc_gib", "GPU peak allocated"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    fig, axes, panels = _memory_panels(small, panel_width=5)
     for ax, (col, title) in zip(axes[0], panels, strict=True):
         for label, g in small.groupby("label"):
             _size_series(ax, g, col, label)
@@ -222,10 +229,7 @@ def summary_memory(df: pd.DataFrame, path: Path) -> Path | None:
         return None
     ok = ok[ok["seq"] == _main_seq(ok)]
     largest = ok.loc[ok.groupby(["label", "model"])["batch"].idxmax()]
-    panels = [("peak_host_rss_gib", "host peak RSS (GiB)")]
-    if (largest["device"] == "cuda").any():
-        panels.insert(0, ("peak_gpu_alloc_gib", "GPU peak allocated (GiB)"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    fig, axes, panels = _memory_panels(largest, panel_width=6)
     for ax, (col, title) in zip(axes[0], panels, strict=True):
         _bars(ax, largest, "model", col, sorted(largest["label"].unique()))
         ax.set(ylabel="GiB", title=f"{title}, each system's largest batch")

@@ -35,8 +35,8 @@ figure { margin: 1em 0; } figure img { max-width: 100%; border: 1px solid #eee; 
 .muted { color: #666; }
 """
 TEXT_COLUMNS = {"system", "model", "status", "run", "claim", "source", "their hardware", "vs", "at", "note",
-                "our system", "our status", "our GPU",
-                "our run", "case", "what", "value", "error", "profile", "command"}
+                "our system", "our status", "our GPU", "our run", "case", "what", "value", "error", "profile",
+                "command"}
 
 
 def _fmt(value) -> str:
@@ -147,6 +147,11 @@ def _figures(scope: pd.DataFrame, by_key: dict, results_dir: Path, out_dir: Path
     return [(p, caption) for p, caption in figs if p is not None]
 
 
+def _figure_html(png: Path, caption: str) -> str:
+    return f"<figure><img src='{png.name}' alt='{html.escape(caption)}'><figcaption>{html.escape(caption)}" \
+           "</figcaption></figure>"
+
+
 def _summary_section(scope: pd.DataFrame, out_dir: Path, paper: pd.DataFrame) -> list[str]:
     """What a reader needs first: throughput and memory per system, the speedups at equal settings, and the paper's
     figures where ours are comparable (same model, sequence and, where the paper states one, batch)."""
@@ -168,8 +173,7 @@ def _summary_section(scope: pd.DataFrame, out_dir: Path, paper: pd.DataFrame) ->
                          (plots.summary_memory(scope, out_dir / "summary_memory.png"),
                           "Peak GPU and host memory per system, at the largest batch it ran.")):
         if fig is not None:
-            parts.append(f"<figure><img src='{fig.name}' alt='{html.escape(caption)}'>"
-                         f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+            parts.append(_figure_html(fig, caption))
     if not cpu_only:
         table = tables.summary_speedups(scope)
         parts += ["<h3>Speedups at equal settings</h3>",
@@ -230,8 +234,7 @@ def write_report(results_dir: Path, out_dir: Path, all_runs: bool = False) -> Pa
         html_table(paper) if not paper.empty else "<p class='muted'>no case of this suite has a model shape the "
         "paper reports on</p>",
         "<h2>Figures</h2>",
-        *(f"<figure><img src='{p.name}' alt='{html.escape(c)}'><figcaption>{html.escape(c)}</figcaption></figure>"
-          for p, c in figures),
+        *(_figure_html(p, c) for p, c in figures),
         "" if figures else "<p class='muted'>no figure has data in these records</p>",
         "<h2>Failures and skips</h2>", _failures_section(scope, by_key), _reconstructed_section(scope, by_key),
         "<h2>Cases</h2><details><summary>exact command of every case</summary>",

@@ -208,15 +208,12 @@ def _preflight(cases: list[SuiteCase], rates: bool) -> dict:
 
 def preflight_child() -> None:
     """Subprocess side of _preflight: read cases from stdin, print the machine and the plans as JSON."""
-    from megatrain.bench.fit import plan_memory, unavailable
+    from megatrain.bench.fit import plan_case
     from megatrain.bench.hardware import measure
 
     request = json.loads(sys.stdin.read())
     machine = measure(rates=request["rates"])
-    configs = {cid: CaseConfig.from_dict(d) for cid, d in request["cases"].items()}
-    missing = {s: unavailable(s) for s in {c.system for c in configs.values()}}
-    plans = {cid: {"fits": False, "reason": f"{c.system} cannot run here: {missing[c.system]}"}
-             if missing[c.system] else plan_memory(c, machine) for cid, c in configs.items()}
+    plans = {cid: plan_case(CaseConfig.from_dict(d), machine) for cid, d in request["cases"].items()}
     print(json.dumps({"machine": machine, "plans": plans}))
 
 
@@ -256,9 +253,9 @@ def run_case_subprocess(case: SuiteCase, command: list[str], trace_file: Path) -
     if timed_out:
         record = base_record(case.config, "timeout")
         record["error"] = f"no record after {case.timeout_s:.0f} s; killed"
-    elif proc.returncode == -signal.SIGKILL and _oom_killed(oom_kills_before):
+    elif proc.returncode == -signal.SIGKILL and (evidence := _oom_killed(oom_kills_before)):
         record = base_record(case.config, "oom")
-        record["error"] = "killed by the kernel's OOM killer (host memory): " + _oom_killed(oom_kills_before)
+        record["error"] = "killed by the kernel's OOM killer (host memory): " + evidence
     elif proc.returncode < 0:
         record = base_record(case.config, "killed")
         record["error"] = f"killed by signal {signal.Signals(-proc.returncode).name} from outside the runner, not by " \
