@@ -1,1 +1,1 @@
-"""Training systems compared against MegaTrain, behind one protocol (baselines.protocol)."""
+"""Training systems compared against MegaTrain, behind one protocol (megatrain.systems)."""

@@ -18,14 +18,13 @@ import warnings
 
 import torch
 
+from baselines.common import COMPILED_LAYERS
 from baselines.dist import single_process_env, warn_if_bf16_precision
-from baselines.protocol import COMPILED_LAYERS, compute_dtype, valid_tokens
 from megatrain.config import CaseConfig
 from megatrain.models import Transformer
 from megatrain.models.init import init_module
+from megatrain.models.loss import valid_tokens
 from megatrain.optim.groups import adamw_param_groups
-
-OPTIMIZERS = ("cpu_adam", "torch_adamw")
 
 
 def zero3_config(case: CaseConfig) -> dict:
@@ -101,11 +100,9 @@ class DeepSpeedSystem:
     def __init__(self, case: CaseConfig):
         self.case = case
         self.device = torch.device(case.device)
-        self.dtype = compute_dtype(case)
+        self.dtype = case.torch_dtype
         warn_if_bf16_precision(case, "deepspeed")
-        self.optimizer_name = case.options.get("optimizer", "cpu_adam" if self.device.type == "cuda" else "torch_adamw")
-        if self.optimizer_name not in OPTIMIZERS:
-            raise ValueError(f"deepspeed option optimizer must be one of {OPTIMIZERS}, got {self.optimizer_name!r}")
+        self.optimizer_name = case.opts.optimizer or ("cpu_adam" if self.device.type == "cuda" else "torch_adamw")
         if self.device.type == "cuda" and self.optimizer_name != "cpu_adam":
             raise ValueError("deepspeed on CUDA runs DeepSpeedCPUAdam (its recommended offload optimizer); "
                              "drop --option optimizer=...")

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from baselines.common import COMPILED_LAYERS, accumulate_and_step, compile_layers
 from baselines.dist import single_process_env, warn_if_bf16_precision
-from baselines.protocol import COMPILED_LAYERS, accumulate_and_step, compile_layers, compute_dtype
 from megatrain.config import CaseConfig
 from megatrain.models import Transformer
 from megatrain.models.init import init_param
@@ -28,7 +28,7 @@ class FSDPSystem:
     def __init__(self, case: CaseConfig):
         self.case = case
         self.device = torch.device(case.device)
-        self.dtype = compute_dtype(case)
+        self.dtype = case.torch_dtype
         warn_if_bf16_precision(case, "fsdp")
         self.owns_process_group = not dist.is_initialized()
         if self.owns_process_group:

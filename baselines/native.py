@@ -13,7 +13,7 @@ import contextlib
 
 import torch
 
-from baselines.protocol import COMPILED_LAYERS, accumulate_and_step, compile_layers, compute_dtype
+from baselines.common import COMPILED_LAYERS, accumulate_and_step, compile_layers
 from megatrain.config import CaseConfig
 from megatrain.models import Transformer
 from megatrain.models.init import init_module
@@ -24,12 +24,12 @@ class NativeSystem:
     def __init__(self, case: CaseConfig, activation_checkpointing: bool | None = None):
         self.case = case
         self.device = torch.device(case.device)
-        self.dtype = compute_dtype(case)
-        ckpt = case.options.get("activation_checkpointing", True) if activation_checkpointing is None \
+        self.dtype = case.torch_dtype
+        ckpt = case.opts.activation_checkpointing if activation_checkpointing is None \
             else activation_checkpointing
         with torch.device(self.device):
             self.model = Transformer(case.model_config(), activation_checkpointing=ckpt,
-                                     mlp_chunk_tokens=int(case.options.get("mlp_chunk_tokens", 0)))
+                                     mlp_chunk_tokens=case.opts.mlp_chunk_tokens)
         init_module(self.model, case.seed)
         self.param_dtype = self.dtype if case.precision == "bf16" else torch.float32
         self.model.to(self.param_dtype)

@@ -9,109 +9,17 @@ import argparse
 import json
 import sys
 
-from megatrain.config import DTYPES, PRECISIONS, CaseConfig, OptimConfig
-
-
-def add_case_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--system", default="native", help="native | megatrain | deepspeed | fsdp")
-    p.add_argument("--model", default="tiny", help="registry name (python -m megatrain models)")
-    p.add_argument("--num-layers", type=int, default=None, help="override the model's depth")
-    p.add_argument("--batch", type=int, default=2, help="sequences per optimizer step")
-    p.add_argument("--micro-batch", type=int, default=0, help="sequences per forward/backward (0 = batch)")
-    p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1, help="leading steps not timed")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default="float32", choices=DTYPES)
-    p.add_argument("--precision", default="mixed", choices=PRECISIONS)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", default="synthetic", help="'synthetic' or a .jsonl/.txt file")
-    p.add_argument("--tokenizer", default=None, help="local HF tokenizer dir for text data")
-    p.add_argument("--repeat-batch", action="store_true", help="same batch every step")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile each decoder layer (every system; eager without it)")
-    p.add_argument("--lr", type=float, default=OptimConfig.lr)
-    p.add_argument("--weight-decay", type=float, default=OptimConfig.weight_decay)
-    p.add_argument("--max-grad-norm", type=float, default=OptimConfig.max_grad_norm, help="0 disables clipping")
-    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="system-specific setting (JSON value), repeatable")
-    p.add_argument("--gemm-peak-tflops", type=float, default=None, help="measured GEMM peak for MFU")
-
-
-def _parse_options(items: list[str]) -> dict:
-    options = {}
-    for item in items:
-        if "=" not in item:
-            raise ValueError(f"--option takes KEY=VALUE, got {item!r}")
-        key, value = item.split("=", 1)
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
-    return options
-
-
-def case_from_args(args: argparse.Namespace) -> CaseConfig:
-    return CaseConfig(
-        system=args.system, model=args.model, num_layers=args.num_layers, batch=args.batch,
-        micro_batch=args.micro_batch, seq=args.seq, steps=args.steps, warmup=args.warmup, dtype=args.dtype,
-        precision=args.precision, device=args.device, seed=args.seed, data=args.data, tokenizer=args.tokenizer,
-        repeat_batch=args.repeat_batch, compile=args.compile,
-        optim=OptimConfig(lr=args.lr, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm),
-        options=_parse_options(args.option),
-    )
-
-
-def params_text(n: int) -> str:
-    """A parameter count readable at every size: 1.544B, 494.0M, 2.36M, 85.3K."""
-    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= scale:
-            return f"{n / scale:.4g}{unit}" if unit != "B" else f"{n / scale:.3f}B"
-    return str(n)
-
-
-def summary_line(record: dict) -> str:
-    if record["status"] != "ok":
-        return f"{record['system']} {record['model']} b={record['batch']} s={record['seq']}: " \
-               f"{record['status'].upper()} {record.get('error') or ''}"
-    return (f"{record['system']} {record['model']} ({params_text(record['num_params'])}) b={record['batch']} "
-            f"s={record['seq']}: step {record['step_time_s']:.3f}s, {record['tokens_per_s']:.0f} tok/s, "
-            f"{record['tflops']:.4g} TFLOPS (6NT), GPU peak {record['peak_gpu_alloc_gib']:.2f} GiB, "
-            f"host peak {record['peak_host_rss_gib']:.2f} GiB, loss {record['losses'][0]:.4f} -> "
-            f"{record['losses'][-1]:.4f}")
-
-
-def preflight(case: CaseConfig) -> None:
-    """Refuse (ValueError: exit 2) a case this system cannot run here or that does not fit this machine's memory,
-    before anything is allocated; the message suggests a setting that fits, or says that none of those does."""
-    import dataclasses
-
-    from megatrain.bench.fit import plan_case, plan_memory
-    from megatrain.bench.hardware import measure
-
-    machine = measure(rates=False)
-    plan = plan_case(case, machine)
-    if plan["fits"]:
-        return
-    if "host_bytes" not in plan:  # the system cannot run here at all
-        raise ValueError(plan["reason"])
-    tries = [("--precision bf16", dataclasses.replace(case, precision="bf16"))] if case.precision == "mixed" else []
-    half = case.micro_batch // 2
-    if half >= 1 and case.batch % half == 0:
-        tries.append((f"--micro-batch {half}", dataclasses.replace(case, micro_batch=half)))
-    fixes = [flag for flag, other in tries if plan_memory(other, machine)["fits"]]
-    hint = f"try {' or '.join(fixes)}" if fixes else \
-        "no precision or micro-batch of this case fits: a smaller model, --batch or --seq, or a larger machine"
-    raise ValueError(f"{case.system} {case.model} b{case.batch} s{case.seq} does not fit here: {plan['reason']}; "
-                     f"{hint}")
+from megatrain.bench.args import add_case_arguments, case_from_args
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from megatrain.bench.case import run_case
-    from megatrain.bench.record import append_jsonl
+    from megatrain.bench.fit import preflight
+    from megatrain.bench.record import append_jsonl, summary_line
 
     case = case_from_args(args)
-    preflight(case)
+    for note in preflight(case):
+        print(note, file=sys.stderr, flush=True)
     record = run_case(case, gemm_peak_tflops=args.gemm_peak_tflops,
                       on_step=lambda i, loss, t: print(f"step {i}: loss {loss:.4f} ({t:.3f}s)", flush=True))
     print(summary_line(record))

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field
+
+import torch
 
 from megatrain.models.config import ModelConfig
 from megatrain.models.registry import get_model_config
+from megatrain.options import CommonOptions, parse_options
 
 DTYPES = ("float32", "bfloat16")
 PRECISIONS = ("mixed", "bf16")
@@ -53,7 +57,7 @@ class CaseConfig:
         repeat_batch: train on the same batch every step (convergence checks).
         compile: run each decoder layer through torch.compile, in every system (the same kernels for all;
             a comparison gives every system the same setting).
-        options: system-specific settings (recorded as given).
+        options: system-specific settings, recorded as given; parsed and checked as `opts` (megatrain.options).
     """
 
     system: str = "native"
@@ -98,11 +102,22 @@ class CaseConfig:
         if "compile" in self.options:
             raise ValueError("compile is a case setting for every system, not an option: use --compile "
                              "(in a suite: compile = true)")
+        parse_options(self.system, self.options)  # refuses unknown keys and bad values
         if self.data != "synthetic" and not self.tokenizer:
             raise ValueError("text data needs --tokenizer DIR (a local Hugging Face tokenizer directory)")
 
     def model_config(self) -> ModelConfig:
         return get_model_config(self.model, self.num_layers)
+
+    @functools.cached_property
+    def opts(self) -> CommonOptions:
+        """The system's typed options (megatrain.options)."""
+        return parse_options(self.system, self.options)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The compute dtype."""
+        return getattr(torch, self.dtype)
 
     @property
     def grad_accum(self) -> int:

@@ -7,5 +7,5 @@ set -uo pipefail
 out=$(realpath -m "$1"); shift
 src=${1:-.}; [ $# -gt 0 ] && shift
 mkdir -p "$(dirname "$out")"
-cd "$src" && MEGATRAIN_GPU_CHECKS=$out exec python3 -m pytest tests/gpu -m gpu -q -rfE -p no:cacheprovider \
+cd "$src" && MEGATRAIN_GPU_CHECKS=$out exec "${PYTHON:-python3}" -m pytest tests/gpu -m gpu -q -rfE -p no:cacheprovider \
     --durations=15 "$@"

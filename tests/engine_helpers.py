@@ -6,9 +6,15 @@ import contextlib
 
 import torch
 
-from baselines.protocol import build_system
 from megatrain.config import CaseConfig
 from megatrain.data import make_batches
+from megatrain.options import NativeOptions
+from megatrain.systems import build_system
+
+
+def native_options(options: dict) -> dict:
+    """The options of an engine case that the native oracle has too (mlp_chunk_tokens); the rest are the engine's."""
+    return {k: v for k, v in options.items() if k in NativeOptions.__dataclass_fields__}
 
 
 @contextlib.contextmanager

@@ -6,23 +6,17 @@ crash becomes a recorded outcome rather than a dead sweep.
 
 from __future__ import annotations
 
-import resource
 import time
 import traceback
 
 import torch
 
-from baselines.protocol import build_system
 from megatrain.bench.record import base_record, relative_paths, timing_metrics
 from megatrain.bench.trace import start_trace, stop_trace
 from megatrain.config import CaseConfig
 from megatrain.data import make_batches
-
-GIB = 2**30
-
-
-def peak_host_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+from megatrain.memory import GIB, peak_host_rss_gib
+from megatrain.systems import build_system
 
 
 def _is_oom(exc: BaseException) -> bool:

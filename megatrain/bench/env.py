@@ -9,8 +9,9 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
-import psutil
 import torch
+
+from megatrain.memory import host_memory_gib
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,18 +45,6 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def host_memory_gib() -> tuple[float, float, str]:
-    """(total, available, source) host memory in GiB. MEGATRAIN_HOST_MEM_GIB declares the total on VMs whose
-    MemTotal grows as memory is touched (the lent multi-GPU hosts read ~31 GiB until they have been filled);
-    available is then that total less what is in use now."""
-    vm = psutil.virtual_memory()
-    declared = os.environ.get("MEGATRAIN_HOST_MEM_GIB")
-    if declared:
-        total = float(declared)
-        return total, total - (vm.total - vm.available) / 2**30, "MEGATRAIN_HOST_MEM_GIB"
-    return vm.total / 2**30, vm.available / 2**30, "MemTotal"
 
 
 @functools.lru_cache(maxsize=1)

@@ -6,8 +6,9 @@ instead of letting it take the host down. The estimates below are deliberately s
 parameter for the training state, plus activations); each record keeps its plan beside the
 measured peaks, so the estimates can be checked against measurement.
 
-MegaTrain's sizes come from its own planner, `megatrain.engine.plan.plan_memory(case)` (the
+MegaTrain's sizes and verdict come from its own planner, `megatrain.engine.plan.check_fits` (the
 engine's exact tiles); the fixed process overheads below are the engine plan's, counted for every system.
+Every system is judged against one budget (megatrain.memory).
 
 Symbols: N parameters, L layers, H hidden, I SwiGLU width, V vocabulary, T = micro_batch * seq
 tokens per forward/backward, e bytes per activation element (2 for bf16 compute, 4 for fp32).
@@ -15,19 +16,15 @@ tokens per forward/backward, e bytes per activation element (2 for bf16 compute,
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
-from baselines.protocol import SYSTEMS
 from megatrain.config import CaseConfig
-from megatrain.engine.plan import GPU_RESERVE_BYTES, PROCESS_OVERHEAD_BYTES
-from megatrain.engine.plan import plan_memory as engine_plan_memory
+from megatrain.engine.plan import GPU_RESERVE_BYTES, PROCESS_OVERHEAD_BYTES, case_budget, check_fits
+from megatrain.memory import GIB, Budget
 from megatrain.models.loss import chunk_tokens_for
+from megatrain.systems import SYSTEMS
 
-GIB = 2**30
-# Leave this share of the measured host budget free: estimates are estimates, and a host OOM kills more
-# than the case. The GPU budget is the whole GPU: a CUDA OOM ends only its case (recorded `oom`), and a
-# margin there would refuse batches that fit, which is what a largest-batch ladder measures.
-SAFETY = 0.92
 # Packages a system needs beyond torch.
 REQUIRED_PACKAGES = {"deepspeed": "deepspeed"}
 
@@ -108,39 +105,35 @@ ESTIMATES = {"native": _native, "deepspeed": _deepspeed, "fsdp": _fsdp}
 def plan_memory(case: CaseConfig, machine: dict) -> dict:
     """Estimated peak host and GPU bytes of `case`, and whether they fit `machine`.
 
-    Every system is judged against the same budget: SAFETY x the host memory available at the
-    probe, and the GPU's memory. MegaTrain's sizes come from megatrain.engine.plan.
-
     Args:
         case: the case to run.
-        machine: a megatrain.bench.hardware.measure() result (host_available_gib, gpu_mem_gib).
+        machine: a megatrain.bench.hardware.measure() result (host_available_gib, gpu_mem_gib); a case's
+            option host_mem_gib replaces its host figure.
 
     Returns:
         {host_bytes, gpu_bytes, fits, reason, source} (plus the engine plan's own keys): on a CPU
         case everything counts as host memory and gpu_bytes is 0; reason says which budget is
-        exceeded (None when it fits).
+        exceeded and what to change (None when it fits).
     """
+    gpu_gib = machine["gpu_mem_gib"] if case.device == "cuda" else None
+    limits = case_budget(case) if case.opts.host_mem_gib else Budget.of(machine["host_available_gib"], gpu_gib)
+    limits = Budget(limits.host_bytes, None if gpu_gib is None else int(gpu_gib * GIB), limits.host_source)
     if case.system == "megatrain":
-        plan = dict(engine_plan_memory(case), source="megatrain.engine.plan")
-        host, gpu = plan["host_bytes"], plan["gpu_bytes"] - GPU_RESERVE_BYTES  # its reserve is added back below
-    else:
-        plan = {"source": "estimate (megatrain.bench.fit)"}
-        state_host, state_gpu = ESTIMATES[case.system](case)
-        host, gpu = state_host + PROCESS_OVERHEAD_BYTES, state_gpu
+        plan = dict(check_fits(case, limits), source="megatrain.engine.plan")
+        host, gpu = plan["host_need_bytes"], plan["gpu_bytes"] if case.device == "cuda" else 0
+        plan.update(host_bytes=int(host), gpu_bytes=int(gpu))
+        return plan
+    state_host, state_gpu = ESTIMATES[case.system](case)
+    host, gpu = state_host + PROCESS_OVERHEAD_BYTES, state_gpu + GPU_RESERVE_BYTES
     if case.device == "cpu":
-        host, gpu = host + gpu, 0
-    else:
-        gpu += GPU_RESERVE_BYTES
-    host_budget = SAFETY * machine["host_available_gib"] * GIB
+        host, gpu = host + state_gpu, 0
     reasons = []
-    if host > host_budget:
-        reasons.append(f"needs ~{host / GIB:.0f} GiB host memory, {host_budget / GIB:.0f} GiB usable here")
-    if case.device == "cuda":
-        gpu_budget = (machine["gpu_mem_gib"] or 0) * GIB
-        if gpu > gpu_budget:
-            reasons.append(f"needs ~{gpu / GIB:.0f} GiB GPU memory, {gpu_budget / GIB:.0f} GiB usable here")
-    plan.update(host_bytes=int(host), gpu_bytes=int(gpu), fits=not reasons, reason="; ".join(reasons) or None)
-    return plan
+    if host > limits.host_bytes:
+        reasons.append(f"needs ~{host / GIB:.0f} GiB host memory, {limits.host_bytes / GIB:.0f} GiB usable here")
+    if case.device == "cuda" and gpu > (limits.gpu_bytes or 0):
+        reasons.append(f"needs ~{gpu / GIB:.0f} GiB GPU memory, {(limits.gpu_bytes or 0) / GIB:.0f} GiB usable here")
+    return {"source": "estimate (megatrain.bench.fit)", "host_bytes": int(host), "gpu_bytes": int(gpu),
+            "fits": not reasons, "reason": "; ".join(reasons) or None}
 
 
 def plan_case(case: CaseConfig, machine: dict) -> dict:
@@ -149,3 +142,31 @@ def plan_case(case: CaseConfig, machine: dict) -> dict:
     if missing:
         return {"fits": False, "reason": f"{case.system} cannot run here: {missing}"}
     return plan_memory(case, machine)
+
+
+def preflight(case: CaseConfig) -> list[str]:
+    """Refuse (ValueError: exit 2) a case this system cannot run here or that does not fit this machine's memory,
+    before anything is allocated; the message suggests a setting that fits, or says that none of those does.
+    Returns notes to show before the run (a sequence beyond the model's published context)."""
+    from megatrain.bench.hardware import measure
+
+    notes = []
+    cfg = case.model_config()
+    if case.seq > cfg.max_seq_len:
+        notes.append(f"note: seq {case.seq} is beyond {case.model}'s published context of {cfg.max_seq_len} tokens "
+                     "(RoPE extrapolates; attention grows with seq^2, so a step can take minutes on a CPU)")
+    machine = measure(rates=False)
+    plan = plan_case(case, machine)
+    if plan["fits"]:
+        return notes
+    if "host_bytes" not in plan:  # the system cannot run here at all
+        raise ValueError(plan["reason"])
+    tries = [("--precision bf16", dataclasses.replace(case, precision="bf16"))] if case.precision == "mixed" else []
+    half = case.micro_batch // 2
+    if half >= 1 and case.batch % half == 0:
+        tries.append((f"--micro-batch {half}", dataclasses.replace(case, micro_batch=half)))
+    fixes = [flag for flag, other in tries if plan_memory(other, machine)["fits"]]
+    hint = f"try {' or '.join(fixes)}" if fixes else \
+        "no precision or micro-batch of this case fits: a smaller model, --batch or --seq, or a larger machine"
+    raise ValueError(f"{case.system} {case.model} b{case.batch} s{case.seq} does not fit here: {plan['reason']}; "
+                     f"{hint}")

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from megatrain.bench.env import cpu_name, host_memory_gib
+from megatrain.bench.env import cpu_name
+from megatrain.memory import host_memory_gib
 
 GIB = 2**30
 

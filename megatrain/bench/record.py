@@ -114,3 +114,22 @@ def read_jsonl(path: str | Path) -> list[dict]:
             continue
         records.append(record)
     return records
+
+
+def params_text(n: int) -> str:
+    """A parameter count readable at every size: 1.544B, 494.0M, 2.36M, 85.3K."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.4g}{unit}" if unit != "B" else f"{n / scale:.3f}B"
+    return str(n)
+
+
+def summary_line(record: dict) -> str:
+    if record["status"] != "ok":
+        return f"{record['system']} {record['model']} b={record['batch']} s={record['seq']}: " \
+               f"{record['status'].upper()} {record.get('error') or ''}"
+    return (f"{record['system']} {record['model']} ({params_text(record['num_params'])}) b={record['batch']} "
+            f"s={record['seq']}: step {record['step_time_s']:.3f}s, {record['tokens_per_s']:.0f} tok/s, "
+            f"{record['tflops']:.4g} TFLOPS (6NT), GPU peak {record['peak_gpu_alloc_gib']:.2f} GiB, "
+            f"host peak {record['peak_host_rss_gib']:.2f} GiB, loss {record['losses'][0]:.4f} -> "
+            f"{record['losses'][-1]:.4f}")

@@ -19,6 +19,7 @@ from megatrain.bench import plots, tables
 from megatrain.bench.env import REPO_ROOT
 from megatrain.bench.hardware import describe, get_profile
 from megatrain.bench.suite import read_suite_records
+from megatrain.memory import GPU_FILL
 
 MAX_TRACES = 6
 CSS = """
@@ -110,7 +111,7 @@ def _headroom_section(scope: pd.DataFrame) -> list[str]:
         return []
     return ["<h3>Batch headroom (projected)</h3>", html_table(headroom),
             "<p class='muted'>GPU peak grows linearly with the batch: the two largest batches a system ran give "
-            f"GiB per sequence, and {tables.HEADROOM_USABLE:.0%} of the GPU's memory bounds the batch. A projection, "
+            f"GiB per sequence, and {GPU_FILL:.0%} of the GPU's memory bounds the batch. A projection, "
             "not a measurement; a ladder run to the first failure settles it.</p>"]
 
 

@@ -28,6 +28,7 @@ fresh run_id and runs everything.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import itertools
 import json
@@ -43,9 +44,10 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatrain.bench.args import add_case_arguments, case_from_args
 from megatrain.bench.env import REPO_ROOT, git_commit
 from megatrain.bench.hardware import actual_profile, get_profile, same_machine
-from megatrain.bench.record import append_jsonl, base_record, read_jsonl, relative_paths
+from megatrain.bench.record import append_jsonl, base_record, read_jsonl, relative_paths, summary_line
 from megatrain.config import CaseConfig, OptimConfig
 
 SUITES_DIR = REPO_ROOT / "suites"
@@ -171,8 +173,6 @@ def load_suite(name_or_path: str) -> Suite:
 
 def bench_args(config: CaseConfig) -> list[str]:
     """`python -m megatrain bench` arguments that rebuild exactly `config`."""
-    from megatrain.cli import build_parser, case_from_args
-
     args = ["--system", config.system, "--model", config.model, "--batch", str(config.batch),
             "--micro-batch", str(config.micro_batch), "--seq", str(config.seq), "--steps", str(config.steps),
             "--warmup", str(config.warmup), "--device", config.device, "--dtype", config.dtype,
@@ -189,7 +189,9 @@ def bench_args(config: CaseConfig) -> list[str]:
         args.append("--compile")
     for key, value in config.options.items():
         args += ["--option", f"{key}={json.dumps(value)}"]
-    rebuilt = case_from_args(build_parser().parse_args(["bench", *args]))
+    parser = argparse.ArgumentParser()
+    add_case_arguments(parser)
+    rebuilt = case_from_args(parser.parse_args(args))
     if rebuilt != config:
         raise ValueError(f"the bench CLI cannot express this case (optim betas/eps are not flags): {config}")
     return args
@@ -327,8 +329,6 @@ def run_suite(suite: Suite, out_dir: Path, only: str | None = None, timeout_s: f
         log: where progress lines go (default: tqdm.write, beside the progress bar).
     """
     from tqdm import tqdm
-
-    from megatrain.cli import summary_line
 
     log = log or tqdm.write
     cases = [c for c in suite.cases if not only or re.search(only, f"{c.group} {c.name} {c.case_id}")]

@@ -12,6 +12,7 @@ import pandas as pd
 from megatrain.bench import paper
 from megatrain.bench.flops import matmul_params
 from megatrain.bench.hardware import actual_profile
+from megatrain.memory import GPU_FILL
 from megatrain.models.registry import MODELS, get_model_config
 
 GIB = 2**30
@@ -218,12 +219,7 @@ def summary_speedups(df: pd.DataFrame) -> pd.DataFrame:
         drop=True)
 
 
-# Share of the GPU a projected batch may fill: the allocator's fragmentation takes the rest (native's
-# 1.5B b512 OOM on an H200 had 34 GiB reserved but unallocated).
-HEADROOM_USABLE = 0.92
-
-
-def batch_headroom(df: pd.DataFrame, usable: float = HEADROOM_USABLE) -> pd.DataFrame:
+def batch_headroom(df: pd.DataFrame, usable: float = GPU_FILL) -> pd.DataFrame:
     """How far each system's batch could go on this GPU, projected from its measured GPU peaks.
 
     Peak allocated GPU memory grows linearly with the batch at a fixed sequence length (activation

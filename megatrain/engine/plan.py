@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
-from megatrain.bench.env import host_memory_gib
 from megatrain.config import CaseConfig
 from megatrain.engine.layout import Unit, build_units, total_numel
 from megatrain.engine.store import OPT_CHUNK
+from megatrain.memory import GIB, Budget, budget
 from megatrain.models.loss import chunk_tokens_for
 
-GIB = 2**30
-# Fixed per-process costs beyond the training state; the suite's pre-flight (megatrain.bench.fit)
-# counts the same for every system.
+# Fixed per-process costs beyond the training state; the pre-flight of every system (megatrain.bench.fit)
+# counts the same.
 PROCESS_OVERHEAD_BYTES = 3 * GIB  # python, torch, CUDA context and libraries in host RSS
 GPU_RESERVE_BYTES = 2 * GIB  # CUDA context, cuBLAS workspaces, allocator fragmentation
 
@@ -33,9 +30,6 @@ def host_bytes_per_param(case: CaseConfig) -> dict[str, int]:
     if w == 2 and case.precision == "mixed":
         per["master"] = 4
     return per
-
-
-AUTO_RESIDENT_SHARE = 0.9  # 'auto' residency fills up to this share of the GPU, by the plan's estimate
 
 
 def resident_bytes(case: CaseConfig, unit: Unit) -> int:
@@ -52,30 +46,28 @@ def resident_unit_indices(case: CaseConfig) -> list[int]:
 
     Options: resident_embedding (true, false, or 'auto': when it fits) and resident_layers (K: the first K layers,
     or 'auto': as many as fit). Both default to 'auto': the embedding first, then leading layers, up to
-    AUTO_RESIDENT_SHARE of the GPU beside everything else the plan counts (so a batch that needs the memory gets
+    megatrain.memory.GPU_FILL of the GPU beside everything else the plan counts (so a batch that needs the memory gets
     none). Without a GPU nothing is resident."""
     layers = case.model_config().num_layers
-    embedding = case.options.get("resident_embedding", "auto")
-    if embedding != "auto" and not isinstance(embedding, bool):
-        raise ValueError(f"resident_embedding must be true, false or 'auto', got {embedding!r}")
+    embedding = case.opts.resident_embedding
     if embedding == "auto":
         embedding = _auto_fits(case, {"resident_embedding": True, "resident_layers": 0}) > 0
-    k = case.options.get("resident_layers", "auto")
+    k = case.opts.resident_layers
     if k == "auto":
         k = _auto_fits(case, {"resident_embedding": embedding, "resident_layers": 0}, per_layer=True)
-    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= layers:
+    if k > layers:
         raise ValueError(f"resident_layers must be 'auto' or an integer from 0 to the model's {layers} layers, "
-                         f"got {k!r}")
+                         f"got {k}")
     return ([0] if embedding else []) + list(range(1, k + 1))
 
 
 def _auto_fits(case: CaseConfig, options: dict, per_layer: bool = False) -> int:
     """With `options` fixed: 1 if that plan fits the resident share of the GPU (0 if not), or with per_layer the
     number of further resident layers that fit beside it. 0 without a GPU."""
-    gpu = available_memory(case)[1]
+    gpu = case_budget(case).gpu_fill_bytes
     if gpu is None:
         return 0
-    room = AUTO_RESIDENT_SHARE * gpu - plan_memory(dataclasses.replace(case, options={**case.options, **options}))[
+    room = gpu - plan_memory(dataclasses.replace(case, options={**case.options, **options}))[
         "gpu_bytes"]
     if not per_layer:
         return int(room >= 0)
@@ -92,15 +84,15 @@ def plan_memory(case: CaseConfig) -> dict:
     embed = units[0].numel
     w = case.dtype_bytes
     # the torch optimizer kernel's fp32 scratch (one chunk of gradients, and of weights in bf16 mode)
-    torch_kernel = case.options.get("optimizer_kernel", "fused") == "torch"
+    torch_kernel = case.opts.optimizer_kernel == "torch"
     scratch = min(OPT_CHUNK, max(u.numel for u in units)) * 4 * ((w == 2) + (case.precision == "bf16")) * torch_kernel
     host_state = n * sum(per.values())
     host = host_state + scratch + PROCESS_OVERHEAD_BYTES
 
     mb, seq, h, i = case.micro_batch, case.seq, cfg.hidden_size, cfg.intermediate_size
     tokens_mb = mb * seq
-    offload = bool(case.options.get("offload_activations", False))
-    mlp_tokens = min(tokens_mb, int(case.options.get("mlp_chunk_tokens", 0)) or tokens_mb)
+    offload = case.opts.offload_activations
+    mlp_tokens = min(tokens_mb, case.opts.mlp_chunk_tokens or tokens_mb)
     buffers = 2 * slot * w + embed * w + 2 * slot * 4 + embed * 4 + (2 * slot * w if w == 2 else 0)
     resident = resident_unit_indices(case)
     buffers += sum(resident_bytes(case, units[u]) for u in resident)
@@ -133,36 +125,39 @@ def plan_memory(case: CaseConfig) -> dict:
     }
 
 
-def available_memory(case: CaseConfig) -> tuple[int, int | None]:
-    """(host bytes, GPU bytes) this case may use. Host: option host_mem_gib or MEGATRAIN_HOST_MEM_GIB
-    (for VMs whose MemTotal grows as memory is touched), else MemTotal."""
-    host_gib = case.options.get("host_mem_gib") or host_memory_gib()[0]
-    host = int(float(host_gib) * GIB)
-    gpu = None
-    if case.device == "cuda" and torch.cuda.is_available():
-        gpu = torch.cuda.get_device_properties(0).total_memory
-    return host, gpu
+def case_budget(case: CaseConfig) -> Budget:
+    """The memory this case may use here (megatrain.memory's one rule; option host_mem_gib declares the host)."""
+    return budget(case.device, case.opts.host_mem_gib)
 
 
-def check_fits(case: CaseConfig) -> dict:
-    """The plan, with 'fits' and 'reason'; raises nothing."""
+def check_fits(case: CaseConfig, limits: Budget | None = None) -> dict:
+    """The plan judged against `limits` (default: this machine now, megatrain.memory's rule), with 'fits',
+    'reason' (which budget is exceeded, by how much), 'advice' (what to change: a precision only when it fits)
+    and the bytes counted against each budget; raises nothing. On CPU the GPU's share of the plan (buffers,
+    checkpoints, working set) is host memory too."""
     plan = plan_memory(case)
-    host, gpu = available_memory(case)
-    reasons = []
-    if plan["host_bytes"] > host:
+    limits = limits or case_budget(case)
+    cpu = case.device == "cpu"
+    host_need = plan["host_bytes"] + (plan["gpu_bytes"] - GPU_RESERVE_BYTES if cpu else 0)
+    reasons, advice = [], []
+    if host_need > limits.host_bytes:
+        bf16 = dataclasses.replace(case, precision="bf16", dtype="bfloat16")
+        bf16_need = host_need - plan["host_bytes"] + plan_memory(bf16)["host_bytes"]
         reasons.append(
-            f"host memory: needs {plan['host_bytes'] / GIB:.1f} GiB "
-            f"({plan['host_bytes_per_param']:.1f} B/param) but the machine has {host / GIB:.1f} GiB; "
-            + ("use --precision bf16 (12 B/param) or a smaller model" if case.precision == "mixed"
-               else "use a smaller model or a host with more memory")
-            + " (on a VM whose memory grows on use, set --option host_mem_gib=N)")
-    if gpu is not None and plan["gpu_bytes"] > gpu:
+            f"host memory: needs {host_need / GIB:.1f} GiB ({plan['host_bytes_per_param']:.1f} B/param of state"
+            + (", activations included" if cpu else "") + f") but {limits.host_bytes / GIB:.1f} GiB is usable here")
+        bf16_fits = case.precision == "mixed" and bf16_need <= limits.host_bytes
+        smaller = "a smaller model" + (", --batch or --seq" if cpu else "")
+        advice.append("use --precision bf16 (12 B/param)" if bf16_fits else
+                      f"no precision fits: use {smaller} or a host with more memory "
+                      "(on a VM whose memory grows on use, set --option host_mem_gib=N)")
+    if not cpu and limits.gpu_bytes is not None and plan["gpu_bytes"] > limits.gpu_bytes:
         reasons.append(
             f"GPU memory: needs {plan['gpu_bytes'] / GIB:.1f} GiB (checkpoints "
             f"{plan['gpu_checkpoint_bytes'] / GIB:.1f}, buffers {plan['gpu_buffers_bytes'] / GIB:.1f}, working "
-            f"{plan['gpu_work_bytes'] / GIB:.1f}) but the GPU has {gpu / GIB:.1f} GiB; "
-            "lower --batch or --seq, a smaller --micro-batch, or for long contexts "
-            "--option offload_activations=true --option mlp_chunk_tokens=N")
-    plan.update(fits=not reasons, reason="; ".join(reasons) or None, host_available_bytes=host,
-                gpu_available_bytes=gpu)
+            f"{plan['gpu_work_bytes'] / GIB:.1f}) but the GPU has {limits.gpu_bytes / GIB:.1f} GiB")
+        advice.append("lower --batch or --seq, a smaller --micro-batch, or for long contexts "
+                      "--option offload_activations=true --option mlp_chunk_tokens=N")
+    plan.update(fits=not reasons, reason="; ".join(reasons) or None, advice="; ".join(advice) or None,
+                host_need_bytes=host_need, host_available_bytes=limits.host_bytes, gpu_available_bytes=limits.gpu_bytes)
     return plan

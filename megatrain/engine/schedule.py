@@ -78,8 +78,8 @@ class Schedule:
         self.stage = None if grad_dt == torch.float32 else \
             [torch.empty(slot_numel, dtype=grad_dt, device=device) for _ in range(2)]
         self.layer_t = LayerTemplate(cfg, compile_layer=case.compile,
-                                     mlp_chunk_tokens=int(case.options.get("mlp_chunk_tokens", 0)))
-        self.acts = ActivationStore(streams, device, bool(case.options.get("offload_activations", False)),
+                                     mlp_chunk_tokens=case.opts.mlp_chunk_tokens)
+        self.acts = ActivationStore(streams, device, case.opts.offload_activations,
                                     cfg.num_layers, case.grad_accum, (case.micro_batch, case.seq, cfg.hidden_size), dt)
         self.head_t = HeadTemplate(cfg)
         self.cos, self.sin = rotary_tables(cfg, case.seq, device, dt)

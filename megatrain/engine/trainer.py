@@ -6,14 +6,14 @@ import statistics
 
 import torch
 
-from baselines.protocol import compute_dtype, valid_tokens
-from megatrain.bench.case import peak_host_rss_gib
 from megatrain.config import CaseConfig
 from megatrain.engine.host_optimizer import HostOptimizer
-from megatrain.engine.plan import GIB, check_fits
+from megatrain.engine.plan import check_fits
 from megatrain.engine.schedule import Schedule
 from megatrain.engine.store import HostStore
 from megatrain.engine.streams import StreamSet
+from megatrain.memory import GIB, peak_host_rss_gib
+from megatrain.models.loss import valid_tokens
 
 
 class StreamingSystem:
@@ -22,18 +22,16 @@ class StreamingSystem:
         self.device = torch.device(case.device)
         self.plan = check_fits(case)
         if not self.plan["fits"]:
-            raise ValueError(f"configuration does not fit: {self.plan['reason']}")
+            raise ValueError(f"configuration does not fit: {self.plan['reason']}; {self.plan['advice']}")
         cfg = case.model_config()
         self.num_params = cfg.num_params()
         cuda = self.device.type == "cuda"
-        self.store = HostStore(cfg, compute_dtype(case), case.precision, pin=cuda)
+        self.store = HostStore(cfg, case.torch_dtype, case.precision, pin=cuda)
         self.store.initialise(case.seed, self.device)
         resident = self.plan["resident_units"]
-        self.optimizer = HostOptimizer(self.store, case.optim, kernel=case.options.get("optimizer_kernel", "fused"),
+        self.optimizer = HostOptimizer(self.store, case.optim, kernel=case.opts.optimizer_kernel,
                                        skip=frozenset(resident))
-        stress = case.options.get("stream_stress")  # debug: seed of random per-stream delays (engine/streams.py)
-        self.streams = StreamSet(self.device, timeline=bool(case.options.get("timeline", True)),
-                                 stress_seed=None if stress is None else int(stress))
+        self.streams = StreamSet(self.device, timeline=case.opts.timeline, stress_seed=case.opts.stream_stress)
         self.schedule = Schedule(case, self.store, self.optimizer, self.streams, self.device, resident)
 
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> float:

@@ -15,6 +15,11 @@ IGNORE_INDEX = -100
 _CHUNK_BYTES = 2**30
 
 
+def valid_tokens(labels_BS: torch.Tensor) -> int:
+    """The loss normaliser of a step: labels that are not IGNORE_INDEX (at least 1)."""
+    return max(int((labels_BS != IGNORE_INDEX).sum()), 1)
+
+
 def chunk_tokens_for(vocab_size: int) -> int:
     return max(128, _CHUNK_BYTES // (4 * vocab_size))
 

@@ -2,10 +2,11 @@
 
 Run as a script with `python -m megatrain bench` arguments (the suite runner's `bench_command` in
 tests/unit/test_suite_runner.py): the system registered as 'native' becomes FailingSystem, which
-trains like NativeSystem unless the case's options ask it to fail:
-    inject_failure = "oom" | "crash" | "hang" | "sigterm"
-        (raise CUDA-style OOM, exit without a record, sleep, be killed by a signal that is not the OOM killer's)
-    oom_from_batch = N                           (OOM when batch >= N: a batch ladder's ceiling)
+trains like NativeSystem unless the case's seed asks it to fail (every system's options are typed, so a
+test cannot add its own):
+    seed 101: raise a CUDA-style OOM          seed 102: exit without a record
+    seed 103: hang                             seed 104: OOM from batch 2 (a batch ladder's ceiling)
+    seed 105: be killed by a signal that is not the OOM killer's
 """
 
 import os
@@ -19,11 +20,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: make `baselines` importable
 from baselines.native import NativeSystem  # noqa: E402
 
+FAILURES = {101: "oom", 102: "crash", 103: "hang", 104: "oom_from_batch_2", 105: "sigterm"}
+
 
 class FailingSystem(NativeSystem):
     def step(self, inputs_BS, labels_BS):
-        failure = self.case.options.get("inject_failure")
-        if failure == "oom" or self.case.batch >= self.case.options.get("oom_from_batch", sys.maxsize):
+        failure = FAILURES.get(self.case.seed)
+        if failure == "oom" or (failure == "oom_from_batch_2" and self.case.batch >= 2):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
         if failure == "crash":
             print(f"injected crash: exiting without a record\n  File \"{__file__}\", line 1", file=sys.stderr,
@@ -37,8 +40,8 @@ class FailingSystem(NativeSystem):
 
 
 if __name__ == "__main__":
-    import baselines.protocol
+    import megatrain.systems
     from megatrain.cli import main
 
-    baselines.protocol.SYSTEMS["native"] = "fake_system:FailingSystem"
+    megatrain.systems.SYSTEMS["native"] = "fake_system:FailingSystem"
     sys.exit(main(["bench", *sys.argv[1:]]))

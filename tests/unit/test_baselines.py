@@ -30,7 +30,7 @@ needs_deepspeed = [pytest.mark.deepspeed,
 
 WORKER = """
 import json, sys, torch
-from baselines.protocol import build_system
+from megatrain.systems import build_system
 from megatrain.config import CaseConfig
 from megatrain.data import make_batches
 case = CaseConfig.from_dict(json.loads(sys.argv[1]))
@@ -59,7 +59,7 @@ def _run_in_subprocess(case: CaseConfig, tmp_path: Path) -> dict:
 
 
 def _native(case: CaseConfig) -> dict:
-    native = NativeSystem(case)
+    native = NativeSystem(dataclasses.replace(case, system="native"))
     batches = make_batches(case, case.model_config().vocab_size)
     losses = [native.step(*batches.batch_at(i)) for i in range(case.steps)]
     return {"losses": losses, "params": native.named_parameters_fp32()}

@@ -4,18 +4,19 @@ import dataclasses
 
 import pytest
 import torch
-from engine_helpers import assert_nan_step_skipped, train_with_nan_gradient
+from engine_helpers import assert_nan_step_skipped, native_options, train_with_nan_gradient
 from engine_helpers import train as _train
 from torch._dynamo.exc import BackendCompilerFailed
 
-from baselines.protocol import build_system
 from megatrain.config import CaseConfig, OptimConfig
 from megatrain.engine.layout import build_units
 from megatrain.engine.plan import check_fits, plan_memory
 from megatrain.engine.schedule import plan_uses
 from megatrain.engine.templates import LayerTemplate, bind
+from megatrain.memory import GPU_FILL, Budget
 from megatrain.models import get_model_config, rotary_tables
 from megatrain.optim.host_adamw import FlatAdamW
+from megatrain.systems import build_system
 
 CASES = {
     "untied-qkv-bias-gqa": dict(model="tiny", batch=2, seq=16),
@@ -48,7 +49,8 @@ CASES = {
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_streamed_engine_matches_native(name):
-    ref_losses, ref_params, _ = _train("native", **CASES[name])
+    native = {**CASES[name], "options": native_options(CASES[name].get("options", {}))}
+    ref_losses, ref_params, _ = _train("native", **native)
     losses, params, metrics = _train("megatrain", **CASES[name])
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     assert params.keys() == ref_params.keys()
@@ -108,13 +110,13 @@ def test_auto_resident_layers_fill_the_gpu_share_the_plan_leaves(monkeypatch):
     case = _qwen_3b_b8(resident_embedding=False, resident_layers="auto")
     base = plan_memory(_qwen_3b_b8(resident_embedding=False, resident_layers=0))["gpu_bytes"]
     per_layer = plan_mod.resident_bytes(case, build_units(case.model_config())[1])
-    gpu = int((base + 5.5 * per_layer) / plan_mod.AUTO_RESIDENT_SHARE)
-    monkeypatch.setattr(plan_mod, "available_memory", lambda c: (2**40, gpu))
+    gpu = int((base + 5.5 * per_layer) / GPU_FILL)
+    monkeypatch.setattr(plan_mod, "case_budget", lambda c: Budget(2**40, gpu, "test"))
     assert plan_mod.resident_unit_indices(case) == [1, 2, 3, 4, 5]
     planned = plan_memory(case)
     assert planned["resident_units"] == [1, 2, 3, 4, 5]
     assert planned["gpu_bytes"] == base + 5 * per_layer
-    monkeypatch.setattr(plan_mod, "available_memory", lambda c: (2**40, None))  # no GPU: nothing resident
+    monkeypatch.setattr(plan_mod, "case_budget", lambda c: Budget(2**40, None, "test"))  # no GPU: nothing resident
     assert plan_mod.resident_unit_indices(case) == []
 
 
@@ -124,28 +126,28 @@ def test_by_default_the_plan_makes_resident_what_fits_and_nothing_when_the_batch
     streamed = plan_memory(_qwen_3b_b8(resident_embedding=False, resident_layers=0))["gpu_bytes"]
     embedding = plan_mod.resident_bytes(_qwen_3b_b8(), build_units(get_model_config("qwen2.5-3b"))[0])
     per_layer = plan_mod.resident_bytes(_qwen_3b_b8(), build_units(get_model_config("qwen2.5-3b"))[1])
-    monkeypatch.setattr(plan_mod, "available_memory",
-                        lambda c: (2**40, int((streamed + embedding + 2.5 * per_layer) / plan_mod.AUTO_RESIDENT_SHARE)))
+    gpu = int((streamed + embedding + 2.5 * per_layer) / GPU_FILL)
+    monkeypatch.setattr(plan_mod, "case_budget", lambda c: Budget(2**40, gpu, "test"))
     assert plan_memory(_qwen_3b_b8())["resident_units"] == [0, 1, 2]
     # batch 64 needs more than that GPU for its activations alone: nothing is made resident (and the plan says
     # that it does not fit, rather than the resident units making it not fit)
     assert plan_memory(dataclasses.replace(_qwen_3b_b8(), batch=64))["resident_units"] == []
-    monkeypatch.setattr(plan_mod, "available_memory", lambda c: (2**40, 2**45))  # a huge GPU: everything
+    monkeypatch.setattr(plan_mod, "case_budget", lambda c: Budget(2**40, 2**45, "test"))  # a huge GPU: everything
     assert plan_memory(_qwen_3b_b8())["resident_units"] == list(range(37))
 
 
 @pytest.mark.parametrize("bad", ["yes", 1, None])
 def test_resident_embedding_takes_true_false_or_auto(bad):
-    case = CaseConfig(system="megatrain", model="tiny", options={"resident_embedding": bad})
-    with pytest.raises(ValueError, match="resident_embedding must be true, false or 'auto'"):
-        check_fits(case)
+    with pytest.raises(ValueError, match=r"megatrain: option resident_embedding=.*: expected true or false or 'auto'"):
+        CaseConfig(system="megatrain", model="tiny", options={"resident_embedding": bad})
 
 
-@pytest.mark.parametrize("bad", [-1, 5, 1.5, "2"])
-def test_resident_layers_out_of_range_are_refused_before_allocating(bad):
-    case = CaseConfig(system="megatrain", model="tiny", num_layers=4, options={"resident_layers": bad})
-    with pytest.raises(ValueError, match="resident_layers must be 'auto' or an integer from 0 to the model's 4"):
-        check_fits(case)
+@pytest.mark.parametrize("bad,why", [(-1, "must be 'auto' or an integer >= 0"), (1.5, "expected an integer or 'auto'"),
+                                     ("2", "expected an integer or 'auto'"),
+                                     (5, "must be 'auto' or an integer from 0 to the model's 4 layers")])
+def test_resident_layers_out_of_range_are_refused_before_allocating(bad, why):
+    with pytest.raises(ValueError, match=f"resident_layers.*{why}"):
+        check_fits(CaseConfig(system="megatrain", model="tiny", num_layers=4, options={"resident_layers": bad}))
 
 
 def test_clipping_changes_the_result():
@@ -210,12 +212,14 @@ def test_host_bytes_per_param_plan():
     assert mixed["host_bytes_per_param"] < 16.5 and bf16["host_bytes_per_param"] < 12.5
 
 
-def test_refuses_what_does_not_fit_before_allocating():
-    case = CaseConfig(system="megatrain", model="qwen2.5-72b", dtype="bfloat16", seq=1024,
-                      options={"host_mem_gib": 64})
+def test_refuses_what_does_not_fit_before_allocating_and_suggests_only_what_fits():
+    case = CaseConfig(system="megatrain", model="qwen2.5-7b", dtype="bfloat16", seq=1024, device="cuda",
+                      options={"host_mem_gib": 110})  # 16 B/param ~ 117 GiB does not fit, 12 B/param ~ 88 GiB does
     assert not check_fits(case)["fits"]
-    with pytest.raises(ValueError, match=r"host memory: needs .* GiB .* --precision bf16"):
+    with pytest.raises(ValueError, match=r"host memory: needs .* GiB .* use --precision bf16"):
         build_system(case)
+    huge = dataclasses.replace(case, model="qwen2.5-72b", options={"host_mem_gib": 64})
+    assert "no precision fits" in check_fits(huge)["advice"]
 
 
 def test_one_pass_kernel_equals_torch_adamw_and_rounds_to_bf16():

@@ -53,9 +53,23 @@ def test_cli_prints_record_as_last_line_and_appends(tmp_path):
     (["--system", "megatrain", "--model", "qwen2.5-72b", "--steps", "1"], "no precision or micro-batch"),
     (["--system", "megatrain", "--option", "resident_layers=-3"], "resident_layers must be"),
     (["--system", "megatrain", "--option", "compile=false"], "use --compile"),
+    (["--system", "megatrain", "--option", "ofload_activations=true"],
+     "megatrain has no option 'ofload_activations'; its options: host_mem_gib, offload_activations, "),
+    (["--system", "megatrain", "--option", "offload_activations=maybe"], "offload_activations='maybe': expected true"),
+    (["--system", "native", "--option", "offload_activations=true"],
+     "native has no option 'offload_activations' (an option of megatrain)"),
+    (["--system", "megatrain", "--option", "optimizer_kernel=bogus"], "expected 'fused' or 'torch'"),
+    (["--system", "megatrain", "--option", "mlp_chunk_tokens=true"], "mlp_chunk_tokens=True: expected an integer"),
+    (["--system", "fsdp", "--option", "host_mem_gib"], "--option takes KEY=VALUE"),
 ])
 def test_cli_rejects_bad_input_with_exit_code_2(args, message):
     proc = _bench(*args)
     assert proc.returncode == 2
     assert message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, "one line saying what to change, no traceback"
+
+
+def test_a_sequence_beyond_the_models_published_context_is_said_before_the_run():
+    proc = _bench("--system", "native", "--model", "tiny", "--seq", "2049", "--batch", "1", "--steps", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "seq 2049 is beyond tiny's published context of 2048 tokens" in proc.stderr

@@ -41,10 +41,10 @@ models = "tiny"
 batch = [2, 4]
 seq = [16, 32, 64]
 micro_batch = 2
-options = { note = "x" }
+options = { mlp_chunk_tokens = 8 }
 """)
     assert len(suite.cases) == 2 * 2 * 3
-    assert all(c.config.micro_batch == 2 and c.config.options == {"note": "x"} for c in suite.cases)
+    assert all(c.config.micro_batch == 2 and c.config.options == {"mlp_chunk_tokens": 8} for c in suite.cases)
     assert len({c.case_id for c in suite.cases}) == 12
 
 

@@ -34,22 +34,22 @@ seq = [16, 32]
 
 [[cases]]
 name = "oom"
-options = { inject_failure = "oom" }
+seed = 101  # fake_system: OOM
 
 [[cases]]
 name = "crash"
-options = { inject_failure = "crash" }
+seed = 102  # fake_system: exit without a record
 
 [[cases]]
 name = "hang"
 timeout_s = 6
-options = { inject_failure = "hang" }
+seed = 103  # fake_system: hang
 
 [[cases]]
 name = "ladder"
 ladder = "batch"
 batch = [1, 2, 4]
-options = { oom_from_batch = 2 }
+seed = 104  # fake_system: OOM from batch 2
 """
 
 
@@ -126,7 +126,7 @@ def test_a_case_run_on_another_kind_of_machine_is_labelled_by_that_machine_and_s
 
 
 def test_a_case_killed_by_a_signal_that_is_not_the_oom_killer_is_recorded_killed_and_run_again(tmp_path):
-    sigterm = '\n[[cases]]\nname = "sigterm"\noptions = { inject_failure = "sigterm" }\n'
+    sigterm = '\n[[cases]]\nname = "sigterm"\nseed = 105\n'
     (tmp_path / "killed.toml").write_text(SUITE + sigterm)
     suite = load_suite(str(tmp_path / "killed.toml"))
     out = tmp_path / "results"

@@ -1,0 +1,52 @@
+"""What the module-owning baselines (native, FSDP2) share: one optimizer step with gradient accumulation,
+and per-layer compilation (DeepSpeed compiles its own way, megatrain.engine its templates)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from megatrain.config import CaseConfig
+from megatrain.models.loss import valid_tokens
+
+
+def accumulate_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, case: CaseConfig,
+                        device: torch.device, inputs_BS: torch.Tensor, labels_BS: torch.Tensor,
+                        autocast=contextlib.nullcontext) -> tuple[float, bool]:
+    """One optimizer step of a module-owning system: micro-batches accumulate gradients of the summed
+    token loss over the step's valid tokens, then global-norm clipping and AdamW. A non-finite global
+    norm skips the update (weights and AdamW state untouched, as AMP's overflow skip).
+    Returns (the mean loss, whether the update was applied)."""
+    normalizer = valid_tokens(labels_BS)
+    total = torch.zeros((), device=device)
+    mb = case.micro_batch
+    for start in range(0, inputs_BS.shape[0], mb):
+        x = inputs_BS[start:start + mb].to(device, non_blocking=True)
+        y = labels_BS[start:start + mb].to(device, non_blocking=True)
+        with autocast():
+            loss = model(x, y, normalizer)
+        loss.backward()
+        total += loss.detach().float()
+    # with clipping off, max_norm=inf only measures the norm (the coefficient clamps to exactly 1)
+    max_norm = case.optim.max_grad_norm if case.optim.max_grad_norm > 0 else math.inf
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
+        norm = norm.full_tensor()
+    stepped = bool(torch.isfinite(norm))
+    if stepped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(total), stepped
+
+
+def compile_layers(model: torch.nn.Module) -> None:
+    """torch.compile each decoder layer in place (per block, as torchtitan does): the same Inductor graphs of a layer's
+    forward and recompute+backward that the engine's compiled template runs. Whole-model compile is not what any
+    system here does."""
+    for layer in model.layers:
+        layer.compile(dynamic=False)
+
+
+COMPILED_LAYERS = "torch.compile(dynamic=False) of each decoder layer"

@@ -1,0 +1,50 @@
+"""The protocol every training system implements, and the name -> system registry.
+
+A system is built from a CaseConfig, runs one optimizer step per `step(inputs, labels)` call over
+the whole batch (micro-batches and gradient accumulation inside), and reports its own settings and
+metrics for the record. Every system trains the same megatrain.models.Transformer with the same
+init, loss normalisation (valid tokens of the whole step), AdamW groups and global-norm clipping.
+Systems are named here and imported only when built, so the engine never imports a baseline.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Protocol
+
+import torch
+
+from megatrain.config import CaseConfig
+
+SYSTEMS = {
+    "native": "baselines.native:NativeSystem",
+    "megatrain": "megatrain.engine.trainer:StreamingSystem",
+    "deepspeed": "baselines.deepspeed_zero3:DeepSpeedSystem",
+    "fsdp": "baselines.fsdp_offload:FSDPSystem",
+}
+
+
+class TrainSystem(Protocol):
+    skipped_steps: int  # steps whose global gradient norm was not finite: the update was skipped
+
+    def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> float:
+        """One optimizer step over the batch; returns the step's mean token loss."""
+
+    def system_config(self) -> dict:
+        """The exact settings this system ran with (stored in the record)."""
+
+    def metrics(self) -> dict:
+        """System-specific measurements for the record (bytes moved, pinned bytes, ...)."""
+
+    def named_parameters_fp32(self) -> dict[str, torch.Tensor]:
+        """Current weights as fp32 CPU tensors under our module names (parity tests)."""
+
+    def close(self) -> None:
+        """Release GPU memory, pinned memory, threads and process groups."""
+
+
+def build_system(case: CaseConfig) -> TrainSystem:
+    if case.system not in SYSTEMS:
+        raise ValueError(f"unknown system {case.system!r}; choose one of: {', '.join(SYSTEMS)}")
+    module, name = SYSTEMS[case.system].split(":")
+    return getattr(importlib.import_module(module), name)(case)

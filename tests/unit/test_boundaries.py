@@ -1,0 +1,111 @@
+"""The engine is a library: it imports no benchmark harness and no baseline, and the package has no import
+cycles; every system's options are typed. CPU, seconds: pytest tests/unit/test_boundaries.py"""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatrain.options import OPTIONS, MegaTrainOptions, parse_options
+
+ROOT = Path(__file__).resolve().parents[2]
+LIBRARY = ("megatrain.engine", "megatrain.optim", "megatrain.models", "megatrain.memory", "megatrain.options",
+           "megatrain.config", "megatrain.data", "megatrain.systems")
+HARNESS = ("megatrain.bench", "megatrain.cli", "baselines")
+
+
+def _modules() -> dict[str, Path]:
+    files = [*ROOT.glob("megatrain/**/*.py"), *ROOT.glob("baselines/*.py")]
+    names = {".".join(p.relative_to(ROOT).with_suffix("").parts): p for p in files}
+    return {n.removesuffix(".__init__"): p for n, p in names.items()}
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """module -> the package modules it imports anywhere in its file (function-level imports included)."""
+    modules = _modules()
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            deps |= {t for t in targets if t in modules and t != name}
+        graph[name] = deps
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node, path):
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                return [*path[path.index(dep):], dep]
+            if dep not in state and (found := visit(dep, [*path, dep])):
+                return found
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start, [start])):
+            return found
+    return None
+
+
+def test_the_package_has_no_import_cycles():
+    assert _cycle(_import_graph()) is None
+
+
+def test_the_library_modules_import_no_harness_and_no_baseline():
+    graph = _import_graph()
+    for name, deps in graph.items():
+        if name.startswith(LIBRARY):
+            assert not [d for d in deps if d.startswith(HARNESS)], name
+
+
+def test_training_with_the_engine_loads_neither_the_harness_nor_a_baseline():
+    code = """
+import sys
+from megatrain.config import CaseConfig
+from megatrain.data import make_batches
+from megatrain.systems import build_system
+case = CaseConfig(system="megatrain", model="tiny", batch=2, seq=8, steps=1)
+system = build_system(case)
+system.step(*make_batches(case, case.model_config().vocab_size).batch_at(0))
+system.close()
+print(" ".join(m for m in sys.modules if m.startswith(("megatrain.bench", "megatrain.cli", "baselines"))))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == ""
+
+
+def test_every_system_has_typed_options():
+    assert set(OPTIONS) == {"megatrain", "native", "deepspeed", "fsdp"}
+    assert parse_options("megatrain", {"resident_layers": 3, "offload_activations": True}) == \
+        MegaTrainOptions(resident_layers=3, offload_activations=True)
+    assert parse_options("deepspeed", {}).optimizer is None
+    assert parse_options("fsdp", {"host_mem_gib": 100}).host_mem_gib == 100
+
+
+@pytest.mark.parametrize("system,given,message", [
+    ("megatrain", {"ofload_activations": True}, "megatrain has no option 'ofload_activations'; its options: "),
+    ("fsdp", {"mlp_chunk_tokens": 8}, "fsdp has no option 'mlp_chunk_tokens' (an option of megatrain, native)"),
+    ("megatrain", {"offload_activations": "maybe"}, "offload_activations='maybe': expected true or false"),
+    ("megatrain", {"offload_activations": 1}, "offload_activations=1: expected true or false"),
+    ("megatrain", {"resident_layers": True}, "resident_layers=True: expected an integer or 'auto'"),
+    ("native", {"mlp_chunk_tokens": -1}, "mlp_chunk_tokens must be >= 0"),
+    ("deepspeed", {"optimizer": "sgd"}, "expected 'cpu_adam' or 'torch_adamw' or null"),
+    ("megatrain", {"host_mem_gib": 0}, "host_mem_gib must be > 0"),
+])
+def test_unknown_keys_and_bad_values_are_refused_with_the_valid_keys(system, given, message):
+    with pytest.raises(ValueError) as info:
+        parse_options(system, given)
+    assert message in str(info.value)
