@@ -1,30 +1,32 @@
-"""Sessions: tests, smoke, gpu, reproduce_14b, report, bench, lint. Every session runs in the current
-environment (python=False): a per-session virtualenv would download a fresh (CUDA) torch. Set up
-first with scripts/setup.sh."""
+"""Sessions: tests, smoke, gpu, reproduce_14b, report, bench, lint. Every session runs in the environment
+nox itself runs in (python=False, the interpreter is nox's own): a per-session virtualenv would download a
+fresh (CUDA) torch. Set up first with scripts/setup.sh, then run .venv/bin/python -m nox."""
 
+import sys
 from pathlib import Path
 
 import nox
 
 nox.options.sessions = ["tests"]
+PY = sys.executable
 
 
 @nox.session(python=False)
 def tests(session):
     """Unit tests on CPU (GPU tests skip without CUDA)."""
-    session.run("python", "-m", "pytest", "tests", "-q", *session.posargs)
+    session.run(PY, "-m", "pytest", "tests", "-q", *session.posargs)
 
 
 @nox.session(python=False)
 def gpu(session):
     """The GPU correctness suite (needs CUDA; ~10 min on one H100/H200), a record per check in results/gpu_checks/."""
     session.run("bash", "scripts/gpu_checks.sh", "results/gpu_checks/records.jsonl", ".", *session.posargs,
-                external=True)
+                env={"PYTHON": PY}, external=True)
 
 
 @nox.session(python=False)
 def lint(session):
-    session.run("ruff", "check", "megatrain", "baselines", "tests", "noxfile.py")
+    session.run(PY, "-m", "ruff", "check", "megatrain", "baselines", "tests", "noxfile.py")
 
 
 @nox.session(python=False)
@@ -35,8 +37,8 @@ def smoke(session):
     results/smoke-local/report/index.html. Only curated GPU runs are committed under results/<suite>/.
     """
     out = "results/smoke-local"
-    session.run("python", "-m", "megatrain", "suite", "smoke", "--out-dir", out, "--new-run", *session.posargs)
-    session.run("python", "-m", "megatrain", "report", out, "--out", f"{out}/report")
+    session.run(PY, "-m", "megatrain", "suite", "smoke", "--out-dir", out, "--new-run", *session.posargs)
+    session.run(PY, "-m", "megatrain", "report", out, "--out", f"{out}/report")
 
 
 @nox.session(python=False)
@@ -46,19 +48,19 @@ def reproduce_14b(session):
     Resumes the latest run in results/reproduce_14b/; on other hardware no case runs. Then rewrites
     reports/reproduce_14b/ from the records.
     """
-    session.run("python", "-m", "megatrain", "suite", "reproduce_14b", *session.posargs)
+    session.run(PY, "-m", "megatrain", "suite", "reproduce_14b", *session.posargs)
     if not Path("results/reproduce_14b/records.jsonl").exists():
         session.skip("no records: this machine matches none of the suite's hardware profiles")
-    session.run("python", "-m", "megatrain", "report", "reproduce_14b")
+    session.run(PY, "-m", "megatrain", "report", "reproduce_14b")
 
 
 @nox.session(python=False)
 def report(session):
     """Rewrite every reports/<suite>/ from the committed records in results/<suite>/records.jsonl."""
-    session.run("python", "-m", "megatrain", "report", *session.posargs)
+    session.run(PY, "-m", "megatrain", "report", *session.posargs)
 
 
 @nox.session(python=False)
 def bench(session):
     """Micro-benchmarks of the engine's hot paths (pytest-benchmark; the PCIe one needs CUDA)."""
-    session.run("python", "-m", "pytest", "tests/bench", "--benchmark-only", "-q", *session.posargs)
+    session.run(PY, "-m", "pytest", "tests/bench", "--benchmark-only", "-q", *session.posargs)

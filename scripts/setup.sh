@@ -1,10 +1,30 @@
 #!/usr/bin/env bash
-# Set up this checkout on a fresh machine without downloading CUDA wheels:
-# keep an installed torch (GPU hosts), else install the CPU wheel of torch 2.13.0, then the package,
-# then DeepSpeed (the [deepspeed] extra's pin) built against that torch.
+# Set up this checkout on a fresh machine without downloading CUDA wheels, into the environment .venv names:
+# - run inside a virtualenv, .venv becomes a link to it and everything installs there;
+# - otherwise .venv is a new virtualenv over $PYTHON (default python3) that sees its installed packages
+#   (--system-site-packages), so a GPU host keeps its torch and a Debian python that refuses pip (PEP 668,
+#   externally-managed-environment) is never written to.
+# Then: keep an installed torch, else install the CPU wheel of torch 2.13.0; the package with its dev tools;
+# DeepSpeed (the [deepspeed] extra's pin) built against that torch. Afterwards: .venv/bin/python -m nox -s tests
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+if "$PY" -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)'; then
+    ACTIVE=$("$PY" -c 'import sys; print(sys.prefix)')
+    if [ "$(readlink -f .venv 2>/dev/null)" != "$(readlink -f "$ACTIVE")" ]; then
+        rm -rf .venv
+        ln -s "$ACTIVE" .venv
+    fi
+elif [ ! -x .venv/bin/python ]; then
+    rm -rf .venv
+    # without ensurepip (Debian's python3 lacks it unless python3-venv is installed), pip comes from the base python
+    "$PY" -m venv --system-site-packages .venv 2>/dev/null || "$PY" -m venv --system-site-packages --without-pip .venv
+fi
+PY=.venv/bin/python
+if ! "$PY" -m pip --version >/dev/null 2>&1; then
+    echo "setup: no pip for $("$PY" -c 'import sys; print(sys.base_prefix)'): install python3-pip (Debian) and rerun" >&2
+    exit 1
+fi
 if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q torch==2.13.0
 fi
@@ -15,6 +35,7 @@ trap 'rm -f "$KEEP_TORCH"' EXIT
 "$PY" -m pip install -q -c "$KEEP_TORCH" -e ".[dev]"
 # DeepSpeed is an sdist whose setup.py imports torch: without build isolation it builds against the torch above
 # (an isolated build would first download a CUDA torch). Its C++ ops JIT-compile when first used.
-"$PY" -c "import setuptools" 2>/dev/null || "$PY" -m pip install -q "setuptools>=68"
+"$PY" -c "import setuptools, wheel" 2>/dev/null || "$PY" -m pip install -q "setuptools>=68" wheel
 DEEPSPEED=$(sed -n 's/.*"deepspeed==\([^"]*\)".*/\1/p' pyproject.toml)
 "$PY" -m pip install -q -c "$KEEP_TORCH" --no-build-isolation "deepspeed==$DEEPSPEED"
+echo "setup: done; the environment is .venv ($("$PY" -c 'import sys, torch; print(sys.prefix, "torch", torch.__version__)'))"

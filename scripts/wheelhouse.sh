@@ -5,9 +5,14 @@
 # On the GPU host, from the repository root:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #       .whl/*.whl && export PYTHONPATH=/tmp/site
+# Run after scripts/setup.sh: building DeepSpeed's wheel imports torch and needs `wheel`, both in .venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+PY=${PYTHON:-.venv/bin/python}
+if ! "$PY" -c "import torch, setuptools, wheel" 2>/dev/null; then
+    echo "wheelhouse: $PY lacks torch, setuptools or wheel: run bash scripts/setup.sh first (or set PYTHON)" >&2
+    exit 1
+fi
 DEEPSPEED=$(sed -n 's/.*"deepspeed==\([^"]*\)".*/\1/p' pyproject.toml)
 # Missing from the GPU image (its package list: einops, msgpack, ninja, numpy, packaging, psutil, py-cpuinfo, tqdm,
 # typing-extensions are there): hjson, pydantic and pydantic's helpers. typing-extensions travels as well because
