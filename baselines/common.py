@@ -14,11 +14,11 @@ from megatrain.models.loss import valid_tokens
 
 def accumulate_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, case: CaseConfig,
                         device: torch.device, inputs_BS: torch.Tensor, labels_BS: torch.Tensor,
-                        autocast=contextlib.nullcontext) -> tuple[float, bool]:
+                        autocast=contextlib.nullcontext) -> tuple[float, bool, float]:
     """One optimizer step of a module-owning system: micro-batches accumulate gradients of the summed
     token loss over the step's valid tokens, then global-norm clipping and AdamW. A non-finite global
     norm skips the update (weights and AdamW state untouched, as AMP's overflow skip).
-    Returns (the mean loss, whether the update was applied)."""
+    Returns (the mean loss, whether the update was applied, the global gradient norm before clipping)."""
     normalizer = valid_tokens(labels_BS)
     total = torch.zeros((), device=device)
     mb = case.micro_batch
@@ -38,7 +38,7 @@ def accumulate_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     if stepped:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(total), stepped
+    return float(total), stepped, float(norm)
 
 
 def compile_layers(model: torch.nn.Module) -> None:

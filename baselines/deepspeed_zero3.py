@@ -162,6 +162,11 @@ class DeepSpeedSystem:
         """DeepSpeed's own count of steps it skipped (its overflow check; the policy is DeepSpeed's)."""
         return int(self.engine.skipped_steps)
 
+    @property
+    def last_grad_norm(self) -> float:
+        norm = self.engine.get_global_grad_norm()
+        return float("nan") if norm is None else float(norm)
+
     def system_config(self) -> dict:
         return {"deepspeed_config": self.config, "zero_init": True, "activation_checkpointing": True,
                 "compile": COMPILED_LAYERS + "'s forward, the layer a ZeRO-3 leaf module (gathered whole)"

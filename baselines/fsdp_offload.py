@@ -61,9 +61,11 @@ class FSDPSystem:
             init_param(name, p.to_local(), case.seed, device=self.device)
         self.optimizer = torch_adamw(self.model.parameters(), case.optim, fused=True)
         self.skipped_steps = 0
+        self.last_grad_norm = float("nan")
 
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> float:
-        loss, stepped = accumulate_and_step(self.model, self.optimizer, self.case, self.device, inputs_BS, labels_BS)
+        loss, stepped, self.last_grad_norm = accumulate_and_step(self.model, self.optimizer, self.case,
+                                                                 self.device, inputs_BS, labels_BS)
         self.skipped_steps += not stepped
         return loss
 

@@ -10,6 +10,8 @@ Precision modes:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 
@@ -39,6 +41,7 @@ class NativeSystem:
         self.optimizer = torch_adamw(self.model.parameters(), case.optim, fused=True)
         self.ckpt = ckpt
         self.skipped_steps = 0
+        self.last_grad_norm = float("nan")
 
     def _autocast(self):
         if not self.autocast:
@@ -46,8 +49,8 @@ class NativeSystem:
         return torch.autocast(self.device.type, dtype=self.dtype)
 
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> float:
-        loss, stepped = accumulate_and_step(self.model, self.optimizer, self.case, self.device, inputs_BS,
-                                            labels_BS, self._autocast)
+        loss, stepped, self.last_grad_norm = accumulate_and_step(self.model, self.optimizer, self.case,
+                                                                 self.device, inputs_BS, labels_BS, self._autocast)
         self.skipped_steps += not stepped
         return loss
 
@@ -61,6 +64,36 @@ class NativeSystem:
 
     def named_parameters_fp32(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().float().cpu().clone() for n, p in self.model.named_parameters()}  # a snapshot
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    @torch.no_grad()
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.model.named_parameters())
+        seen = set()
+        for name, tensor in named:
+            if name not in params or tuple(tensor.shape) != tuple(params[name].shape):
+                raise ValueError(f"weight {name!r} {tuple(tensor.shape)} does not match this model's parameters")
+            params[name].copy_(tensor)
+            seen.add(name)
+        if missing := sorted(set(params) - seen):
+            raise ValueError(f"weights missing: {missing}")
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.model.named_parameters()}
+
+    def save_state(self, out_dir: Path) -> None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "skipped_steps": self.skipped_steps}, Path(out_dir) / "native_state.pt")
+
+    def load_state(self, in_dir: Path) -> None:
+        state = torch.load(Path(in_dir) / "native_state.pt", map_location=self.device, weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.skipped_steps = state["skipped_steps"]
 
     def close(self) -> None:
         del self.model, self.optimizer

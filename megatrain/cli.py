@@ -1,4 +1,4 @@
-"""Command line: python -m megatrain {bench,models,suite,probe,report} ...
+"""Command line: python -m megatrain {bench,train,models,suite,probe,report} ...
 
 Exit codes: 0 success, 1 the case ran but failed (OOM, error), 2 invalid input.
 """
@@ -10,6 +10,7 @@ import json
 import sys
 
 from megatrain.bench.args import add_case_arguments, case_from_args
+from megatrain.train.config import add_train_arguments
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -27,6 +28,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         append_jsonl(args.out, record)
     print(json.dumps(record), flush=True)
     return 0 if record["status"] == "ok" else 1
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from megatrain.train.config import config_from_args
+    from megatrain.train.loop import train
+
+    return train(config_from_args(args), log=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -85,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_case_arguments(bench)
     bench.add_argument("--out", default=None, help="append the record to this JSONL file")
     bench.set_defaults(func=cmd_bench)
+    train = sub.add_parser("train", help="train a model: a Hugging Face checkpoint (or a registry shape) and your "
+                           "data in, metrics, checkpoints and a Hugging Face checkpoint out; --resume continues")
+    add_train_arguments(train)
+    train.set_defaults(func=cmd_train)
     models = sub.add_parser("models", help="list the model registry with exact parameter counts")
     models.set_defaults(func=cmd_models)
     suite = sub.add_parser("suite", help="run a suite (suites/NAME.toml), one subprocess and one record per case")

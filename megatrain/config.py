@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -42,7 +42,8 @@ class CaseConfig:
 
     Attributes:
         system: 'native', 'megatrain', 'deepspeed' or 'fsdp'.
-        model: registry name (megatrain.models.registry.MODELS).
+        model: registry name (megatrain.models.registry.MODELS), or a label when model_shape is given.
+        model_shape: the model's shape when it is not a registry one (a Hugging Face checkpoint's config).
         num_layers: override the registered depth (depth-scaling sweeps); None keeps it.
         batch: sequences per optimizer step (global batch).
         micro_batch: sequences per forward/backward pass; batch must be a multiple. 0 = batch.
@@ -62,6 +63,7 @@ class CaseConfig:
 
     system: str = "native"
     model: str = "tiny"
+    model_shape: ModelConfig | None = None
     num_layers: int | None = None
     batch: int = 2
     micro_batch: int = 0
@@ -107,6 +109,9 @@ class CaseConfig:
             raise ValueError("text data needs --tokenizer DIR (a local Hugging Face tokenizer directory)")
 
     def model_config(self) -> ModelConfig:
+        if self.model_shape is not None:
+            return self.model_shape if self.num_layers is None else replace(self.model_shape,
+                                                                            num_layers=self.num_layers)
         return get_model_config(self.model, self.num_layers)
 
     @functools.cached_property
@@ -137,10 +142,15 @@ class CaseConfig:
         return self.steps - self.warmup if self.steps > self.warmup else self.steps
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if d["model_shape"] is None:  # registry models: the dict (and the case ids hashed from it) as before
+            del d["model_shape"]
+        return d
 
     @staticmethod
     def from_dict(d: dict) -> CaseConfig:
         d = dict(d)
         d["optim"] = OptimConfig(**d.get("optim", {}))
+        if d.get("model_shape") is not None:
+            d["model_shape"] = ModelConfig(**d["model_shape"])
         return CaseConfig(**d)

@@ -10,6 +10,8 @@ Systems are named here and imported only when built, so the engine never imports
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -26,6 +28,7 @@ SYSTEMS = {
 
 class TrainSystem(Protocol):
     skipped_steps: int  # steps whose global gradient norm was not finite: the update was skipped
+    last_grad_norm: float  # the global gradient norm of the last step, before clipping
 
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> float:
         """One optimizer step over the batch; returns the step's mean token loss."""
@@ -38,6 +41,21 @@ class TrainSystem(Protocol):
 
     def named_parameters_fp32(self) -> dict[str, torch.Tensor]:
         """Current weights as fp32 CPU tensors under our module names (parity tests)."""
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the following updates (a schedule)."""
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace every weight, one (name, tensor) at a time (a Hugging Face checkpoint, before training)."""
+
+    def export_weights(self) -> Mapping[str, torch.Tensor]:
+        """The current weights by name, without copying the model (a Hugging Face export copies shard by shard)."""
+
+    def save_state(self, out_dir: Path) -> None:
+        """Write the full training state (weights, optimizer state, step counts) into out_dir."""
+
+    def load_state(self, in_dir: Path) -> None:
+        """Continue from a save_state directory: the next step is as if training had never stopped."""
 
     def close(self) -> None:
         """Release GPU memory, pinned memory, threads and process groups."""

@@ -34,7 +34,7 @@ def add_case_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gemm-peak-tflops", type=float, default=None, help="measured GEMM peak for MFU")
 
 
-def parse_options(items: list[str]) -> dict:
+def parse_option_flags(items: list[str]) -> dict:
     options = {}
     for item in items:
         if "=" not in item:
@@ -54,5 +54,5 @@ def case_from_args(args: argparse.Namespace) -> CaseConfig:
         precision=args.precision, device=args.device, seed=args.seed, data=args.data, tokenizer=args.tokenizer,
         repeat_batch=args.repeat_batch, compile=args.compile,
         optim=OptimConfig(lr=args.lr, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm),
-        options=parse_options(args.option),
+        options=parse_option_flags(args.option),
     )

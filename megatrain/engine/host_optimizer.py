@@ -24,7 +24,7 @@ from megatrain.optim.host_adamw import FlatAdamW
 def torch_adamw_unit(adamw: FlatAdamW, unit: Unit, weights: torch.Tensor, grads: torch.Tensor,
                      master: torch.Tensor | None, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, clip: float,
                      weight_decay: float, grad_scratch: torch.Tensor | None,
-                     param_scratch: torch.Tensor | None) -> None:
+                     param_scratch: torch.Tensor | None, lr: float) -> None:
     """torch's AdamW over one unit's flat tensors (host tiles or resident GPU buffers), its decayed region
     then the rest, in chunks of OPT_CHUNK: gradients in fp32 (converted in grad_scratch when they are
     not) times the clip coefficient, weights updated in fp32 (the master, the weights themselves, or a
@@ -43,7 +43,7 @@ def torch_adamw_unit(adamw: FlatAdamW, unit: Unit, weights: torch.Tensor, grads:
             g32 = grads[a:b] if grads.dtype == torch.float32 else grad_scratch[:b - a].copy_(grads[a:b])
             if clip != 1.0:  # torch's clip_grad_norm_ multiplies by the clamped coefficient; x1.0 is exact
                 g32.mul_(clip)
-            adamw.update((unit.index, a), p32, g32, exp_avg[a:b], exp_avg_sq[a:b], wd)
+            adamw.update((unit.index, a), p32, g32, exp_avg[a:b], exp_avg_sq[a:b], wd, lr)
             if p32 is not w:
                 w.copy_(p32)  # the bf16 weights the next step streams
 
@@ -76,12 +76,13 @@ class HostOptimizer:
         self._thread = threading.Thread(target=self._run, name="megatrain-host-adamw", daemon=True)
         self._thread.start()
 
-    def submit(self, clip_coef: float, grad_ready: list) -> None:
-        """Queue one optimizer step; grad_ready[u] is the event after which unit u's gradients are on the host."""
+    def submit(self, clip_coef: float, grad_ready: list, lr: float) -> None:
+        """Queue one optimizer step at learning rate lr; grad_ready[u] is the event after which unit u's gradients
+        are on the host."""
         done = [threading.Event() for _ in self.store.units]
         self.done = done
         self.step_count += 1
-        self._jobs.put((done, clip_coef, grad_ready, self.step_count))
+        self._jobs.put((done, clip_coef, grad_ready, self.step_count, lr))
 
     def wait(self, unit_index: int) -> float:
         """Block until unit_index's pending update has landed; returns the seconds spent waiting."""
@@ -109,7 +110,7 @@ class HostOptimizer:
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            done, clip_coef, grad_ready, step = job
+            done, clip_coef, grad_ready, step, lr = job
             try:
                 for unit in self.store.units:
                     if unit.index in self.skip:
@@ -117,7 +118,7 @@ class HostOptimizer:
                         continue
                     grad_ready[unit.index].synchronize()
                     t0 = time.perf_counter()
-                    self._update(unit, clip_coef, step)
+                    self._update(unit, clip_coef, step, lr)
                     self.spans.append((unit.index, t0, time.perf_counter()))
                     done[unit.index].set()
             except BaseException as exc:  # surfaced to the training thread by wait()
@@ -125,14 +126,14 @@ class HostOptimizer:
                 for ev in done:
                     ev.set()
 
-    def _update(self, unit, clip_coef: float, step: int) -> None:
+    def _update(self, unit, clip_coef: float, step: int, lr: float) -> None:
         s, o = self.store, self.optim
         grads, weights = s.tile(s.grads, unit), s.tile(s.weights, unit)
         master = s.tile(s.master, unit) if s.master is not None else None
         m, v = s.tile(s.exp_avg, unit), s.tile(s.exp_avg_sq, unit)
         if self.kernel == "torch":
             torch_adamw_unit(self.adamw, unit, weights, grads, master, m, v, clip_coef, self.weight_decay,
-                             self.grad_scratch, self.param_scratch)
+                             self.grad_scratch, self.param_scratch, lr)
             return
         d = unit.decay_numel
         for lo, hi, weight_decay in ((0, d, self.weight_decay), (d, unit.numel, 0.0)):
@@ -141,4 +142,4 @@ class HostOptimizer:
                 w = weights[a:b]
                 p = master[a:b] if master is not None else w  # mixed: fp32 master, bf16 copy out; bf16: in place
                 fused.fused_adamw(p, grads[a:b], m[a:b], v[a:b], None if p is w else w, step, clip_coef,
-                                  o.lr, o.beta1, o.beta2, o.eps, weight_decay)
+                                  lr, o.beta1, o.beta2, o.eps, weight_decay)

@@ -97,6 +97,7 @@ class Schedule:
         self.history: list[dict] = []
         self.timeline: list[dict] = []
         self.skipped_steps = 0  # steps whose gradient norm was not finite: no update applied
+        self.lr = case.optim.lr  # of the next update (a learning-rate schedule sets it before each step)
         if streams.cuda:  # the rotary tables and resident copies above ran on the default stream, which the
             torch.cuda.synchronize(device)  # side streams do not wait for
 
@@ -212,7 +213,7 @@ class Schedule:
             warnings.warn(f"step {len(self.history)}: gradient norm is {total_norm}; update skipped "
                           f"({self.skipped_steps} skipped so far)", stacklevel=2)
         else:
-            self.optimizer.submit(clip, self.grad_ready)
+            self.optimizer.submit(clip, self.grad_ready, self.lr)
         self._record_step(host_t0, step_s, total_norm, skip)
         return loss
 
@@ -325,7 +326,21 @@ class Schedule:
         """AdamW of a resident unit on the compute stream, before the next step's forward reads it."""
         r = self.resident[index]
         torch_adamw_unit(self.resident_adamw, self.units[index], r["w"], r["gacc"], r["master"], r["exp_avg"],
-                         r["exp_avg_sq"], clip, self.case.optim.weight_decay, None, self.resident_scratch)
+                         r["exp_avg_sq"], clip, self.case.optim.weight_decay, None, self.resident_scratch, self.lr)
+
+    def load_resident_from_host(self) -> None:
+        """Refresh the resident units' GPU state from their host tiles (after new weights or a resumed state)."""
+        store = self.store
+        with self.streams.use("compute"):
+            for index, r in self.resident.items():
+                unit = self.units[index]
+                r["w"].copy_(store.tile(store.weights, unit))
+                if r["master"] is not None:
+                    r["master"].copy_(store.tile(store.master, unit))
+                r["exp_avg"].copy_(store.tile(store.exp_avg, unit))
+                r["exp_avg_sq"].copy_(store.tile(store.exp_avg_sq, unit))
+        if self.streams.cuda:
+            torch.cuda.synchronize(self.device)
 
     def sync_resident_to_host(self) -> None:
         """Write the resident units' state back to their host tiles (for reading or saving the model)."""

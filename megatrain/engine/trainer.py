@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 
@@ -10,6 +12,7 @@ from megatrain.config import CaseConfig
 from megatrain.engine.host_optimizer import HostOptimizer
 from megatrain.engine.plan import check_fits
 from megatrain.engine.schedule import Schedule
+from megatrain.engine.state import load_engine_state, save_engine_state, steps_from_json, steps_to_json
 from megatrain.engine.store import HostStore
 from megatrain.engine.streams import StreamSet
 from megatrain.memory import GIB, peak_host_rss_gib
@@ -36,6 +39,10 @@ class StreamingSystem:
 
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> float:
         return self.schedule.step(inputs_BS, labels_BS, valid_tokens(labels_BS))
+
+    @property
+    def last_grad_norm(self) -> float:
+        return self.schedule.history[-1]["grad_norm"] if self.schedule.history else float("nan")
 
     @property
     def skipped_steps(self) -> int:
@@ -81,6 +88,56 @@ class StreamingSystem:
             "host_bytes_per_param": rss / self.num_params,
             "timeline": self.schedule.timeline,
         }
+
+    def set_lr(self, lr: float) -> None:
+        self.schedule.lr = lr
+
+    @torch.no_grad()
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the weights (before training), one tensor at a time, by our parameter names."""
+        store = self.store
+        self.optimizer.flush()
+        slots = {slot.name: (unit, slot) for unit in store.units for slot in unit.params}
+        seen = set()
+        for name, tensor in named:
+            if name not in slots:
+                raise ValueError(f"weight {name!r} is not a parameter of this model")
+            unit, slot = slots[name]
+            if tuple(tensor.shape) != slot.shape:
+                raise ValueError(f"{name} has shape {tuple(tensor.shape)}, this model's is {slot.shape}")
+            unit.view(store.tile(store.master if store.master is not None else store.weights, unit), slot).copy_(tensor)
+            seen.add(name)
+        if missing := sorted(set(slots) - seen):
+            raise ValueError(f"weights missing: {missing}")
+        if store.master is not None:
+            store.weights.copy_(store.master)
+        self.schedule.load_resident_from_host()
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """The current weights by our names, as views of the host tiles (fp32 master where there is one): no copy."""
+        self.optimizer.flush()
+        self.schedule.sync_resident_to_host()
+        src = self.store.master if self.store.master is not None else self.store.weights
+        return {slot.name: unit.view(self.store.tile(src, unit), slot)
+                for unit in self.store.units for slot in unit.params}
+
+    def save_state(self, out_dir: Path) -> None:
+        """The full training state (weights, master, moments, step counts), streamed tile by tile."""
+        self.optimizer.flush()
+        self.schedule.sync_resident_to_host()
+        save_engine_state(Path(out_dir), self.store, {
+            "step_count": self.optimizer.step_count, "skipped_steps": self.schedule.skipped_steps,
+            "adamw_steps": steps_to_json(self.optimizer.adamw.steps),
+            "resident_adamw_steps": steps_to_json(self.schedule.resident_adamw.steps)})
+
+    def load_state(self, in_dir: Path) -> None:
+        self.optimizer.flush()
+        meta = load_engine_state(Path(in_dir), self.store)
+        self.optimizer.step_count = meta["step_count"]
+        self.schedule.skipped_steps = meta["skipped_steps"]
+        self.optimizer.adamw.steps = steps_from_json(meta["adamw_steps"], torch.device("cpu"))
+        self.schedule.resident_adamw.steps = steps_from_json(meta["resident_adamw_steps"], self.device)
+        self.schedule.load_resident_from_host()
 
     def named_parameters_fp32(self) -> dict[str, torch.Tensor]:
         self.optimizer.flush()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -219,12 +219,24 @@ def _weight_files(path: Path) -> list[Path]:
     raise ValueError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}; only safetensors checkpoints are read")
 
 
+def iter_hf_tensors(path: str | Path, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(our name, tensor) of a checkpoint directory, read one tensor at a time from its safetensors files (a
+    stored buffer such as rotary_emb.inv_freq and a tied model's stored head are left out, as transformers does)."""
+    path = Path(path)
+    tied = config_from_hf(json.loads((path / "config.json").read_text())).tie_embeddings
+    for file in _weight_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if key.endswith("rotary_emb.inv_freq") or (tied and key == "lm_head.weight"):
+                    continue
+                tensor = f.get_tensor(key)
+                yield our_name(key), tensor if dtype is None else tensor.to(dtype)
+
+
 @torch.no_grad()
 def load_hf_checkpoint(path: str | Path, device: torch.device | str = "cpu",
                        dtype: torch.dtype | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read a Hugging Face Qwen2/Llama checkpoint directory into our config and parameter names.
-
-    Tensors are read one at a time from the (sharded or single) safetensors files.
 
     Args:
         path: directory with config.json and model.safetensors or model.safetensors.index.json + shards.
@@ -233,17 +245,7 @@ def load_hf_checkpoint(path: str | Path, device: torch.device | str = "cpu",
     """
     path = Path(path)
     cfg = config_from_hf(json.loads((path / "config.json").read_text()))
-    state: dict[str, torch.Tensor] = {}
-    for file in _weight_files(path):
-        with safe_open(file, framework="pt", device=str(device)) as f:
-            for key in f.keys():
-                if key.endswith("rotary_emb.inv_freq"):
-                    continue  # a buffer some older Llama checkpoints stored; we recompute it
-                tensor = f.get_tensor(key)
-                state[our_name(key)] = tensor if dtype is None else tensor.to(dtype)
-    if cfg.tie_embeddings:
-        # Some tied checkpoints still store the head; transformers ignores it and ties, so do we.
-        state.pop("lm_head.weight", None)
+    state = {name: t.to(device) for name, t in iter_hf_tensors(path, dtype)}
     _check_names(state, _expected_shapes(cfg), f"checkpoint {path} vs its config.json")
     return cfg, state
 

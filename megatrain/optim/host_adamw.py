@@ -23,12 +23,14 @@ class FlatAdamW:
         self.steps: dict[object, torch.Tensor] = {}
 
     def update(self, key, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-               weight_decay: float) -> None:
-        """One AdamW step of the fp32 region `param` in place (grad, moments: same shape, fp32)."""
+               weight_decay: float, lr: float | None = None) -> None:
+        """One AdamW step of the fp32 region `param` in place (grad, moments: same shape, fp32); lr overrides the
+        config's (a learning-rate schedule)."""
         if param.numel() == 0:
             return
         step = self.steps.setdefault(key, torch.zeros((), dtype=torch.float32, device=param.device))
         o = self.optim
         adam([param], [grad], [exp_avg], [exp_avg_sq], [], [step], fused=self.fused,
              foreach=False if self.fused else None, decoupled_weight_decay=True, amsgrad=False,
-             beta1=o.beta1, beta2=o.beta2, lr=o.lr, weight_decay=weight_decay, eps=o.eps, maximize=False)
+             beta1=o.beta1, beta2=o.beta2, lr=o.lr if lr is None else lr, weight_decay=weight_decay, eps=o.eps,
+             maximize=False)

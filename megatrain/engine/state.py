@@ -1,0 +1,73 @@
+"""The engine's training state on disk, streamed: each host tile is written and read in place, chunk by
+chunk, so saving or resuming needs no second copy of anything in memory.
+
+A state directory holds tiles.bin (the tiles back to back, raw) and state.json (their names, dtypes and
+sizes, and the AdamW step counts). Gradients are not state: every step overwrites them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from megatrain.engine.store import HostStore
+
+CHUNK_BYTES = 64 * 2**20
+TILES_FILE, STATE_FILE = "tiles.bin", "state.json"
+
+
+def state_tiles(store: HostStore) -> dict[str, torch.Tensor]:
+    tiles = {"weights": store.weights, "master": store.master, "exp_avg": store.exp_avg,
+             "exp_avg_sq": store.exp_avg_sq}
+    return {name: t for name, t in tiles.items() if t is not None}
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    return memoryview(t.view(torch.uint8).numpy())
+
+
+def write_tiles(path: Path, tiles: dict[str, torch.Tensor]) -> list[dict]:
+    with path.open("wb") as f:
+        for t in tiles.values():
+            raw = _raw(t)
+            for a in range(0, len(raw), CHUNK_BYTES):
+                f.write(raw[a:a + CHUNK_BYTES])
+    return [{"name": n, "dtype": str(t.dtype).removeprefix("torch."), "numel": t.numel()} for n, t in tiles.items()]
+
+
+def read_tiles(path: Path, tiles: dict[str, torch.Tensor], manifest: list[dict]) -> None:
+    mine = [{"name": n, "dtype": str(t.dtype).removeprefix("torch."), "numel": t.numel()} for n, t in tiles.items()]
+    if manifest != mine:
+        raise ValueError(f"{path.parent}: the saved tiles {manifest} are not this engine's {mine} "
+                         "(another model, dtype or precision)")
+    with path.open("rb") as f:
+        for t in tiles.values():
+            raw = _raw(t)
+            for a in range(0, len(raw), CHUNK_BYTES):
+                b = min(a + CHUNK_BYTES, len(raw))
+                if f.readinto(raw[a:b]) != b - a:
+                    raise ValueError(f"{path} is shorter than its state.json says: a partial write")
+
+
+def steps_to_json(steps: dict) -> list:
+    """FlatAdamW step counts ({(unit, offset): tensor}) as JSON."""
+    return [[list(key), float(t)] for key, t in steps.items()]
+
+
+def steps_from_json(items: list, device: torch.device) -> dict:
+    return {tuple(key): torch.tensor(value, dtype=torch.float32, device=device) for key, value in items}
+
+
+def save_engine_state(out_dir: Path, store: HostStore, counters: dict) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest = write_tiles(out_dir / TILES_FILE, state_tiles(store))
+    (out_dir / STATE_FILE).write_text(json.dumps({"tiles": manifest, **counters}) + "\n")
+
+
+def load_engine_state(in_dir: Path, store: HostStore) -> dict:
+    """Fill the store's tiles from in_dir; returns the counters saved beside them."""
+    meta = json.loads((in_dir / STATE_FILE).read_text())
+    read_tiles(in_dir / TILES_FILE, state_tiles(store), meta.pop("tiles"))
+    return meta

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Host memory of saving, exporting and resuming against training's own peak (issue: saving and resuming stream
+# tile by tile). Trains MODEL from scratch on random pre-tokenized rows for 4 steps with a checkpoint at the end
+# and a Hugging Face export, then resumes that run for 4 more; each run's memory.json (host peak RSS after
+# building, [loading,] training, saving, exporting) and metrics.jsonl land in OUT/{first,resumed}/.
+#   bash scripts/train_memory.sh OUT [MODEL [PRECISION]]      (CUDA; MODEL default qwen2.5-1.5b)
+set -euo pipefail
+out=$(realpath -m "$1"); model=${2:-qwen2.5-1.5b}; precision=${3:-mixed}
+PY=${PYTHON:-python3}
+mkdir -p "$out"
+"$PY" - "$out/data.jsonl" "$model" <<'PYEOF'
+import json, sys, torch
+from megatrain.models import get_model_config
+vocab = get_model_config(sys.argv[2]).vocab_size
+gen = torch.Generator().manual_seed(0)
+with open(sys.argv[1], "w") as f:
+    for _ in range(64):
+        f.write(json.dumps({"input_ids": torch.randint(0, vocab, (1025,), generator=gen).tolist()}) + "\n")
+PYEOF
+run="$out/run"
+rm -rf "$run"
+"$PY" -m megatrain train --model "$model" --data "$out/data.jsonl" --seq 1024 --batch 8 --steps 4 --keep 1 \
+    --device cuda --dtype bfloat16 --precision "$precision" --lr 1e-4 --lr-schedule constant --out "$run"
+mkdir -p "$out/first" && cp "$run/memory.json" "$run/metrics.jsonl" "$out/first/"
+"$PY" -m megatrain train --resume "$run" --steps 8
+mkdir -p "$out/resumed" && cp "$run/memory.json" "$run/metrics.jsonl" "$out/resumed/"
+du -sh "$run/checkpoints"/* "$run/hf" | tee "$out/sizes.txt"
+rm -rf "$run" "$out/data.jsonl"

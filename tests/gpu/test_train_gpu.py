@@ -1,0 +1,61 @@
+"""`train` on the GPU: the learning-rate schedule and the checkpoint path through the engine's streams. Needs CUDA,
+about a minute: pytest tests/gpu/test_train_gpu.py -m gpu (records as tests/gpu/test_engine_gpu.py says).
+
+1. fp32 (TF32 off), a cosine schedule with warmup and active clipping: the engine (streamed, and with resident
+   units, under random stream delays) against native, losses to 1e-5 relative: the learning rate of each update
+   must reach the host optimizer with its own step, which runs while the next step computes.
+2. bf16, both precisions, plan-chosen residency under stream delays: Ctrl-C at step 5, resume, and the run is bitwise
+   the uninterrupted one (losses and exported weights).
+"""
+
+import pytest
+import torch
+from train_helpers import hf_model, interrupt_at_step, metrics, pretokenized, run_train
+
+from megatrain.cli import main
+
+pytestmark = pytest.mark.gpu
+transformers = pytest.importorskip("transformers")
+
+FP32_SETS = {"streamed-stress": ["--option", "resident_embedding=false", "--option", "resident_layers=0",
+                                 "--option", "stream_stress=3"],
+             "resident-stress": ["--option", "resident_embedding=true", "--option", "resident_layers=1",
+                                 "--option", "stream_stress=4"]}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_tf32():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("name", FP32_SETS)
+def test_scheduled_training_matches_native_on_gpu(tmp_path, name, check):
+    init, data = hf_model("qwen2", tmp_path / "init"), pretokenized(tmp_path / "data.jsonl")
+    assert run_train(init, data, tmp_path / "native", system="native", device="cuda") == 0
+    assert run_train(init, data, tmp_path / "ours", device="cuda", extra=FP32_SETS[name]) == 0
+    ours = torch.tensor([m["loss"] for m in metrics(tmp_path / "ours")])
+    ref = torch.tensor([m["loss"] for m in metrics(tmp_path / "native")])
+    worst = float(((ours - ref).abs() / ref.abs()).max())
+    check.update(options=FP32_SETS[name], losses=ours.tolist(), native_losses=ref.tolist(), worst_rel=worst,
+                 tolerance=1e-5)
+    assert worst <= 1e-5
+
+
+@pytest.mark.parametrize("precision", ["mixed", "bf16"])
+def test_ctrl_c_and_resume_is_bitwise_the_uninterrupted_run_on_gpu(tmp_path, monkeypatch, precision, check):
+    init, data = hf_model("llama", tmp_path / "init"), pretokenized(tmp_path / "data.jsonl", rows=10)
+    extra = ["--precision", precision, "--save-every", "3", "--option", "stream_stress=5"]
+    assert run_train(init, data, tmp_path / "straight", dtype="bfloat16", device="cuda", extra=extra) == 0
+    interrupt_at_step(monkeypatch, 5)
+    assert run_train(init, data, tmp_path / "cut", dtype="bfloat16", device="cuda", extra=extra) == 130
+    monkeypatch.undo()
+    assert main(["train", "--resume", str(tmp_path / "cut")]) == 0
+    straight, cut = [m["loss"] for m in metrics(tmp_path / "straight")], [m["loss"] for m in metrics(tmp_path / "cut")]
+    a = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "straight" / "hf")
+    b = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "cut" / "hf")
+    same_weights = all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    check.update(precision=precision, losses=straight, resumed_losses=cut, same_weights=same_weights)
+    assert cut == straight and same_weights

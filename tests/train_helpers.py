@@ -1,0 +1,74 @@
+"""Shared by the CPU and GPU train tests: a tiny Hugging Face model and pre-tokenized data on disk, and the train
+command over them."""
+
+import json
+import os
+import signal
+
+import torch
+import transformers
+
+from megatrain.cli import main
+
+VOCAB, SEQ, BATCH, STEPS = 128, 16, 4, 10
+LR, WARMUP, MIN_LR, WD, BETAS, EPS, CLIP = 3e-3, 3, 3e-4, 0.1, (0.9, 0.95), 1e-8, 0.5
+SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def hf_model(kind: str, path):
+    torch.manual_seed(0)
+    if kind == "qwen2":
+        config = transformers.Qwen2Config(**SHAPE, rope_theta=10000.0)
+    else:
+        config = transformers.LlamaConfig(**SHAPE, rope_theta=10000.0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def pretokenized(path, rows: int = 24):
+    gen = torch.Generator().manual_seed(1)
+    with path.open("w") as f:
+        for _ in range(rows):
+            f.write(json.dumps({"input_ids": torch.randint(0, VOCAB, (SEQ + 1,), generator=gen).tolist()}) + "\n")
+    return path
+
+
+def run_train(init, data, out, system="megatrain", steps=STEPS, extra=(), dtype="float32", device="cpu"):
+    """`python -m megatrain train` of a case; returns its exit code."""
+    args = ["train", "--system", system, "--init-from", str(init), "--data", str(data), "--no-shuffle",
+            "--seq", str(SEQ), "--batch", str(BATCH), "--micro-batch", "2", "--steps", str(steps), "--lr", str(LR),
+            "--lr-schedule", "cosine", "--warmup-steps", str(WARMUP), "--min-lr", str(MIN_LR), "--weight-decay",
+            str(WD), "--adam-betas", *map(str, BETAS), "--adam-eps", str(EPS), "--max-grad-norm", str(CLIP),
+            "--out", str(out), "--dtype", dtype, "--device", device, *extra]
+    return main(args)
+
+
+def metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+
+
+def interrupt_at_step(monkeypatch, n: int) -> None:
+    """Ctrl-C during step n of the next train run: the step finishes, is saved, and the run stops (exit 130)."""
+    import megatrain.train.loop as loop
+
+    build = loop.build_system
+
+    def built(case):
+        system = build(case)
+        step, count = system.step, [0]
+
+        def stepped(*args):
+            loss = step(*args)
+            count[0] += 1
+            if count[0] == n:
+                os.kill(os.getpid(), signal.SIGINT)
+            return loss
+
+        system.step = stepped
+        return system
+
+    monkeypatch.setattr(loop, "build_system", built)

@@ -1,0 +1,160 @@
+"""`python -m megatrain train` against transformers + torch.optim.AdamW, resume bit for bit, data formats and
+schedules. CPU, about a minute: pytest tests/unit/test_train.py"""
+
+import json
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from train_helpers import (  # noqa: E402
+    BATCH,
+    BETAS,
+    CLIP,
+    EPS,
+    LR,
+    MIN_LR,
+    STEPS,
+    VOCAB,
+    WARMUP,
+    WD,
+    hf_model,
+    interrupt_at_step,
+    metrics,
+    pretokenized,
+    run_train,
+)
+
+from megatrain.cli import main  # noqa: E402
+from megatrain.models.loss import IGNORE_INDEX  # noqa: E402
+from megatrain.train.data import Rows, Tokenizer, read_examples  # noqa: E402
+from megatrain.train.lr import lr_at  # noqa: E402
+
+
+def _reference(init, data):
+    """The same steps with the transformers model, torch.optim.AdamW, clip_grad_norm_ and the same schedule."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(init, attn_implementation="eager").float()
+    params = [p for p in model.parameters()]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": WD},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
+    rows = [json.loads(line)["input_ids"] for line in data.read_text().splitlines()]
+    losses = []
+    for step in range(STEPS):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, STEPS, LR, "cosine", WARMUP, MIN_LR)
+        block = torch.tensor([rows[(step * BATCH + i) % len(rows)] for i in range(BATCH)])
+        inputs, targets = block[:, :-1], block[:, 1:]
+        total = 0.0
+        for mb in (slice(0, 2), slice(2, 4)):
+            logits = model(inputs[mb]).logits
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets[mb].reshape(-1),
+                                                     reduction="sum") / targets.numel()
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(params, CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, model
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize("system", ["megatrain", "native"])
+def test_train_matches_transformers_with_adamw_and_exports_a_checkpoint_transformers_loads(tmp_path, kind, system):
+    init = hf_model(kind, tmp_path / "init")
+    data = pretokenized(tmp_path / "data.jsonl")
+    assert run_train(init, data, tmp_path / "run", system=system) == 0
+    ref_losses, ref_model = _reference(init, data)
+    ours = metrics(tmp_path / "run")
+    assert [m["step"] for m in ours] == list(range(1, STEPS + 1))
+    torch.testing.assert_close(torch.tensor([m["loss"] for m in ours]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    assert ours[0]["lr"] == pytest.approx(LR / WARMUP) and ours[-1]["lr"] == pytest.approx(MIN_LR)
+    assert max(m["grad_norm"] for m in ours) > CLIP  # clipping acted
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf")
+    ref = dict(ref_model.named_parameters())
+    for name, p in exported.named_parameters():
+        torch.testing.assert_close(p, ref[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("system", ["megatrain", "native"])
+def test_ctrl_c_saves_and_the_resumed_run_is_bit_for_bit_the_uninterrupted_one(tmp_path, monkeypatch, system):
+    init = hf_model("qwen2", tmp_path / "init")
+    data = pretokenized(tmp_path / "data.jsonl", rows=10)  # 10 rows, batch 4: steps cross epochs
+    extra = ["--save-every", "2", "--keep", "2"]
+    assert run_train(init, data, tmp_path / "straight", system=system, extra=extra) == 0
+    interrupt_at_step(monkeypatch, 5)
+    assert run_train(init, data, tmp_path / "cut", system=system, extra=extra) == 130
+    checkpoints = sorted(p.name for p in (tmp_path / "cut" / "checkpoints").iterdir())
+    assert checkpoints == ["step-4", "step-5"], "every 2 steps and at the interruption, the last 2 kept"
+    monkeypatch.undo()
+    assert main(["train", "--resume", str(tmp_path / "cut")]) == 0
+    straight, cut = metrics(tmp_path / "straight"), metrics(tmp_path / "cut")
+    assert [m["step"] for m in cut] == list(range(1, STEPS + 1))
+    assert [m["loss"] for m in cut] == [m["loss"] for m in straight]
+    a = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "straight" / "hf")
+    b = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "cut" / "hf")
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def test_steps_count_from_the_runs_start(tmp_path):
+    init = hf_model("llama", tmp_path / "init")
+    data = pretokenized(tmp_path / "data.jsonl")
+    constant = ["--lr-schedule", "constant", "--warmup-steps", "0"]
+    assert run_train(init, data, tmp_path / "straight", steps=6, extra=constant) == 0
+    assert run_train(init, data, tmp_path / "cut", steps=3, extra=constant) == 0
+    assert main(["train", "--resume", str(tmp_path / "cut"), "--steps", "6"]) == 0
+    assert [m["loss"] for m in metrics(tmp_path / "cut")] == [m["loss"] for m in metrics(tmp_path / "straight")]
+
+
+def test_bad_train_input_is_refused_with_one_line(tmp_path, capsys):
+    assert main(["train", "--model", "tiny", "--data", str(tmp_path / "missing.jsonl"), "--steps", "1"]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert main(["train", "--model", "tiny", "--system", "fsdp", "--data", "x", "--steps", "1"]) == 2
+    assert main(["train", "--resume", str(tmp_path)]) == 2
+
+
+def test_cosine_and_linear_schedules_warm_up_then_reach_min_lr():
+    lrs = [lr_at(s, 10, 1.0, "cosine", 2, 0.1) for s in range(10)]
+    assert lrs[:2] == [0.5, 1.0] and lrs[2] == 1.0 and lrs[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:], strict=False))
+    assert lr_at(9, 10, 1.0, "linear", 0, 0.0) == 0.0 and lr_at(5, 10, 1.0, "constant", 0, 0.0) == 1.0
+    assert math.isclose(lr_at(4, 9, 1.0, "linear", 0, 0.0), 0.5)
+
+
+def _chat_tokenizer(path):
+    """A word-level tokenizer with a ChatML template, saved as a local Hugging Face tokenizer directory."""
+    from tokenizers import Regex, models, pre_tokenizers
+    from tokenizers import Tokenizer as RawTokenizer
+
+    words = ["<unk>", "<|im_start|>", "<|im_end|>", "<eos>", "user", "assistant", "system", "\n", " "] + \
+        [f"w{i}" for i in range(20)]
+    raw = RawTokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Split(Regex(r"<\|im_start\|>|<\|im_end\|>|\n| "), "isolated")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>", unk_token="<unk>")
+    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    fast.save_pretrained(path)
+    return Tokenizer(str(path))
+
+
+def test_chat_and_alpaca_data_train_only_on_the_assistant_tokens(tmp_path):
+    tok = _chat_tokenizer(tmp_path / "tok")
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "w1 w2"},
+                                             {"role": "assistant", "content": "w3"}]}) + "\n"
+                    + json.dumps({"instruction": "w4", "output": "w5 w6"}) + "\n"
+                    + json.dumps({"text": "w7 w8"}) + "\n")
+    chat, alpaca, text = read_examples([data], tok, train_on_prompt=False)
+    decode = tok.tok.convert_ids_to_tokens
+    assert [t for t, y in zip(decode(chat.ids), chat.target, strict=True) if y] == ["w3", "<|im_end|>", "\n"]
+    assert [t for t, y in zip(decode(alpaca.ids), alpaca.target, strict=True) if y] == \
+        ["w5", " ", "w6", "<|im_end|>", "\n"]
+    assert all(text.target) and decode(text.ids)[-1] == "<eos>"
+    everything = read_examples([data], tok, train_on_prompt=True)[0]
+    assert all(everything.target)
+    rows = Rows([chat], seq=32, vocab_size=64, shuffle=False, seed=0)
+    inputs, labels = rows.batch(0, 1)
+    assert (labels != IGNORE_INDEX).sum() == 3 and inputs.shape == (1, 32)
