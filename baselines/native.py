@@ -19,6 +19,7 @@ from baselines.common import COMPILED_LAYERS, accumulate_and_step, compile_layer
 from megatrain.config import CaseConfig
 from megatrain.models import Transformer
 from megatrain.models.init import init_module
+from megatrain.models.loss import valid_tokens
 from megatrain.optim.groups import torch_adamw
 
 
@@ -64,6 +65,15 @@ class NativeSystem:
 
     def named_parameters_fp32(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().float().cpu().clone() for n, p in self.model.named_parameters()}  # a snapshot
+
+    @torch.no_grad()
+    def evaluate(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> float:
+        normalizer, mb, total = valid_tokens(labels_BS), self.case.micro_batch, 0.0
+        for i in range(0, inputs_BS.shape[0], mb):
+            with self._autocast():
+                total += float(self.model(inputs_BS[i:i + mb].to(self.device), labels_BS[i:i + mb].to(self.device),
+                                          normalizer))
+        return total
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

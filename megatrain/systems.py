@@ -42,6 +42,9 @@ class TrainSystem(Protocol):
     def named_parameters_fp32(self) -> dict[str, torch.Tensor]:
         """Current weights as fp32 CPU tensors under our module names (parity tests)."""
 
+    def evaluate(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> float:
+        """The mean token loss of the batch, without gradients or an update (held-out data)."""
+
     def set_lr(self, lr: float) -> None:
         """The learning rate of the following updates (a schedule)."""
 

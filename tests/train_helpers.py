@@ -27,8 +27,8 @@ def hf_model(kind: str, path):
     return path
 
 
-def pretokenized(path, rows: int = 24):
-    gen = torch.Generator().manual_seed(1)
+def pretokenized(path, rows: int = 24, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
     with path.open("w") as f:
         for _ in range(rows):
             f.write(json.dumps({"input_ids": torch.randint(0, VOCAB, (SEQ + 1,), generator=gen).tolist()}) + "\n")

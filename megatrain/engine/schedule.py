@@ -328,6 +328,31 @@ class Schedule:
         torch_adamw_unit(self.resident_adamw, self.units[index], r["w"], r["gacc"], r["master"], r["exp_avg"],
                          r["exp_avg_sq"], clip, self.case.optim.weight_decay, None, self.resident_scratch, self.lr)
 
+    @torch.no_grad()
+    def evaluate(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, normalizer: int) -> float:
+        """The summed token loss over `normalizer`, without gradients or an update. Occasional (held-out loss), so
+        simple: after every pending host update, on the compute stream, each streamed unit's weights are copied to
+        a temporary GPU buffer in turn (resident units are read where they live) and every micro-batch passes it."""
+        self.optimizer.flush()
+        s, dev, mb, units = self.streams, self.device, self.case.micro_batch, self.units
+        with s.use("compute"):
+            def weights(unit):
+                if unit.index in self.resident:
+                    return self.resident[unit.index]["w"]
+                return self.store.tile(self.store.weights, unit).to(dev)
+
+            embed_w = self.embed.view(weights(self.embed), self.embed.params[0])
+            xs = [F.embedding(inputs_BS[i:i + mb].to(dev), embed_w) for i in range(0, inputs_BS.shape[0], mb)]
+            for unit in units[1:-1]:
+                params = bind(unit, weights(unit), requires_grad=False)
+                xs = [self.layer_t(params, x, self.cos, self.sin) for x in xs]
+            head = units[-1]
+            params = bind(head, weights(head), requires_grad=False)
+            head_w = params.get("lm_head.weight", embed_w)
+            total = sum(self.head_t.loss(params["norm.weight"], head_w, x, labels_BS[m * mb:(m + 1) * mb].to(dev),
+                                         normalizer) for m, x in enumerate(xs))
+            return float(total)
+
     def load_resident_from_host(self) -> None:
         """Refresh the resident units' GPU state from their host tiles (after new weights or a resumed state)."""
         store = self.store

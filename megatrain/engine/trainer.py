@@ -89,6 +89,9 @@ class StreamingSystem:
             "timeline": self.schedule.timeline,
         }
 
+    def evaluate(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> float:
+        return self.schedule.evaluate(inputs_BS, labels_BS, valid_tokens(labels_BS))
+
     def set_lr(self, lr: float) -> None:
         self.schedule.lr = lr
 

@@ -50,6 +50,8 @@ class TrainConfig:
     keep: int = 2
     resume: str | None = None
     log_every: int = 1
+    eval_data: list[str] = field(default_factory=list)
+    eval_every: int = 0
 
     def __post_init__(self) -> None:
         if self.system not in TRAIN_SYSTEMS:
@@ -67,6 +69,8 @@ class TrainConfig:
             raise ValueError(f"--dtype must be one of {DTYPES} and --precision one of {PRECISIONS}")
         if self.keep < 1 or self.save_every < 0 or self.warmup_steps < 0 or self.log_every < 1:
             raise ValueError("--keep and --log-every must be >= 1, --save-every and --warmup-steps >= 0")
+        if self.eval_every < 0 or bool(self.eval_every) != bool(self.eval_data):
+            raise ValueError("--eval-data FILE and --eval-every N (>= 1) go together")
         self.adam_betas = tuple(self.adam_betas)
 
     def optim(self) -> OptimConfig:
@@ -108,6 +112,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", type=int, metavar="K", help="checkpoints kept (default 2)")
     p.add_argument("--resume", metavar="DIR", help="continue the run in DIR (its latest complete checkpoint)")
     p.add_argument("--log-every", type=int, metavar="N", help="plain progress line every N steps (default 1)")
+    p.add_argument("--eval-data", action="append", metavar="FILE", help="held-out data, as --data")
+    p.add_argument("--eval-every", type=int, metavar="N", help="held-out loss every N steps (and at the end)")
 
 
 def resumed_config(run_dir: Path) -> dict:

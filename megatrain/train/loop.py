@@ -16,6 +16,7 @@ import torch
 from megatrain.config import CaseConfig
 from megatrain.memory import peak_host_rss_gib
 from megatrain.models.hf import config_from_hf, iter_hf_tensors, save_hf_checkpoint
+from megatrain.models.loss import IGNORE_INDEX
 from megatrain.models.registry import get_model_config
 from megatrain.systems import build_system
 from megatrain.train import checkpoint
@@ -55,6 +56,8 @@ def train(cfg: TrainConfig, log=print) -> int:
     vocab = (shape or get_model_config(cfg.model)).vocab_size
     rows = Rows(read_examples(data_files(cfg.data), tokenizer, cfg.train_on_prompt), cfg.seq, vocab, cfg.shuffle,
                 cfg.seed)
+    eval_rows = Rows(read_examples(data_files(cfg.eval_data), tokenizer, cfg.train_on_prompt), cfg.seq, vocab,
+                     False, cfg.seed) if cfg.eval_data else None
     total = cfg.steps if cfg.steps is not None else math.ceil(cfg.epochs * len(rows) / cfg.batch)
     case = build_case(cfg, total)
     for note in preflight(case):
@@ -80,7 +83,7 @@ def train(cfg: TrainConfig, log=print) -> int:
             log(f"resumed from {resume_from} at step {start}")
         elif cfg.init_from:
             system.load_weights(iter_hf_tensors(cfg.init_from))
-        done = _run_steps(cfg, system, case, rows, start, total, out, stop, log)
+        done = _run_steps(cfg, system, case, rows, eval_rows, start, total, out, stop, log)
         memory["host_peak_gib_trained"] = peak_host_rss_gib()
         t0 = time.perf_counter()
         _save(cfg, system, out, done, total)
@@ -100,7 +103,7 @@ def train(cfg: TrainConfig, log=print) -> int:
         system.close()
 
 
-def _run_steps(cfg, system, case, rows, start, total, out, stop, log) -> int:
+def _run_steps(cfg, system, case, rows, eval_rows, start, total, out, stop, log) -> int:
     out.mkdir(parents=True, exist_ok=True)
     flops_per_token = 6 * case.model_config().num_params()
     bar = None
@@ -133,11 +136,28 @@ def _run_steps(cfg, system, case, rows, start, total, out, stop, log) -> int:
                 log(f"step {step}/{total}: loss {loss:.4f}, lr {lr:.3e}, grad norm {line['grad_norm']:.3f}, "
                     f"{line['tokens_per_s']:.0f} tok/s, {line['tflops']:.3g} TFLOPS, ETA "
                     f"{(total - step) * step_s:.0f} s")
+            if eval_rows is not None and (step % cfg.eval_every == 0 or step == total):
+                held_out = _evaluate(system, eval_rows, cfg.batch)
+                metrics.write(json.dumps({"step": step, **held_out}) + "\n")
+                metrics.flush()
+                log(f"step {step}/{total}: held-out loss {held_out['eval_loss']:.4f} over {held_out['eval_tokens']} "
+                    "tokens")
             if cfg.save_every and step % cfg.save_every == 0 and step < total:
                 _save(cfg, system, out, step, total)
     if bar is not None:
         bar.close()
     return step
+
+
+def _evaluate(system, rows: Rows, batch: int) -> dict:
+    """The held-out loss: the mean over every target token of every row, a batch of rows at a time."""
+    loss_sum, tokens = 0.0, 0
+    for first in range(0, len(rows), batch):
+        inputs, labels = rows.batch(first, min(batch, len(rows) - first))
+        valid = int((labels != IGNORE_INDEX).sum())
+        loss_sum += system.evaluate(inputs, labels) * max(valid, 1)
+        tokens += valid
+    return {"eval_loss": loss_sum / max(tokens, 1), "eval_tokens": tokens}
 
 
 def _save(cfg: TrainConfig, system, out: Path, step: int, total: int) -> Path:

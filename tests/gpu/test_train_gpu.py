@@ -2,8 +2,9 @@
 about a minute: pytest tests/gpu/test_train_gpu.py -m gpu (records as tests/gpu/test_engine_gpu.py says).
 
 1. fp32 (TF32 off), a cosine schedule with warmup and active clipping: the engine (streamed, and with resident
-   units, under random stream delays) against native, losses to 1e-5 relative: the learning rate of each update
-   must reach the host optimizer with its own step, which runs while the next step computes.
+   units, under random stream delays) against native, losses and held-out losses to 1e-5 relative: the learning
+   rate of each update must reach the host optimizer with its own step, which runs while the next step computes,
+   and evaluation must read every update.
 2. bf16, both precisions, plan-chosen residency under stream delays: Ctrl-C at step 5, resume, and the run is bitwise
    the uninterrupted one (losses and exported weights).
 """
@@ -34,14 +35,16 @@ def _no_tf32():
 @pytest.mark.parametrize("name", FP32_SETS)
 def test_scheduled_training_matches_native_on_gpu(tmp_path, name, check):
     init, data = hf_model("qwen2", tmp_path / "init"), pretokenized(tmp_path / "data.jsonl")
-    assert run_train(init, data, tmp_path / "native", system="native", device="cuda") == 0
-    assert run_train(init, data, tmp_path / "ours", device="cuda", extra=FP32_SETS[name]) == 0
-    ours = torch.tensor([m["loss"] for m in metrics(tmp_path / "ours")])
-    ref = torch.tensor([m["loss"] for m in metrics(tmp_path / "native")])
+    held_out = ["--eval-data", str(pretokenized(tmp_path / "eval.jsonl", rows=6, seed=2)), "--eval-every", "3"]
+    assert run_train(init, data, tmp_path / "native", system="native", device="cuda", extra=held_out) == 0
+    assert run_train(init, data, tmp_path / "ours", device="cuda", extra=FP32_SETS[name] + held_out) == 0
+    key = lambda m: "eval_loss" if "eval_loss" in m else "loss"  # noqa: E731
+    ours = torch.tensor([m[key(m)] for m in metrics(tmp_path / "ours")])
+    ref = torch.tensor([m[key(m)] for m in metrics(tmp_path / "native")])
     worst = float(((ours - ref).abs() / ref.abs()).max())
-    check.update(options=FP32_SETS[name], losses=ours.tolist(), native_losses=ref.tolist(), worst_rel=worst,
+    check.update(options=FP32_SETS[name], losses_and_held_out=ours.tolist(), native=ref.tolist(), worst_rel=worst,
                  tolerance=1e-5)
-    assert worst <= 1e-5
+    assert len(ours) == 10 + 4 and worst <= 1e-5
 
 
 @pytest.mark.parametrize("precision", ["mixed", "bf16"])

@@ -66,9 +66,19 @@ def _reference(init, data):
 def test_train_matches_transformers_with_adamw_and_exports_a_checkpoint_transformers_loads(tmp_path, kind, system):
     init = hf_model(kind, tmp_path / "init")
     data = pretokenized(tmp_path / "data.jsonl")
-    assert run_train(init, data, tmp_path / "run", system=system) == 0
+    held_out = pretokenized(tmp_path / "eval.jsonl", rows=6, seed=2)
+    extra = ["--eval-data", str(held_out), "--eval-every", "5"]
+    assert run_train(init, data, tmp_path / "run", system=system, extra=extra) == 0
     ref_losses, ref_model = _reference(init, data)
-    ours = metrics(tmp_path / "run")
+    lines = metrics(tmp_path / "run")
+    ours = [m for m in lines if "loss" in m]
+    evals = [m for m in lines if "eval_loss" in m]
+    assert [m["step"] for m in evals] == [5, 10] and evals[-1]["eval_tokens"] == 6 * 16
+    block = torch.tensor([json.loads(line)["input_ids"] for line in held_out.read_text().splitlines()])
+    with torch.no_grad():
+        ref_eval = torch.nn.functional.cross_entropy(ref_model(block[:, :-1]).logits.reshape(-1, VOCAB),
+                                                     block[:, 1:].reshape(-1))
+    assert evals[-1]["eval_loss"] == pytest.approx(float(ref_eval), rel=1e-5)
     assert [m["step"] for m in ours] == list(range(1, STEPS + 1))
     torch.testing.assert_close(torch.tensor([m["loss"] for m in ours]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     assert ours[0]["lr"] == pytest.approx(LR / WARMUP) and ours[-1]["lr"] == pytest.approx(MIN_LR)
