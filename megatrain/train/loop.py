@@ -26,7 +26,7 @@ from megatrain.train.lr import lr_at
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "generation_config.json", "chat_template.jinja")
-EXPORT_SHARD_BYTES = 2 * 2**30  # the most a Hugging Face export holds in memory beyond training's own state
+EXPORT_SHARD_BYTES = 2**29  # the most a Hugging Face export holds in memory beyond training's own state
 
 
 def _model(cfg: TrainConfig) -> tuple[str, object, str]:
