@@ -14,7 +14,8 @@ from megatrain.models.loss import valid_tokens
 
 def accumulate_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, case: CaseConfig,
                         device: torch.device, inputs_BS: torch.Tensor, labels_BS: torch.Tensor,
-                        autocast=contextlib.nullcontext) -> tuple[float, bool, float]:
+                        autocast=contextlib.nullcontext, segments_BS: torch.Tensor | None = None
+                        ) -> tuple[float, bool, float]:
     """One optimizer step of a module-owning system: micro-batches accumulate gradients of the summed
     token loss over the step's valid tokens, then global-norm clipping and AdamW. A non-finite global
     norm skips the update (weights and AdamW state untouched, as AMP's overflow skip).
@@ -26,7 +27,8 @@ def accumulate_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer
         x = inputs_BS[start:start + mb].to(device, non_blocking=True)
         y = labels_BS[start:start + mb].to(device, non_blocking=True)
         with autocast():
-            loss = model(x, y, normalizer)
+            seg = None if segments_BS is None else segments_BS[start:start + mb].to(device, non_blocking=True)
+            loss = model(x, y, normalizer, seg)
         loss.backward()
         total += loss.detach().float()
     # with clipping off, max_norm=inf only measures the norm (the coefficient clamps to exactly 1)

@@ -49,9 +49,9 @@ class NativeSystem:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 
-    def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> float:
-        loss, stepped, self.last_grad_norm = accumulate_and_step(self.model, self.optimizer, self.case,
-                                                                 self.device, inputs_BS, labels_BS, self._autocast)
+    def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, segments_BS: torch.Tensor | None = None) -> float:
+        loss, stepped, self.last_grad_norm = accumulate_and_step(self.model, self.optimizer, self.case, self.device,
+                                                                 inputs_BS, labels_BS, self._autocast, segments_BS)
         self.skipped_steps += not stepped
         return loss
 
@@ -67,12 +67,14 @@ class NativeSystem:
         return {n: p.detach().float().cpu().clone() for n, p in self.model.named_parameters()}  # a snapshot
 
     @torch.no_grad()
-    def evaluate(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> float:
+    def evaluate(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor,
+                 segments_BS: torch.Tensor | None = None) -> float:
         normalizer, mb, total = valid_tokens(labels_BS), self.case.micro_batch, 0.0
         for i in range(0, inputs_BS.shape[0], mb):
+            seg = None if segments_BS is None else segments_BS[i:i + mb].to(self.device)
             with self._autocast():
                 total += float(self.model(inputs_BS[i:i + mb].to(self.device), labels_BS[i:i + mb].to(self.device),
-                                          normalizer))
+                                          normalizer, seg))
         return total
 
     def set_lr(self, lr: float) -> None:

@@ -30,8 +30,9 @@ class TrainSystem(Protocol):
     skipped_steps: int  # steps whose global gradient norm was not finite: the update was skipped
     last_grad_norm: float  # the global gradient norm of the last step, before clipping
 
-    def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> float:
-        """One optimizer step over the batch; returns the step's mean token loss."""
+    def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, segments_BS: torch.Tensor | None = None) -> float:
+        """One optimizer step over the batch; returns the step's mean token loss. segments_BS (packed rows: the
+        document of each token) keeps attention and positions within documents; megatrain and native take it."""
 
     def system_config(self) -> dict:
         """The exact settings this system ran with (stored in the record)."""
@@ -42,7 +43,8 @@ class TrainSystem(Protocol):
     def named_parameters_fp32(self) -> dict[str, torch.Tensor]:
         """Current weights as fp32 CPU tensors under our module names (parity tests)."""
 
-    def evaluate(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> float:
+    def evaluate(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor,
+                 segments_BS: torch.Tensor | None = None) -> float:
         """The mean token loss of the batch, without gradients or an update (held-out data)."""
 
     def set_lr(self, lr: float) -> None:

@@ -27,11 +27,13 @@ def hf_model(kind: str, path):
     return path
 
 
-def pretokenized(path, rows: int = 24, seed: int = 1):
+def pretokenized(path, rows: int = 24, seed: int = 1, varied: bool = False):
+    """Rows of exactly SEQ + 1 random ids (one sequence each), or with varied=True documents of 3 to SEQ + 1 ids."""
     gen = torch.Generator().manual_seed(seed)
     with path.open("w") as f:
         for _ in range(rows):
-            f.write(json.dumps({"input_ids": torch.randint(0, VOCAB, (SEQ + 1,), generator=gen).tolist()}) + "\n")
+            n = int(torch.randint(3, SEQ + 2, (), generator=gen)) if varied else SEQ + 1
+            f.write(json.dumps({"input_ids": torch.randint(0, VOCAB, (n,), generator=gen).tolist()}) + "\n")
     return path
 
 

@@ -36,6 +36,7 @@ from megatrain.engine.store import OPT_CHUNK, HostStore
 from megatrain.engine.streams import StreamSet
 from megatrain.engine.templates import HeadTemplate, LayerTemplate, bind
 from megatrain.models import rotary_tables
+from megatrain.models.transformer import packed_rope_and_mask
 from megatrain.optim.host_adamw import FlatAdamW
 
 
@@ -132,7 +133,8 @@ class Schedule:
         return end
 
     # ---- one step ---------------------------------------------------------------------------------
-    def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, normalizer: int) -> float:
+    def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, normalizer: int,
+             segments_BS: torch.Tensor | None = None) -> float:
         s, dev = self.streams, self.device
         host_t0 = time.perf_counter()
         s.begin_step()
@@ -144,6 +146,7 @@ class Schedule:
         with s.use("compute"):
             tokens = [inputs_BS[i:i + mb].to(dev, non_blocking=True) for i in range(0, inputs_BS.shape[0], mb)]
             labels = [labels_BS[i:i + mb].to(dev, non_blocking=True) for i in range(0, labels_BS.shape[0], mb)]
+            self.rope = self._rope(segments_BS, len(tokens))
         embed_ready = None if 0 in self.resident else self._load(self.embed, self.embed_buf, self.embed_free)
         first_unit, _, first_slot, first_load = self.plan[0]
         ready = {0: self._load(self.units[first_unit], self.wbuf[first_slot], self.slot_free[first_slot])} \
@@ -227,7 +230,7 @@ class Schedule:
         params = bind(unit, wbuf, requires_grad=False)
         layer = unit.index  # layer u reads activations u-1 and writes activations u
         with torch.no_grad():
-            outputs = [self.layer_t(params, x, self.cos, self.sin) for x in self.acts.gpu[layer - 1]]
+            outputs = [self.layer_t(params, x, *self.rope[m]) for m, x in enumerate(self.acts.gpu[layer - 1])]
         self.acts.put(layer, outputs)
         self.acts.consumed(layer - 1)
 
@@ -274,7 +277,7 @@ class Schedule:
         for m, x in enumerate(inputs):
             x = x.detach().requires_grad_()
             with torch.enable_grad():
-                y = self.layer_t(params, x, self.cos, self.sin)
+                y = self.layer_t(params, x, *self.rope[m])
                 grads = torch.autograd.grad(y, [x, *tensors], self.dys[m])
             self.dys[m] = grads[0]
             self._accumulate(gacc, unit, names, grads[1:])
@@ -328,8 +331,18 @@ class Schedule:
         torch_adamw_unit(self.resident_adamw, self.units[index], r["w"], r["gacc"], r["master"], r["exp_avg"],
                          r["exp_avg_sq"], clip, self.case.optim.weight_decay, None, self.resident_scratch, self.lr)
 
+    def _rope(self, segments_BS: torch.Tensor | None, micro_batches: int) -> list[tuple]:
+        """(cos, sin, mask) of each micro-batch: the shared tables, or for packed rows per-document positions and
+        a document mask (models.transformer.packed_rope_and_mask), on the compute stream."""
+        if segments_BS is None:
+            return [(self.cos, self.sin, None)] * micro_batches
+        mb = self.case.micro_batch
+        return [packed_rope_and_mask(self.cos, self.sin, segments_BS[i:i + mb].to(self.device))
+                for i in range(0, segments_BS.shape[0], mb)]
+
     @torch.no_grad()
-    def evaluate(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, normalizer: int) -> float:
+    def evaluate(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, normalizer: int,
+                 segments_BS: torch.Tensor | None = None) -> float:
         """The summed token loss over `normalizer`, without gradients or an update. Occasional (held-out loss), so
         simple: after every pending host update, on the compute stream, each streamed unit's weights are copied to
         a temporary GPU buffer in turn (resident units are read where they live) and every micro-batch passes it."""
@@ -341,11 +354,12 @@ class Schedule:
                     return self.resident[unit.index]["w"]
                 return self.store.tile(self.store.weights, unit).to(dev)
 
+            rope = self._rope(segments_BS, -(-inputs_BS.shape[0] // mb))
             embed_w = self.embed.view(weights(self.embed), self.embed.params[0])
             xs = [F.embedding(inputs_BS[i:i + mb].to(dev), embed_w) for i in range(0, inputs_BS.shape[0], mb)]
             for unit in units[1:-1]:
                 params = bind(unit, weights(unit), requires_grad=False)
-                xs = [self.layer_t(params, x, self.cos, self.sin) for x in xs]
+                xs = [self.layer_t(params, x, *rope[m]) for m, x in enumerate(xs)]
             head = units[-1]
             params = bind(head, weights(head), requires_grad=False)
             head_w = params.get("lm_head.weight", embed_w)

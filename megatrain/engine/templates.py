@@ -37,13 +37,14 @@ class LayerTemplate:
         self.compiled = compile_layer
         self._compiled_fn = torch.compile(self._call, dynamic=False) if compile_layer else None
 
-    def _call(self, params, x_BSH, cos_SD, sin_SD):
-        return functional_call(self.module, params, (x_BSH, cos_SD, sin_SD))
+    def _call(self, params, x_BSH, cos_SD, sin_SD, mask_B1SS=None):
+        return functional_call(self.module, params, (x_BSH, cos_SD, sin_SD, mask_B1SS))
 
-    def __call__(self, params: dict, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
+    def __call__(self, params: dict, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor,
+                 mask_B1SS: torch.Tensor | None = None) -> torch.Tensor:
         if self.compiled:
             try:
-                return self._compiled_fn(params, x_BSH, cos_SD, sin_SD)
+                return self._compiled_fn(params, x_BSH, cos_SD, sin_SD, mask_B1SS)
             except Exception as exc:
                 if not is_compiler_failure(exc):  # an OOM or a bug in the layer is the caller's to see
                     raise
@@ -51,7 +52,7 @@ class LayerTemplate:
                 warnings.warn(f"torch.compile of the layer failed ({type(exc).__name__}: {exc}); running eager",
                               stacklevel=2)
                 self.compiled = False
-        return self._call(params, x_BSH, cos_SD, sin_SD)
+        return self._call(params, x_BSH, cos_SD, sin_SD, mask_B1SS)
 
 
 def is_compiler_failure(exc: BaseException) -> bool:

@@ -37,8 +37,8 @@ class StreamingSystem:
         self.streams = StreamSet(self.device, timeline=case.opts.timeline, stress_seed=case.opts.stream_stress)
         self.schedule = Schedule(case, self.store, self.optimizer, self.streams, self.device, resident)
 
-    def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> float:
-        return self.schedule.step(inputs_BS, labels_BS, valid_tokens(labels_BS))
+    def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, segments_BS: torch.Tensor | None = None) -> float:
+        return self.schedule.step(inputs_BS, labels_BS, valid_tokens(labels_BS), segments_BS)
 
     @property
     def last_grad_norm(self) -> float:
@@ -89,8 +89,9 @@ class StreamingSystem:
             "timeline": self.schedule.timeline,
         }
 
-    def evaluate(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> float:
-        return self.schedule.evaluate(inputs_BS, labels_BS, valid_tokens(labels_BS))
+    def evaluate(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor,
+                 segments_BS: torch.Tensor | None = None) -> float:
+        return self.schedule.evaluate(inputs_BS, labels_BS, valid_tokens(labels_BS), segments_BS)
 
     def set_lr(self, lr: float) -> None:
         self.schedule.lr = lr

@@ -37,6 +37,24 @@ def rotary_tables(cfg: ModelConfig, seq_len: int, device: torch.device, dtype: t
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def packed_rope_and_mask(cos_SD: torch.Tensor, sin_SD: torch.Tensor, segments_BS: torch.Tensor | None):
+    """(cos, sin, attention mask) of a micro-batch. Without segments (or with one document per row): the tables as
+    they are and no mask (causal attention). With packed rows, segments_BS[b, t] the document of token t: positions
+    restart at each document (cos/sin [B, 1, S, D]) and a boolean [B, 1, S, S] mask lets a token attend only to the
+    earlier tokens of its own document."""
+    if segments_BS is None or bool((segments_BS == segments_BS[:, :1]).all()):
+        return cos_SD, sin_SD, None
+    b, s = segments_BS.shape
+    index = torch.arange(s, device=segments_BS.device).expand(b, s)
+    starts = torch.ones_like(segments_BS, dtype=torch.bool)
+    starts[:, 1:] = segments_BS[:, 1:] != segments_BS[:, :-1]
+    first = torch.cummax(torch.where(starts, index, 0), dim=1).values  # index of each token's document start
+    positions = index - first
+    same = segments_BS[:, :, None] == segments_BS[:, None, :]
+    causal = torch.ones(s, s, dtype=torch.bool, device=segments_BS.device).tril()
+    return cos_SD[positions][:, None], sin_SD[positions][:, None], (same & causal)[:, None]
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -55,13 +73,14 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor,
+                mask_B1SS: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x_BSH.shape
         q = self.q_proj(x_BSH).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x_BSH).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x_BSH).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos_SD, sin_SD), apply_rotary(k, cos_SD, sin_SD)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1SS, is_causal=mask_B1SS is None,
                                            enable_gqa=self.num_kv_heads != self.num_heads)
         return self.o_proj(o.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
@@ -100,8 +119,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
-        h = x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos_SD, sin_SD)
+    def forward(self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor,
+                mask_B1SS: torch.Tensor | None = None) -> torch.Tensor:
+        h = x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos_SD, sin_SD, mask_B1SS)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -128,14 +148,15 @@ class Transformer(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor | None = None,
-                normalizer: float | None = None) -> torch.Tensor:
+                normalizer: float | None = None, segments_BS: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embed_tokens(tokens_BS)
-        cos, sin = rotary_tables(self.cfg, tokens_BS.shape[1], h.device, h.dtype)
+        cos, sin, mask = packed_rope_and_mask(*rotary_tables(self.cfg, tokens_BS.shape[1], h.device, h.dtype),
+                                              segments_BS)
         for layer in self.layers:
             if self.activation_checkpointing and torch.is_grad_enabled():
-                h = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, use_reentrant=False)
+                h = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, mask, use_reentrant=False)
             else:
-                h = layer(h, cos, sin)
+                h = layer(h, cos, sin, mask)
         h = self.norm(h)
         if labels_BS is None:
             return F.linear(h, self.head_weight())

@@ -31,6 +31,7 @@ class TrainConfig:
     tokenizer: str | None = None
     train_on_prompt: bool = False
     shuffle: bool = True
+    pack: bool = True
     seq: int = 2048
     batch: int = 8
     micro_batch: int = 0
@@ -93,6 +94,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", metavar="DIR", help="local tokenizer directory (default: --init-from's)")
     p.add_argument("--train-on-prompt", action="store_true", default=None, help="loss on chat prompts too")
     p.add_argument("--no-shuffle", dest="shuffle", action="store_false", default=None, help="keep file order")
+    p.add_argument("--no-pack", dest="pack", action="store_false", default=None,
+                   help="one example per row, padded (default: documents packed, attention kept within each)")
     p.add_argument("--seq", type=int, help="tokens per sequence (default 2048)")
     p.add_argument("--batch", type=int, help="sequences per optimizer step (default 8)")
     p.add_argument("--micro-batch", type=int, help="sequences per forward/backward (default: --batch)")

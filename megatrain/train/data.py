@@ -142,20 +142,54 @@ def _need(tokenizer: Tokenizer | None, where) -> Tokenizer:
     return tokenizer
 
 
-class Rows:
-    """Examples as [N, seq+1] token rows with a target mask, one example per row: truncated, or right-padded
-    (pad tokens are never targets). Row order per epoch: file order, or a permutation seeded by (seed, epoch)."""
+def _pack(examples: list[Example], width: int) -> list[tuple[list[int], list[bool], list[int]]]:
+    """Examples into rows of `width` tokens, in order, each row holding whole documents (one longer than a row is
+    split into row-sized documents); (ids, target, segment) per row, segment numbering the documents of a row from
+    1. The padding at a row's end continues its last document: causal attention keeps it out of every real token's
+    view, and it is never a target."""
+    rows: list[tuple[list[int], list[bool], list[int]]] = []
+    ids: list[int] = []
+    target: list[bool] = []
+    segment: list[int] = []
+    for ex in examples:
+        for a in range(0, len(ex.ids), width):
+            piece = ex.ids[a:a + width]
+            if len(ids) + len(piece) > width:
+                rows.append((ids, target, segment))
+                ids, target, segment = [], [], []
+            doc = (segment[-1] if segment else 0) + 1
+            ids, target, segment = ids + piece, target + ex.target[a:a + width], segment + [doc] * len(piece)
+    if ids:
+        rows.append((ids, target, segment))
+    return rows
 
-    def __init__(self, examples: list[Example], seq: int, vocab_size: int, shuffle: bool, seed: int):
-        n = len(examples)
+
+class Rows:
+    """Examples as [N, seq+1] token rows with a target mask. Packed (the default): whole documents side by side in
+    each row, with their segment ids, so attention and positions stay within a document
+    (models.transformer.packed_rope_and_mask); or one example per row (pack=False), truncated or right-padded. Pad
+    tokens are never targets, nor is a document's first token (it would be predicted from the previous document).
+    Row order per epoch: file order, or a permutation seeded by (seed, epoch)."""
+
+    def __init__(self, examples: list[Example], seq: int, vocab_size: int, shuffle: bool, seed: int,
+                 pack: bool = True):
+        if pack:
+            rows = _pack(examples, seq + 1)
+        else:
+            rows = [(ex.ids[:seq + 1], ex.target[:seq + 1], [1] * min(len(ex.ids), seq + 1)) for ex in examples]
+        n = len(rows)
         self.tokens = torch.zeros(n, seq + 1, dtype=torch.long)
         self.target = torch.zeros(n, seq + 1, dtype=torch.bool)
-        self.truncated = 0
-        for i, ex in enumerate(examples):
-            k = min(len(ex.ids), seq + 1)
-            self.truncated += len(ex.ids) > seq + 1
-            self.tokens[i, :k] = torch.tensor(ex.ids[:k])
-            self.target[i, :k] = torch.tensor(ex.target[:k])
+        self.segments = torch.ones(n, seq + 1, dtype=torch.int32)
+        for i, (ids, target, segment) in enumerate(rows):
+            k = len(ids)
+            self.tokens[i, :k] = torch.tensor(ids)
+            self.target[i, :k] = torch.tensor(target)
+            self.segments[i, :k] = torch.tensor(segment)
+            self.segments[i, k:] = segment[-1]
+        self.examples, self.pack = len(examples), pack
+        self.truncated = 0 if pack else sum(len(ex.ids) > seq + 1 for ex in examples)
+        self.fill = sum(len(r[0]) for r in rows) / max(1, n * (seq + 1))  # share of row tokens that are data
         top = int(self.tokens.max())
         if top >= vocab_size:
             raise ValueError(f"token id {top} is outside the model's vocabulary of {vocab_size}: "
@@ -173,10 +207,13 @@ class Rows:
             self._orders = {epoch: torch.randperm(n, generator=gen) if self.shuffle else torch.arange(n)}
         return self._orders[epoch]
 
-    def batch(self, first_row: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs [count, seq], labels [count, seq]) of rows first_row.. of the epoch-ordered stream."""
+    def batch(self, first_row: int, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(inputs [count, seq], labels [count, seq], segments [count, seq] or None when no row holds two documents)
+        of rows first_row.. of the epoch-ordered stream."""
         idx = [int(self.order(p // len(self))[p % len(self)]) for p in range(first_row, first_row + count)]
-        tokens, target = self.tokens[idx], self.target[idx]
+        tokens, target, segments = self.tokens[idx], self.target[idx], self.segments[idx]
         labels = tokens[:, 1:].clone()
-        labels[~target[:, 1:]] = IGNORE_INDEX
-        return tokens[:, :-1].clone(), labels
+        labels[~target[:, 1:] | (segments[:, 1:] != segments[:, :-1])] = IGNORE_INDEX
+        inputs = segments[:, :-1]
+        packed = bool((inputs != inputs[:, :1]).any())
+        return tokens[:, :-1].clone(), labels, inputs.clone() if packed else None

@@ -55,15 +55,16 @@ def train(cfg: TrainConfig, log=print) -> int:
     label, shape, model_type = _model(cfg)
     vocab = (shape or get_model_config(cfg.model)).vocab_size
     rows = Rows(read_examples(data_files(cfg.data), tokenizer, cfg.train_on_prompt), cfg.seq, vocab, cfg.shuffle,
-                cfg.seed)
+                cfg.seed, cfg.pack)
     eval_rows = Rows(read_examples(data_files(cfg.eval_data), tokenizer, cfg.train_on_prompt), cfg.seq, vocab,
-                     False, cfg.seed) if cfg.eval_data else None
+                     False, cfg.seed, cfg.pack) if cfg.eval_data else None
     total = cfg.steps if cfg.steps is not None else math.ceil(cfg.epochs * len(rows) / cfg.batch)
     case = build_case(cfg, total)
     for note in preflight(case):
         log(note)
-    log(f"train: {label} on {cfg.system}, {len(rows)} examples ({rows.truncated} truncated to {cfg.seq + 1} tokens), "
-        f"{total} steps of {cfg.batch} x {cfg.seq}")
+    layout = f"packed into {len(rows)} rows" if cfg.pack else f"one per row, {rows.truncated} truncated"
+    log(f"train: {label} on {cfg.system}, {rows.examples} examples {layout} of {cfg.seq + 1} tokens "
+        f"({rows.fill:.0%} data, the rest padding), {total} steps of {cfg.batch} x {cfg.seq}")
     start = 0
     resume_from = checkpoint.latest(out / "checkpoints") if cfg.resume else None
     if cfg.resume and resume_from is None:
@@ -116,16 +117,17 @@ def _run_steps(cfg, system, case, rows, eval_rows, start, total, out, stop, log)
         while step < total and not stop["signal"]:
             lr = lr_at(step, total, cfg.lr, cfg.lr_schedule, cfg.warmup_steps, cfg.min_lr)
             system.set_lr(lr)
-            inputs, labels = rows.batch(step * cfg.batch, cfg.batch)
+            inputs, labels, segments = rows.batch(step * cfg.batch, cfg.batch)
             t0 = time.perf_counter()
-            loss = system.step(inputs, labels)
+            loss = system.step(inputs, labels, segments)
             if case.device == "cuda":
                 torch.cuda.synchronize()
             step_s = time.perf_counter() - t0
             step += 1
             tokens = inputs.numel()
+            targets = int((labels != IGNORE_INDEX).sum())
             line = {"step": step, "loss": loss, "lr": lr, "grad_norm": system.last_grad_norm, "tokens": tokens,
-                    "target_tokens": int((labels != -100).sum()), "tokens_per_s": tokens / step_s,
+                    "target_tokens": targets, "tokens_per_s": tokens / step_s, "target_tokens_per_s": targets / step_s,
                     "tflops": flops_per_token * tokens / step_s / 1e12, "step_s": step_s}
             metrics.write(json.dumps(line) + "\n")
             metrics.flush()
@@ -153,9 +155,9 @@ def _evaluate(system, rows: Rows, batch: int) -> dict:
     """The held-out loss: the mean over every target token of every row, a batch of rows at a time."""
     loss_sum, tokens = 0.0, 0
     for first in range(0, len(rows), batch):
-        inputs, labels = rows.batch(first, min(batch, len(rows) - first))
+        inputs, labels, segments = rows.batch(first, min(batch, len(rows) - first))
         valid = int((labels != IGNORE_INDEX).sum())
-        loss_sum += system.evaluate(inputs, labels) * max(valid, 1)
+        loss_sum += system.evaluate(inputs, labels, segments) * max(valid, 1)
         tokens += valid
     return {"eval_loss": loss_sum / max(tokens, 1), "eval_tokens": tokens}
 

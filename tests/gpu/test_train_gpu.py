@@ -4,7 +4,8 @@ about a minute: pytest tests/gpu/test_train_gpu.py -m gpu (records as tests/gpu/
 1. fp32 (TF32 off), a cosine schedule with warmup and active clipping: the engine (streamed, and with resident
    units, under random stream delays) against native, losses and held-out losses to 1e-5 relative: the learning
    rate of each update must reach the host optimizer with its own step, which runs while the next step computes,
-   and evaluation must read every update.
+   and evaluation must read every update; and on packed documents of varied length (document masks, positions
+   restarting per document).
 2. bf16, both precisions, plan-chosen residency under stream delays: Ctrl-C at step 5, resume, and the run is bitwise
    the uninterrupted one (losses and exported weights).
 """
@@ -21,7 +22,9 @@ transformers = pytest.importorskip("transformers")
 FP32_SETS = {"streamed-stress": ["--option", "resident_embedding=false", "--option", "resident_layers=0",
                                  "--option", "stream_stress=3"],
              "resident-stress": ["--option", "resident_embedding=true", "--option", "resident_layers=1",
-                                 "--option", "stream_stress=4"]}
+                                 "--option", "stream_stress=4"],
+             "packed-stress": ["--option", "resident_layers=0", "--option", "stream_stress=6"]}
+VARIED = {"packed-stress"}  # documents of varied length, packed with document masks
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -34,7 +37,7 @@ def _no_tf32():
 
 @pytest.mark.parametrize("name", FP32_SETS)
 def test_scheduled_training_matches_native_on_gpu(tmp_path, name, check):
-    init, data = hf_model("qwen2", tmp_path / "init"), pretokenized(tmp_path / "data.jsonl")
+    init, data = hf_model("qwen2", tmp_path / "init"), pretokenized(tmp_path / "data.jsonl", varied=name in VARIED)
     held_out = ["--eval-data", str(pretokenized(tmp_path / "eval.jsonl", rows=6, seed=2)), "--eval-every", "3"]
     assert run_train(init, data, tmp_path / "native", system="native", device="cuda", extra=held_out) == 0
     assert run_train(init, data, tmp_path / "ours", device="cuda", extra=FP32_SETS[name] + held_out) == 0

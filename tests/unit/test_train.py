@@ -16,6 +16,7 @@ from train_helpers import (  # noqa: E402
     EPS,
     LR,
     MIN_LR,
+    SEQ,
     STEPS,
     VOCAB,
     WARMUP,
@@ -166,5 +167,44 @@ def test_chat_and_alpaca_data_train_only_on_the_assistant_tokens(tmp_path):
     everything = read_examples([data], tok, train_on_prompt=True)[0]
     assert all(everything.target)
     rows = Rows([chat], seq=32, vocab_size=64, shuffle=False, seed=0)
-    inputs, labels = rows.batch(0, 1)
-    assert (labels != IGNORE_INDEX).sum() == 3 and inputs.shape == (1, 32)
+    inputs, labels, segments = rows.batch(0, 1)
+    assert (labels != IGNORE_INDEX).sum() == 3 and inputs.shape == (1, 32) and segments is None
+
+
+def test_a_packed_row_trains_as_its_documents_apart():
+    from megatrain.models import Transformer, get_model_config
+    from megatrain.models.init import init_module
+    from megatrain.train.data import Example
+
+    cfg = get_model_config("tiny")
+    gen = torch.Generator().manual_seed(0)
+    docs = [Example(ids, [True] * len(ids)) for ids in
+            (torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (7, 9, 3))]
+    x, y, seg = Rows(docs, seq=24, vocab_size=cfg.vocab_size, shuffle=False, seed=0).batch(0, 1)
+    xu, yu, seg_u = Rows(docs, seq=24, vocab_size=cfg.vocab_size, shuffle=False, seed=0, pack=False).batch(0, 3)
+    assert seg is not None and seg_u is None and x.shape == (1, 24)
+    assert int((y != IGNORE_INDEX).sum()) == int((yu != IGNORE_INDEX).sum()) == 6 + 8 + 2
+    model = Transformer(cfg)
+    init_module(model, 0)
+    packed = model(x, y, 16, seg)
+    packed.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    apart = model(xu, yu, 16)
+    apart.backward()
+    torch.testing.assert_close(packed, apart, rtol=1e-6, atol=0)
+    for g, p in zip(grads, model.parameters(), strict=True):
+        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_engine_matches_native_on_documents_of_varied_length(tmp_path, pack):
+    init = hf_model("llama", tmp_path / "init")
+    data = pretokenized(tmp_path / "docs.jsonl", rows=30, varied=True)
+    extra = [] if pack else ["--no-pack"]
+    assert run_train(init, data, tmp_path / "native", system="native", steps=6, extra=extra) == 0
+    assert run_train(init, data, tmp_path / "ours", steps=6, extra=extra) == 0
+    ours, ref = metrics(tmp_path / "ours"), metrics(tmp_path / "native")
+    torch.testing.assert_close(torch.tensor([m["loss"] for m in ours]), torch.tensor([m["loss"] for m in ref]),
+                               rtol=1e-5, atol=0)
+    assert (sum(m["target_tokens"] for m in ours) > 6 * BATCH * SEQ * 0.6) == pack, "packing fills the rows"
