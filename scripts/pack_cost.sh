@@ -6,17 +6,9 @@
 set -euo pipefail
 out=$(realpath -m "$1"); model=${2:-qwen2.5-0.5b}
 PY=${PYTHON:-python3}
+cd "$(dirname "$0")/.."
 mkdir -p "$out"
-"$PY" - "$out/docs.jsonl" "$model" <<'PYEOF'
-import json, sys, torch
-from megatrain.models import get_model_config
-vocab = get_model_config(sys.argv[2]).vocab_size
-gen = torch.Generator().manual_seed(0)
-with open(sys.argv[1], "w") as f:
-    for _ in range(400):
-        n = int(torch.randint(64, 1025, (), generator=gen))
-        f.write(json.dumps({"input_ids": torch.randint(0, vocab, (n,), generator=gen).tolist()}) + "\n")
-PYEOF
+"$PY" scripts/random_rows.py "$out/docs.jsonl" "$model" 400 64 1024
 for layout in packed padded; do
     flag=(); [ "$layout" = padded ] && flag=(--no-pack)
     "$PY" -m megatrain train --model "$model" --data "$out/docs.jsonl" --seq 2048 --batch 8 --steps 6 "${flag[@]}" \

@@ -7,16 +7,9 @@
 set -euo pipefail
 out=$(realpath -m "$1"); model=${2:-qwen2.5-1.5b}; precision=${3:-mixed}
 PY=${PYTHON:-python3}
+cd "$(dirname "$0")/.."
 mkdir -p "$out"
-"$PY" - "$out/data.jsonl" "$model" <<'PYEOF'
-import json, sys, torch
-from megatrain.models import get_model_config
-vocab = get_model_config(sys.argv[2]).vocab_size
-gen = torch.Generator().manual_seed(0)
-with open(sys.argv[1], "w") as f:
-    for _ in range(64):
-        f.write(json.dumps({"input_ids": torch.randint(0, vocab, (1025,), generator=gen).tolist()}) + "\n")
-PYEOF
+"$PY" scripts/random_rows.py "$out/data.jsonl" "$model" 64 1025 1025
 run="$out/run"
 rm -rf "$run"
 "$PY" -m megatrain train --model "$model" --data "$out/data.jsonl" --seq 1024 --batch 8 --steps 4 --keep 1 \

@@ -20,8 +20,8 @@ import dataclasses
 import importlib.util
 
 from megatrain.config import CaseConfig
-from megatrain.engine.plan import GPU_RESERVE_BYTES, PROCESS_OVERHEAD_BYTES, case_budget, check_fits
-from megatrain.memory import GIB, Budget
+from megatrain.engine.plan import GPU_RESERVE_BYTES, PROCESS_OVERHEAD_BYTES, check_fits
+from megatrain.memory import GIB, Budget, host_memory_gib
 from megatrain.models.loss import chunk_tokens_for
 from megatrain.systems import SYSTEMS
 
@@ -115,9 +115,9 @@ def plan_memory(case: CaseConfig, machine: dict) -> dict:
         case everything counts as host memory and gpu_bytes is 0; reason says which budget is
         exceeded and what to change (None when it fits).
     """
-    gpu_gib = machine["gpu_mem_gib"] if case.device == "cuda" else None
-    limits = case_budget(case) if case.opts.host_mem_gib else Budget.of(machine["host_available_gib"], gpu_gib)
-    limits = Budget(limits.host_bytes, None if gpu_gib is None else int(gpu_gib * GIB), limits.host_source)
+    declared = case.opts.host_mem_gib
+    available = host_memory_gib(declared)[1] if declared else machine["host_available_gib"]
+    limits = Budget.of(available, machine["gpu_mem_gib"] if case.device == "cuda" else None)
     if case.system == "megatrain":
         plan = dict(check_fits(case, limits), source="megatrain.engine.plan")
         host, gpu = plan["host_need_bytes"], plan["gpu_bytes"] if case.device == "cuda" else 0

@@ -24,6 +24,10 @@ def state_tiles(store: HostStore) -> dict[str, torch.Tensor]:
     return {name: t for name, t in tiles.items() if t is not None}
 
 
+def manifest(tiles: dict[str, torch.Tensor]) -> list[dict]:
+    return [{"name": n, "dtype": str(t.dtype).removeprefix("torch."), "numel": t.numel()} for n, t in tiles.items()]
+
+
 def _raw(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy())
 
@@ -34,13 +38,13 @@ def write_tiles(path: Path, tiles: dict[str, torch.Tensor]) -> list[dict]:
             raw = _raw(t)
             for a in range(0, len(raw), CHUNK_BYTES):
                 f.write(raw[a:a + CHUNK_BYTES])
-    return [{"name": n, "dtype": str(t.dtype).removeprefix("torch."), "numel": t.numel()} for n, t in tiles.items()]
+    return manifest(tiles)
 
 
-def read_tiles(path: Path, tiles: dict[str, torch.Tensor], manifest: list[dict]) -> None:
-    mine = [{"name": n, "dtype": str(t.dtype).removeprefix("torch."), "numel": t.numel()} for n, t in tiles.items()]
-    if manifest != mine:
-        raise ValueError(f"{path.parent}: the saved tiles {manifest} are not this engine's {mine} "
+def read_tiles(path: Path, tiles: dict[str, torch.Tensor], saved: list[dict]) -> None:
+    mine = manifest(tiles)
+    if saved != mine:
+        raise ValueError(f"{path.parent}: the saved tiles {saved} are not this engine's {mine} "
                          "(another model, dtype or precision)")
     with path.open("rb") as f:
         for t in tiles.values():

@@ -37,8 +37,7 @@ def _model(cfg: TrainConfig) -> tuple[str, object, str]:
     return cfg.model, None, "llama" if not get_model_config(cfg.model).qkv_bias else "qwen2"
 
 
-def build_case(cfg: TrainConfig, total_steps: int) -> CaseConfig:
-    label, shape, _ = _model(cfg)
+def build_case(cfg: TrainConfig, total_steps: int, label: str, shape) -> CaseConfig:
     return CaseConfig(system=cfg.system, model=label, model_shape=shape, batch=cfg.batch, micro_batch=cfg.micro_batch,
                       seq=cfg.seq, steps=total_steps, warmup=0, dtype=cfg.dtype, precision=cfg.precision,
                       device=cfg.device, seed=cfg.seed, compile=cfg.compile, optim=cfg.optim(), options=cfg.option)
@@ -59,7 +58,7 @@ def train(cfg: TrainConfig, log=print) -> int:
     eval_rows = Rows(read_examples(data_files(cfg.eval_data), tokenizer, cfg.train_on_prompt), cfg.seq, vocab,
                      False, cfg.seed, cfg.pack) if cfg.eval_data else None
     total = cfg.steps if cfg.steps is not None else math.ceil(cfg.epochs * len(rows) / cfg.batch)
-    case = build_case(cfg, total)
+    case = build_case(cfg, total, label, shape)
     for note in preflight(case):
         log(note)
     layout = f"packed into {len(rows)} rows" if cfg.pack else f"one per row, {rows.truncated} truncated"

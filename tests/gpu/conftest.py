@@ -7,9 +7,19 @@ import os
 import time
 
 import pytest
+import torch
 
 from megatrain.bench.env import environment
 from megatrain.bench.record import append_jsonl, relative_paths
+
+
+@pytest.fixture(scope="module")
+def no_tf32():
+    """fp32 matmuls in full fp32 (TF32 off) for a module's tight parity checks; restored after it."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 @pytest.fixture

@@ -31,15 +31,7 @@ from megatrain.bench.case import run_case
 from megatrain.config import CaseConfig, OptimConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _no_tf32():
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
 
 
 # ---- 1 and 2: fp32 parity, plain and under stream stress ---------------------------------------------------------

@@ -16,7 +16,7 @@ from train_helpers import hf_model, interrupt_at_step, metrics, pretokenized, ru
 
 from megatrain.cli import main
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
 transformers = pytest.importorskip("transformers")
 
 FP32_SETS = {"streamed-stress": ["--option", "resident_embedding=false", "--option", "resident_layers=0",
@@ -25,14 +25,6 @@ FP32_SETS = {"streamed-stress": ["--option", "resident_embedding=false", "--opti
                                  "--option", "stream_stress=4"],
              "packed-stress": ["--option", "resident_layers=0", "--option", "stream_stress=6"]}
 VARIED = {"packed-stress"}  # documents of varied length, packed with document masks
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _no_tf32():
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 @pytest.mark.parametrize("name", FP32_SETS)
