@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
 
 import torch
 
@@ -96,6 +98,27 @@ def _compile_layers_under_zero3(model: Transformer) -> None:
         layer.forward = torch.compile(layer.forward, dynamic=False)
 
 
+CHECKPOINT_TAG = "deepspeed"  # the tag directory engine.save_checkpoint writes inside a train checkpoint
+
+
+class _GatheredMasters(Mapping):
+    """name -> the full fp32 master weight of a ZeRO-3 parameter, assembled on each access (on the host)."""
+
+    def __init__(self, params: dict[str, torch.nn.Parameter]):
+        self.params = params
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        return safe_get_full_fp32_param(self.params[name]).detach().float().cpu()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.params)
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+
 class DeepSpeedSystem:
     def __init__(self, case: CaseConfig):
         self.case = case
@@ -141,15 +164,19 @@ class DeepSpeedSystem:
             self.optimizer_desc = "torch.optim.AdamW (client optimizer on the host partitions)"
         self.engine, *_ = ds.initialize(model=model, optimizer=optimizer, config=self.config)
 
-    def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> float:
+    def _micro_batches(self, inputs_BS, labels_BS, segments_BS):
+        mb = self.case.micro_batch
+        for start in range(0, inputs_BS.shape[0], mb):
+            seg = None if segments_BS is None else segments_BS[start:start + mb].to(self.device, non_blocking=True)
+            yield (inputs_BS[start:start + mb].to(self.device, non_blocking=True),
+                   labels_BS[start:start + mb].to(self.device, non_blocking=True), seg)
+
+    def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, segments_BS: torch.Tensor | None = None) -> float:
         normalizer = valid_tokens(labels_BS)
         total = torch.zeros((), device=self.device)
-        mb = self.case.micro_batch
         steps_before = self.engine.global_steps
-        for start in range(0, inputs_BS.shape[0], mb):
-            x = inputs_BS[start:start + mb].to(self.device, non_blocking=True)
-            y = labels_BS[start:start + mb].to(self.device, non_blocking=True)
-            loss = self.engine(x, y, normalizer)
+        for x, y, seg in self._micro_batches(inputs_BS, labels_BS, segments_BS):
+            loss = self.engine(x, y, normalizer, seg)
             # The normaliser already spans the whole step; DeepSpeed's own 1/GAS scaling would count it twice.
             self.engine.backward(loss, scale_wrt_gas=False)
             self.engine.step()  # the optimizer steps (clipping first) only at the accumulation boundary
@@ -182,10 +209,51 @@ class DeepSpeedSystem:
 
     def named_parameters_fp32(self) -> dict[str, torch.Tensor]:
         """The fp32 master weights (the optimizer's partitions), gathered, under our names."""
-        from deepspeed.utils import safe_get_full_fp32_param
+        return {n: w.clone() for n, w in self.export_weights().items()}
 
-        return {n: safe_get_full_fp32_param(p).detach().float().cpu().clone()
-                for n, p in self.engine.module.named_parameters()}
+    @torch.no_grad()
+    def evaluate(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor,
+                 segments_BS: torch.Tensor | None = None) -> float:
+        normalizer = valid_tokens(labels_BS)
+        return sum(float(self.engine(x, y, normalizer, seg))
+                   for x, y, seg in self._micro_batches(inputs_BS, labels_BS, segments_BS))
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.engine.optimizer.param_groups:  # the client optimizer's groups: read at every step
+            group["lr"] = lr
+
+    @torch.no_grad()
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Both copies of each weight: the module's partition (gathered, written, re-partitioned) and the
+        optimizer's fp32 master partition, one weight at a time."""
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        params = dict(self.engine.module.named_parameters())
+        seen = set()
+        for name, tensor in named:
+            if name not in params or tuple(tensor.shape) != tuple(params[name].ds_shape):
+                raise ValueError(f"weight {name!r} {tuple(tensor.shape)} does not match this model's parameters")
+            param = params[name]
+            with self.ds.zero.GatheredParameters([param], modifier_rank=0):
+                param.data.copy_(tensor)
+            safe_set_full_fp32_param(param, tensor.to(self.device, torch.float32))
+            seen.add(name)
+        if missing := sorted(set(params) - seen):
+            raise ValueError(f"weights missing: {missing}")
+
+    def export_weights(self) -> Mapping[str, torch.Tensor]:
+        """The fp32 master weights by name, each gathered when read (never the whole model at once)."""
+        return _GatheredMasters(dict(self.engine.module.named_parameters()))
+
+    def save_state(self, out_dir: Path) -> None:
+        """DeepSpeed's own checkpoint (engine.save_checkpoint: module, fp32 partitions, AdamW state, step and
+        skipped-step counts)."""
+        self.engine.save_checkpoint(str(out_dir), tag=CHECKPOINT_TAG)
+
+    def load_state(self, in_dir: Path) -> None:
+        path, _ = self.engine.load_checkpoint(str(in_dir), tag=CHECKPOINT_TAG)
+        if path is None:
+            raise ValueError(f"{in_dir}: no DeepSpeed checkpoint '{CHECKPOINT_TAG}' to resume from")
 
     def close(self) -> None:
         self.engine.destroy()

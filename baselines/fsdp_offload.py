@@ -11,8 +11,14 @@ copies are no-ops there, and pinning needs an accelerator (`pin_memory()` raises
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -21,6 +27,7 @@ from baselines.dist import single_process_env, warn_if_bf16_precision
 from megatrain.config import CaseConfig
 from megatrain.models import Transformer
 from megatrain.models.init import init_param
+from megatrain.models.loss import valid_tokens
 from megatrain.optim.groups import torch_adamw
 
 
@@ -63,9 +70,9 @@ class FSDPSystem:
         self.skipped_steps = 0
         self.last_grad_norm = float("nan")
 
-    def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor) -> float:
-        loss, stepped, self.last_grad_norm = accumulate_and_step(self.model, self.optimizer, self.case,
-                                                                 self.device, inputs_BS, labels_BS)
+    def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, segments_BS: torch.Tensor | None = None) -> float:
+        loss, stepped, self.last_grad_norm = accumulate_and_step(self.model, self.optimizer, self.case, self.device,
+                                                                 inputs_BS, labels_BS, segments_BS=segments_BS)
         self.skipped_steps += not stepped
         return loss
 
@@ -84,6 +91,54 @@ class FSDPSystem:
 
     def named_parameters_fp32(self) -> dict[str, torch.Tensor]:
         return {n: p.full_tensor().detach().float().cpu() for n, p in self.model.named_parameters()}
+
+    @torch.no_grad()
+    def evaluate(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor,
+                 segments_BS: torch.Tensor | None = None) -> float:
+        normalizer, mb, total = valid_tokens(labels_BS), self.case.micro_batch, 0.0
+        for i in range(0, inputs_BS.shape[0], mb):
+            seg = None if segments_BS is None else segments_BS[i:i + mb].to(self.device)
+            total += float(self.model(inputs_BS[i:i + mb].to(self.device), labels_BS[i:i + mb].to(self.device),
+                                      normalizer, seg))
+        return total
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def _local_params(self) -> dict[str, torch.Tensor]:
+        """Each parameter's host shard: in a one-process world the whole tensor."""
+        if dist.get_world_size() != 1:
+            raise RuntimeError("fsdp's weight loading and export assume one process (world size 1)")
+        return {n: p.to_local() for n, p in self.model.named_parameters()}
+
+    @torch.no_grad()
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = self._local_params()
+        seen = set()
+        for name, tensor in named:
+            if name not in params or tuple(tensor.shape) != tuple(params[name].shape):
+                raise ValueError(f"weight {name!r} {tuple(tensor.shape)} does not match this model's parameters")
+            params[name].copy_(tensor)
+            seen.add(name)
+        if missing := sorted(set(params) - seen):
+            raise ValueError(f"weights missing: {missing}")
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self._local_params().items()}
+
+    def save_state(self, out_dir: Path) -> None:
+        """torch.distributed.checkpoint of the sharded model and optimizer state dicts (PyTorch's own API)."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=Path(out_dir) / "fsdp")
+        (Path(out_dir) / "fsdp_system.json").write_text(json.dumps({"skipped_steps": self.skipped_steps}))
+
+    def load_state(self, in_dir: Path) -> None:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)  # the targets, loaded in place
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=Path(in_dir) / "fsdp")
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.skipped_steps = json.loads((Path(in_dir) / "fsdp_system.json").read_text())["skipped_steps"]
 
     def close(self) -> None:
         del self.model, self.optimizer

@@ -4,7 +4,11 @@ command over them."""
 import json
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 import transformers
 
@@ -74,3 +78,36 @@ def interrupt_at_step(monkeypatch, n: int) -> None:
         return system
 
     monkeypatch.setattr(loop, "build_system", built)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+OFFLOAD = ("deepspeed", "fsdp")  # each owns a process group, and DeepSpeed patches torch at import: a fresh process
+WORKER = """
+import json, sys
+import pytest
+from train_helpers import train_any
+sys.exit(train_any(**json.loads(sys.argv[1]), fresh_process=False))
+"""
+
+
+def train_any(system, init, data, out, extra=(), interrupt=0, resume=False, steps=STEPS, dtype="float32",
+              device="cpu", fresh_process=None) -> int:
+    """`train` of a case, interrupted by Ctrl-C during step `interrupt` or resumed; returns its exit code. The
+    offload systems run in a fresh process (as in test_baselines)."""
+    if fresh_process is None:
+        fresh_process = system in OFFLOAD
+    if fresh_process:
+        job = {"system": system, "init": str(init), "data": str(data), "out": str(out), "extra": list(extra),
+               "interrupt": interrupt, "resume": resume, "steps": steps, "dtype": dtype, "device": device}
+        paths = [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, paths))}
+        proc = subprocess.run([sys.executable, "-c", WORKER, json.dumps(job)], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=900)
+        assert proc.returncode in (0, 130), proc.stdout[-2000:] + proc.stderr[-4000:]
+        return proc.returncode
+    with pytest.MonkeyPatch.context() as mp:
+        if interrupt:
+            interrupt_at_step(mp, interrupt)
+        if resume:
+            return main(["train", "--resume", str(out)])
+        return run_train(init, data, out, system=system, steps=steps, extra=extra, dtype=dtype, device=device)

@@ -179,14 +179,17 @@ def save_hf_checkpoint(model_or_state_dict: torch.nn.Module | Mapping[str, torch
     """
     if isinstance(model_or_state_dict, torch.nn.Module):
         state = model_or_state_dict.state_dict()
-    else:
-        state = dict(model_or_state_dict)
+    else:  # read one tensor at a time: a mapping may assemble each on access (DeepSpeed's gathered weights)
+        state = model_or_state_dict
     expected = _expected_shapes(cfg)
-    _check_names(state, expected, "state dict vs model config")
+    _check_names(state.keys(), expected, "state dict vs model config")
+    sizes = {}
     for name, shape in expected.items():
-        if state[name].shape != shape:
-            raise ValueError(f"{name} has shape {tuple(state[name].shape)}, the config implies {tuple(shape)}")
-    sizes = {name: state[name].numel() * (dtype or state[name].dtype).itemsize for name in expected}
+        tensor = state[name]
+        if tensor.shape != shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, the config implies {tuple(shape)}")
+        sizes[name] = tensor.numel() * (dtype or tensor.dtype).itemsize
+        del tensor
     shards = _plan_shards(sizes, max_shard_bytes)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -12,9 +12,8 @@ from pathlib import Path
 
 from megatrain.bench.args import parse_option_flags
 from megatrain.config import DTYPES, PRECISIONS, OptimConfig
+from megatrain.systems import SYSTEMS
 from megatrain.train.lr import SCHEDULES
-
-TRAIN_SYSTEMS = ("megatrain", "native")  # the systems that save, resume and export so far
 
 
 @dataclass
@@ -55,9 +54,8 @@ class TrainConfig:
     eval_every: int = 0
 
     def __post_init__(self) -> None:
-        if self.system not in TRAIN_SYSTEMS:
-            raise ValueError(f"train runs --system {' or '.join(TRAIN_SYSTEMS)}; deepspeed and fsdp cannot save, "
-                             "resume or export here yet")
+        if self.system not in SYSTEMS:
+            raise ValueError(f"--system must be one of {', '.join(SYSTEMS)}, got {self.system!r}")
         if (self.init_from is None) == (self.model is None) and self.resume is None:
             raise ValueError("give one of --init-from DIR (a Hugging Face checkpoint) or --model NAME (from scratch)")
         if not self.data:
@@ -82,7 +80,7 @@ class TrainConfig:
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     """Every flag defaults to None (not given): the file's value, else TrainConfig's default, applies."""
     p.add_argument("--config", default=None, help="TOML file of these settings (keys: flag names with underscores)")
-    p.add_argument("--system", help="megatrain (default) | native")
+    p.add_argument("--system", help="megatrain (default) | native | deepspeed | fsdp")
     p.add_argument("--device", choices=["cpu", "cuda"])
     p.add_argument("--dtype", choices=DTYPES)
     p.add_argument("--precision", choices=PRECISIONS)
@@ -131,8 +129,8 @@ def resumed_config(run_dir: Path) -> dict:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     values = {}
-    if args.resume:  # the run's own settings, then the file's and the flags' over them (--steps, say)
-        values = resumed_config(Path(args.resume))
+    if args.resume:  # the run's own settings, in the directory given, then the file's and the flags' over them
+        values = {**resumed_config(Path(args.resume)), "out": args.resume}
     if args.config:
         try:
             file_values = tomllib.loads(Path(args.config).read_text())
@@ -149,7 +147,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         given = getattr(args, name, None)
         if given is not None:
             values[name] = parse_option_flags(given) if name == "option" else given
-    if values.get("resume") and not values.get("out"):
+    if values.get("resume") and not values.get("out"):  # resume = "DIR" in a TOML file
         values["out"] = values["resume"]
     try:
         return TrainConfig(**values)

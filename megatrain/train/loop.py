@@ -65,9 +65,9 @@ def train(cfg: TrainConfig, log=print) -> int:
     log(f"train: {label} on {cfg.system}, {rows.examples} examples {layout} of {cfg.seq + 1} tokens "
         f"({rows.fill:.0%} data, the rest padding), {total} steps of {cfg.batch} x {cfg.seq}")
     start = 0
-    resume_from = checkpoint.latest(out / "checkpoints") if cfg.resume else None
+    resume_from = checkpoint.latest(Path(cfg.resume) / "checkpoints") if cfg.resume else None
     if cfg.resume and resume_from is None:
-        raise ValueError(f"--resume {cfg.resume}: no complete checkpoint under {out / 'checkpoints'}")
+        raise ValueError(f"--resume {cfg.resume}: no complete checkpoint under {Path(cfg.resume) / 'checkpoints'}")
     system = build_system(case)
     stop = {"signal": False}
     previous = signal.signal(signal.SIGINT, lambda *_: stop.update(signal=True))  # finish the step, then save

@@ -8,11 +8,14 @@ about a minute: pytest tests/gpu/test_train_gpu.py -m gpu (records as tests/gpu/
    restarting per document).
 2. bf16, both precisions, plan-chosen residency under stream delays: Ctrl-C at step 5, resume, and the run is bitwise
    the uninterrupted one (losses and exported weights).
+3. DeepSpeed ZeRO-3 and FSDP2 offload under `train` (fp32, each in a fresh process): losses and held-out losses
+   against native (1e-4, as tests/gpu/test_baselines_gpu.py), and Ctrl-C at step 5 then resume through the system's own
+   checkpoint API continues the uninterrupted run (losses to 1e-6; whether bitwise is recorded).
 """
 
 import pytest
 import torch
-from train_helpers import hf_model, interrupt_at_step, metrics, pretokenized, run_train
+from train_helpers import hf_model, interrupt_at_step, metrics, pretokenized, run_train, train_any
 
 from megatrain.cli import main
 
@@ -57,3 +60,30 @@ def test_ctrl_c_and_resume_is_bitwise_the_uninterrupted_run_on_gpu(tmp_path, mon
     same_weights = all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
     check.update(precision=precision, losses=straight, resumed_losses=cut, same_weights=same_weights)
     assert cut == straight and same_weights
+
+
+@pytest.mark.parametrize("system", ["fsdp", "deepspeed"])
+def test_offload_baselines_train_and_resume_through_their_own_checkpoints_on_gpu(tmp_path, system, check):
+    if system == "deepspeed":
+        pytest.importorskip("deepspeed")
+    init, data = hf_model("qwen2", tmp_path / "init"), pretokenized(tmp_path / "data.jsonl", rows=12, varied=True)
+    extra = ["--eval-data", str(pretokenized(tmp_path / "eval.jsonl", rows=6, seed=2)), "--eval-every", "5",
+             "--save-every", "3"]
+    assert run_train(init, data, tmp_path / "native", system="native", device="cuda", extra=extra) == 0
+    assert train_any(system, init, data, tmp_path / "straight", device="cuda", extra=extra) == 0
+    assert train_any(system, init, data, tmp_path / "cut", device="cuda", extra=extra, interrupt=5) == 130
+    assert train_any(system, init, data, tmp_path / "cut", device="cuda", resume=True) == 0
+    key = lambda m: "eval_loss" if "eval_loss" in m else "loss"  # noqa: E731
+    ref, straight, cut = (torch.tensor([m[key(m)] for m in metrics(tmp_path / run)]) for run in
+                          ("native", "straight", "cut"))
+    a = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "straight" / "hf")
+    b = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "cut" / "hf")
+    with torch.no_grad():
+        weights = max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    vs_native = float(((straight - ref).abs() / ref.abs()).max())
+    resumed = float(((cut - straight).abs() / straight.abs()).max())
+    check.update(system=system, losses_and_held_out=straight.tolist(), native=ref.tolist(), resumed=cut.tolist(),
+                 worst_rel_vs_native=vs_native, worst_rel_resumed=resumed, bitwise=torch.equal(cut, straight)
+                 and weights == 0, max_weight_diff_resumed=weights, tolerances={"native": 1e-4, "resumed": 1e-6})
+    assert len(straight) == len(ref) == 10 + 2 and len(cut) == len(straight)
+    assert vs_native <= 1e-4 and resumed <= 1e-6 and weights <= 1e-6

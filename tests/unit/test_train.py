@@ -1,6 +1,8 @@
 """`python -m megatrain train` against transformers + torch.optim.AdamW, resume bit for bit, data formats and
-schedules. CPU, about a minute: pytest tests/unit/test_train.py"""
+schedules, for every system (DeepSpeed and FSDP2 each in a fresh process). CPU, about a minute:
+pytest tests/unit/test_train.py"""
 
+import importlib.util
 import json
 import math
 
@@ -22,16 +24,20 @@ from train_helpers import (  # noqa: E402
     WARMUP,
     WD,
     hf_model,
-    interrupt_at_step,
     metrics,
     pretokenized,
     run_train,
+    train_any,
 )
 
 from megatrain.cli import main  # noqa: E402
 from megatrain.models.loss import IGNORE_INDEX  # noqa: E402
 from megatrain.train.data import Rows, Tokenizer, read_examples  # noqa: E402
 from megatrain.train.lr import lr_at  # noqa: E402
+
+needs_deepspeed = [pytest.mark.deepspeed,
+                   pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")]
+SYSTEMS = ["megatrain", "native", pytest.param("deepspeed", marks=needs_deepspeed), "fsdp"]
 
 
 def _reference(init, data):
@@ -63,13 +69,13 @@ def _reference(init, data):
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
-@pytest.mark.parametrize("system", ["megatrain", "native"])
+@pytest.mark.parametrize("system", SYSTEMS)
 def test_train_matches_transformers_with_adamw_and_exports_a_checkpoint_transformers_loads(tmp_path, kind, system):
     init = hf_model(kind, tmp_path / "init")
     data = pretokenized(tmp_path / "data.jsonl")
     held_out = pretokenized(tmp_path / "eval.jsonl", rows=6, seed=2)
     extra = ["--eval-data", str(held_out), "--eval-every", "5"]
-    assert run_train(init, data, tmp_path / "run", system=system, extra=extra) == 0
+    assert train_any(system, init, data, tmp_path / "run", extra=extra) == 0
     ref_losses, ref_model = _reference(init, data)
     lines = metrics(tmp_path / "run")
     ours = [m for m in lines if "loss" in m]
@@ -90,18 +96,17 @@ def test_train_matches_transformers_with_adamw_and_exports_a_checkpoint_transfor
         torch.testing.assert_close(p, ref[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("system", ["megatrain", "native"])
-def test_ctrl_c_saves_and_the_resumed_run_is_bit_for_bit_the_uninterrupted_one(tmp_path, monkeypatch, system):
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_ctrl_c_saves_and_the_resumed_run_is_bit_for_bit_the_uninterrupted_one(tmp_path, system):
     init = hf_model("qwen2", tmp_path / "init")
     data = pretokenized(tmp_path / "data.jsonl", rows=10)  # 10 rows, batch 4: steps cross epochs
     extra = ["--save-every", "2", "--keep", "2"]
-    assert run_train(init, data, tmp_path / "straight", system=system, extra=extra) == 0
-    interrupt_at_step(monkeypatch, 5)
-    assert run_train(init, data, tmp_path / "cut", system=system, extra=extra) == 130
-    checkpoints = sorted(p.name for p in (tmp_path / "cut" / "checkpoints").iterdir())
+    assert train_any(system, init, data, tmp_path / "straight", extra=extra) == 0
+    assert train_any(system, init, data, tmp_path / "first", extra=extra, interrupt=5) == 130
+    checkpoints = sorted(p.name for p in (tmp_path / "first" / "checkpoints").iterdir())
     assert checkpoints == ["step-4", "step-5"], "every 2 steps and at the interruption, the last 2 kept"
-    monkeypatch.undo()
-    assert main(["train", "--resume", str(tmp_path / "cut")]) == 0
+    (tmp_path / "first").rename(tmp_path / "cut")  # a run directory resumes from wherever it now is
+    assert train_any(system, init, data, tmp_path / "cut", resume=True) == 0
     straight, cut = metrics(tmp_path / "straight"), metrics(tmp_path / "cut")
     assert [m["step"] for m in cut] == list(range(1, STEPS + 1))
     assert [m["loss"] for m in cut] == [m["loss"] for m in straight]
@@ -123,7 +128,8 @@ def test_steps_count_from_the_runs_start(tmp_path):
 def test_bad_train_input_is_refused_with_one_line(tmp_path, capsys):
     assert main(["train", "--model", "tiny", "--data", str(tmp_path / "missing.jsonl"), "--steps", "1"]) == 2
     assert "no such file" in capsys.readouterr().err
-    assert main(["train", "--model", "tiny", "--system", "fsdp", "--data", "x", "--steps", "1"]) == 2
+    assert main(["train", "--model", "tiny", "--system", "zero", "--data", "x", "--steps", "1"]) == 2
+    assert "--system must be one of" in capsys.readouterr().err
     assert main(["train", "--resume", str(tmp_path)]) == 2
 
 
@@ -197,13 +203,14 @@ def test_a_packed_row_trains_as_its_documents_apart():
         torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("pack", [True, False])
-def test_engine_matches_native_on_documents_of_varied_length(tmp_path, pack):
+@pytest.mark.parametrize("system, pack", [("megatrain", True), ("megatrain", False), ("fsdp", True),
+                                          pytest.param("deepspeed", True, marks=needs_deepspeed)])
+def test_each_system_matches_native_on_documents_of_varied_length(tmp_path, system, pack):
     init = hf_model("llama", tmp_path / "init")
     data = pretokenized(tmp_path / "docs.jsonl", rows=30, varied=True)
     extra = [] if pack else ["--no-pack"]
     assert run_train(init, data, tmp_path / "native", system="native", steps=6, extra=extra) == 0
-    assert run_train(init, data, tmp_path / "ours", steps=6, extra=extra) == 0
+    assert train_any(system, init, data, tmp_path / "ours", steps=6, extra=extra) == 0
     ours, ref = metrics(tmp_path / "ours"), metrics(tmp_path / "native")
     torch.testing.assert_close(torch.tensor([m["loss"] for m in ours]), torch.tensor([m["loss"] for m in ref]),
                                rtol=1e-5, atol=0)
