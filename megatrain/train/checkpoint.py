@@ -7,6 +7,9 @@ import json
 import shutil
 from pathlib import Path
 
+from megatrain.config import CaseConfig
+from megatrain.memory import GIB
+
 META_FILE = "trainer.json"  # written last: its presence marks a complete checkpoint
 
 
@@ -40,3 +43,30 @@ def complete(root: Path) -> list[Path]:
 def latest(root: Path) -> Path | None:
     found = complete(root)
     return found[-1] if found else None
+
+
+def state_bytes(case: CaseConfig) -> int:
+    """Bytes of one checkpoint of `case`: the weights and AdamW state as its system writes them."""
+    from megatrain.engine.plan import host_bytes_per_param
+
+    n = case.model_config().num_params()
+    if case.system == "megatrain":  # every host tile but the gradients (megatrain.engine.state)
+        per = host_bytes_per_param(case)
+        return n * (sum(per.values()) - per["grads"])
+    if case.system == "native":  # the parameters and both moments, in the parameter dtype
+        return n * (12 if case.precision == "mixed" else 6)
+    return n * 12  # DeepSpeed and FSDP2: fp32 master (sharded fp32 parameters) and both fp32 moments
+
+
+def check_disk(case: CaseConfig, out: Path, saves: int, keep: int, export_bytes: int) -> None:
+    """Refuse a run whose checkpoints and export cannot fit the free space under `out`, before anything is built.
+    At most keep + 1 checkpoints are on disk at once (a new one is complete before the oldest goes)."""
+    existing = len(complete(out / "checkpoints"))
+    new_checkpoints = min(keep + 1, existing + saves) - existing if saves else 0
+    need = max(new_checkpoints, 0) * state_bytes(case) + export_bytes
+    where = next(p for p in [out, *out.resolve().parents] if p.exists())
+    free = shutil.disk_usage(where).free
+    if need > free:
+        raise ValueError(f"the run needs ~{need / GIB:.1f} GiB of disk under {out} ({max(new_checkpoints, 0)} "
+                         f"checkpoint(s) of {state_bytes(case) / GIB:.1f} GiB, a {export_bytes / GIB:.1f} GiB export), "
+                         f"{free / GIB:.1f} GiB free there: free space, choose another --out, --keep 1, or --no-save")

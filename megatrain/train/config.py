@@ -46,6 +46,7 @@ class TrainConfig:
     max_grad_norm: float = OptimConfig.max_grad_norm
     seed: int = 0
     out: str = "runs/train"
+    save: bool = True
     save_every: int = 0
     keep: int = 2
     resume: str | None = None
@@ -68,6 +69,8 @@ class TrainConfig:
             raise ValueError(f"--dtype must be one of {DTYPES} and --precision one of {PRECISIONS}")
         if self.keep < 1 or self.save_every < 0 or self.warmup_steps < 0 or self.log_every < 1:
             raise ValueError("--keep and --log-every must be >= 1, --save-every and --warmup-steps >= 0")
+        if not self.save and self.save_every:
+            raise ValueError("--no-save (no training-state checkpoints) and --save-every N contradict each other")
         if self.eval_every < 0 or bool(self.eval_every) != bool(self.eval_data):
             raise ValueError("--eval-data FILE and --eval-every N (>= 1) go together")
         self.adam_betas = tuple(self.adam_betas)
@@ -110,6 +113,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--out", metavar="DIR", help="metrics.jsonl, checkpoints/, hf/ (default runs/train)")
     p.add_argument("--save-every", type=int, metavar="N", help="checkpoint every N steps (and always at the end)")
+    p.add_argument("--no-save", dest="save", action="store_false", default=None,
+                   help="no training-state checkpoints, not even at the end (the Hugging Face export stays)")
     p.add_argument("--keep", type=int, metavar="K", help="checkpoints kept (default 2)")
     p.add_argument("--resume", metavar="DIR", help="continue the run in DIR (its latest complete checkpoint)")
     p.add_argument("--log-every", type=int, metavar="N", help="plain progress line every N steps (default 1)")

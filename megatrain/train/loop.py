@@ -61,6 +61,9 @@ def train(cfg: TrainConfig, log=print) -> int:
     case = build_case(cfg, total, label, shape)
     for note in preflight(case):
         log(note)
+    saves = cfg.save * (1 + (len(range(cfg.save_every, total, cfg.save_every)) if cfg.save_every else 0))
+    export_bytes = case.model_config().num_params() * (2 if cfg.dtype == "bfloat16" else 4)
+    checkpoint.check_disk(case, out, saves, cfg.keep, export_bytes)
     layout = f"packed into {len(rows)} rows" if cfg.pack else f"one per row, {rows.truncated} truncated"
     log(f"train: {label} on {cfg.system}, {rows.examples} examples {layout} of {cfg.seq + 1} tokens "
         f"({rows.fill:.0%} data, the rest padding), {total} steps of {cfg.batch} x {cfg.seq}")
@@ -85,11 +88,13 @@ def train(cfg: TrainConfig, log=print) -> int:
             system.load_weights(iter_hf_tensors(cfg.init_from))
         done = _run_steps(cfg, system, case, rows, eval_rows, start, total, out, stop, log)
         memory["host_peak_gib_trained"] = peak_host_rss_gib()
-        t0 = time.perf_counter()
-        _save(cfg, system, out, done, total)
-        memory.update(save_s=time.perf_counter() - t0, host_peak_gib_saved=peak_host_rss_gib())
+        if cfg.save:
+            t0 = time.perf_counter()
+            _save(cfg, system, out, done, total)
+            memory.update(save_s=time.perf_counter() - t0, host_peak_gib_saved=peak_host_rss_gib())
         if stop["signal"]:
-            log(f"interrupted: checkpoint at step {done} in {out / 'checkpoints'}; --resume {out} continues")
+            log(f"interrupted: checkpoint at step {done} in {out / 'checkpoints'}; --resume {out} continues"
+                if cfg.save else f"interrupted at step {done}; no checkpoint (--no-save)")
             return 130
         t0 = time.perf_counter()
         _export(system, case, out / "hf", model_type, tokenizer_dir)

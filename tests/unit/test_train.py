@@ -133,6 +133,20 @@ def test_bad_train_input_is_refused_with_one_line(tmp_path, capsys):
     assert main(["train", "--resume", str(tmp_path)]) == 2
 
 
+def test_no_save_exports_without_checkpoints_and_a_full_disk_is_refused_before_training(tmp_path, monkeypatch,
+                                                                                      capsys):
+    init, data = hf_model("qwen2", tmp_path / "init"), pretokenized(tmp_path / "data.jsonl")
+    assert run_train(init, data, tmp_path / "run", steps=2, extra=["--no-save"]) == 0
+    assert not (tmp_path / "run" / "checkpoints").exists() and (tmp_path / "run" / "hf" / "config.json").exists()
+    import megatrain.train.checkpoint as checkpoint
+
+    usage = checkpoint.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda _: usage._replace(free=600_000))  # ~1.6x the export
+    assert run_train(init, data, tmp_path / "full", steps=4, extra=["--save-every", "1", "--keep", "2"]) == 2
+    assert "3 checkpoint(s)" in capsys.readouterr().err and not (tmp_path / "full").exists()
+    assert run_train(init, data, tmp_path / "fits", steps=4, extra=["--no-save"]) == 0  # the export alone fits
+
+
 def test_cosine_and_linear_schedules_warm_up_then_reach_min_lr():
     lrs = [lr_at(s, 10, 1.0, "cosine", 2, 0.1) for s in range(10)]
     assert lrs[:2] == [0.5, 1.0] and lrs[2] == 1.0 and lrs[-1] == pytest.approx(0.1)
