@@ -3,7 +3,7 @@
 # scripts/finetune_demo.py's corpus and tokenizer, without training-state checkpoints (one of a 7B model is 71 GiB,
 # beyond the host's 64 GiB disk, and train refuses it before building anything: shown first), then its Hugging Face
 # export reloaded by transformers for a held-out loss and a generation. OUT/ gets refused.txt, metrics.jsonl,
-# memory.json, reload.json and sizes.txt; the export is deleted after.
+# memory.json, reload.json, sizes.txt and record.json; the export is deleted after.
 #   bash scripts/train_big.sh OUT DEMO_DIR [MODEL [STEPS]]      (CUDA; MODEL default qwen2.5-7b, STEPS 4)
 set -euo pipefail
 out=$(realpath -m "$1"); demo=$(realpath "$2"); model=${3:-qwen2.5-7b}; steps=${4:-4}
@@ -29,4 +29,8 @@ result = {"reloaded_held_out_loss": held_out_loss(out / "run" / "hf", demo / "to
 (out / "reload.json").write_text(json.dumps(result, indent=1) + "\n")
 print(result)
 PY
+"$PY" scripts/record_env.py "$out/record.json" "a big model through train: $steps steps from scratch in bf16 precision, \
+refused first with training-state checkpoints (disk), then --no-save; the export reloaded by transformers" \
+    "bash scripts/train_big.sh OUT DEMO_DIR $model $steps" system=megatrain model="$model" precision=bf16 \
+    dtype=bfloat16 seq=1024 batch=8
 rm -rf "$out/run"

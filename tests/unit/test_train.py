@@ -2,9 +2,11 @@
 schedules, for every system (DeepSpeed and FSDP2 each in a fresh process). CPU, about a minute:
 pytest tests/unit/test_train.py"""
 
+import argparse
 import importlib.util
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,7 +33,9 @@ from train_helpers import (  # noqa: E402
 )
 
 from megatrain.cli import main  # noqa: E402
+from megatrain.config import CaseConfig  # noqa: E402
 from megatrain.models.loss import IGNORE_INDEX  # noqa: E402
+from megatrain.train.config import add_train_arguments, config_from_args  # noqa: E402
 from megatrain.train.data import Rows, Tokenizer, read_examples  # noqa: E402
 from megatrain.train.lr import lr_at  # noqa: E402
 
@@ -229,3 +233,13 @@ def test_each_system_matches_native_on_documents_of_varied_length(tmp_path, syst
     torch.testing.assert_close(torch.tensor([m["loss"] for m in ours]), torch.tensor([m["loss"] for m in ref]),
                                rtol=1e-5, atol=0)
     assert (sum(m["target_tokens"] for m in ours) > 6 * BATCH * SEQ * 0.6) == pack, "packing fills the rows"
+
+
+def test_the_readme_toml_example_is_a_valid_train_config(tmp_path):
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    (tmp_path / "sft.toml").write_text(readme.split("```toml\n", 1)[1].split("```", 1)[0])
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    cfg = config_from_args(parser.parse_args(["--config", str(tmp_path / "sft.toml")]))
+    assert (cfg.system, cfg.steps, cfg.save_every, cfg.option) == ("megatrain", 1000, 200, {"resident_layers": "auto"})
+    CaseConfig(system=cfg.system, model="tiny", options=cfg.option)  # the options are the system's, typed
