@@ -6,9 +6,12 @@ The model knows nothing about offloading; each system applies its memory policy 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from megatrain.models.config import ModelConfig
 from megatrain.models.loss import IGNORE_INDEX, linear_cross_entropy
@@ -40,8 +43,9 @@ def rotary_tables(cfg: ModelConfig, seq_len: int, device: torch.device, dtype: t
 def packed_rope_and_mask(cos_SD: torch.Tensor, sin_SD: torch.Tensor, segments_BS: torch.Tensor | None):
     """(cos, sin, attention mask) of a micro-batch. Without segments (or with one document per row): the tables as
     they are and no mask (causal attention). With packed rows, segments_BS[b, t] the document of token t: positions
-    restart at each document (cos/sin [B, 1, S, D]) and a boolean [B, 1, S, S] mask lets a token attend only to the
-    earlier tokens of its own document."""
+    restart at each document (cos/sin [B, 1, S, D]) and a token attends only to the earlier tokens of its own
+    document. On a GPU the mask is a FlexAttention BlockMask (only the 128x128 blocks that hold same-document pairs
+    are computed, and it keeps block indices, not [S, S]); on CPU a boolean [B, 1, S, S] mask for SDPA."""
     if segments_BS is None or bool((segments_BS == segments_BS[:, :1]).all()):
         return cos_SD, sin_SD, None
     b, s = segments_BS.shape
@@ -50,9 +54,21 @@ def packed_rope_and_mask(cos_SD: torch.Tensor, sin_SD: torch.Tensor, segments_BS
     starts[:, 1:] = segments_BS[:, 1:] != segments_BS[:, :-1]
     first = torch.cummax(torch.where(starts, index, 0), dim=1).values  # index of each token's document start
     positions = index - first
-    same = segments_BS[:, :, None] == segments_BS[:, None, :]
-    causal = torch.ones(s, s, dtype=torch.bool, device=segments_BS.device).tril()
-    return cos_SD[positions][:, None], sin_SD[positions][:, None], (same & causal)[:, None]
+    if segments_BS.device.type == "cuda":
+        def document_causal(b, h, q, kv):
+            return (segments_BS[b, q] == segments_BS[b, kv]) & (q >= kv)
+
+        mask = create_block_mask(document_causal, b, None, s, s, device=segments_BS.device)
+    else:
+        same = segments_BS[:, :, None] == segments_BS[:, None, :]
+        mask = (same & torch.ones(s, s, dtype=torch.bool, device=segments_BS.device).tril())[:, None]
+    return cos_SD[positions][:, None], sin_SD[positions][:, None], mask
+
+
+@functools.cache
+def compiled_flex_attention():
+    """FlexAttention runs as fused kernels only compiled (eager, it materialises the scores)."""
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -74,14 +90,18 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
 
     def forward(self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor,
-                mask_B1SS: torch.Tensor | None = None) -> torch.Tensor:
+                mask_B1SS: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
         b, s, _ = x_BSH.shape
         q = self.q_proj(x_BSH).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x_BSH).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x_BSH).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos_SD, sin_SD), apply_rotary(k, cos_SD, sin_SD)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1SS, is_causal=mask_B1SS is None,
-                                           enable_gqa=self.num_kv_heads != self.num_heads)
+        gqa = self.num_kv_heads != self.num_heads
+        if isinstance(mask_B1SS, BlockMask):
+            o = compiled_flex_attention()(q, k, v, block_mask=mask_B1SS, enable_gqa=gqa)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1SS, is_causal=mask_B1SS is None,
+                                               enable_gqa=gqa)
         return self.o_proj(o.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
 

@@ -5,10 +5,12 @@ about a minute: pytest tests/gpu/test_train_gpu.py -m gpu (records as tests/gpu/
    units, under random stream delays) against native, losses and held-out losses to 1e-5 relative: the learning
    rate of each update must reach the host optimizer with its own step, which runs while the next step computes,
    and evaluation must read every update; and on packed documents of varied length (document masks, positions
-   restarting per document).
+   restarting per document), eager and with the engine's compiled layer template.
 2. bf16, both precisions, plan-chosen residency under stream delays: Ctrl-C at step 5, resume, and the run is bitwise
    the uninterrupted one (losses and exported weights).
-3. DeepSpeed ZeRO-3 and FSDP2 offload under `train` (fp32, each in a fresh process): losses and held-out losses
+3. The GPU's sparse document mask (a FlexAttention BlockMask) against the CPU's dense boolean mask through SDPA: one
+   attention block, fp32, forward and backward, to 1e-5 of the largest magnitude.
+4. DeepSpeed ZeRO-3 and FSDP2 offload under `train` (fp32, each in a fresh process): losses and held-out losses
    against native (1e-4, as tests/gpu/test_baselines_gpu.py), and Ctrl-C at step 5 then resume through the system's own
    checkpoint API continues the uninterrupted run (losses to 1e-6; whether bitwise is recorded).
 """
@@ -18,6 +20,8 @@ import torch
 from train_helpers import hf_model, interrupt_at_step, metrics, pretokenized, run_train, train_any
 
 from megatrain.cli import main
+from megatrain.models.registry import get_model_config
+from megatrain.models.transformer import Attention, packed_rope_and_mask, rotary_tables
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
 transformers = pytest.importorskip("transformers")
@@ -26,8 +30,9 @@ FP32_SETS = {"streamed-stress": ["--option", "resident_embedding=false", "--opti
                                  "--option", "stream_stress=3"],
              "resident-stress": ["--option", "resident_embedding=true", "--option", "resident_layers=1",
                                  "--option", "stream_stress=4"],
-             "packed-stress": ["--option", "resident_layers=0", "--option", "stream_stress=6"]}
-VARIED = {"packed-stress"}  # documents of varied length, packed with document masks
+             "packed-stress": ["--option", "resident_layers=0", "--option", "stream_stress=6"],
+             "packed-compiled-stress": ["--compile", "--option", "resident_layers=0", "--option", "stream_stress=7"]}
+VARIED = {"packed-stress", "packed-compiled-stress"}  # documents of varied length, packed with document masks
 
 
 @pytest.mark.parametrize("name", FP32_SETS)
@@ -87,3 +92,28 @@ def test_offload_baselines_train_and_resume_through_their_own_checkpoints_on_gpu
                  and weights == 0, max_weight_diff_resumed=weights, tolerances={"native": 1e-4, "resumed": 1e-6})
     assert len(straight) == len(ref) == 10 + 2 and len(cut) == len(straight)
     assert vs_native <= 1e-4 and resumed <= 1e-6 and weights <= 1e-6
+
+
+def test_the_sparse_document_mask_equals_the_dense_one_on_gpu(check):
+    cfg = get_model_config("tiny")
+    torch.manual_seed(0)
+    attn = Attention(cfg).cuda()
+    b, s = 2, 700  # not a multiple of the 128-token block
+    segments = torch.zeros(b, s, dtype=torch.long)
+    segments[0, 100:], segments[0, 250:], segments[0, 600:], segments[1, 37:] = 1, 2, 3, 1
+    cos, sin = rotary_tables(cfg, s, torch.device("cuda"), torch.float32)
+    cos_f, sin_f, sparse = packed_rope_and_mask(cos, sin, segments.cuda())
+    cos_d, sin_d, dense = packed_rope_and_mask(cos.cpu(), sin.cpu(), segments)
+    assert type(sparse).__name__ == "BlockMask" and dense.dtype == torch.bool
+    x = torch.randn(b, s, cfg.hidden_size, device="cuda")
+    grad_out = torch.randn_like(x)
+    results = []
+    for c, si, mask in ((cos_f, sin_f, sparse), (cos_d.cuda(), sin_d.cuda(), dense.cuda())):
+        xi = x.clone().requires_grad_()
+        out = attn(xi, c, si, mask)
+        grads = torch.autograd.grad(out, (xi, attn.q_proj.weight, attn.v_proj.weight), grad_out)
+        results.append((out, *grads))
+    rel = [float((a - d).abs().max() / d.abs().max()) for a, d in zip(*results, strict=True)]
+    check.update(names=["output", "grad_x", "grad_q_proj", "grad_v_proj"], worst_rel_to_max=rel, tolerance=1e-5,
+                 sparsity_pct=float(sparse.sparsity()))
+    assert max(rel) <= 1e-5
