@@ -6,6 +6,11 @@
 - `hardware_flops`: what the GPU actually executes: matmuls of the layers and the LM head (2 FLOPs
   per multiply-add), causal attention scores and weighted sums, backward at twice the forward, and
   one extra forward of every decoder layer when activations are recomputed.
+- `paper_flops`: the paper's long-context convention, 6 * num_params * tokens + 12 * L * H * seq * tokens: the
+  model FLOPs plus attention's QK^T and PV as full (not causal) squares, forward and backward, no recompute (the
+  Megatron-LM accounting). Found from the paper's 512k point: 7B (Qwen2.5-7B: N 7.62e9, L 28, H 3584), one sequence
+  of 524288 tokens, 871 s per step, 407.4 TFLOPS; this formula gives 407.5, 6NT alone 27.5. Its other context
+  lengths state no step time, so the convention is assumed for all of them.
 - `mfu`: hardware FLOP rate over a measured dense bf16 GEMM peak.
 """
 
@@ -37,6 +42,11 @@ def hardware_flops(cfg: ModelConfig, batch: int, seq: int, recompute: bool = Tru
     head_fwd = 2.0 * head_matmul * tokens
     passes = 4 if recompute else 3  # forward, (recompute), backward = 2 forwards
     return passes * layer_fwd + 3 * head_fwd
+
+
+def paper_flops(cfg: ModelConfig, batch: int, seq: int) -> float:
+    tokens = batch * seq
+    return model_flops(cfg.num_params(), tokens) + 12.0 * cfg.num_layers * cfg.hidden_size * seq * tokens
 
 
 def mfu(hardware_flops_per_s: float, peak_flops_per_s: float | None) -> float | None:

@@ -130,7 +130,8 @@ def _figures(scope: pd.DataFrame, by_key: dict, results_dir: Path, out_dir: Path
         (plots.tflops_vs_model(scope, out_dir / "tflops_vs_model.png"), "Best TFLOPS per system against model size."),
         (plots.tflops_vs_batch(scope, out_dir / "tflops_vs_batch.png"),
          "TFLOPS against batch; ladders stop after a system's first failed batch."),
-        (plots.tflops_vs_seq(scope, out_dir / "tflops_vs_seq.png"), "TFLOPS against context length."),
+        (plots.tflops_vs_seq(scope, out_dir / "tflops_vs_seq.png"), "TFLOPS against context length, in the hardware "
+         "count and in the paper's long-context count (its own points on the latter)."),
         (plots.memory_vs_model(scope, out_dir / "memory_vs_model.png"), "Peak GPU and host memory against size."),
     ]
     ok = scope[(scope["status"] == "ok") & scope["trace_path"].notna()].copy()

@@ -12,10 +12,12 @@ import subprocess
 
 import pytest
 
-from megatrain.bench import tables
+from megatrain.bench import plots, tables
+from megatrain.bench.flops import model_flops, paper_flops
 from megatrain.bench.record import append_jsonl, base_record
 from megatrain.bench.report import write_report
 from megatrain.config import CaseConfig
+from megatrain.models.registry import get_model_config
 
 GPU_MACHINE = {"gpu_name": "NVIDIA H200", "gpu_count": 4, "gpu_mem_gib": 139.8, "host_mem_gib": 503.0,
                "host_available_gib": 495.0, "cpu": "Intel Xeon", "cpu_cores": 64, "h2d_gbs": 55.1, "d2h_gbs": 54.8,
@@ -118,6 +120,22 @@ def test_paper_claims_sit_beside_our_best_number():
     depth = paper[paper["claim"] == "depth scaling, 132 layers"]
     assert depth["our TFLOPS"].item() == 240.0
     assert "qwen2.5-32b" not in set(paper["model"]), "claims on shapes we did not run stay out"
+
+
+def test_long_context_claims_are_compared_in_the_papers_own_flop_count(tmp_path):
+    cfg = get_model_config("qwen2.5-7b")
+    # the paper's 512k point: 871 s per step and 407.4 TFLOPS, which only 6NT + 12 L H seq per token gives
+    assert paper_flops(cfg, 1, 524288) / 871 / 1e12 == pytest.approx(407.4, rel=1e-3)
+    assert model_flops(cfg.num_params(), 524288) / 871 / 1e12 == pytest.approx(27.5, rel=1e-2)
+    older = [_record("megatrain", 1, tflops, model="qwen2.5-7b", seq=seq, precision="bf16")  # no paper_tflops field
+             for seq, tflops in ((131072, 40.0), (524288, 25.0))]
+    df = tables.records_frame(older)
+    long = df[df["seq"] == 524288]
+    assert long["paper_tflops"].item() == pytest.approx(paper_flops(cfg, 1, 524288) / long["step_time_s"].item() / 1e12)
+    assert long["hw_tflops"].item() > long["tflops"].item()
+    claim = tables.paper_comparison(df).set_index("claim").loc["long context 512k"]
+    assert claim["our TFLOPS"] == pytest.approx(long["paper_tflops"].item()) and claim["TFLOPS count"] == "6NT + 12LHST"
+    assert plots.tflops_vs_seq(df, tmp_path / "seq.png").exists()
 
 
 def _write(tmp_path):
