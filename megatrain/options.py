@@ -32,7 +32,9 @@ class CommonOptions:
 
 @dataclass(frozen=True)
 class MegaTrainOptions(CommonOptions):
-    offload_activations: bool = False  # saved layer inputs in pinned host memory (long contexts)
+    # saved layer inputs in pinned host memory (long contexts): all (true), none (false), the first K layers' (K), or
+    # 'auto': as few as the GPU needs (the memory plan chooses)
+    offload_activations: bool | int | Literal["auto"] = False
     mlp_chunk_tokens: int = 0  # run the SwiGLU in chunks of this many tokens (0: whole micro-batch)
     optimizer_kernel: Literal["fused", "torch"] = "fused"  # host AdamW: one-pass kernel, or torch's fused AdamW
     resident_embedding: bool | Literal["auto"] = "auto"  # embedding state on the GPU ('auto': when it fits)
@@ -44,6 +46,9 @@ class MegaTrainOptions(CommonOptions):
         super().__post_init__()
         if self.mlp_chunk_tokens < 0:
             raise ValueError(f"option mlp_chunk_tokens must be >= 0 (0: no chunking), got {self.mlp_chunk_tokens}")
+        if type(self.offload_activations) is int and self.offload_activations < 0:
+            raise ValueError(f"option offload_activations must be true, false, 'auto' or a layer count >= 0, got "
+                             f"{self.offload_activations}")
         if self.resident_layers != "auto" and self.resident_layers < 0:
             raise ValueError(f"option resident_layers must be 'auto' or an integer >= 0, got {self.resident_layers}")
 

@@ -1,9 +1,10 @@
-"""Saved layer inputs of one step: kept on the GPU, or offloaded to pinned host memory.
+"""Saved layer inputs of one step: kept on the GPU, or the first K offloaded to pinned host memory.
 
-Offloaded (long contexts): each layer's output leaves on the D2H stream as soon as it is computed,
-its GPU copy is dropped once the next layer has consumed it, and in backward the input of the
-next layer to recompute streams back on the H2D stream while the current layer's backward runs.
-At most about three activations per micro-batch then live on the GPU. The last layer's output
+Offloaded (long contexts): each of those layers' outputs leaves on the D2H stream as soon as it is computed,
+its GPU copy is dropped once the next layer has consumed it, and in backward the input of the next layer to
+recompute streams back on the H2D stream while the current layer's backward runs. The first K are the ones
+offloaded because they hide their transfers best: they leave at the start of the forward and are needed last in
+backward. With all offloaded at most about three activations per micro-batch live on the GPU. The last layer's output
 stays on the GPU for the head. A host slot is read back only after its offload finished (`written`),
 and overwritten only after its last read-back finished (`read`): the two copies run on different
 streams, and without these waits the head's read-back of the last offloaded layer raced its offload.
@@ -18,10 +19,11 @@ from megatrain.engine.streams import StreamSet
 
 
 class ActivationStore:
-    def __init__(self, streams: StreamSet, device: torch.device, offload: bool, num_layers: int,
+    def __init__(self, streams: StreamSet, device: torch.device, offloaded: int, num_layers: int,
                  micro_batches: int, shape: tuple[int, ...], dtype: torch.dtype):
-        self.streams, self.device, self.offload = streams, device, offload
-        self.last = num_layers  # index of the head's input, never offloaded
+        """offloaded: how many of the saved inputs (those of layers 1..offloaded) go to host memory."""
+        self.streams, self.device = streams, device
+        self.offloaded = min(offloaded, num_layers)  # the head's input (index num_layers) never leaves
         self.stats = {"h2d_bytes": 0, "d2h_bytes": 0}  # the schedule hands in each step's counters
         self.gpu: dict[int, list] = {}
         self.ready: dict[int, object] = {}  # h2d event: activations index are back on the GPU
@@ -29,15 +31,15 @@ class ActivationStore:
         self.read: dict[int, object] = {}  # h2d event: the last read-back of host slot index finished
         self.host = None
         self.pinned_bytes = 0
-        if offload:
-            self.host = torch.empty((num_layers, micro_batches, *shape), dtype=dtype)
+        if self.offloaded:
+            self.host = torch.empty((self.offloaded, micro_batches, *shape), dtype=dtype)
             if streams.cuda:
                 self.pinned_bytes = pin_tensor(self.host)
 
     def put(self, index: int, xs: list[torch.Tensor]) -> None:
         """Save the activations `index` (the input of layer index+1, the head's for the last)."""
         self.gpu[index] = xs
-        if not self.offload or index == self.last:
+        if index >= self.offloaded:
             return
         s = self.streams
         s.wait("d2h", s.record("compute"))
@@ -54,12 +56,12 @@ class ActivationStore:
 
     def consumed(self, index: int) -> None:
         """The forward no longer needs activations `index` on the GPU."""
-        if self.offload and index != self.last:
+        if index < self.offloaded:
             del self.gpu[index]
 
     def prefetch(self, index: int) -> None:
         """Start bringing activations `index` back for backward (no-op when they never left)."""
-        if not self.offload or index < 0 or index in self.gpu:
+        if not 0 <= index < self.offloaded or index in self.gpu:
             return
         s = self.streams
         s.wait("h2d", self.written.pop(index))

@@ -75,6 +75,30 @@ def _auto_fits(case: CaseConfig, options: dict, per_layer: bool = False) -> int:
     return max(0, min(case.model_config().num_layers, int(room // per)))
 
 
+def offloaded_layer_count(case: CaseConfig) -> int:
+    """How many saved layer inputs go to pinned host memory (those of the first K layers: they hide their transfers
+    best, megatrain.engine.activations). Option offload_activations: true (all), false (none), K, or 'auto': the
+    fewest that let the plan fit the GPU's share (megatrain.memory.GPU_FILL) with nothing resident, all when none
+    does (the plan then refuses with its numbers); none without a GPU."""
+    layers = case.model_config().num_layers
+    option = case.opts.offload_activations
+    if isinstance(option, bool):
+        return layers if option else 0
+    if option != "auto":
+        if option > layers:
+            raise ValueError(f"offload_activations must be true, false, 'auto' or a layer count from 0 to the model's "
+                             f"{layers} layers, got {option}")
+        return option
+    gpu = case_budget(case).gpu_fill_bytes
+    if gpu is None:
+        return 0
+    fixed = {**case.options, "resident_embedding": False, "resident_layers": 0}
+    for k in range(layers + 1):  # the plan's GPU bytes fall as k grows: the first k that fits is the fewest
+        if plan_memory(dataclasses.replace(case, options={**fixed, "offload_activations": k}))["gpu_bytes"] <= gpu:
+            return k
+    return layers
+
+
 def plan_memory(case: CaseConfig) -> dict:
     cfg = case.model_config()
     units = build_units(cfg)
@@ -91,7 +115,7 @@ def plan_memory(case: CaseConfig) -> dict:
 
     mb, seq, h, i = case.micro_batch, case.seq, cfg.hidden_size, cfg.intermediate_size
     tokens_mb = mb * seq
-    offload = case.opts.offload_activations
+    offloaded = offloaded_layer_count(case)
     mlp_tokens = min(tokens_mb, case.opts.mlp_chunk_tokens or tokens_mb)
     buffers = 2 * slot * w + embed * w + 2 * slot * 4 + embed * 4 + (2 * slot * w if w == 2 else 0)
     resident = resident_unit_indices(case)
@@ -99,9 +123,11 @@ def plan_memory(case: CaseConfig) -> dict:
     if resident and case.precision == "bf16":  # the fp32 chunk resident bf16 weights are updated in
         buffers += min(OPT_CHUNK, max(units[u].numel for u in resident)) * 4
     activation = case.batch * seq * h * w  # one layer's input for every micro-batch
-    # offloaded: the head's input, a layer's input and output, and the next input streaming back
-    checkpoints = (3 if offload else cfg.num_layers + 1) * activation
-    host_activations = cfg.num_layers * activation if offload else 0
+    # the kept inputs (and the head's); with any offloaded, at least an offloaded layer's input and output and the
+    # next input streaming back
+    kept = cfg.num_layers - offloaded + 1
+    checkpoints = (max(kept, 3) if offloaded else kept) * activation
+    host_activations = offloaded * activation
     # one layer's recompute + backward for a micro-batch: saved activations (~7H + q/k/v per token; the
     # MLP's 4I for one chunk of tokens; flash/SDPA keeps no S x S matrix) and the gradients alive beside
     # them. Calibrated on H200 peaks at batch 128 (results/smoke_gpu, Qwen2.5-1.5B/3B): peak minus
@@ -121,6 +147,7 @@ def plan_memory(case: CaseConfig) -> dict:
         "gpu_checkpoint_bytes": checkpoints,
         "gpu_work_bytes": max(layer_work, head_work),
         "host_activation_bytes": host_activations,
+        "offloaded_layers": offloaded,
         "resident_units": resident,
     }
 
@@ -157,7 +184,7 @@ def check_fits(case: CaseConfig, limits: Budget | None = None) -> dict:
             f"{plan['gpu_checkpoint_bytes'] / GIB:.1f}, buffers {plan['gpu_buffers_bytes'] / GIB:.1f}, working "
             f"{plan['gpu_work_bytes'] / GIB:.1f}) but the GPU has {limits.gpu_bytes / GIB:.1f} GiB")
         advice.append("lower --batch or --seq, a smaller --micro-batch, or for long contexts "
-                      "--option offload_activations=true --option mlp_chunk_tokens=N")
+                      "--option offload_activations=auto --option mlp_chunk_tokens=N")
     plan.update(fits=not reasons, reason="; ".join(reasons) or None, advice="; ".join(advice) or None,
                 host_need_bytes=host_need, host_available_bytes=limits.host_bytes, gpu_available_bytes=limits.gpu_bytes)
     return plan

@@ -63,7 +63,7 @@ def plan_uses(num_layers: int, resident: frozenset = frozenset()) -> list[tuple[
 
 class Schedule:
     def __init__(self, case: CaseConfig, store: HostStore, optimizer: HostOptimizer, streams: StreamSet,
-                 device: torch.device, resident_units: list[int]):
+                 device: torch.device, resident_units: list[int], offloaded_layers: int = 0):
         cfg = case.model_config()
         self.case, self.store, self.optimizer, self.streams, self.device = case, store, optimizer, streams, device
         self.cfg = cfg
@@ -80,7 +80,7 @@ class Schedule:
             [torch.empty(slot_numel, dtype=grad_dt, device=device) for _ in range(2)]
         self.layer_t = LayerTemplate(cfg, compile_layer=case.compile,
                                      mlp_chunk_tokens=case.opts.mlp_chunk_tokens)
-        self.acts = ActivationStore(streams, device, case.opts.offload_activations,
+        self.acts = ActivationStore(streams, device, offloaded_layers,
                                     cfg.num_layers, case.grad_accum, (case.micro_batch, case.seq, cfg.hidden_size), dt)
         self.head_t = HeadTemplate(cfg)
         self.cos, self.sin = rotary_tables(cfg, case.seq, device, dt)

@@ -35,7 +35,8 @@ class StreamingSystem:
         self.optimizer = HostOptimizer(self.store, case.optim, kernel=case.opts.optimizer_kernel,
                                        skip=frozenset(resident))
         self.streams = StreamSet(self.device, timeline=case.opts.timeline, stress_seed=case.opts.stream_stress)
-        self.schedule = Schedule(case, self.store, self.optimizer, self.streams, self.device, resident)
+        self.schedule = Schedule(case, self.store, self.optimizer, self.streams, self.device, resident,
+                                 self.plan["offloaded_layers"])
 
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, segments_BS: torch.Tensor | None = None) -> float:
         return self.schedule.step(inputs_BS, labels_BS, valid_tokens(labels_BS), segments_BS)
@@ -56,8 +57,10 @@ class StreamingSystem:
             "grad_slots": 2,
             "streams": ["h2d", "compute", "d2h"] if self.streams.cuda else ["host"],
             "optimizer": f"host AdamW ({self.optimizer.kernel} kernel) on flat tiles, overlapped with the next forward",
-            "activation_checkpointing": "every layer, input saved " + (
-                "in pinned host memory" if self.schedule.acts.offload else "on the GPU") + ", recomputed in backward",
+            "activation_checkpointing": f"every layer, the inputs of the first {self.schedule.acts.offloaded} of "
+            f"{self.case.model_config().num_layers} saved in pinned host memory, the rest on the GPU; recomputed in "
+            "backward",
+            "offloaded_layers": self.schedule.acts.offloaded,
             "mlp_chunk_tokens": self.schedule.layer_t.module.mlp.chunk_tokens,
             "compile": self.schedule.layer_t.compiled,
             "resident_units": sorted(self.schedule.resident),

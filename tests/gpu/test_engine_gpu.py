@@ -55,11 +55,12 @@ FP32_SETS = {
     "tied-all-resident": ({"model": "tiny-tied", "num_layers": 3}, {"resident_embedding": True, "resident_layers": 3}),
     "resident-by-plan": ({}, {"resident_embedding": "auto", "resident_layers": "auto"}),
     "offload-activations": ({}, {"offload_activations": True}),
+    "offload-first-2-layers": ({}, {"offload_activations": 2}),
     "mlp-chunks": ({}, {"mlp_chunk_tokens": 128}),
     "offload-mlp-chunks-1-resident-eager": ({"compile": False}, {"offload_activations": True, "mlp_chunk_tokens": 128,
                                                                  "resident_layers": 1}),
 }
-STRESS_SETS = ["compiled", "tied", "resident-embedding-2-layers", "offload-activations",
+STRESS_SETS = ["compiled", "tied", "resident-embedding-2-layers", "offload-activations", "offload-first-2-layers",
                "offload-mlp-chunks-1-resident-eager"]
 STRESS_SEEDS = [1, 2, 3]
 _runs: dict[str, tuple] = {}
@@ -148,6 +149,7 @@ SANITIZER_SETS = {
     "resident-embedding-2-layers": ({}, {"resident_embedding": True, "resident_layers": 2}),
     "tied-all-resident": ({"model": "tiny-tied"}, {"resident_embedding": True, "resident_layers": 3}),
     "offload-activations-mlp-chunks": ({}, {"offload_activations": True, "mlp_chunk_tokens": 64}),
+    "offload-first-2-layers": ({}, {"offload_activations": 2}),
 }
 _SANITIZED_RUNS = """
 import json, sys
@@ -198,6 +200,7 @@ CURVE_SETS = {
     "bf16-offload-mlp-chunks": ("bf16", {}, {"offload_activations": True, "mlp_chunk_tokens": 2048}),
     "mixed-stress": ("mixed", {}, {"stream_stress": 1}),
     "bf16-offload-stress": ("bf16", {}, {"offload_activations": True, "stream_stress": 2}),
+    "bf16-offload-first-12-stress": ("bf16", {}, {"offload_activations": 12, "stream_stress": 3}),
 }
 CURVE_CASES = [("qwen2.5-0.5b-b8-s1024", name) for name in CURVE_SETS] + [
     ("small-b8-mb4-s512", name) for name in ("mixed", "bf16", "mixed-offload-activations", "mixed-resident-by-plan",

@@ -98,8 +98,10 @@ def test_every_system_has_typed_options():
 @pytest.mark.parametrize("system,given,message", [
     ("megatrain", {"ofload_activations": True}, "megatrain has no option 'ofload_activations'; its options: "),
     ("fsdp", {"mlp_chunk_tokens": 8}, "fsdp has no option 'mlp_chunk_tokens' (an option of megatrain, native)"),
-    ("megatrain", {"offload_activations": "maybe"}, "offload_activations='maybe': expected true or false"),
-    ("megatrain", {"offload_activations": 1}, "offload_activations=1: expected true or false"),
+    ("megatrain", {"offload_activations": "maybe"}, "offload_activations='maybe': expected true or false or an "
+                                                    "integer or 'auto'"),
+    ("megatrain", {"offload_activations": 1.5}, "offload_activations=1.5: expected true or false"),
+    ("megatrain", {"offload_activations": -1}, "offload_activations must be true, false, 'auto' or a layer count"),
     ("megatrain", {"resident_layers": True}, "resident_layers=True: expected an integer or 'auto'"),
     ("native", {"mlp_chunk_tokens": -1}, "mlp_chunk_tokens must be >= 0"),
     ("deepspeed", {"optimizer": "sgd"}, "expected 'cpu_adam' or 'torch_adamw' or null"),

@@ -30,6 +30,8 @@ CASES = {
     "accum-clip-tied": dict(model="tiny-tied", batch=6, micro_batch=2, seq=7,
                             optim=OptimConfig(lr=1e-3, max_grad_norm=0.05)),
     "offloaded-activations": dict(model="tiny", batch=4, micro_batch=2, seq=16, options={"offload_activations": True}),
+    "first-2-of-4-offloaded-accum": dict(model="tiny", num_layers=4, batch=4, micro_batch=2, seq=16,
+                                         options={"offload_activations": 2}),
     "offload-chunked-mlp-tied": dict(model="tiny-tied", num_layers=3, batch=2, seq=16,
                                      options={"offload_activations": True, "mlp_chunk_tokens": 8}),
     "resident-embedding-clip": dict(model="tiny", batch=4, micro_batch=2, seq=16,
@@ -67,6 +69,40 @@ def test_offloaded_activations_cross_pcie_and_leave_nothing_behind():
     act_bytes = 4 * 2 * 8 * 64 * 4  # layers 0..3 inputs, [2, 8, 64] fp32 each, out and back
     assert off["d2h_bytes"] - plain["d2h_bytes"] == act_bytes
     assert off["h2d_bytes"] - plain["h2d_bytes"] == act_bytes
+
+
+def test_only_the_first_k_layer_inputs_cross_pcie():
+    _, _, plain = _train("megatrain", steps=2, model="tiny", num_layers=4, batch=2, seq=8)
+    _, _, off = _train("megatrain", steps=2, model="tiny", num_layers=4, batch=2, seq=8,
+                       options={"offload_activations": 3})
+    act_bytes = 3 * 2 * 8 * 64 * 4  # layers 1..3's inputs, [2, 8, 64] fp32 each, out and back
+    assert off["d2h_bytes"] - plain["d2h_bytes"] == act_bytes
+    assert off["h2d_bytes"] - plain["h2d_bytes"] == act_bytes
+
+
+def test_auto_offload_takes_the_fewest_layers_that_fit_and_residency_fills_what_is_left(monkeypatch):
+    from megatrain.engine import plan as plan_mod
+
+    case = CaseConfig(system="megatrain", model="qwen2.5-3b", dtype="bfloat16", batch=4, seq=16384, device="cuda",
+                      options={"offload_activations": "auto"})
+    layers = case.model_config().num_layers
+    at = {k: plan_memory(dataclasses.replace(case, options={"offload_activations": k, "resident_embedding": False,
+                                                            "resident_layers": 0}))["gpu_bytes"] for k in (0, 9, 10)}
+    activation = 4 * 16384 * case.model_config().hidden_size * 2
+    assert at[0] - at[10] == 10 * activation  # each offloaded input leaves the GPU
+    gpu = int((at[10] + at[9]) / 2 / GPU_FILL)  # room for 10 offloaded, not for 9
+    monkeypatch.setattr(plan_mod, "case_budget", lambda c: Budget(2**40, gpu, "test"))
+    planned = plan_memory(case)
+    assert planned["offloaded_layers"] == 10 and planned["host_activation_bytes"] == 10 * activation
+    assert planned["resident_units"] == [] and planned["gpu_bytes"] <= gpu * GPU_FILL
+    monkeypatch.setattr(plan_mod, "case_budget", lambda c: Budget(2**40, 2**45, "test"))  # everything fits: none
+    assert plan_memory(case)["offloaded_layers"] == 0
+    monkeypatch.setattr(plan_mod, "case_budget", lambda c: Budget(2**40, 2**30, "test"))  # nothing fits: all
+    assert plan_memory(case)["offloaded_layers"] == layers
+    monkeypatch.setattr(plan_mod, "case_budget", lambda c: Budget(2**40, None, "test"))  # no GPU: none
+    assert plan_memory(case)["offloaded_layers"] == 0
+    with pytest.raises(ValueError, match="layer count from 0 to the model's 36 layers"):
+        plan_memory(dataclasses.replace(case, options={"offload_activations": 37}))
 
 
 def test_resident_embedding_never_crosses_pcie_and_matches_the_streamed_one_in_bf16():
