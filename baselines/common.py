@@ -52,3 +52,16 @@ def compile_layers(model: torch.nn.Module) -> None:
 
 
 COMPILED_LAYERS = "torch.compile(dynamic=False) of each decoder layer"
+
+
+@torch.no_grad()
+def evaluate_micro_batches(model: torch.nn.Module, case: CaseConfig, device: torch.device, inputs_BS: torch.Tensor,
+                           labels_BS: torch.Tensor, segments_BS: torch.Tensor | None = None,
+                           autocast=contextlib.nullcontext) -> float:
+    """The summed token loss over the batch's valid tokens, micro-batch by micro-batch, without gradients."""
+    normalizer, mb, total = valid_tokens(labels_BS), case.micro_batch, 0.0
+    for i in range(0, inputs_BS.shape[0], mb):
+        seg = None if segments_BS is None else segments_BS[i:i + mb].to(device)
+        with autocast():
+            total += float(model(inputs_BS[i:i + mb].to(device), labels_BS[i:i + mb].to(device), normalizer, seg))
+    return total

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from baselines.common import COMPILED_LAYERS, accumulate_and_step, compile_layers
+from baselines.common import COMPILED_LAYERS, accumulate_and_step, compile_layers, evaluate_micro_batches
 from megatrain.config import CaseConfig
 from megatrain.models import Transformer
+from megatrain.models.hf import copy_named_weights
 from megatrain.models.init import init_module
-from megatrain.models.loss import valid_tokens
 from megatrain.optim.groups import torch_adamw
 
 
@@ -69,29 +69,15 @@ class NativeSystem:
     @torch.no_grad()
     def evaluate(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor,
                  segments_BS: torch.Tensor | None = None) -> float:
-        normalizer, mb, total = valid_tokens(labels_BS), self.case.micro_batch, 0.0
-        for i in range(0, inputs_BS.shape[0], mb):
-            seg = None if segments_BS is None else segments_BS[i:i + mb].to(self.device)
-            with self._autocast():
-                total += float(self.model(inputs_BS[i:i + mb].to(self.device), labels_BS[i:i + mb].to(self.device),
-                                          normalizer, seg))
-        return total
+        return evaluate_micro_batches(self.model, self.case, self.device, inputs_BS, labels_BS, segments_BS,
+                                      self._autocast)
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    @torch.no_grad()
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.model.named_parameters())
-        seen = set()
-        for name, tensor in named:
-            if name not in params or tuple(tensor.shape) != tuple(params[name].shape):
-                raise ValueError(f"weight {name!r} {tuple(tensor.shape)} does not match this model's parameters")
-            params[name].copy_(tensor)
-            seen.add(name)
-        if missing := sorted(set(params) - seen):
-            raise ValueError(f"weights missing: {missing}")
+        copy_named_weights(dict(self.model.named_parameters()), named)
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self.model.named_parameters()}

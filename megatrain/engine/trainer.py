@@ -16,6 +16,7 @@ from megatrain.engine.state import load_engine_state, save_engine_state, steps_f
 from megatrain.engine.store import HostStore
 from megatrain.engine.streams import StreamSet
 from megatrain.memory import GIB, peak_host_rss_gib
+from megatrain.models.hf import copy_named_weights
 from megatrain.models.loss import valid_tokens
 
 
@@ -99,34 +100,25 @@ class StreamingSystem:
     def set_lr(self, lr: float) -> None:
         self.schedule.lr = lr
 
-    @torch.no_grad()
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the weights (before training), one tensor at a time, by our parameter names."""
-        store = self.store
         self.optimizer.flush()
-        slots = {slot.name: (unit, slot) for unit in store.units for slot in unit.params}
-        seen = set()
-        for name, tensor in named:
-            if name not in slots:
-                raise ValueError(f"weight {name!r} is not a parameter of this model")
-            unit, slot = slots[name]
-            if tuple(tensor.shape) != slot.shape:
-                raise ValueError(f"{name} has shape {tuple(tensor.shape)}, this model's is {slot.shape}")
-            unit.view(store.tile(store.master if store.master is not None else store.weights, unit), slot).copy_(tensor)
-            seen.add(name)
-        if missing := sorted(set(slots) - seen):
-            raise ValueError(f"weights missing: {missing}")
-        if store.master is not None:
-            store.weights.copy_(store.master)
+        copy_named_weights(self._weight_views(), named)
+        if self.store.master is not None:
+            self.store.weights.copy_(self.store.master)
         self.schedule.load_resident_from_host()
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """The current weights by our names, as views of the host tiles (fp32 master where there is one): no copy."""
         self.optimizer.flush()
         self.schedule.sync_resident_to_host()
-        src = self.store.master if self.store.master is not None else self.store.weights
-        return {slot.name: unit.view(self.store.tile(src, unit), slot)
-                for unit in self.store.units for slot in unit.params}
+        return self._weight_views()
+
+    def _weight_views(self) -> dict[str, torch.Tensor]:
+        """Each parameter as a view of its host tile: the fp32 master where there is one, else the weights."""
+        store = self.store
+        src = store.master if store.master is not None else store.weights
+        return {slot.name: unit.view(store.tile(src, unit), slot) for unit in store.units for slot in unit.params}
 
     def save_state(self, out_dir: Path) -> None:
         """The full training state (weights, master, moments, step counts), streamed tile by tile."""

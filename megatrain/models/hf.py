@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -234,6 +234,22 @@ def iter_hf_tensors(path: str | Path, dtype: torch.dtype | None = None) -> Itera
                     continue
                 tensor = f.get_tensor(key)
                 yield our_name(key), tensor if dtype is None else tensor.to(dtype)
+
+
+@torch.no_grad()
+def copy_named_weights(targets: Mapping[str, torch.Tensor], named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy each (name, tensor) of `named` into targets[name], one at a time (a checkpoint never whole in memory).
+    A name the targets lack, a shape that differs, or a target left without a tensor is refused by name."""
+    seen = set()
+    for name, tensor in named:
+        if name not in targets:
+            raise ValueError(f"weight {name!r} is not a parameter of this model")
+        if tuple(tensor.shape) != tuple(targets[name].shape):
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, this model's is {tuple(targets[name].shape)}")
+        targets[name].copy_(tensor)
+        seen.add(name)
+    if missing := sorted(set(targets) - seen):
+        raise ValueError(f"weights missing: {missing}")
 
 
 @torch.no_grad()
