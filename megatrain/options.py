@@ -35,6 +35,9 @@ class MegaTrainOptions(CommonOptions):
     # saved layer inputs in pinned host memory (long contexts): all (true), none (false), the first K layers' (K), or
     # 'auto': as few as the GPU needs (the memory plan chooses)
     offload_activations: bool | int | Literal["auto"] = False
+    # the saved inputs of layers 2..R+1 not kept at all: backward re-runs layers 1..R forward to regenerate them (their
+    # weights cross PCIe a third time); 'auto': as few as let the host hold the offloaded rest (the memory plan chooses)
+    recompute_inputs: int | Literal["auto"] = 0
     mlp_chunk_tokens: int = 0  # run the SwiGLU in chunks of this many tokens (0: whole micro-batch)
     optimizer_kernel: Literal["fused", "torch"] = "fused"  # host AdamW: one-pass kernel, or torch's fused AdamW
     resident_embedding: bool | Literal["auto"] = "auto"  # embedding state on the GPU ('auto': when it fits)
@@ -49,6 +52,8 @@ class MegaTrainOptions(CommonOptions):
         if type(self.offload_activations) is int and self.offload_activations < 0:
             raise ValueError(f"option offload_activations must be true, false, 'auto' or a layer count >= 0, got "
                              f"{self.offload_activations}")
+        if self.recompute_inputs != "auto" and self.recompute_inputs < 0:
+            raise ValueError(f"option recompute_inputs must be 'auto' or an integer >= 0, got {self.recompute_inputs}")
         if self.resident_layers != "auto" and self.resident_layers < 0:
             raise ValueError(f"option resident_layers must be 'auto' or an integer >= 0, got {self.resident_layers}")
 

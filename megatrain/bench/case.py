@@ -57,9 +57,10 @@ def run_case(case: CaseConfig, gemm_peak_tflops: float | None = None, on_step=No
             losses.append(loss)
             if on_step:
                 on_step(step, loss, step_times[-1])
-        record.update(timing_metrics(case, step_times, gemm_peak_tflops))
-        record["skipped_steps"] = system.skipped_steps
         record["system_config"] = system.system_config()
+        record.update(timing_metrics(case, step_times, gemm_peak_tflops,
+                                     record["system_config"].get("recomputed_inputs", 0)))
+        record["skipped_steps"] = system.skipped_steps
         record["metrics"] = system.metrics()
     except ValueError as exc:
         if system is not None:

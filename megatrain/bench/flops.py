@@ -5,7 +5,8 @@
   untied (a lookup); `matmul_params` leaves it out, for the figure beside it ('tflops_no_embed').
 - `hardware_flops`: what the GPU actually executes: matmuls of the layers and the LM head (2 FLOPs
   per multiply-add), causal attention scores and weighted sums, backward at twice the forward, and
-  one extra forward of every decoder layer when activations are recomputed.
+  one extra forward of every decoder layer when activations are recomputed, and any further layer forwards
+  (megatrain's recomputed inputs: `extra_layer_forwards`).
 - `paper_flops`: the paper's long-context convention, 6 * num_params * tokens + 12 * L * H * seq * tokens: the
   model FLOPs plus attention's QK^T and PV as full (not causal) squares, forward and backward, no recompute (the
   Megatron-LM accounting). Found from the paper's 512k point: 7B (Qwen2.5-7B: N 7.62e9, L 28, H 3584), one sequence
@@ -33,7 +34,8 @@ def attention_flops_per_seq(cfg: ModelConfig, seq: int) -> float:
     return cfg.num_layers * 2 * (2.0 * seq * seq * cfg.num_heads * cfg.head_dim) / 2
 
 
-def hardware_flops(cfg: ModelConfig, batch: int, seq: int, recompute: bool = True) -> float:
+def hardware_flops(cfg: ModelConfig, batch: int, seq: int, recompute: bool = True, extra_layer_forwards: int = 0
+                   ) -> float:
     tokens = batch * seq
     h = cfg.hidden_size
     layer_matmul = cfg.matmul_params() - cfg.vocab_size * h
@@ -41,7 +43,7 @@ def hardware_flops(cfg: ModelConfig, batch: int, seq: int, recompute: bool = Tru
     layer_fwd = 2.0 * layer_matmul * tokens + batch * attention_flops_per_seq(cfg, seq)
     head_fwd = 2.0 * head_matmul * tokens
     passes = 4 if recompute else 3  # forward, (recompute), backward = 2 forwards
-    return passes * layer_fwd + 3 * head_fwd
+    return (passes + extra_layer_forwards / cfg.num_layers) * layer_fwd + 3 * head_fwd
 
 
 def paper_flops(cfg: ModelConfig, batch: int, seq: int) -> float:

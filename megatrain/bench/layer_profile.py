@@ -3,16 +3,26 @@
 python -m megatrain.bench.layer_profile --model qwen2.5-7b --tokens 16384
 Prints a table and, last, one JSON line. Variants: eager vs torch.compile of the layer, SDPA with
 enable_gqa vs K/V expanded to all heads.
+
+python -m megatrain.bench.layer_profile --model qwen2.5-7b --long 524288 --mlp-chunk-tokens 16384 [--out FILE]
+One sequence of that length through the engine's own compiled layer template, timed once each (forward; recompute
+and backward), then one profiled forward + recompute + backward with the GPU's kernel time split into attention
+forward and backward, matmuls, compiled elementwise and the rest: where a long-context step's time goes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from megatrain.bench.env import environment
+from megatrain.bench.flops import attention_flops_per_seq
+from megatrain.engine.templates import LayerTemplate
 from megatrain.models import DecoderLayer, get_model_config, rotary_tables
 from megatrain.models.init import init_module
 
@@ -100,13 +110,100 @@ def profile(model: str, tokens: int, seq: int) -> dict:
     return out
 
 
+# kernel name fragments of each category, matched in order (lower case)
+KERNEL_CATEGORIES = [
+    ("attention_bwd", ("flash_bwd", "fmha_bwd", "bprop", "attention_backward")),
+    ("attention_fwd", ("flash_fwd", "fmha_fwd", "fprop", "flash", "fmha", "sdpa", "attention")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "matmul", "sm90_", "sm80_")),
+    ("compiled_elementwise", ("triton",)),
+]
+
+
+def kernel_category(name: str) -> str:
+    low = name.lower()
+    return next((cat for cat, keys in KERNEL_CATEGORIES if any(k in low for k in keys)), "other")
+
+
+def profile_long(model: str, seq: int, mlp_chunk_tokens: int) -> dict:
+    """One sequence of `seq` tokens through one compiled decoder layer as the engine runs it (bf16)."""
+    cfg = get_model_config(model)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    source = DecoderLayer(cfg).to(dev)
+    init_module(source, 0, prefix="layers.0.")
+    params = {n: p.detach().to(dt) for n, p in source.named_parameters()}
+    del source
+    layer = LayerTemplate(cfg, compile_layer=True, mlp_chunk_tokens=mlp_chunk_tokens)
+    x = torch.randn(1, seq, cfg.hidden_size, device=dev, dtype=dt)
+    dy = torch.randn_like(x)
+    cos, sin = rotary_tables(cfg, seq, dev, dt)
+    grads_of = list(params.values())
+
+    def fwd():
+        with torch.no_grad():
+            layer(params, x, cos, sin)
+
+    def recompute_bwd():
+        for p in grads_of:
+            p.requires_grad_()
+        xr = x.detach().requires_grad_()
+        y = layer(params, xr, cos, sin)
+        torch.autograd.grad(y, [xr, *grads_of], dy)
+        for p in grads_of:
+            p.requires_grad_(False)
+
+    def timed_s(fn) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    first = {"fwd_s": timed_s(fwd), "recompute_bwd_s": timed_s(recompute_bwd)}  # compiles
+    torch.cuda.reset_peak_memory_stats()
+    fwd_s, bwd_s = timed_s(fwd), timed_s(recompute_bwd)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fwd()
+        recompute_bwd()
+        torch.cuda.synchronize()
+    # kernels only: an op's self device time is its own kernels', so ops that launched them count zero
+    kernels = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0),
+                     key=lambda e: -e.self_device_time_total)
+    by_cat: dict[str, float] = {}
+    for e in kernels:
+        by_cat[kernel_category(e.key)] = by_cat.get(kernel_category(e.key), 0.0) + e.self_device_time_total / 1e3
+    total_ms = sum(by_cat.values())
+    layer_mm = (cfg.matmul_params() - cfg.vocab_size * cfg.hidden_size) // cfg.num_layers
+    attn_fwd = attention_flops_per_seq(cfg, seq) / cfg.num_layers
+    mm_fwd = 2.0 * layer_mm * seq
+    return {
+        "model": model, "seq": seq, "mlp_chunk_tokens": mlp_chunk_tokens, "compiled": layer.compiled,
+        "first_call_s": first,  # includes torch.compile
+        "fwd_s": fwd_s, "recompute_bwd_s": bwd_s, "layer_step_s": fwd_s + bwd_s,
+        "peak_gpu_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "hw_tflops_fwd": (mm_fwd + attn_fwd) / fwd_s / 1e12,
+        "hw_tflops_recompute_bwd": 3 * (mm_fwd + attn_fwd) / bwd_s / 1e12,
+        "attention_share_of_hw_flops": attn_fwd / (mm_fwd + attn_fwd),
+        "kernel_ms": by_cat, "kernel_share": {k: v / total_ms for k, v in by_cat.items()},
+        "kernels_top": [{"name": e.key[:120], "category": kernel_category(e.key), "ms": e.self_device_time_total / 1e3,
+                         "calls": e.count} for e in kernels[:12]],
+        "env": environment(),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen2.5-7b")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--long", type=int, default=0, metavar="SEQ", help="profile one sequence of SEQ tokens instead")
+    p.add_argument("--mlp-chunk-tokens", type=int, default=16384)
+    p.add_argument("--out", type=Path, help="also write the JSON here")
     args = p.parse_args()
-    result = profile(args.model, args.tokens, args.seq)
+    result = profile_long(args.model, args.long, args.mlp_chunk_tokens) if args.long else \
+        profile(args.model, args.tokens, args.seq)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
     for k, v in result.items():
         print(f"{k:22s} {v}")
     print(json.dumps(result))

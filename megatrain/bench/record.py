@@ -57,12 +57,15 @@ def base_record(case: CaseConfig, status: str) -> dict:
     }
 
 
-def timing_metrics(case: CaseConfig, step_times_s: list[float], gemm_peak_tflops: float | None = None) -> dict:
-    """Median step time over the timed steps and every rate derived from it."""
+def timing_metrics(case: CaseConfig, step_times_s: list[float], gemm_peak_tflops: float | None = None,
+                   extra_layer_forwards: int = 0) -> dict:
+    """Median step time over the timed steps and every rate derived from it (extra_layer_forwards: decoder-layer
+    forwards the system ran beyond forward, recompute and backward, in the hardware FLOPs)."""
     timed = step_times_s[case.warmup:] if len(step_times_s) > case.warmup else step_times_s
     median = statistics.median(timed)
     cfg = case.model_config()
-    hw = hardware_flops(cfg, case.batch, case.seq, recompute=True) / median / 1e12
+    hw = hardware_flops(cfg, case.batch, case.seq, recompute=True, extra_layer_forwards=extra_layer_forwards) \
+        / median / 1e12
     return {
         "step_time_s": median,
         "step_time_min_s": min(timed),

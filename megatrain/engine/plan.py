@@ -2,9 +2,9 @@
 
 Host: the store's tiles exactly (see engine/store.py), offloaded activations, and a fixed process
 overhead. GPU: the two weight slots, the embedding (with its AdamW state when resident), fp32
-gradient accumulators and staging, the saved layer inputs (all of them, or about three when
-offloaded), and an estimate of one layer's recompute-plus-backward working set and the chunked loss
-of one micro-batch.
+gradient accumulators and staging, the saved layer inputs (those neither offloaded nor recomputed; at least
+about three when any are offloaded; in backward the recomputed ones and the embedding's output), and an
+estimate of one layer's recompute-plus-backward working set and the chunked loss of one micro-batch.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import dataclasses
 
 from megatrain.config import CaseConfig
 from megatrain.engine.layout import Unit, build_units, total_numel
+from megatrain.engine.schedule import plan_uses
 from megatrain.engine.store import OPT_CHUNK
 from megatrain.memory import GIB, Budget, budget
 from megatrain.models.loss import chunk_tokens_for
@@ -75,28 +76,55 @@ def _auto_fits(case: CaseConfig, options: dict, per_layer: bool = False) -> int:
     return max(0, min(case.model_config().num_layers, int(room // per)))
 
 
-def offloaded_layer_count(case: CaseConfig) -> int:
-    """How many saved layer inputs go to pinned host memory (those of the first K layers: they hide their transfers
-    best, megatrain.engine.activations). Option offload_activations: true (all), false (none), K, or 'auto': the
-    fewest that let the plan fit the GPU's share (megatrain.memory.GPU_FILL) with nothing resident, all when none
-    does (the plan then refuses with its numbers); none without a GPU."""
+def activation_placement(case: CaseConfig) -> tuple[int, int]:
+    """(K, R): how many saved layer inputs go to pinned host memory and how many are not kept but recomputed
+    (megatrain.engine.activations says which).
+
+    offload_activations: true (all), false (none), K, or 'auto': the fewest that let the plan fit the GPU's share
+    (megatrain.memory.GPU_FILL) with nothing resident, all when none does (the plan then refuses with its numbers).
+    recompute_inputs: R, or 'auto': none when the host holds the offloaded inputs, else as many of them as the host
+    lacks room for are recomputed instead (each costs one more layer forward and one more weight load a step).
+    Without a GPU 'auto' means none."""
     layers = case.model_config().num_layers
-    option = case.opts.offload_activations
+    option, recompute = case.opts.offload_activations, case.opts.recompute_inputs
+    if recompute != "auto" and recompute > layers - 1:
+        raise ValueError(f"recompute_inputs must be 'auto' or an integer from 0 to the model's {layers} layers less "
+                         f"one, got {recompute}")
+    if not isinstance(option, bool) and option != "auto" and option > layers:
+        raise ValueError(f"offload_activations must be true, false, 'auto' or a layer count from 0 to the model's "
+                         f"{layers} layers, got {option}")
+    limits = case_budget(case)
+    r = 0 if recompute == "auto" else recompute
+    fixed = {**case.options, "resident_embedding": False, "resident_layers": 0, "recompute_inputs": r}
     if isinstance(option, bool):
-        return layers if option else 0
-    if option != "auto":
-        if option > layers:
-            raise ValueError(f"offload_activations must be true, false, 'auto' or a layer count from 0 to the model's "
-                             f"{layers} layers, got {option}")
-        return option
-    gpu = case_budget(case).gpu_fill_bytes
-    if gpu is None:
-        return 0
-    fixed = {**case.options, "resident_embedding": False, "resident_layers": 0}
-    for k in range(layers + 1):  # the plan's GPU bytes fall as k grows: the first k that fits is the fewest
-        if plan_memory(dataclasses.replace(case, options={**fixed, "offload_activations": k}))["gpu_bytes"] <= gpu:
-            return k
-    return layers
+        k = layers if option else 0
+    elif option != "auto":
+        k = option
+    elif limits.gpu_fill_bytes is None:
+        k = 0
+    else:  # the plan's GPU bytes fall as k grows: the first k that fits is the fewest
+        k = next((k for k in range(layers + 1) if plan_memory(dataclasses.replace(
+            case, options={**fixed, "offload_activations": k}))["gpu_bytes"] <= limits.gpu_fill_bytes), layers)
+    k = min(k, layers - 1 - r) if r else k  # with inputs recomputed the embedding's output stays on the GPU
+    if recompute == "auto" and k and limits.gpu_fill_bytes is not None:
+        planned = plan_memory(dataclasses.replace(case, options={**fixed, "offload_activations": k}))
+        short = planned["host_bytes"] - limits.host_bytes
+        if short > 0:
+            r = min(k, layers - 1, -(-short // _activation_bytes(case)))
+            k = min(k - r, layers - 1 - r)
+    return k, r
+
+
+def _loaded_numel(units: list[Unit], resident: list[int], recomputed: int) -> int:
+    """Weight elements a step loads into the slots (recomputed layers' weights cross a third time, less the loads
+    the slots' reuse saves)."""
+    uses = plan_uses(len(units) - 2, frozenset(resident), recomputed)
+    return sum(units[u].numel for u, _, _, load in uses if load)
+
+
+def _activation_bytes(case: CaseConfig) -> int:
+    """One saved layer input for every micro-batch of a step."""
+    return case.batch * case.seq * case.model_config().hidden_size * case.dtype_bytes
 
 
 def plan_memory(case: CaseConfig) -> dict:
@@ -115,18 +143,19 @@ def plan_memory(case: CaseConfig) -> dict:
 
     mb, seq, h, i = case.micro_batch, case.seq, cfg.hidden_size, cfg.intermediate_size
     tokens_mb = mb * seq
-    offloaded = offloaded_layer_count(case)
+    offloaded, recomputed = activation_placement(case)
     mlp_tokens = min(tokens_mb, case.opts.mlp_chunk_tokens or tokens_mb)
     buffers = 2 * slot * w + embed * w + 2 * slot * 4 + embed * 4 + (2 * slot * w if w == 2 else 0)
     resident = resident_unit_indices(case)
     buffers += sum(resident_bytes(case, units[u]) for u in resident)
     if resident and case.precision == "bf16":  # the fp32 chunk resident bf16 weights are updated in
         buffers += min(OPT_CHUNK, max(units[u].numel for u in resident)) * 4
-    activation = case.batch * seq * h * w  # one layer's input for every micro-batch
-    # the kept inputs (and the head's); with any offloaded, at least an offloaded layer's input and output and the
-    # next input streaming back
-    kept = cfg.num_layers - offloaded + 1
-    checkpoints = (max(kept, 3) if offloaded else kept) * activation
+    activation = _activation_bytes(case)
+    # the kept inputs (and the head's: the early layers' dropped or offloaded ones have left before the later kept
+    # ones exist); with any offloaded, at least an offloaded layer's input and output and the next input streaming
+    # back; in backward the recomputed ones regenerated beside the embedding's output, the rest freed by then
+    kept = cfg.num_layers + 1 - offloaded - recomputed
+    checkpoints = max(kept, 3 if offloaded else 0, recomputed + 1) * activation
     host_activations = offloaded * activation
     # one layer's recompute + backward for a micro-batch: saved activations (~7H + q/k/v per token; the
     # MLP's 4I for one chunk of tokens; flash/SDPA keeps no S x S matrix) and the gradients alive beside
@@ -148,6 +177,8 @@ def plan_memory(case: CaseConfig) -> dict:
         "gpu_work_bytes": max(layer_work, head_work),
         "host_activation_bytes": host_activations,
         "offloaded_layers": offloaded,
+        "recomputed_inputs": recomputed,
+        "extra_h2d_bytes": (_loaded_numel(units, resident, recomputed) - _loaded_numel(units, resident, 0)) * w,
         "resident_units": resident,
     }
 
@@ -184,7 +215,7 @@ def check_fits(case: CaseConfig, limits: Budget | None = None) -> dict:
             f"{plan['gpu_checkpoint_bytes'] / GIB:.1f}, buffers {plan['gpu_buffers_bytes'] / GIB:.1f}, working "
             f"{plan['gpu_work_bytes'] / GIB:.1f}) but the GPU has {limits.gpu_bytes / GIB:.1f} GiB")
         advice.append("lower --batch or --seq, a smaller --micro-batch, or for long contexts "
-                      "--option offload_activations=auto --option mlp_chunk_tokens=N")
+                      "--option offload_activations=auto --option recompute_inputs=auto --option mlp_chunk_tokens=N")
     plan.update(fits=not reasons, reason="; ".join(reasons) or None, advice="; ".join(advice) or None,
                 host_need_bytes=host_need, host_available_bytes=limits.host_bytes, gpu_available_bytes=limits.gpu_bytes)
     return plan

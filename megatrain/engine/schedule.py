@@ -8,7 +8,9 @@ consecutive uses; while use k computes, the weights of use k+1 stream into the o
 stream). A slot that still holds the unit a use needs is reused without a copy (layer L after the
 head). Backward recomputes each layer from its saved input with grad enabled on views of the slot,
 so every layer crosses PCIe exactly twice per step. Saved layer inputs stay on the GPU or, for long
-contexts, go to pinned host memory and come back one layer ahead of backward (engine/activations.py).
+contexts, go to pinned host memory and come back one layer ahead of backward, or are not kept at all: the first R
+layers then run forward a third time ('refwd', their weights loaded again) just before their backward, once the
+later layers' backward has freed the memory their regenerated inputs take (engine/activations.py).
 Gradients accumulate over micro-batches in an fp32 GPU buffer (two, alternating), their squared
 norm is summed on the GPU, and they leave in the streamed dtype on the D2H stream while the next
 layer's backward runs. The embedding stays in its
@@ -40,11 +42,15 @@ from megatrain.models.transformer import packed_rope_and_mask
 from megatrain.optim.host_adamw import FlatAdamW
 
 
-def plan_uses(num_layers: int, resident: frozenset = frozenset()) -> list[tuple[int, str, int | None, bool]]:
+def plan_uses(num_layers: int, resident: frozenset = frozenset(), recomputed: int = 0
+              ) -> list[tuple[int, str, int | None, bool]]:
     """(unit index, phase, weight slot, needs a load) for every use of a step; resident units (weights
-    kept on the GPU) take no slot (None) and no load."""
+    kept on the GPU) take no slot (None) and no load. With `recomputed` inputs, layers 1..recomputed run forward
+    again ('refwd') right before layer recomputed+1's backward, to regenerate them."""
     uses = [(u, "fwd") for u in range(1, num_layers + 1)] + [(num_layers + 1, "head")]
-    uses += [(u, "bwd") for u in range(num_layers, 0, -1)]
+    uses += [(u, "bwd") for u in range(num_layers, recomputed + 1, -1)]
+    uses += [(u, "refwd") for u in range(1, recomputed + 1)]
+    uses += [(u, "bwd") for u in range(min(recomputed + 1, num_layers), 0, -1)]
     content: list[int | None] = [None, None]
     plan, prev = [], None
     for unit, phase in uses:
@@ -63,7 +69,8 @@ def plan_uses(num_layers: int, resident: frozenset = frozenset()) -> list[tuple[
 
 class Schedule:
     def __init__(self, case: CaseConfig, store: HostStore, optimizer: HostOptimizer, streams: StreamSet,
-                 device: torch.device, resident_units: list[int], offloaded_layers: int = 0):
+                 device: torch.device, resident_units: list[int], offloaded_layers: int = 0,
+                 recomputed_inputs: int = 0):
         cfg = case.model_config()
         self.case, self.store, self.optimizer, self.streams, self.device = case, store, optimizer, streams, device
         self.cfg = cfg
@@ -80,11 +87,11 @@ class Schedule:
             [torch.empty(slot_numel, dtype=grad_dt, device=device) for _ in range(2)]
         self.layer_t = LayerTemplate(cfg, compile_layer=case.compile,
                                      mlp_chunk_tokens=case.opts.mlp_chunk_tokens)
-        self.acts = ActivationStore(streams, device, offloaded_layers,
-                                    cfg.num_layers, case.grad_accum, (case.micro_batch, case.seq, cfg.hidden_size), dt)
+        self.acts = ActivationStore(streams, device, offloaded_layers, cfg.num_layers, case.grad_accum,
+                                    (case.micro_batch, case.seq, cfg.hidden_size), dt, recomputed_inputs)
         self.head_t = HeadTemplate(cfg)
         self.cos, self.sin = rotary_tables(cfg, case.seq, device, dt)
-        self.plan = plan_uses(cfg.num_layers, frozenset(resident_units))
+        self.plan = plan_uses(cfg.num_layers, frozenset(resident_units), self.acts.recomputed)
         self.slot_free = [None, None]  # compute-stream event: last use of the weight slot finished
         self.gslot_free = [None, None]  # d2h-stream event: last gradient copied out of the grad slot
         self.embed_free = None  # d2h-stream event: the embedding gradient left the embedding buffer
@@ -177,11 +184,13 @@ class Schedule:
                 weights = self.resident[u]["w"] if slot is None else self.wbuf[slot]
                 if phase == "fwd":
                     self._forward(unit, weights)
+                elif phase == "refwd":
+                    self._reforward(unit, weights)
                 elif phase == "head":
                     self._head(unit, weights, gslot, labels, normalizer, embed_w)
                 else:
                     self._backward(unit, weights, gslot)
-                if phase != "fwd" and slot is not None:  # streamed head/backward fill alternating grad slots
+                if phase in ("head", "bwd") and slot is not None:  # streamed head/backward fill alternating grad slots
                     gslot = 1 - gslot
                 end = s.record("compute")
                 s.span("compute", u, phase, start, end)
@@ -233,6 +242,13 @@ class Schedule:
             outputs = [self.layer_t(params, x, *self.rope[m]) for m, x in enumerate(self.acts.gpu[layer - 1])]
         self.acts.put(layer, outputs)
         self.acts.consumed(layer - 1)
+
+    def _reforward(self, unit: Unit, wbuf: torch.Tensor) -> None:
+        """Regenerate a recomputed input: the same forward again, its output kept on the GPU for backward."""
+        params = bind(unit, wbuf, requires_grad=False)
+        with torch.no_grad():
+            outputs = [self.layer_t(params, x, *self.rope[m]) for m, x in enumerate(self.acts.gpu[unit.index - 1])]
+        self.acts.restore(unit.index, outputs)
 
     def _accumulate(self, gacc: torch.Tensor, unit: Unit, names: list[str], grads) -> None:
         views = bind(unit, gacc, requires_grad=False)

@@ -37,7 +37,7 @@ class StreamingSystem:
                                        skip=frozenset(resident))
         self.streams = StreamSet(self.device, timeline=case.opts.timeline, stress_seed=case.opts.stream_stress)
         self.schedule = Schedule(case, self.store, self.optimizer, self.streams, self.device, resident,
-                                 self.plan["offloaded_layers"])
+                                 self.plan["offloaded_layers"], self.plan["recomputed_inputs"])
 
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, segments_BS: torch.Tensor | None = None) -> float:
         return self.schedule.step(inputs_BS, labels_BS, valid_tokens(labels_BS), segments_BS)
@@ -58,10 +58,9 @@ class StreamingSystem:
             "grad_slots": 2,
             "streams": ["h2d", "compute", "d2h"] if self.streams.cuda else ["host"],
             "optimizer": f"host AdamW ({self.optimizer.kernel} kernel) on flat tiles, overlapped with the next forward",
-            "activation_checkpointing": f"every layer, the inputs of the first {self.schedule.acts.offloaded} of "
-            f"{self.case.model_config().num_layers} saved in pinned host memory, the rest on the GPU; recomputed in "
-            "backward",
+            "activation_checkpointing": self._checkpointing(),
             "offloaded_layers": self.schedule.acts.offloaded,
+            "recomputed_inputs": self.schedule.acts.recomputed,
             "mlp_chunk_tokens": self.schedule.layer_t.module.mlp.chunk_tokens,
             "compile": self.schedule.layer_t.compiled,
             "resident_units": sorted(self.schedule.resident),
@@ -92,6 +91,15 @@ class StreamingSystem:
             "host_bytes_per_param": rss / self.num_params,
             "timeline": self.schedule.timeline,
         }
+
+    def _checkpointing(self) -> str:
+        acts, layers = self.schedule.acts, self.case.model_config().num_layers
+        recomputed = f"layers 2-{acts.recomputed + 1}'s not kept but regenerated in backward by running layers " \
+            f"1-{acts.recomputed} forward again, " if acts.recomputed else ""
+        offloaded = f"layers {acts.host_indices.start + 1}-{acts.host_indices.stop}'s saved in pinned host memory, " \
+            if acts.offloaded else ""
+        return f"every layer of {layers}, from its saved input: {recomputed}{offloaded}the rest on the GPU; each " \
+            "layer recomputed in backward"
 
     def evaluate(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor,
                  segments_BS: torch.Tensor | None = None) -> float:

@@ -59,9 +59,12 @@ FP32_SETS = {
     "mlp-chunks": ({}, {"mlp_chunk_tokens": 128}),
     "offload-mlp-chunks-1-resident-eager": ({"compile": False}, {"offload_activations": True, "mlp_chunk_tokens": 128,
                                                                  "resident_layers": 1}),
+    "recompute-2-inputs": ({}, {"recompute_inputs": 2}),
+    "recompute-1-offload-1-tied": ({"model": "tiny-tied", "num_layers": 3}, {"recompute_inputs": 1,
+                                                                            "offload_activations": 1}),
 }
 STRESS_SETS = ["compiled", "tied", "resident-embedding-2-layers", "offload-activations", "offload-first-2-layers",
-               "offload-mlp-chunks-1-resident-eager"]
+               "offload-mlp-chunks-1-resident-eager", "recompute-2-inputs", "recompute-1-offload-1-tied"]
 STRESS_SEEDS = [1, 2, 3]
 _runs: dict[str, tuple] = {}
 
@@ -150,6 +153,8 @@ SANITIZER_SETS = {
     "tied-all-resident": ({"model": "tiny-tied"}, {"resident_embedding": True, "resident_layers": 3}),
     "offload-activations-mlp-chunks": ({}, {"offload_activations": True, "mlp_chunk_tokens": 64}),
     "offload-first-2-layers": ({}, {"offload_activations": 2}),
+    "recompute-1-offload-1-mlp-chunks": ({}, {"recompute_inputs": 1, "offload_activations": 1, "mlp_chunk_tokens": 64}),
+    "recompute-2-1-resident": ({}, {"recompute_inputs": 2, "resident_layers": 1}),
 }
 _SANITIZED_RUNS = """
 import json, sys
@@ -185,7 +190,11 @@ CURVE_STEPS = 16
 CURVE_SHAPES = {
     "qwen2.5-0.5b-b8-s1024": dict(model="qwen2.5-0.5b", batch=8, seq=1024),
     "small-b8-mb4-s512": dict(model="small", batch=8, micro_batch=4, seq=512),
+    # long context: 10 steps of one 32k-token sequence
+    "qwen2.5-1.5b-b1-s32768": dict(model="qwen2.5-1.5b", batch=1, seq=32768, steps=10),
 }
+# the long-context options together: 8 of 28 inputs recomputed, the next 8 offloaded, SwiGLU in 4k-token chunks
+LONG_CONTEXT = {"recompute_inputs": 8, "offload_activations": 8, "mlp_chunk_tokens": 4096}
 # name -> (precision, case fields over the shape, engine options over STREAMED); compiled unless a set says not
 CURVE_SETS = {
     "mixed": ("mixed", {}, {}),
@@ -201,17 +210,22 @@ CURVE_SETS = {
     "mixed-stress": ("mixed", {}, {"stream_stress": 1}),
     "bf16-offload-stress": ("bf16", {}, {"offload_activations": True, "stream_stress": 2}),
     "bf16-offload-first-12-stress": ("bf16", {}, {"offload_activations": 12, "stream_stress": 3}),
+    "bf16-recompute-6-offload-6-stress": ("bf16", {}, {"recompute_inputs": 6, "offload_activations": 6,
+                                                        "stream_stress": 4}),
+    "mixed-long-context": ("mixed", {}, LONG_CONTEXT),
+    "bf16-long-context": ("bf16", {}, LONG_CONTEXT),
 }
-CURVE_CASES = [("qwen2.5-0.5b-b8-s1024", name) for name in CURVE_SETS] + [
+CURVE_CASES = [("qwen2.5-0.5b-b8-s1024", name) for name in CURVE_SETS if "long-context" not in name] + [
     ("small-b8-mb4-s512", name) for name in ("mixed", "bf16", "mixed-offload-activations", "mixed-resident-by-plan",
-                                             "bf16-offload-stress")]
+                                             "bf16-offload-stress")] + [
+    ("qwen2.5-1.5b-b1-s32768", name) for name in ("mixed", "bf16", "mixed-long-context", "bf16-long-context")]
 _native_curves: dict[tuple[str, str], list[list[float]]] = {}
 
 
 def _curve(system: str, shape: str, precision: str, fields: dict | None = None, options: dict | None = None):
-    case = CaseConfig(system=system, device="cuda", dtype="bfloat16", precision=precision, steps=CURVE_STEPS,
-                      repeat_batch=True, seed=0, **{**CURVE_SHAPES[shape], "compile": system == "megatrain",
-                                                   **(fields or {})},
+    case = CaseConfig(system=system, device="cuda", dtype="bfloat16", precision=precision, repeat_batch=True, seed=0,
+                      **{"steps": CURVE_STEPS, **CURVE_SHAPES[shape], "compile": system == "megatrain",
+                         **(fields or {})},
                       options={**STREAMED, **(options or {})} if system == "megatrain" else {})
     record = run_case(case)
     assert record["status"] == "ok", (record["error"], record.get("traceback"))

@@ -10,7 +10,7 @@ from torch._dynamo.exc import BackendCompilerFailed
 
 from megatrain.config import CaseConfig, OptimConfig
 from megatrain.engine.layout import build_units
-from megatrain.engine.plan import check_fits, plan_memory
+from megatrain.engine.plan import activation_placement, check_fits, plan_memory
 from megatrain.engine.schedule import plan_uses
 from megatrain.engine.templates import LayerTemplate, bind
 from megatrain.memory import GPU_FILL, Budget
@@ -34,6 +34,14 @@ CASES = {
                                          options={"offload_activations": 2}),
     "offload-chunked-mlp-tied": dict(model="tiny-tied", num_layers=3, batch=2, seq=16,
                                      options={"offload_activations": True, "mlp_chunk_tokens": 8}),
+    "recompute-2-of-4-inputs-accum": dict(model="tiny", num_layers=4, batch=4, micro_batch=2, seq=16,
+                                          options={"recompute_inputs": 2}),
+    "recompute-1-offload-2-tied-chunked": dict(model="tiny-tied", num_layers=5, batch=2, seq=16,
+                                               options={"recompute_inputs": 1, "offload_activations": 2,
+                                                        "mlp_chunk_tokens": 8}),
+    "recompute-all-3-2-resident-clip": dict(model="tiny", num_layers=4, batch=4, micro_batch=2, seq=16,
+                                            optim=OptimConfig(lr=1e-3, max_grad_norm=0.05),
+                                            options={"recompute_inputs": 3, "resident_layers": 2}),
     "resident-embedding-clip": dict(model="tiny", batch=4, micro_batch=2, seq=16,
                                     optim=OptimConfig(lr=1e-3, max_grad_norm=0.05),
                                     options={"resident_embedding": True}),
@@ -78,6 +86,48 @@ def test_only_the_first_k_layer_inputs_cross_pcie():
     act_bytes = 3 * 2 * 8 * 64 * 4  # layers 1..3's inputs, [2, 8, 64] fp32 each, out and back
     assert off["d2h_bytes"] - plain["d2h_bytes"] == act_bytes
     assert off["h2d_bytes"] - plain["h2d_bytes"] == act_bytes
+
+
+def test_recomputed_inputs_cost_weight_loads_and_no_activation_traffic():
+    kw = dict(steps=2, model="tiny", num_layers=4, batch=2, seq=8)
+    _, _, plain = _train("megatrain", **kw)
+    layer_bytes = build_units(CaseConfig(system="megatrain", model="tiny").model_config())[1].numel * 4
+    # (recomputed, offloaded) -> layer loads beyond two a layer: layers 1..R load again, but the slots' reuse of
+    # unit R (refwd R then bwd R, one use apart) saves one, and all of them recomputed lose the head's saving of L
+    for r, k, extra in [(1, 2, 0), (2, 0, 1), (3, 0, 3)]:
+        _, _, run = _train("megatrain", **kw, options={"recompute_inputs": r, "offload_activations": k})
+        act_bytes = k * 2 * 8 * 64 * 4  # the offloaded inputs, [2, 8, 64] fp32 each, out and back
+        assert run["h2d_bytes"] - plain["h2d_bytes"] == extra * layer_bytes + act_bytes, (r, k)
+        assert run["d2h_bytes"] - plain["d2h_bytes"] == act_bytes, (r, k)
+        case = CaseConfig(system="megatrain", **kw, options={"recompute_inputs": r, "offload_activations": k})
+        assert plan_memory(case)["extra_h2d_bytes"] == extra * layer_bytes
+
+
+def test_plan_uses_regenerate_the_recomputed_inputs_right_before_their_backward():
+    uses = [(u, phase) for u, phase, _, _ in plan_uses(4, recomputed=2)]
+    assert uses == [(1, "fwd"), (2, "fwd"), (3, "fwd"), (4, "fwd"), (5, "head"), (4, "bwd"), (1, "refwd"),
+                    (2, "refwd"), (3, "bwd"), (2, "bwd"), (1, "bwd")]
+    assert [load for u, phase, _, load in plan_uses(4, recomputed=2) if phase == "bwd"] == [False, True, False, True]
+
+
+def test_auto_recompute_takes_from_the_offloaded_inputs_what_the_host_cannot_hold(monkeypatch):
+    from megatrain.engine import plan as plan_mod
+
+    case = CaseConfig(system="megatrain", model="qwen2.5-3b", dtype="bfloat16", precision="bf16", batch=1, seq=65536,
+                      device="cuda", options={"offload_activations": 10, "recompute_inputs": "auto"})
+    activation = 65536 * case.model_config().hidden_size * 2
+    fixed = {"resident_embedding": False, "resident_layers": 0}
+    host_at_10 = plan_memory(dataclasses.replace(case, options={**fixed, "offload_activations": 10}))["host_bytes"]
+    monkeypatch.setattr(plan_mod, "case_budget", lambda c: Budget(host_at_10, 2**45, "test"))  # room for all 10
+    assert activation_placement(case) == (10, 0)
+    monkeypatch.setattr(plan_mod, "case_budget", lambda c: Budget(host_at_10 - 3 * activation + 1, 2**45, "test"))
+    assert activation_placement(case) == (7, 3)  # 3 short: 3 recomputed instead
+    planned = plan_memory(case)
+    assert planned["host_activation_bytes"] == 7 * activation and planned["recomputed_inputs"] == 3
+    monkeypatch.setattr(plan_mod, "case_budget", lambda c: Budget(2**30, 2**45, "test"))  # hopeless: all recomputed
+    assert activation_placement(case) == (0, 10)
+    with pytest.raises(ValueError, match="recompute_inputs must be 'auto' or an integer from 0 to the model's 36"):
+        plan_memory(dataclasses.replace(case, options={"recompute_inputs": 36}))
 
 
 def test_auto_offload_takes_the_fewest_layers_that_fit_and_residency_fills_what_is_left(monkeypatch):
