@@ -157,11 +157,14 @@ def plan_memory(case: CaseConfig) -> dict:
     kept = cfg.num_layers + 1 - offloaded - recomputed
     checkpoints = max(kept, 3 if offloaded else 0, recomputed + 1) * activation
     host_activations = offloaded * activation
-    # one layer's recompute + backward for a micro-batch: saved activations (~7H + q/k/v per token; the
+    # one layer's recompute + backward for a micro-batch: saved activations (~11H + q/k/v per token; the
     # MLP's 4I for one chunk of tokens; flash/SDPA keeps no S x S matrix) and the gradients alive beside
-    # them. Calibrated on H200 peaks at batch 128 (results/smoke_gpu, Qwen2.5-1.5B/3B): peak minus
-    # saved inputs and buffers was 0.87-0.89x of this element count, so 1.0x keeps a ~12% margin.
-    layer_work = int(w * (tokens_mb * (7 * h + cfg.q_size + 2 * cfg.kv_size) + mlp_tokens * 4 * i))
+    # them. Calibrated on two kinds of peak. Short context, MLP whole (results/smoke_gpu, H200, Qwen2.5-1.5B/3B at
+    # batch 128): peak minus saved inputs and buffers was 0.87-0.89x of the count with 7H, ~0.78x of this one. Long
+    # context, MLP chunked (results/long_context/layer_profile-qwen2.5-7b-s524288.json: one 7B layer at 512k, cuDNN
+    # flash attention): 47.6 GiB beside its input, output gradient and weights, ~45k elements per token against
+    # 32k counted with 7H, so the attention block's share was raised to 11H: 0.97x of this count.
+    layer_work = int(w * (tokens_mb * (11 * h + cfg.q_size + 2 * cfg.kv_size) + mlp_tokens * 4 * i))
     # loss: fp32 logits of one chunk, the head's fp32 weight gradient and its per-chunk product
     head_work = min(chunk_tokens_for(cfg.vocab_size), tokens_mb) * cfg.vocab_size * 4 * 2 + cfg.vocab_size * h * (4 + w)
     gpu = buffers + checkpoints + max(layer_work, head_work) + tokens_mb * h * w * 2 + GPU_RESERVE_BYTES
