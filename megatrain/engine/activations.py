@@ -46,7 +46,8 @@ class ActivationStore:
                 self.pinned_bytes = pin_tensor(self.host)
 
     def put(self, index: int, xs: list[torch.Tensor]) -> None:
-        """Save the activations `index` (the input of layer index+1, the head's for the last)."""
+        """Save the activations `index` (the input of layer index+1, the head's for the last); a recomputed input,
+        saved again when regenerated in backward, stays on the GPU until taken."""
         self.gpu[index] = xs
         if index not in self.host_indices:
             return
@@ -68,10 +69,6 @@ class ActivationStore:
         """The forward no longer needs activations `index` on the GPU."""
         if index in self.host_indices or 1 <= index <= self.recomputed:
             del self.gpu[index]
-
-    def restore(self, index: int, xs: list[torch.Tensor]) -> None:
-        """Activations `index` regenerated in backward (recomputed inputs): on the GPU until taken."""
-        self.gpu[index] = xs
 
     def prefetch(self, index: int) -> None:
         """Start bringing activations `index` back for backward (no-op when they never left)."""

@@ -182,10 +182,8 @@ class Schedule:
                     self.stall_events.append((before, after))
                 start = s.record("compute")
                 weights = self.resident[u]["w"] if slot is None else self.wbuf[slot]
-                if phase == "fwd":
-                    self._forward(unit, weights)
-                elif phase == "refwd":
-                    self._reforward(unit, weights)
+                if phase in ("fwd", "refwd"):
+                    self._forward(unit, weights, regenerate=phase == "refwd")
                 elif phase == "head":
                     self._head(unit, weights, gslot, labels, normalizer, embed_w)
                 else:
@@ -235,20 +233,16 @@ class Schedule:
             u, _, slot, _ = self.plan[k]
             ready[k] = self._load(self.units[u], self.wbuf[slot], self.slot_free[slot])
 
-    def _forward(self, unit: Unit, wbuf: torch.Tensor) -> None:
+    def _forward(self, unit: Unit, wbuf: torch.Tensor, regenerate: bool = False) -> None:
+        """Layer u reads activations u-1 and writes activations u. regenerate: a recomputed input's second forward
+        in backward ('refwd'), whose input stays on the GPU for that layer's own backward."""
         params = bind(unit, wbuf, requires_grad=False)
-        layer = unit.index  # layer u reads activations u-1 and writes activations u
+        layer = unit.index
         with torch.no_grad():
             outputs = [self.layer_t(params, x, *self.rope[m]) for m, x in enumerate(self.acts.gpu[layer - 1])]
         self.acts.put(layer, outputs)
-        self.acts.consumed(layer - 1)
-
-    def _reforward(self, unit: Unit, wbuf: torch.Tensor) -> None:
-        """Regenerate a recomputed input: the same forward again, its output kept on the GPU for backward."""
-        params = bind(unit, wbuf, requires_grad=False)
-        with torch.no_grad():
-            outputs = [self.layer_t(params, x, *self.rope[m]) for m, x in enumerate(self.acts.gpu[unit.index - 1])]
-        self.acts.restore(unit.index, outputs)
+        if not regenerate:
+            self.acts.consumed(layer - 1)
 
     def _accumulate(self, gacc: torch.Tensor, unit: Unit, names: list[str], grads) -> None:
         views = bind(unit, gacc, requires_grad=False)
