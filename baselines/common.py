@@ -1,5 +1,6 @@
-"""What the module-owning baselines (native, FSDP2) share: one optimizer step with gradient accumulation,
-and per-layer compilation (DeepSpeed compiles its own way, megatrain.engine its templates)."""
+"""What the baselines share: the micro-batches of a step and the held-out loss over them (all three), and for the
+module-owning ones (native, FSDP2) one optimizer step with gradient accumulation and per-layer compilation
+(DeepSpeed steps and compiles its own way, megatrain.engine has its templates)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,16 @@ from megatrain.config import CaseConfig
 from megatrain.models.loss import valid_tokens
 
 
+def micro_batches(case: CaseConfig, device: torch.device, inputs_BS: torch.Tensor, labels_BS: torch.Tensor,
+                  segments_BS: torch.Tensor | None = None):
+    """(inputs, labels, segments or None) of each micro-batch of a step, on `device`."""
+    mb = case.micro_batch
+    for start in range(0, inputs_BS.shape[0], mb):
+        seg = None if segments_BS is None else segments_BS[start:start + mb].to(device, non_blocking=True)
+        yield (inputs_BS[start:start + mb].to(device, non_blocking=True),
+               labels_BS[start:start + mb].to(device, non_blocking=True), seg)
+
+
 def accumulate_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, case: CaseConfig,
                         device: torch.device, inputs_BS: torch.Tensor, labels_BS: torch.Tensor,
                         autocast=contextlib.nullcontext, segments_BS: torch.Tensor | None = None
@@ -22,12 +33,8 @@ def accumulate_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     Returns (the mean loss, whether the update was applied, the global gradient norm before clipping)."""
     normalizer = valid_tokens(labels_BS)
     total = torch.zeros((), device=device)
-    mb = case.micro_batch
-    for start in range(0, inputs_BS.shape[0], mb):
-        x = inputs_BS[start:start + mb].to(device, non_blocking=True)
-        y = labels_BS[start:start + mb].to(device, non_blocking=True)
+    for x, y, seg in micro_batches(case, device, inputs_BS, labels_BS, segments_BS):
         with autocast():
-            seg = None if segments_BS is None else segments_BS[start:start + mb].to(device, non_blocking=True)
             loss = model(x, y, normalizer, seg)
         loss.backward()
         total += loss.detach().float()
@@ -58,10 +65,10 @@ COMPILED_LAYERS = "torch.compile(dynamic=False) of each decoder layer"
 def evaluate_micro_batches(model: torch.nn.Module, case: CaseConfig, device: torch.device, inputs_BS: torch.Tensor,
                            labels_BS: torch.Tensor, segments_BS: torch.Tensor | None = None,
                            autocast=contextlib.nullcontext) -> float:
-    """The summed token loss over the batch's valid tokens, micro-batch by micro-batch, without gradients."""
-    normalizer, mb, total = valid_tokens(labels_BS), case.micro_batch, 0.0
-    for i in range(0, inputs_BS.shape[0], mb):
-        seg = None if segments_BS is None else segments_BS[i:i + mb].to(device)
+    """The summed token loss over the batch's valid tokens, micro-batch by micro-batch, without gradients (`model`:
+    a module, or DeepSpeed's engine around one)."""
+    normalizer, total = valid_tokens(labels_BS), 0.0
+    for x, y, seg in micro_batches(case, device, inputs_BS, labels_BS, segments_BS):
         with autocast():
-            total += float(model(inputs_BS[i:i + mb].to(device), labels_BS[i:i + mb].to(device), normalizer, seg))
+            total += float(model(x, y, normalizer, seg))
     return total

@@ -20,10 +20,11 @@ from pathlib import Path
 
 import torch
 
-from baselines.common import COMPILED_LAYERS
+from baselines.common import COMPILED_LAYERS, evaluate_micro_batches, micro_batches
 from baselines.dist import single_process_env, warn_if_bf16_precision
 from megatrain.config import CaseConfig
 from megatrain.models import Transformer
+from megatrain.models.hf import copy_named_weights
 from megatrain.models.init import init_module
 from megatrain.models.loss import valid_tokens
 from megatrain.optim.groups import adamw_param_groups
@@ -119,6 +120,22 @@ class _GatheredMasters(Mapping):
         return len(self.params)
 
 
+class _ZeroParam:
+    """A ZeRO-3 parameter as a weight-copy target (megatrain.models.hf.copy_named_weights): its full shape, and a
+    copy that writes both copies of the weight, the module's partition (gathered, written, re-partitioned) and the
+    optimizer's fp32 master partition."""
+
+    def __init__(self, param: torch.nn.Parameter, ds, device: torch.device):
+        self.param, self.ds, self.device, self.shape = param, ds, device, param.ds_shape
+
+    def copy_(self, tensor: torch.Tensor) -> None:
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        with self.ds.zero.GatheredParameters([self.param], modifier_rank=0):
+            self.param.data.copy_(tensor)
+        safe_set_full_fp32_param(self.param, tensor.to(self.device, torch.float32))
+
+
 class DeepSpeedSystem:
     def __init__(self, case: CaseConfig):
         self.case = case
@@ -164,18 +181,11 @@ class DeepSpeedSystem:
             self.optimizer_desc = "torch.optim.AdamW (client optimizer on the host partitions)"
         self.engine, *_ = ds.initialize(model=model, optimizer=optimizer, config=self.config)
 
-    def _micro_batches(self, inputs_BS, labels_BS, segments_BS):
-        mb = self.case.micro_batch
-        for start in range(0, inputs_BS.shape[0], mb):
-            seg = None if segments_BS is None else segments_BS[start:start + mb].to(self.device, non_blocking=True)
-            yield (inputs_BS[start:start + mb].to(self.device, non_blocking=True),
-                   labels_BS[start:start + mb].to(self.device, non_blocking=True), seg)
-
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, segments_BS: torch.Tensor | None = None) -> float:
         normalizer = valid_tokens(labels_BS)
         total = torch.zeros((), device=self.device)
         steps_before = self.engine.global_steps
-        for x, y, seg in self._micro_batches(inputs_BS, labels_BS, segments_BS):
+        for x, y, seg in micro_batches(self.case, self.device, inputs_BS, labels_BS, segments_BS):
             loss = self.engine(x, y, normalizer, seg)
             # The normaliser already spans the whole step; DeepSpeed's own 1/GAS scaling would count it twice.
             self.engine.backward(loss, scale_wrt_gas=False)
@@ -211,35 +221,18 @@ class DeepSpeedSystem:
         """The fp32 master weights (the optimizer's partitions), gathered, under our names."""
         return {n: w.clone() for n, w in self.export_weights().items()}
 
-    @torch.no_grad()
     def evaluate(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor,
                  segments_BS: torch.Tensor | None = None) -> float:
-        normalizer = valid_tokens(labels_BS)
-        return sum(float(self.engine(x, y, normalizer, seg))
-                   for x, y, seg in self._micro_batches(inputs_BS, labels_BS, segments_BS))
+        return evaluate_micro_batches(self.engine, self.case, self.device, inputs_BS, labels_BS, segments_BS)
 
     def set_lr(self, lr: float) -> None:
         for group in self.engine.optimizer.param_groups:  # the client optimizer's groups: read at every step
             group["lr"] = lr
 
-    @torch.no_grad()
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Both copies of each weight: the module's partition (gathered, written, re-partitioned) and the
-        optimizer's fp32 master partition, one weight at a time."""
-        from deepspeed.utils import safe_set_full_fp32_param
-
-        params = dict(self.engine.module.named_parameters())
-        seen = set()
-        for name, tensor in named:
-            if name not in params or tuple(tensor.shape) != tuple(params[name].ds_shape):
-                raise ValueError(f"weight {name!r} {tuple(tensor.shape)} does not match this model's parameters")
-            param = params[name]
-            with self.ds.zero.GatheredParameters([param], modifier_rank=0):
-                param.data.copy_(tensor)
-            safe_set_full_fp32_param(param, tensor.to(self.device, torch.float32))
-            seen.add(name)
-        if missing := sorted(set(params) - seen):
-            raise ValueError(f"weights missing: {missing}")
+        """Both copies of each weight, one weight at a time (_ZeroParam)."""
+        copy_named_weights({n: _ZeroParam(p, self.ds, self.device) for n, p in self.engine.module.named_parameters()},
+                           named)
 
     def export_weights(self) -> Mapping[str, torch.Tensor]:
         """The fp32 master weights by name, each gathered when read (never the whole model at once)."""

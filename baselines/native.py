@@ -66,7 +66,6 @@ class NativeSystem:
     def named_parameters_fp32(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().float().cpu().clone() for n, p in self.model.named_parameters()}  # a snapshot
 
-    @torch.no_grad()
     def evaluate(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor,
                  segments_BS: torch.Tensor | None = None) -> float:
         return evaluate_micro_batches(self.model, self.case, self.device, inputs_BS, labels_BS, segments_BS,
