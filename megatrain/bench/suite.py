@@ -6,10 +6,10 @@ their product. Every other key is a CaseConfig field (micro_batch, steps, option
 `label` (a format string over {system} and {precision}; a compiled case's label ends in '-compiled'),
 `timeout_s` and `ladder`.
 
-`ladder = "batch"` (or "seq") makes that list a ladder: per system (and every other setting), the
-values run in increasing order and the runner stops climbing after the first case that does not
-end `ok` (OOM, skipped as not fitting, error, time-out). This is how "each system's largest batch"
-is found. Cases above the stop are not run and not recorded.
+`ladder = "batch"` (or "seq", or "num_layers": a model's depth) makes that list a ladder: per system
+(and every other setting), the values run in increasing order and the runner stops climbing after the
+first case that does not end `ok` (OOM, skipped as not fitting, error, time-out). This is how "each
+system's largest batch" (or deepest model) is found. Cases above the stop are not run and not recorded.
 
 The runner (`run_suite`) probes the machine once (in a subprocess, so that this process never
 holds a CUDA context), keeps the cases whose hardware profile this machine matches, asks each
@@ -115,8 +115,8 @@ def _expand_group(group: dict, index: int, default_timeout_s: float) -> list[Sui
     name = group.get("name", f"group{index}")
     ladder = group.get("ladder")
     if ladder is not None:
-        if ladder not in ("batch", "seq"):
-            raise ValueError(f"group {name}: ladder must be 'batch' or 'seq', got {ladder!r}")
+        if ladder not in ("batch", "seq", "num_layers"):
+            raise ValueError(f"group {name}: ladder must be 'batch', 'seq' or 'num_layers', got {ladder!r}")
         steps = _as_list(group.get(ladder))
         if steps != sorted(set(steps)):
             raise ValueError(f"group {name}: ladder {ladder} values must increase, got {steps}")
@@ -379,7 +379,7 @@ def run_suite(suite: Suite, out_dir: Path, only: str | None = None, timeout_s: f
             status = record["status"]
             log(f"[{status} {_progress(position, len(cases), time.perf_counter() - t0)}] {summary_line(record)}")
         if case.ladder and status is not None and status != "ok":
-            stopped[case.ladder] = f"{case.label} b{case.config.batch} s{case.config.seq} was {status}"
+            stopped[case.ladder] = f"{case.name} was {status}"
         bar.update()
     bar.close()
     counts = {s: sum(r["status"] == s for r in new_records) for s in ("ok", "oom", "error", "timeout", "skipped")}

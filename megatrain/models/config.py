@@ -82,6 +82,15 @@ class ModelConfig:
         """Exact parameter count (tied embeddings counted once)."""
         return self.embedding_params() + self.num_layers * self.layer_params() + self.head_params()
 
+    def param_numels(self) -> list[int]:
+        """Element counts of every parameter tensor of the model (tied embeddings once)."""
+        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_size, self.kv_size
+        layer = [h * q, h * kv, h * kv, q * h] + [h * i] * 3 + [h, h]
+        if self.qkv_bias:
+            layer += [q, kv, kv]
+        head = [h] + ([] if self.tie_embeddings else [self.vocab_size * h])
+        return [self.vocab_size * h] + layer * self.num_layers + head
+
     def matmul_params(self) -> int:
         """Parameters that take part in a matmul per token (layers' matrices and the LM head)."""
         h, i = self.hidden_size, self.intermediate_size

@@ -1,0 +1,207 @@
+"""Measure the performance model's ingredients on this machine, as the engine runs them (one JSON file).
+
+python -m megatrain.bench.ingredients --out results/ingredients/h200-141g-128g.json
+    [--models qwen2.5-0.5b,...] [--tokens 8192,32768] [--long-seqs 8192,32768,131072]
+
+- the machine probe (megatrain.bench.hardware.measure: pinned PCIe each way and both, bf16 GEMM, torch's fused CPU
+  AdamW), and the host's copy rate (one 2 GiB tensor into another: GB copied per second);
+- the engine's own host AdamW kernel (megatrain.optim.fused, the one-pass C++ update) in both precisions, in
+  G params/s over 128M parameters of host tiles laid out as the store keeps them;
+- per model shape, at seq 1024 and each token count, eager and compiled: one decoder layer's forward (no grad, as
+  the engine's forward) and its recompute + backward with the fp32 gradient accumulation and squared norm the
+  engine adds (`bwd_ms`), through the engine's LayerTemplate; the head (final norm, chunked LM-head loss, and its
+  backward: the engine's fused head use);
+- attention alone (SDPA, causal, enable_gqa, as the layer calls it) per sequence, forward and forward + backward,
+  at seq 1024 for every shape and at the long sequences for the shapes given with --long-models.
+
+Each measurement that fails (out of memory) is recorded with its error; the file is rewritten after each shape, so
+a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from megatrain.bench.env import environment
+from megatrain.bench.hardware import GIB, measure
+from megatrain.bench.layer_profile import bench_ms
+from megatrain.engine.store import OPT_CHUNK
+from megatrain.engine.templates import HeadTemplate, LayerTemplate
+from megatrain.models import DecoderLayer, get_model_config, rotary_tables
+from megatrain.models.init import init_module
+from megatrain.optim import fused
+
+SHAPES = ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b",
+          "dense-120b"]
+
+
+def host_copy_gbs(nbytes: int = 2 * GIB, repeats: int = 3) -> float:
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def host_adamw_gparams_s(precision: str, numel: int = 2**27, repeats: int = 3) -> float:
+    """The engine's one-pass host AdamW (HostOptimizer with the fused kernel) over `numel` parameters."""
+    if not fused.available():
+        raise RuntimeError("the fused host AdamW extension is not built here")
+    weights = torch.zeros(numel, dtype=torch.bfloat16)
+    grads = torch.full((numel,), 1e-3, dtype=torch.bfloat16)
+    master = torch.zeros(numel, dtype=torch.float32) if precision == "mixed" else None
+    m, v = torch.zeros(numel), torch.zeros(numel)
+
+    def step(k: int) -> None:
+        for a in range(0, numel, OPT_CHUNK):
+            b = min(a + OPT_CHUNK, numel)
+            w = weights[a:b]
+            p = master[a:b] if master is not None else w
+            fused.fused_adamw(p, grads[a:b], m[a:b], v[a:b], None if p is w else w, k, 1.0, 1e-4, 0.9, 0.95,
+                              1e-8, 0.1)
+
+    step(1)
+    times = []
+    for k in range(repeats):
+        t0 = time.perf_counter()
+        step(k + 2)
+        times.append(time.perf_counter() - t0)
+    return numel / statistics.median(times) / 1e9
+
+
+def layer_times(model: str, tokens: int, compiled: bool, seq: int = 1024) -> dict:
+    """One decoder layer of `model` on `tokens` tokens (rows of `seq`) as the engine runs it, bf16: forward, and
+    recompute + backward + fp32 gradient accumulation + squared norm."""
+    cfg = get_model_config(model)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    source = DecoderLayer(cfg).to(dev)
+    init_module(source, 0, prefix="layers.0.")
+    params = {n: p.detach().to(dt) for n, p in source.named_parameters()}
+    del source
+    gacc = {n: torch.zeros(p.shape, dtype=torch.float32, device=dev) for n, p in params.items()}
+    names, tensors = list(params), list(params.values())
+    layer = LayerTemplate(cfg, compile_layer=compiled)
+    x = torch.randn(tokens // seq, seq, cfg.hidden_size, device=dev, dtype=dt)
+    dy = torch.randn_like(x)
+    cos, sin = rotary_tables(cfg, seq, dev, dt)
+
+    def fwd():
+        with torch.no_grad():
+            layer(params, x, cos, sin)
+
+    def bwd():
+        for p in tensors:
+            p.requires_grad_()
+        xr = x.detach().requires_grad_()
+        with torch.enable_grad():
+            y = layer(params, xr, cos, sin)
+            grads = torch.autograd.grad(y, [xr, *tensors], dy)
+        torch._foreach_add_([gacc[n] for n in names], list(grads[1:]))
+        sum(torch.linalg.vector_norm(g).square() for g in gacc.values()).item()
+        for p in tensors:
+            p.requires_grad_(False)
+
+    out = {"model": model, "seq": seq, "tokens": tokens, "compiled": compiled}
+    out["fwd_ms"], out["bwd_ms"] = bench_ms(fwd, warmup=2, iters=5), bench_ms(bwd, warmup=2, iters=5)
+    out["compiled_ran"] = layer.compiled  # False when compilation failed and the layer fell back to eager
+    return out
+
+
+def head_times(model: str, tokens: int, seq: int = 1024) -> dict:
+    """The engine's head use: final norm, chunked LM-head cross-entropy, and its backward to h, norm and head."""
+    cfg = get_model_config(model)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    head = HeadTemplate(cfg)
+    norm_w = torch.ones(cfg.hidden_size, device=dev, dtype=dt, requires_grad=True)
+    head_w = (torch.randn(cfg.vocab_size, cfg.hidden_size, device=dev, dtype=dt) * 0.02).requires_grad_()
+    h = torch.randn(tokens // seq, seq, cfg.hidden_size, device=dev, dtype=dt, requires_grad=True)
+    labels = torch.randint(0, cfg.vocab_size, (tokens // seq, seq), device=dev)
+
+    def run():
+        with torch.enable_grad():
+            loss = head.loss(norm_w, head_w, h, labels, tokens)
+            torch.autograd.grad(loss, [h, norm_w, head_w])
+
+    return {"model": model, "seq": seq, "tokens": tokens, "ms": bench_ms(run, warmup=2, iters=5)}
+
+
+def attention_times(model: str, seq: int) -> dict:
+    """SDPA on one sequence with this model's heads, as the layer calls it: forward, and forward + backward."""
+    cfg = get_model_config(model)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    q = torch.randn(1, cfg.num_heads, seq, cfg.head_dim, device=dev, dtype=dt, requires_grad=True)
+    k = torch.randn(1, cfg.num_kv_heads, seq, cfg.head_dim, device=dev, dtype=dt, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    gqa = cfg.num_heads != cfg.num_kv_heads
+    iters = 5 if seq <= 32768 else 2
+
+    def fwd():
+        with torch.no_grad():
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+
+    def fwd_bwd():
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        torch.autograd.grad(o, [q, k, v], torch.ones_like(o))
+
+    return {"model": model, "seq": seq, "fwd_ms": bench_ms(fwd, warmup=1, iters=iters),
+            "fwd_bwd_ms": bench_ms(fwd_bwd, warmup=1, iters=iters)}
+
+
+def attempt(fn, *args) -> dict:
+    """fn(*args), or the error it raised (an out-of-memory is a result too), with the GPU memory released."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # recorded; the other measurements go on
+        return {"args": [str(a) for a in args], "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    finally:
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--models", default=",".join(SHAPES))
+    p.add_argument("--tokens", default="8192,32768", help="tokens per layer call at seq 1024")
+    p.add_argument("--long-models", default="qwen2.5-1.5b,qwen2.5-7b")
+    p.add_argument("--long-seqs", default="8192,32768,131072,262144")
+    args = p.parse_args()
+    torch._dynamo.config.cache_size_limit = 64  # one compile per shape and token count, all of one function
+    t0 = time.perf_counter()
+    result = {"what": "performance model ingredients (megatrain.bench.ingredients)", "env": environment(),
+              "machine": measure(), "host_copy_gbs": host_copy_gbs(), "host_adamw_gparams_s": {},
+              "layers": [], "heads": [], "attention": []}
+    for precision in ("bf16", "mixed"):
+        result["host_adamw_gparams_s"][precision] = host_adamw_gparams_s(precision)
+    print(json.dumps({k: result[k] for k in ("machine", "host_copy_gbs", "host_adamw_gparams_s")}), flush=True)
+
+    def save():
+        result["elapsed_s"] = time.perf_counter() - t0
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+    tokens = [int(t) for t in args.tokens.split(",")]
+    for model in args.models.split(","):
+        for t in tokens:
+            for compiled in (False, True):
+                result["layers"].append(row := attempt(layer_times, model, t, compiled))
+                print(json.dumps(row), flush=True)
+            result["heads"].append(attempt(head_times, model, t))
+        seqs = [1024] + ([int(s) for s in args.long_seqs.split(",")] if model in args.long_models.split(",") else [])
+        result["attention"] += [attempt(attention_times, model, s) for s in seqs]
+        print(json.dumps(result["heads"][-len(tokens):] + result["attention"][-len(seqs):]), flush=True)
+        save()
+    save()
+
+
+if __name__ == "__main__":
+    main()
