@@ -7,6 +7,8 @@ python -m megatrain.bench.ingredients --out results/ingredients/h200-141g-128g.j
   AdamW), and the host's copy rate (one 2 GiB tensor into another: GB copied per second);
 - the engine's own host AdamW kernel (megatrain.optim.fused, the one-pass C++ update) in both precisions, in
   G params/s over 128M parameters of host tiles laid out as the store keeps them;
+- the GPU AdamW of a resident unit (the engine's torch_adamw_unit on one 7B layer's tiles on the GPU, clipped), in
+  G params/s per precision, and the GPU's copy rate (GB copied per second);
 - per model shape, at seq 1024 and each token count, eager and compiled: one decoder layer's forward (no grad, as
   the engine's forward) and its recompute + backward with the fp32 gradient accumulation and squared norm the
   engine adds (`bwd_ms`), through the engine's LayerTemplate; the head (final norm, chunked LM-head loss, and its
@@ -32,11 +34,15 @@ import torch.nn.functional as F
 from megatrain.bench.env import environment
 from megatrain.bench.hardware import GIB, measure
 from megatrain.bench.layer_profile import bench_ms
+from megatrain.config import OptimConfig
+from megatrain.engine.host_optimizer import torch_adamw_unit
+from megatrain.engine.layout import build_units
 from megatrain.engine.store import OPT_CHUNK
 from megatrain.engine.templates import HeadTemplate, LayerTemplate
 from megatrain.models import DecoderLayer, get_model_config, rotary_tables
 from megatrain.models.init import init_module
 from megatrain.optim import fused
+from megatrain.optim.host_adamw import FlatAdamW
 
 SHAPES = ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b",
           "dense-120b"]
@@ -77,6 +83,29 @@ def host_adamw_gparams_s(precision: str, numel: int = 2**27, repeats: int = 3) -
         step(k + 2)
         times.append(time.perf_counter() - t0)
     return numel / statistics.median(times) / 1e9
+
+
+def gpu_adamw_gparams_s(precision: str, model: str = "qwen2.5-7b") -> float:
+    """A resident unit's update on the GPU as the engine runs it (Schedule._update_resident), one 7B layer."""
+    unit = build_units(get_model_config(model))[1]
+    dev = torch.device("cuda")
+    w = torch.zeros(unit.numel, dtype=torch.bfloat16, device=dev)
+    g = torch.full((unit.numel,), 1e-3, dtype=torch.float32, device=dev)
+    master = torch.zeros(unit.numel, dtype=torch.float32, device=dev) if precision == "mixed" else None
+    m, v = torch.zeros(unit.numel, device=dev), torch.zeros(unit.numel, device=dev)
+    scratch = torch.empty(min(OPT_CHUNK, unit.numel), dtype=torch.float32, device=dev) if master is None else None
+    adamw = FlatAdamW(OptimConfig())
+
+    def step():
+        torch_adamw_unit(adamw, unit, w, g, master, m, v, 0.5, 0.1, None, scratch, 1e-4)
+
+    return unit.numel / (bench_ms(step, warmup=2, iters=5) / 1e3) / 1e9
+
+
+def gpu_copy_gbs(nbytes: int = 4 * GIB) -> float:
+    src = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return nbytes / (bench_ms(lambda: dst.copy_(src), warmup=2, iters=5) / 1e3) / 1e9
 
 
 def layer_times(model: str, tokens: int, compiled: bool, seq: int = 1024) -> dict:
@@ -170,7 +199,7 @@ def attempt(fn, *args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--models", default=",".join(SHAPES))
+    p.add_argument("--models", default=",".join(SHAPES), help="shapes to time ('' for none: the rates only)")
     p.add_argument("--tokens", default="8192,32768", help="tokens per layer call at seq 1024")
     p.add_argument("--long-models", default="qwen2.5-1.5b,qwen2.5-7b")
     p.add_argument("--long-seqs", default="8192,32768,131072,262144")
@@ -180,9 +209,12 @@ def main() -> None:
     result = {"what": "performance model ingredients (megatrain.bench.ingredients)", "env": environment(),
               "machine": measure(), "host_copy_gbs": host_copy_gbs(), "host_adamw_gparams_s": {},
               "layers": [], "heads": [], "attention": []}
+    result["gpu_copy_gbs"] = gpu_copy_gbs()
     for precision in ("bf16", "mixed"):
         result["host_adamw_gparams_s"][precision] = host_adamw_gparams_s(precision)
-    print(json.dumps({k: result[k] for k in ("machine", "host_copy_gbs", "host_adamw_gparams_s")}), flush=True)
+        result.setdefault("gpu_adamw_gparams_s", {})[precision] = gpu_adamw_gparams_s(precision)
+    rates = ("machine", "host_copy_gbs", "host_adamw_gparams_s", "gpu_copy_gbs", "gpu_adamw_gparams_s")
+    print(json.dumps({k: result[k] for k in rates}), flush=True)
 
     def save():
         result["elapsed_s"] = time.perf_counter() - t0
@@ -190,7 +222,7 @@ def main() -> None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
 
     tokens = [int(t) for t in args.tokens.split(",")]
-    for model in args.models.split(","):
+    for model in [m for m in args.models.split(",") if m]:
         for t in tokens:
             for compiled in (False, True):
                 result["layers"].append(row := attempt(layer_times, model, t, compiled))

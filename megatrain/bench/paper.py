@@ -47,6 +47,10 @@ CLAIMS: list[Claim] = [
     Claim("A100 PCIe 32B", "megatrain", "qwen2.5-32b", 1024, 114, "A100 PCIe 80 GB", PAPER),
     Claim("A100 PCIe 7B ZeRO-3", "deepspeed", "qwen2.5-7b", 1024, 36, "A100 PCIe 80 GB", PAPER),
     Claim("A100 PCIe 14B ZeRO-3", "deepspeed", "qwen2.5-14b", 1024, 10, "A100 PCIe 80 GB", PAPER),
+    *[Claim(f"RTX 3090 {m}", "megatrain", f"qwen2.5-{m.lower()}", 1024, tflops, "RTX 3090", PAPER)
+      for m, tflops in (("3B", 33.2), ("7B", 35.1), ("14B", 30.2))],
+    Claim("RTX 3090 3B ZeRO-3", "deepspeed", "qwen2.5-3b", 1024, 23.9, "RTX 3090", PAPER),
+    Claim("RTX 3090 14B ZeRO-3", "deepspeed", "qwen2.5-14b", 1024, None, "RTX 3090", PAPER),
     Claim("ablation 14B, full engine", "megatrain", "qwen2.5-14b", 1024, 266.3, "GH200 96 GB", PAPER, batch=96),
     *[Claim(f"depth scaling, {layers} layers", "megatrain", "qwen2.5-7b", 1024, tflops, "GH200 96 GB", PAPER,
             num_layers=layers) for layers, tflops in ((28, 284), (56, 264), (132, 247), (180, 227))],

@@ -42,41 +42,40 @@ def resident_bytes(case: CaseConfig, unit: Unit) -> int:
     return unit.numel * (8 + master + (0 if unit.index == 0 else w + 4))
 
 
-def resident_unit_indices(case: CaseConfig) -> list[int]:
+def resident_unit_indices(case: CaseConfig, limits: Budget | None = None) -> list[int]:
     """Units whose weights, gradients and AdamW state stay on the GPU and update there.
 
     Options: resident_embedding (true, false, or 'auto': when it fits) and resident_layers (K: the first K layers,
     or 'auto': as many as fit). Both default to 'auto': the embedding first, then leading layers, up to
     megatrain.memory.GPU_FILL of the GPU beside everything else the plan counts (so a batch that needs the memory gets
-    none). Without a GPU nothing is resident."""
+    none). Without a GPU nothing is resident. limits: the machine planned for (default: this one, case_budget)."""
     layers = case.model_config().num_layers
     embedding = case.opts.resident_embedding
     if embedding == "auto":
-        embedding = _auto_fits(case, {"resident_embedding": True, "resident_layers": 0}) > 0
+        embedding = _auto_fits(case, {"resident_embedding": True, "resident_layers": 0}, limits=limits) > 0
     k = case.opts.resident_layers
     if k == "auto":
-        k = _auto_fits(case, {"resident_embedding": embedding, "resident_layers": 0}, per_layer=True)
+        k = _auto_fits(case, {"resident_embedding": embedding, "resident_layers": 0}, per_layer=True, limits=limits)
     if k > layers:
         raise ValueError(f"resident_layers must be 'auto' or an integer from 0 to the model's {layers} layers, "
                          f"got {k}")
     return ([0] if embedding else []) + list(range(1, k + 1))
 
 
-def _auto_fits(case: CaseConfig, options: dict, per_layer: bool = False) -> int:
+def _auto_fits(case: CaseConfig, options: dict, per_layer: bool = False, limits: Budget | None = None) -> int:
     """With `options` fixed: 1 if that plan fits the resident share of the GPU (0 if not), or with per_layer the
     number of further resident layers that fit beside it. 0 without a GPU."""
-    gpu = case_budget(case).gpu_fill_bytes
+    gpu = (limits or case_budget(case)).gpu_fill_bytes
     if gpu is None:
         return 0
-    room = gpu - plan_memory(dataclasses.replace(case, options={**case.options, **options}))[
-        "gpu_bytes"]
+    room = gpu - plan_memory(dataclasses.replace(case, options={**case.options, **options}), limits)["gpu_bytes"]
     if not per_layer:
         return int(room >= 0)
     per = resident_bytes(case, build_units(case.model_config())[1])
     return max(0, min(case.model_config().num_layers, int(room // per)))
 
 
-def activation_placement(case: CaseConfig) -> tuple[int, int]:
+def activation_placement(case: CaseConfig, limits: Budget | None = None) -> tuple[int, int]:
     """(K, R): how many saved layer inputs go to pinned host memory and how many are not kept but recomputed
     (megatrain.engine.activations says which).
 
@@ -93,7 +92,7 @@ def activation_placement(case: CaseConfig) -> tuple[int, int]:
     if not isinstance(option, bool) and option != "auto" and option > layers:
         raise ValueError(f"offload_activations must be true, false, 'auto' or a layer count from 0 to the model's "
                          f"{layers} layers, got {option}")
-    limits = case_budget(case)
+    limits = limits or case_budget(case)
     r = 0 if recompute == "auto" else recompute
     fixed = {**case.options, "resident_embedding": False, "resident_layers": 0, "recompute_inputs": r}
     if isinstance(option, bool):
@@ -104,10 +103,10 @@ def activation_placement(case: CaseConfig) -> tuple[int, int]:
         k = 0
     else:  # the plan's GPU bytes fall as k grows: the first k that fits is the fewest
         k = next((k for k in range(layers + 1) if plan_memory(dataclasses.replace(
-            case, options={**fixed, "offload_activations": k}))["gpu_bytes"] <= limits.gpu_fill_bytes), layers)
+            case, options={**fixed, "offload_activations": k}), limits)["gpu_bytes"] <= limits.gpu_fill_bytes), layers)
     k = min(k, layers - 1 - r) if r else k  # with inputs recomputed the embedding's output stays on the GPU
     if recompute == "auto" and k and limits.gpu_fill_bytes is not None:
-        planned = plan_memory(dataclasses.replace(case, options={**fixed, "offload_activations": k}))
+        planned = plan_memory(dataclasses.replace(case, options={**fixed, "offload_activations": k}), limits)
         short = planned["host_bytes"] - limits.host_bytes
         if short > 0:
             r = min(k, layers - 1, -(-short // _activation_bytes(case)))
@@ -127,7 +126,8 @@ def _activation_bytes(case: CaseConfig) -> int:
     return case.batch * case.seq * case.model_config().hidden_size * case.dtype_bytes
 
 
-def plan_memory(case: CaseConfig) -> dict:
+def plan_memory(case: CaseConfig, limits: Budget | None = None) -> dict:
+    """Host and GPU bytes of `case` and the placement behind them, planned for `limits` (default: this machine)."""
     cfg = case.model_config()
     units = build_units(cfg)
     n = total_numel(units)
@@ -143,10 +143,10 @@ def plan_memory(case: CaseConfig) -> dict:
 
     mb, seq, h, i = case.micro_batch, case.seq, cfg.hidden_size, cfg.intermediate_size
     tokens_mb = mb * seq
-    offloaded, recomputed = activation_placement(case)
+    offloaded, recomputed = activation_placement(case, limits)
     mlp_tokens = min(tokens_mb, case.opts.mlp_chunk_tokens or tokens_mb)
     buffers = 2 * slot * w + embed * w + 2 * slot * 4 + embed * 4 + (2 * slot * w if w == 2 else 0)
-    resident = resident_unit_indices(case)
+    resident = resident_unit_indices(case, limits)
     buffers += sum(resident_bytes(case, units[u]) for u in resident)
     if resident and case.precision == "bf16":  # the fp32 chunk resident bf16 weights are updated in
         buffers += min(OPT_CHUNK, max(units[u].numel for u in resident)) * 4
@@ -196,14 +196,14 @@ def check_fits(case: CaseConfig, limits: Budget | None = None) -> dict:
     'reason' (which budget is exceeded, by how much), 'advice' (what to change: a precision only when it fits)
     and the bytes counted against each budget; raises nothing. On CPU the GPU's share of the plan (buffers,
     checkpoints, working set) is host memory too."""
-    plan = plan_memory(case)
     limits = limits or case_budget(case)
+    plan = plan_memory(case, limits)
     cpu = case.device == "cpu"
     host_need = plan["host_bytes"] + (plan["gpu_bytes"] - GPU_RESERVE_BYTES if cpu else 0)
     reasons, advice = [], []
     if host_need > limits.host_bytes:
         bf16 = dataclasses.replace(case, precision="bf16", dtype="bfloat16")
-        bf16_need = host_need - plan["host_bytes"] + plan_memory(bf16)["host_bytes"]
+        bf16_need = host_need - plan["host_bytes"] + plan_memory(bf16, limits)["host_bytes"]
         reasons.append(
             f"host memory: needs {host_need / GIB:.1f} GiB ({plan['host_bytes_per_param']:.1f} B/param of state"
             + (", activations included" if cpu else "") + f") but {limits.host_bytes / GIB:.1f} GiB is usable here")
