@@ -6,7 +6,8 @@ probe's measurements (`measure()`) with every record of the run, so that a numbe
 beside the link and GEMM rates of the machine it came from.
 
 The probe takes seconds: pinned PCIe copies (H2D, D2H, both at once), a bf16 8192^3 GEMM, host
-memory, and torch's fused CPU AdamW rate. GPU numbers are None on a machine without CUDA.
+memory, torch's fused CPU AdamW rate and the engine's own host AdamW kernel in each precision (the performance
+model's host ingredient, megatrain.bench.perf_model). GPU numbers are None on a machine without CUDA.
 """
 
 from __future__ import annotations
@@ -158,6 +159,33 @@ def _cpu_adamw_gparams_s(numel: int = 64 * 2**20, repeats: int = 3) -> float:
     return numel / _median_s(opt.step, repeats) / 1e9
 
 
+def engine_adamw_gparams_s(precision: str, numel: int = 2**26, repeats: int = 3) -> float:
+    """The engine's one-pass host AdamW kernel (megatrain.optim.fused, as HostOptimizer runs it in chunks) over
+    `numel` parameters of host tiles in the store's layout, in G params/s."""
+    from megatrain.engine.store import OPT_CHUNK
+    from megatrain.optim import fused
+
+    if not fused.available():
+        raise RuntimeError("the fused host AdamW extension is not built here")
+    weights = torch.zeros(numel, dtype=torch.bfloat16)
+    grads = torch.full((numel,), 1e-3, dtype=torch.bfloat16)
+    master = torch.zeros(numel, dtype=torch.float32) if precision == "mixed" else None
+    m, v = torch.zeros(numel), torch.zeros(numel)
+    step_count = [0]
+
+    def step() -> None:
+        step_count[0] += 1
+        for a in range(0, numel, OPT_CHUNK):
+            b = min(a + OPT_CHUNK, numel)
+            w = weights[a:b]
+            p = master[a:b] if master is not None else w
+            fused.fused_adamw(p, grads[a:b], m[a:b], v[a:b], None if p is w else w, step_count[0], 1.0, 1e-4, 0.9,
+                              0.95, 1e-8, 0.1)
+
+    step()
+    return numel / _median_s(step, repeats) / 1e9
+
+
 def measure(rates: bool = True) -> dict:
     """Probe this machine: devices and memory, and (rates=True, seconds) link, GEMM and AdamW rates.
 
@@ -170,6 +198,7 @@ def measure(rates: bool = True) -> dict:
         "host_available_gib": round(host_available, 1), "host_mem_source": host_source,
         "gpu_name": None, "gpu_count": 0, "gpu_mem_gib": None,
         "h2d_gbs": None, "d2h_gbs": None, "both_gbs": None, "gemm_bf16_tflops": None, "cpu_adamw_gparams_s": None,
+        "engine_adamw_gparams_s": None,
     }
     cuda = torch.cuda.is_available()
     if cuda:
@@ -182,6 +211,10 @@ def measure(rates: bool = True) -> dict:
         torch.cuda.empty_cache()
     if rates:
         out["cpu_adamw_gparams_s"] = _cpu_adamw_gparams_s()
+        try:
+            out["engine_adamw_gparams_s"] = {p: engine_adamw_gparams_s(p) for p in ("bf16", "mixed")}
+        except RuntimeError:  # no compiler for the extension: the torch rate stands in (perf_model)
+            pass
     out["probe_s"] = time.perf_counter() - t0
     return out
 

@@ -5,8 +5,8 @@ python -m megatrain.bench.ingredients --out results/ingredients/h200-141g-128g.j
 
 - the machine probe (megatrain.bench.hardware.measure: pinned PCIe each way and both, bf16 GEMM, torch's fused CPU
   AdamW), and the host's copy rate (one 2 GiB tensor into another: GB copied per second);
-- the engine's own host AdamW kernel (megatrain.optim.fused, the one-pass C++ update) in both precisions, in
-  G params/s over 128M parameters of host tiles laid out as the store keeps them;
+- the engine's own host AdamW kernel (megatrain.bench.hardware.engine_adamw_gparams_s) in both precisions, in
+  G params/s over 128M parameters;
 - the GPU AdamW of a resident unit (the engine's torch_adamw_unit on one 7B layer's tiles on the GPU, clipped), in
   G params/s per precision, and the GPU's copy rate (GB copied per second);
 - per model shape, at seq 1024 and each token count, eager and compiled: one decoder layer's forward (no grad, as
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from megatrain.bench.env import environment
-from megatrain.bench.hardware import GIB, measure
+from megatrain.bench.hardware import GIB, engine_adamw_gparams_s, measure
 from megatrain.bench.layer_profile import bench_ms
 from megatrain.config import OptimConfig
 from megatrain.engine.host_optimizer import torch_adamw_unit
@@ -41,7 +41,6 @@ from megatrain.engine.store import OPT_CHUNK
 from megatrain.engine.templates import HeadTemplate, LayerTemplate
 from megatrain.models import DecoderLayer, get_model_config, rotary_tables
 from megatrain.models.init import init_module
-from megatrain.optim import fused
 from megatrain.optim.host_adamw import FlatAdamW
 
 SHAPES = ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b",
@@ -57,32 +56,6 @@ def host_copy_gbs(nbytes: int = 2 * GIB, repeats: int = 3) -> float:
         dst.copy_(src)
         times.append(time.perf_counter() - t0)
     return nbytes / statistics.median(times) / 1e9
-
-
-def host_adamw_gparams_s(precision: str, numel: int = 2**27, repeats: int = 3) -> float:
-    """The engine's one-pass host AdamW (HostOptimizer with the fused kernel) over `numel` parameters."""
-    if not fused.available():
-        raise RuntimeError("the fused host AdamW extension is not built here")
-    weights = torch.zeros(numel, dtype=torch.bfloat16)
-    grads = torch.full((numel,), 1e-3, dtype=torch.bfloat16)
-    master = torch.zeros(numel, dtype=torch.float32) if precision == "mixed" else None
-    m, v = torch.zeros(numel), torch.zeros(numel)
-
-    def step(k: int) -> None:
-        for a in range(0, numel, OPT_CHUNK):
-            b = min(a + OPT_CHUNK, numel)
-            w = weights[a:b]
-            p = master[a:b] if master is not None else w
-            fused.fused_adamw(p, grads[a:b], m[a:b], v[a:b], None if p is w else w, k, 1.0, 1e-4, 0.9, 0.95,
-                              1e-8, 0.1)
-
-    step(1)
-    times = []
-    for k in range(repeats):
-        t0 = time.perf_counter()
-        step(k + 2)
-        times.append(time.perf_counter() - t0)
-    return numel / statistics.median(times) / 1e9
 
 
 def gpu_adamw_gparams_s(precision: str, model: str = "qwen2.5-7b") -> float:
@@ -211,7 +184,7 @@ def main() -> None:
               "layers": [], "heads": [], "attention": []}
     result["gpu_copy_gbs"] = gpu_copy_gbs()
     for precision in ("bf16", "mixed"):
-        result["host_adamw_gparams_s"][precision] = host_adamw_gparams_s(precision)
+        result["host_adamw_gparams_s"][precision] = engine_adamw_gparams_s(precision, 2**27)
         result.setdefault("gpu_adamw_gparams_s", {})[precision] = gpu_adamw_gparams_s(precision)
     rates = ("machine", "host_copy_gbs", "host_adamw_gparams_s", "gpu_copy_gbs", "gpu_adamw_gparams_s")
     print(json.dumps({k: result[k] for k in rates}), flush=True)

@@ -127,6 +127,7 @@ def validate(out: Path) -> dict:
         probe = (r.get("suite") or {}).get("machine")
         kind = gpu_kind((probe or {}).get("gpu_name") or r["env"].get("gpu"))
         ing = bases.get(kind)
+        probe = probe or (ing.machine if ing else None)  # a `bench` record keeps no probe: its kind's rates
         row = {"file": rel, "run": (r.get("suite") or {}).get("run_id", ""), "commit": r["env"]["commit"][:7],
                "gpu": kind, "model": r["model"], "layers": r["num_layers"], "batch": r["batch"],
                "micro_batch": r["micro_batch"], "seq": r["seq"], "precision": r["precision"],
@@ -237,8 +238,9 @@ def project(out: Path) -> list[dict]:
     precision = "bf16"
     for label, model, layers, batch, seq, profile in PAPER_CASES:
         spec = specs()[profile]
-        opts = {"offload_activations": "auto", "recompute_inputs": "auto", "mlp_chunk_tokens": 16384} \
-            if seq > 32768 else {}
+        # the plan places saved inputs (GPU, host, recomputed) as that machine's memory allows; long rows chunk the MLP
+        opts = {"offload_activations": "auto", "recompute_inputs": "auto",
+                **({"mlp_chunk_tokens": 16384} if seq > 32768 else {})}
         case = CaseConfig(system="megatrain", model=model, num_layers=layers, batch=batch, seq=seq,
                           precision=precision, device="cuda", dtype="bfloat16", compile=True, options=opts)
         limits = Budget.of(spec["host_mem_gib"], spec["gpu_mem_gib"], "published")

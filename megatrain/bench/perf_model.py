@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from megatrain.bench.flops import hardware_flops, model_flops
+from megatrain.bench.flops import attention_flops_per_seq, hardware_flops, model_flops
 from megatrain.config import CaseConfig
 from megatrain.engine.layout import build_units
 from megatrain.engine.schedule import plan_uses
@@ -97,6 +97,9 @@ class Ingredients:
                     data.setdefault(key, []).extend(value)
                 else:
                     data.setdefault(key, value)
+            if "host_adamw_gparams_s" in more:  # each run's engine rate beside its own probe's torch rate
+                data.setdefault("host_adamw_runs", []).append((more["host_adamw_gparams_s"],
+                                                               more["machine"]["cpu_adamw_gparams_s"]))
         return Ingredients(", ".join(str(Path(p).name) for p in paths), data)
 
     @cached_property
@@ -188,16 +191,20 @@ class Machine:
     @staticmethod
     def from_probe(ing: Ingredients, probe: dict | None, name: str) -> Machine:
         """The machine a record ran on, from its probe (megatrain.bench.hardware.measure) and the ingredients of
-        its GPU kind: rates the probe lacks are the ingredients'."""
+        its GPU kind: rates the probe lacks are the ingredients'. The host AdamW is the probe's own timing of the
+        engine's kernel where it has one; older probes timed only torch's fused AdamW, and the engine's rate is
+        then that times the ratio of the two in the ingredient runs (their mean: the ratio varies between VMs)."""
         base = ing.machine
         probe = {k: v for k, v in (probe or {}).items() if v is not None}
-        host_ratio = probe.get("cpu_adamw_gparams_s", base["cpu_adamw_gparams_s"]) / base["cpu_adamw_gparams_s"]
-        gpu_adamw = ing.data.get("gpu_adamw_gparams_s") or {}
+        host = probe.get("engine_adamw_gparams_s")
+        if not host:
+            runs = ing.data.get("host_adamw_runs") or [(ing.data["host_adamw_gparams_s"], base["cpu_adamw_gparams_s"])]
+            torch_rate = probe.get("cpu_adamw_gparams_s", base["cpu_adamw_gparams_s"])
+            host = {p: torch_rate * sum(r[p] / t for r, t in runs) / len(runs) for p in runs[0][0]}
         return Machine(
             name=name, h2d_gbs=probe.get("h2d_gbs", base["h2d_gbs"]), d2h_gbs=probe.get("d2h_gbs", base["d2h_gbs"]),
-            both_gbs=probe.get("both_gbs", base["both_gbs"]),
-            host_adamw_gparams_s={p: r * host_ratio for p, r in ing.data["host_adamw_gparams_s"].items()},
-            gpu_adamw_gparams_s=gpu_adamw, gemm_tflops=base["gemm_bf16_tflops"])
+            both_gbs=probe.get("both_gbs", base["both_gbs"]), host_adamw_gparams_s=host,
+            gpu_adamw_gparams_s=ing.data.get("gpu_adamw_gparams_s") or {}, gemm_tflops=base["gemm_bf16_tflops"])
 
 
 @dataclass
@@ -205,16 +212,17 @@ class Model:
     ing: Ingredients
     machine: Machine
 
-    def _scaled(self, seconds: float, matmul_flops: float) -> float:
-        """Ingredient seconds on this machine's GPU: the matmul share by the GEMM rate, the rest by bandwidth."""
-        mm = min(seconds, matmul_flops / (self.machine.gemm_tflops * 1e12))
+    def _scaled(self, seconds: float, tensor_flops: float) -> float:
+        """Ingredient seconds on this machine's GPU: the tensor-core share (matmuls and attention, at the
+        ingredient GPU's GEMM rate) by the GEMM rate, the rest by memory bandwidth."""
+        mm = min(seconds, tensor_flops / (self.machine.gemm_tflops * 1e12))
         return mm * self.machine.gemm_scale + (seconds - mm) * self.machine.bandwidth_scale
 
     def layer_s(self, cfg: ModelConfig, tokens: int, seq: int, compiled: bool, mlp_chunk_tokens: int = 0
                 ) -> tuple[float, float]:
         f, b = self.ing.layer_s(cfg, tokens, seq, compiled, mlp_chunk_tokens)
-        mm = layer_matmul_flops(cfg, tokens)
-        return self._scaled(f, mm), self._scaled(b, 3 * mm)
+        tensor = layer_matmul_flops(cfg, tokens) + attention_flops_per_seq(cfg, seq) / cfg.num_layers * tokens / seq
+        return self._scaled(f, tensor), self._scaled(b, 3 * tensor)
 
     def head_s(self, cfg: ModelConfig, tokens: int) -> float:
         return self._scaled(self.ing.head_s(cfg, tokens), 6.0 * cfg.vocab_size * cfg.hidden_size * tokens)

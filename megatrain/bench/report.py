@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from megatrain.bench import plots, tables
+from megatrain.bench import plots, scaling_report, tables
 from megatrain.bench.env import REPO_ROOT
 from megatrain.bench.hardware import describe, get_profile
 from megatrain.bench.suite import read_suite_records
@@ -218,6 +218,7 @@ def write_report(results_dir: Path, out_dir: Path, all_runs: bool = False) -> Pa
         "TFLOPS = 6 x parameters x tokens / median step time; the parameters include the input embedding, which "
         "does no matmul when untied: the figure without it is beside it in the results.</p>",
         *_summary_section(scope, out_dir, paper),
+        *(scaling_report.sections(scope, out_dir, html_table, _figure_html) if suite == "scaling" else []),
         f"<h2>Rerun</h2><pre>{html.escape(rerun)}</pre>"
         "<p class='muted'>Cases run on a machine matching their hardware profile; a rerun resumes the latest run "
         "and repeats only cases that errored or timed out. Each case's exact command is under Cases.</p>",

@@ -258,6 +258,10 @@ def run_case_subprocess(case: SuiteCase, command: list[str], trace_file: Path) -
     elif proc.returncode == -signal.SIGKILL and (evidence := _oom_killed(oom_kills_before)):
         record = base_record(case.config, "oom")
         record["error"] = "killed by the kernel's OOM killer (host memory): " + evidence
+    elif proc.returncode == 2 and PREFLIGHT_REFUSAL in tail:
+        # the case's own pre-flight refused it: the memory free when it started was less than at the suite's check
+        record = base_record(case.config, "skipped")
+        record["error"] = next(line for line in tail.splitlines() if PREFLIGHT_REFUSAL in line).removeprefix("error: ")
     elif proc.returncode < 0:
         record = base_record(case.config, "killed")
         record["error"] = f"killed by signal {signal.Signals(-proc.returncode).name} from outside the runner, not by " \
@@ -267,6 +271,9 @@ def run_case_subprocess(case: SuiteCase, command: list[str], trace_file: Path) -
         record["error"] = f"exit code {proc.returncode} without a record: " + (tail.strip().splitlines() or [""])[-1]
     record["stderr_tail"] = tail
     return record, facts
+
+
+PREFLIGHT_REFUSAL = "does not fit here"  # megatrain.bench.fit.preflight's refusal (exit code 2)
 
 
 def cgroup_oom_kills() -> int | None:

@@ -7,6 +7,7 @@ test cannot add its own):
     seed 101: raise a CUDA-style OOM          seed 102: exit without a record
     seed 103: hang                             seed 104: OOM from batch 2 (a batch ladder's ceiling)
     seed 105: be killed by a signal that is not the OOM killer's
+    seed 106: be refused by its own pre-flight (memory taken between the suite's check and the case's start)
 """
 
 import os
@@ -20,10 +21,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: make `baselines` importable
 from baselines.native import NativeSystem  # noqa: E402
 
-FAILURES = {101: "oom", 102: "crash", 103: "hang", 104: "oom_from_batch_2", 105: "sigterm"}
+FAILURES = {101: "oom", 102: "crash", 103: "hang", 104: "oom_from_batch_2", 105: "sigterm", 106: "refused"}
 
 
 class FailingSystem(NativeSystem):
+    def __init__(self, case, *args, **kwargs):
+        if FAILURES.get(case.seed) == "refused":  # as megatrain.bench.fit.preflight refuses, before allocating
+            raise ValueError("native tiny b2 s16 does not fit here: host memory: needs 9.0 GiB but 8.9 GiB is usable "
+                             "here; try --micro-batch 1")
+        super().__init__(case, *args, **kwargs)
+
     def step(self, inputs_BS, labels_BS):
         failure = FAILURES.get(self.case.seed)
         if failure == "oom" or (failure == "oom_from_batch_2" and self.case.batch >= 2):

@@ -222,6 +222,19 @@ def test_by_default_the_plan_makes_resident_what_fits_and_nothing_when_the_batch
     assert plan_memory(_qwen_3b_b8())["resident_units"] == list(range(37))
 
 
+def test_the_plan_places_for_the_machine_it_is_given_not_this_one():
+    """A projection plans for another machine's memory (megatrain.bench.model_check): the limits it passes decide
+    the placement, as this machine's would (this CPU machine alone makes nothing resident)."""
+    case = _qwen_3b_b8()
+    assert plan_memory(case)["resident_units"] == []
+    huge = Budget(2**40, 2**45, "given")
+    assert plan_memory(case, huge)["resident_units"] == list(range(37))
+    assert check_fits(case, huge)["resident_units"] == list(range(37))
+    long = dataclasses.replace(case, batch=1, micro_batch=1, seq=131072, options={"offload_activations": "auto"})
+    small = Budget(2**40, 24 * 2**30, "given")
+    assert activation_placement(long, small)[0] > 0 == activation_placement(long)[0]
+
+
 @pytest.mark.parametrize("bad", ["yes", 1, None])
 def test_resident_embedding_takes_true_false_or_auto(bad):
     with pytest.raises(ValueError, match=r"megatrain: option resident_embedding=.*: expected true or false or 'auto'"):

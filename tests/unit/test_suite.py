@@ -133,3 +133,31 @@ def test_missing_packages_and_modules_are_named():
     assert fit.unavailable("native") is None
     reason = fit.unavailable("deepspeed")
     assert reason is None or "deepspeed" in reason
+
+
+def test_a_depth_ladder_climbs_num_layers_and_stops_after_its_first_failure(tmp_path):
+    suite = _suite(tmp_path, """
+description = "d"
+hardware = "cpu-ci"
+[[cases]]
+systems = "native"
+models = "tiny"
+ladder = "num_layers"
+num_layers = [2, 4, 8]
+""")
+    assert [c.config.num_layers for c in suite.cases] == [2, 4, 8]
+    assert len({c.ladder for c in suite.cases}) == 1, "one chain: the depths of one system and setting"
+    with pytest.raises(ValueError, match="must increase"):
+        _suite(tmp_path, 'description = "d"\nhardware = "cpu-ci"\n[[cases]]\nsystems = "native"\nmodels = "tiny"\n'
+                         'ladder = "num_layers"\nnum_layers = [4, 2]\n')
+
+
+def test_offload_baselines_host_estimates_follow_their_measured_bytes_per_parameter():
+    """DeepSpeed's peak RSS measured 24.4-24.9 B/param (1.5B-14B), FSDP2's 16.9-21.7 with its power-of-two pinned
+    blocks (results/smoke_gpu, results/reproduce_14b): the pre-flight counts at least that, so it refuses first."""
+    for model, fsdp_measured in (("qwen2.5-1.5b", 16.9), ("qwen2.5-3b", 19.1), ("qwen2.5-14b", 21.7)):
+        n = CaseConfig(model=model).model_config().num_params()
+        ds, _ = fit._deepspeed(_case("deepspeed", model=model))
+        fsdp, _ = fit._fsdp(_case("fsdp", model=model))
+        assert ds / n == 25
+        assert fsdp_measured <= fsdp / n <= fsdp_measured + 1.5

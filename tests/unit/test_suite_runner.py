@@ -135,6 +135,16 @@ def test_a_case_killed_by_a_signal_that_is_not_the_oom_killer_is_recorded_killed
     assert [r["status"] for r in _run(suite, out, only="sigterm")] == ["killed"], "not final: resumed runs retry it"
 
 
+def test_a_refusal_by_the_cases_own_preflight_is_recorded_skipped_with_its_numbers(tmp_path):
+    (tmp_path / "s.toml").write_text(SUITE.replace("seed = 102  # fake_system: exit without a record",
+                                                   "seed = 106  # fake_system: refused by its pre-flight"))
+    suite = load_suite(str(tmp_path / "s.toml"))
+    first = _run(suite, tmp_path / "results", only="crash")
+    assert [r["status"] for r in first] == ["skipped"]
+    assert first[0]["error"].startswith("native tiny b2 s16 does not fit here: host memory: needs 9.0 GiB")
+    assert _run(suite, tmp_path / "results", only="crash") == [], "a refusal is final, not retried like an error"
+
+
 def test_a_corrupt_line_in_the_records_is_skipped_with_its_file_and_line(tmp_path):
     (tmp_path / "robust.toml").write_text(SUITE)
     suite = load_suite(str(tmp_path / "robust.toml"))
