@@ -1,4 +1,4 @@
-"""Sessions: tests, smoke, gpu, reproduce_14b, report, bench, lint. Every session runs in the environment
+"""Sessions: tests, smoke, gpu, reproduce_14b, report, perf_model, bench, lint. Every session runs in the environment
 nox itself runs in (python=False, the interpreter is nox's own): a per-session virtualenv would download a
 fresh (CUDA) torch. Set up first with scripts/setup.sh, then run .venv/bin/python -m nox."""
 
@@ -58,6 +58,15 @@ def reproduce_14b(session):
 def report(session):
     """Rewrite every reports/<suite>/ from the committed records in results/<suite>/records.jsonl."""
     session.run(PY, "-m", "megatrain", "report", *session.posargs)
+
+
+@nox.session(python=False)
+def perf_model(session):
+    """The performance model against every committed engine record, its projections of the paper's machines
+    (results/perf_model/), and the scaling report that shows them."""
+    session.run(PY, "-m", "megatrain.bench.model_check", "validate")
+    session.run(PY, "-m", "megatrain.bench.model_check", "project")
+    session.run(PY, "-m", "megatrain", "report", "scaling")
 
 
 @nox.session(python=False)
