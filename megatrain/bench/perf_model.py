@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
@@ -186,7 +186,6 @@ class Machine:
     gemm_tflops: float
     gemm_scale: float = 1.0
     bandwidth_scale: float = 1.0
-    notes: list = field(default_factory=list)
 
     @staticmethod
     def from_probe(ing: Ingredients, probe: dict | None, name: str) -> Machine:
@@ -288,7 +287,6 @@ def simulate(case: CaseConfig, plan: dict, model: Model) -> dict:
             dur = f_s * micro
         elif phase == "head":
             dur = head
-            start = max(start, act_back.get(layers - 1, 0.0) if layers - 1 in host_acts else 0.0)
         else:
             dur = b_s * micro
             start = max(start, act_back.get(u - 1, 0.0))
