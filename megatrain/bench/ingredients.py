@@ -33,14 +33,13 @@ import torch.nn.functional as F
 
 from megatrain.bench.env import environment
 from megatrain.bench.hardware import GIB, engine_adamw_gparams_s, measure
-from megatrain.bench.layer_profile import bench_ms
+from megatrain.bench.layer_profile import bench_ms, engine_layer
 from megatrain.config import OptimConfig
 from megatrain.engine.host_optimizer import torch_adamw_unit
 from megatrain.engine.layout import build_units
 from megatrain.engine.store import OPT_CHUNK
-from megatrain.engine.templates import HeadTemplate, LayerTemplate
-from megatrain.models import DecoderLayer, get_model_config, rotary_tables
-from megatrain.models.init import init_module
+from megatrain.engine.templates import HeadTemplate
+from megatrain.models import get_model_config
 from megatrain.optim.host_adamw import FlatAdamW
 
 SHAPES = ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b",
@@ -84,35 +83,7 @@ def gpu_copy_gbs(nbytes: int = 4 * GIB) -> float:
 def layer_times(model: str, tokens: int, compiled: bool, seq: int = 1024) -> dict:
     """One decoder layer of `model` on `tokens` tokens (rows of `seq`) as the engine runs it, bf16: forward, and
     recompute + backward + fp32 gradient accumulation + squared norm."""
-    cfg = get_model_config(model)
-    dev, dt = torch.device("cuda"), torch.bfloat16
-    source = DecoderLayer(cfg).to(dev)
-    init_module(source, 0, prefix="layers.0.")
-    params = {n: p.detach().to(dt) for n, p in source.named_parameters()}
-    del source
-    gacc = {n: torch.zeros(p.shape, dtype=torch.float32, device=dev) for n, p in params.items()}
-    names, tensors = list(params), list(params.values())
-    layer = LayerTemplate(cfg, compile_layer=compiled)
-    x = torch.randn(tokens // seq, seq, cfg.hidden_size, device=dev, dtype=dt)
-    dy = torch.randn_like(x)
-    cos, sin = rotary_tables(cfg, seq, dev, dt)
-
-    def fwd():
-        with torch.no_grad():
-            layer(params, x, cos, sin)
-
-    def bwd():
-        for p in tensors:
-            p.requires_grad_()
-        xr = x.detach().requires_grad_()
-        with torch.enable_grad():
-            y = layer(params, xr, cos, sin)
-            grads = torch.autograd.grad(y, [xr, *tensors], dy)
-        torch._foreach_add_([gacc[n] for n in names], list(grads[1:]))
-        sum(torch.linalg.vector_norm(g).square() for g in gacc.values()).item()
-        for p in tensors:
-            p.requires_grad_(False)
-
+    layer, fwd, bwd = engine_layer(get_model_config(model), tokens // seq, seq, compiled, accumulate=True)
     out = {"model": model, "seq": seq, "tokens": tokens, "compiled": compiled}
     out["fwd_ms"], out["bwd_ms"] = bench_ms(fwd, warmup=2, iters=5), bench_ms(bwd, warmup=2, iters=5)
     out["compiled_ran"] = layer.compiled  # False when compilation failed and the layer fell back to eager

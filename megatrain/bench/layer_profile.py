@@ -124,32 +124,47 @@ def kernel_category(name: str) -> str:
     return next((cat for cat, keys in KERNEL_CATEGORIES if any(k in low for k in keys)), "other")
 
 
-def profile_long(model: str, seq: int, mlp_chunk_tokens: int) -> dict:
-    """One sequence of `seq` tokens through one compiled decoder layer as the engine runs it (bf16)."""
-    cfg = get_model_config(model)
+def engine_layer(cfg, rows: int, seq: int, compiled: bool, mlp_chunk_tokens: int = 0, accumulate: bool = False):
+    """One decoder layer as the engine calls it, bf16 on the GPU, on `rows` rows of `seq` tokens: (template, forward,
+    recompute + backward). The forward runs without grad; the backward recomputes the layer with grad on its weights
+    and takes the input's and weights' gradients; with `accumulate` it also adds the weight gradients to fp32 buffers
+    and reads their squared norm back, as the engine's backward does."""
     dev, dt = torch.device("cuda"), torch.bfloat16
     source = DecoderLayer(cfg).to(dev)
     init_module(source, 0, prefix="layers.0.")
     params = {n: p.detach().to(dt) for n, p in source.named_parameters()}
     del source
-    layer = LayerTemplate(cfg, compile_layer=True, mlp_chunk_tokens=mlp_chunk_tokens)
-    x = torch.randn(1, seq, cfg.hidden_size, device=dev, dtype=dt)
+    tensors = list(params.values())
+    gacc = [torch.zeros(p.shape, dtype=torch.float32, device=dev) for p in tensors] if accumulate else []
+    layer = LayerTemplate(cfg, compile_layer=compiled, mlp_chunk_tokens=mlp_chunk_tokens)
+    x = torch.randn(rows, seq, cfg.hidden_size, device=dev, dtype=dt)
     dy = torch.randn_like(x)
     cos, sin = rotary_tables(cfg, seq, dev, dt)
-    grads_of = list(params.values())
 
     def fwd():
         with torch.no_grad():
             layer(params, x, cos, sin)
 
     def recompute_bwd():
-        for p in grads_of:
+        for p in tensors:
             p.requires_grad_()
         xr = x.detach().requires_grad_()
-        y = layer(params, xr, cos, sin)
-        torch.autograd.grad(y, [xr, *grads_of], dy)
-        for p in grads_of:
+        with torch.enable_grad():
+            y = layer(params, xr, cos, sin)
+            grads = torch.autograd.grad(y, [xr, *tensors], dy)
+        if accumulate:
+            torch._foreach_add_(gacc, list(grads[1:]))
+            sum(torch.linalg.vector_norm(g).square() for g in gacc).item()
+        for p in tensors:
             p.requires_grad_(False)
+
+    return layer, fwd, recompute_bwd
+
+
+def profile_long(model: str, seq: int, mlp_chunk_tokens: int) -> dict:
+    """One sequence of `seq` tokens through one compiled decoder layer as the engine runs it (bf16)."""
+    cfg = get_model_config(model)
+    layer, fwd, recompute_bwd = engine_layer(cfg, 1, seq, True, mlp_chunk_tokens)
 
     def timed_s(fn) -> float:
         torch.cuda.synchronize()

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from megatrain.bench.env import REPO_ROOT, environment
 from megatrain.bench.perf_model import Ingredients, Machine, Model, simulate
+from megatrain.bench.tables import compiled
 from megatrain.config import CaseConfig
 from megatrain.engine.plan import check_fits
 from megatrain.memory import GIB, Budget
@@ -93,14 +94,20 @@ def record_plan(r: dict) -> dict:
 
 
 def record_case(r: dict) -> CaseConfig:
+    """The record's case, with `compile` as it ran (megatrain.bench.tables.compiled reads records of every age)."""
     cfg = dict(r["config"])
-    options = dict(cfg.get("options") or {})
-    if "compile" in options:  # a record from when compile was an option
-        cfg["compile"] = options.pop("compile")
-        cfg["options"] = options
-    if cfg.get("compile") is None:  # before the setting existed the engine compiled its layer by default
-        cfg["compile"] = bool((r.get("system_config") or {}).get("compile", True))
+    cfg["options"] = {k: v for k, v in (cfg.get("options") or {}).items() if k != "compile"}  # once an option
+    cfg["compile"] = compiled(r)
     return CaseConfig.from_dict(cfg)
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    """Rows of differing keys: every key that any row has, in first-seen order."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, list(dict.fromkeys(k for row in rows for k in row)))
+        w.writeheader()
+        w.writerows(rows)
 
 
 def engine_records() -> list[tuple[str, dict]]:
@@ -163,12 +170,7 @@ def validate(out: Path) -> dict:
     if proj:
         summary.update(projected_cases=len(proj), projected_median_abs_error_pct=statistics.median(proj),
                        projected_max_abs_error_pct=max(proj))
-    out.mkdir(parents=True, exist_ok=True)
-    keys = list(dict.fromkeys(k for row in rows for k in row))
-    with open(out / "validation.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, keys)
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out / "validation.csv", rows)
     (out / "validation.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 
@@ -265,12 +267,7 @@ def project(out: Path) -> list[dict]:
                 row["projected_paper_tflops"] = paper_flops(case.model_config(), batch, seq) / p["step_s"] / 1e12
         row["paper_tflops"] = paper_tflops(model, layers, seq, profile)
         rows.append(row)
-    out.mkdir(parents=True, exist_ok=True)
-    keys = list(dict.fromkeys(k for row in rows for k in row))
-    with open(out / "projections.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, keys)
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out / "projections.csv", rows)
     return rows
 
 
