@@ -75,7 +75,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from megatrain.bench.report import write_reports
+    from megatrain.analysis.report import write_reports
 
     paths = write_reports(args.suites, out=args.out)
     for path in paths:

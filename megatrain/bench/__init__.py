@@ -1,1 +1,2 @@
-"""Benchmark cases, records, metrics, suites and reports."""
+"""Running benchmark cases and suites: arguments, one case, records, FLOPs, traces, the machine probe, the memory
+pre-flight."""

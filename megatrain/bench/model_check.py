@@ -25,9 +25,9 @@ import time
 import tomllib
 from pathlib import Path
 
+from megatrain.analysis.tables import compiled
 from megatrain.bench.env import REPO_ROOT, environment
 from megatrain.bench.perf_model import Ingredients, Machine, Model, simulate
-from megatrain.bench.tables import compiled
 from megatrain.config import CaseConfig
 from megatrain.engine.plan import check_fits
 from megatrain.memory import GIB, Budget
@@ -94,7 +94,7 @@ def record_plan(r: dict) -> dict:
 
 
 def record_case(r: dict) -> CaseConfig:
-    """The record's case, with `compile` as it ran (megatrain.bench.tables.compiled reads records of every age)."""
+    """The record's case, with `compile` as it ran (megatrain.analysis.tables.compiled reads records of every age)."""
     cfg = dict(r["config"])
     cfg["options"] = {k: v for k, v in (cfg.get("options") or {}).items() if k != "compile"}  # once an option
     cfg["compile"] = compiled(r)
@@ -226,7 +226,7 @@ PAPER_HARDWARE = {"gh200-96g": "GH200", "a100-pcie-80g": "A100 PCIe", "rtx-3090"
 
 def paper_tflops(model: str, layers: int | None, seq: int, profile: str) -> float | None:
     """The paper's MegaTrain TFLOPS for this case on this machine, where it states one."""
-    from megatrain.bench.paper import CLAIMS
+    from megatrain.analysis.paper import CLAIMS
 
     hw = PAPER_HARDWARE.get(profile)
     return next((c.tflops for c in CLAIMS if hw and c.hardware.startswith(hw) and c.system == "megatrain"

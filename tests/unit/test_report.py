@@ -12,10 +12,10 @@ import subprocess
 
 import pytest
 
-from megatrain.bench import plots, tables
+from megatrain.analysis import plots, tables
+from megatrain.analysis.report import write_report
 from megatrain.bench.flops import model_flops, paper_flops
 from megatrain.bench.record import append_jsonl, base_record
-from megatrain.bench.report import write_report
 from megatrain.config import CaseConfig
 from megatrain.models.registry import get_model_config
 

@@ -1,7 +1,7 @@
 """The scaling report's own sections: the largest model each system trains per host, depth, and the performance
 model (its validation against every engine record, and its projections onto the paper's machines).
 
-Read by megatrain.bench.report for the `scaling` suite. Measured numbers come from the suite's records; the model's
+Read by megatrain.analysis.report for the `scaling` suite. Measured numbers come from the suite's records; the model's
 from results/perf_model/ (`python -m megatrain.bench.model_check validate|project`), written by the same commit's
 code from the committed records and ingredients.
 """
@@ -15,8 +15,8 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
+from megatrain.analysis.plots import _save
 from megatrain.bench.env import REPO_ROOT
-from megatrain.bench.plots import _save
 
 PERF = REPO_ROOT / "results" / "perf_model"
 BASELINE = "deepspeed-compiled"  # the largest-model ratio is taken against it

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from megatrain.bench import paper
+from megatrain.analysis import paper
 from megatrain.bench.flops import hardware_flops, matmul_params, paper_flops
 from megatrain.bench.hardware import actual_profile
 from megatrain.memory import GPU_FILL

@@ -1,4 +1,4 @@
-"""Figures from the records frame (megatrain.bench.tables.records_frame), matplotlib Agg, PNG.
+"""Figures from the records frame (megatrain.analysis.tables.records_frame), matplotlib Agg, PNG.
 
 Each function writes one figure and returns its path, or None when the records hold nothing to
 plot (one model size is not a curve over model size). TFLOPS is the records' 6NT number, except
@@ -16,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from megatrain.bench import paper  # noqa: E402
+from megatrain.analysis import paper  # noqa: E402
 
 DPI = 110
 STREAM_ORDER = ("h2d", "compute", "d2h", "optim")

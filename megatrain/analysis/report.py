@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from megatrain.bench import plots, scaling_report, tables
+from megatrain.analysis import plots, scaling_report, tables
 from megatrain.bench.env import REPO_ROOT
 from megatrain.bench.hardware import describe, get_profile
 from megatrain.bench.suite import read_suite_records
