@@ -64,8 +64,8 @@ def report(session):
 def perf_model(session):
     """The performance model against every committed engine record, its projections of the paper's machines
     (results/perf_model/), and the scaling report that shows them."""
-    session.run(PY, "-m", "megatrain.bench.model_check", "validate")
-    session.run(PY, "-m", "megatrain.bench.model_check", "project")
+    session.run(PY, "-m", "megatrain.perf_model.model_check", "validate")
+    session.run(PY, "-m", "megatrain.perf_model.model_check", "project")
     session.run(PY, "-m", "megatrain", "report", "scaling")
 
 

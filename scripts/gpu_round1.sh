@@ -7,7 +7,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$O/g
 free -g | tee -a "$O/gpu.txt"; nproc | tee -a "$O/gpu.txt"
 python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())" | tee -a "$O/gpu.txt"
 timeout 200 python3 -m pytest tests/gpu/test_engine_gpu.py -q -s -p no:cacheprovider 2>&1 | tail -15 | tee "$O/gpu_tests.txt"
-timeout 150 python3 -m megatrain.bench.layer_profile --model qwen2.5-7b --tokens 16384 2>&1 | tail -12 | tee "$O/layer_profile.txt"
+timeout 150 python3 -m megatrain.perf_model.layer_profile --model qwen2.5-7b --tokens 16384 2>&1 | tail -12 | tee "$O/layer_profile.txt"
 R="$O/records.jsonl"
 run() { timeout 170 python3 -m megatrain bench --device cuda --dtype bfloat16 --steps 7 --warmup 2 --seq 1024 --out "$R" "$@" 2>&1 | grep -v '^{' | tail -3; }
 run --system native --model qwen2.5-1.5b --batch 8 --precision bf16

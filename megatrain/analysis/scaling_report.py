@@ -2,7 +2,7 @@
 model (its validation against every engine record, and its projections onto the paper's machines).
 
 Read by megatrain.analysis.report for the `scaling` suite. Measured numbers come from the suite's records; the model's
-from results/perf_model/ (`python -m megatrain.bench.model_check validate|project`), written by the same commit's
+from results/perf_model/ (`python -m megatrain.perf_model.model_check validate|project`), written by the same commit's
 code from the committed records and ingredients.
 """
 
@@ -170,6 +170,6 @@ def sections(scope: pd.DataFrame, out_dir: Path, html_table, figure_html) -> lis
                   "limit), then replayed. GPU time: matmul and attention scaled by the ratio of dense bf16 rates, "
                   "the rest by memory bandwidth; link at the lent host's measured share of nominal PCIe; host AdamW "
                   "memory-bound at 60% of the published host bandwidth, no faster per core than the lent host's "
-                  "(an assumption, see megatrain.bench.model_check). The paper's 120B is GPT-OSS-120B (a mixture "
+                  "(an assumption, see megatrain.perf_model.model_check). The paper's 120B is GPT-OSS-120B (a mixture "
                   "of experts); ours is a dense 120B shape.</p>"]
     return parts

@@ -7,7 +7,7 @@ beside the link and GEMM rates of the machine it came from.
 
 The probe takes seconds: pinned PCIe copies (H2D, D2H, both at once), a bf16 8192^3 GEMM, host
 memory, torch's fused CPU AdamW rate and the engine's own host AdamW kernel in each precision (the performance
-model's host ingredient, megatrain.bench.perf_model). GPU numbers are None on a machine without CUDA.
+model's host ingredient, megatrain.perf_model). GPU numbers are None on a machine without CUDA.
 """
 
 from __future__ import annotations

@@ -223,7 +223,7 @@ def test_by_default_the_plan_makes_resident_what_fits_and_nothing_when_the_batch
 
 
 def test_the_plan_places_for_the_machine_it_is_given_not_this_one():
-    """A projection plans for another machine's memory (megatrain.bench.model_check): the limits it passes decide
+    """A projection plans for another machine's memory (megatrain.perf_model.model_check): the limits it passes decide
     the placement, as this machine's would (this CPU machine alone makes nothing resident)."""
     case = _qwen_3b_b8()
     assert plan_memory(case)["resident_units"] == []

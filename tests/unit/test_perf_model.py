@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from megatrain.bench import model_check
-from megatrain.bench.perf_model import Ingredients, Machine, Model, simulate
 from megatrain.config import CaseConfig
 from megatrain.engine.layout import build_units
+from megatrain.perf_model import model_check
+from megatrain.perf_model.model import Ingredients, Machine, Model, simulate
 
 MODEL = "qwen2.5-1.5b"
 
@@ -93,7 +93,7 @@ def test_long_rows_add_attention_and_a_chunked_mlp_adds_its_recompute():
 
 
 def test_missing_shape_says_what_to_measure():
-    with pytest.raises(KeyError, match="run megatrain.bench.ingredients"):
+    with pytest.raises(KeyError, match="run megatrain.perf_model.ingredients"):
         _ingredients().layer_s(CaseConfig(model="qwen2.5-7b").model_config(), 8192, 1024, True)
 
 

@@ -1,10 +1,10 @@
 """Profile one decoder layer on the GPU: forward, recompute+backward, and the pieces, against the GEMM peak.
 
-python -m megatrain.bench.layer_profile --model qwen2.5-7b --tokens 16384
+python -m megatrain.perf_model.layer_profile --model qwen2.5-7b --tokens 16384
 Prints a table and, last, one JSON line. Variants: eager vs torch.compile of the layer, SDPA with
 enable_gqa vs K/V expanded to all heads.
 
-python -m megatrain.bench.layer_profile --model qwen2.5-7b --long 524288 --mlp-chunk-tokens 16384 [--out FILE]
+python -m megatrain.perf_model.layer_profile --model qwen2.5-7b --long 524288 --mlp-chunk-tokens 16384 [--out FILE]
 One sequence of that length through the engine's own compiled layer template, timed once each (forward; recompute
 and backward), then one profiled forward + recompute + backward with the GPU's kernel time split into attention
 forward and backward, matmuls, compiled elementwise and the rest: where a long-context step's time goes.

@@ -1,6 +1,6 @@
 """Performance model of the streaming engine: a case's step time from measured ingredients and the engine's schedule.
 
-Ingredients (`python -m megatrain.bench.ingredients`, results/ingredients/<profile>.json), all measured on one GPU
+Ingredients (`python -m megatrain.perf_model.ingredients`, results/ingredients/<profile>.json), all measured on one GPU
 and host: one decoder layer's forward and recompute + backward per shape and token count (eager and compiled), the
 head's fused forward + loss + backward, attention alone per sequence length, the engine's host AdamW rate in each
 precision, the GPU AdamW rate of resident units, the pinned PCIe rates each way and both at once.
@@ -145,8 +145,8 @@ class Ingredients:
         points = self.layers.get((layer_key(cfg), compiled))
         if not points:
             raise KeyError(f"no layer ingredients for the shape of H={cfg.hidden_size} I={cfg.intermediate_size} "
-                           f"({'compiled' if compiled else 'eager'}) in {self.path}; run megatrain.bench.ingredients "
-                           "with a model of that shape")
+                           f"({'compiled' if compiled else 'eager'}) in {self.path}; run "
+                           "megatrain.perf_model.ingredients with a model of that shape")
         fwd = _linear([(t, f) for t, f, _ in points], tokens)
         bwd = _linear([(t, b) for t, _, b in points], tokens)
         if mlp_chunk_tokens and tokens > mlp_chunk_tokens:

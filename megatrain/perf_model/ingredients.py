@@ -1,6 +1,6 @@
 """Measure the performance model's ingredients on this machine, as the engine runs them (one JSON file).
 
-python -m megatrain.bench.ingredients --out results/ingredients/h200-141g-128g.json
+python -m megatrain.perf_model.ingredients --out results/ingredients/h200-141g-128g.json
     [--models qwen2.5-0.5b,...] [--tokens 8192,32768] [--long-seqs 8192,32768,131072]
 
 - the machine probe (megatrain.bench.hardware.measure: pinned PCIe each way and both, bf16 GEMM, torch's fused CPU
@@ -33,7 +33,6 @@ import torch.nn.functional as F
 
 from megatrain.bench.env import environment
 from megatrain.bench.hardware import GIB, engine_adamw_gparams_s, measure
-from megatrain.bench.layer_profile import bench_ms, engine_layer
 from megatrain.config import OptimConfig
 from megatrain.engine.host_optimizer import torch_adamw_unit
 from megatrain.engine.layout import build_units
@@ -41,6 +40,7 @@ from megatrain.engine.store import OPT_CHUNK
 from megatrain.engine.templates import HeadTemplate
 from megatrain.models import get_model_config
 from megatrain.optim.host_adamw import FlatAdamW
+from megatrain.perf_model.layer_profile import bench_ms, engine_layer
 
 SHAPES = ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b",
           "dense-120b"]
@@ -150,7 +150,7 @@ def main() -> None:
     args = p.parse_args()
     torch._dynamo.config.cache_size_limit = 64  # one compile per shape and token count, all of one function
     t0 = time.perf_counter()
-    result = {"what": "performance model ingredients (megatrain.bench.ingredients)", "env": environment(),
+    result = {"what": "performance model ingredients (megatrain.perf_model.ingredients)", "env": environment(),
               "machine": measure(), "host_copy_gbs": host_copy_gbs(), "host_adamw_gparams_s": {},
               "layers": [], "heads": [], "attention": []}
     result["gpu_copy_gbs"] = gpu_copy_gbs()

@@ -1,14 +1,14 @@
 """The performance model against measurement, and ahead of it.
 
-python -m megatrain.bench.model_check validate [--out results/perf_model]
+python -m megatrain.perf_model.model_check validate [--out results/perf_model]
     Predicts every engine record on a GPU in results/ (not dev/ nor gpu_checks/) from its case, the placement its
     plan chose (system_config) and its machine's probe, with the ingredients of its GPU kind; writes
     validation.csv and validation.json (the summary: median and largest absolute error). H100 records are also
     predicted from the H200's ingredients scaled by the published specs (the projection method, checked).
-python -m megatrain.bench.model_check predict SUITE [--only REGEX] --out FILE
+python -m megatrain.perf_model.model_check predict SUITE [--only REGEX] --out FILE
     Before a suite runs (on its machine: the plan needs it): the model's step time, TFLOPS and memory for each
     engine case, one JSON line each, stamped with the time, commit and ingredients.
-python -m megatrain.bench.model_check project [--out results/perf_model]
+python -m megatrain.perf_model.model_check project [--out results/perf_model]
     The paper's cases on the hardware of megatrain/bench/hardware_specs.toml (published figures), planned for
     that machine's memory: projections.csv.
 """
@@ -27,15 +27,15 @@ from pathlib import Path
 
 from megatrain.analysis.tables import compiled
 from megatrain.bench.env import REPO_ROOT, environment
-from megatrain.bench.perf_model import Ingredients, Machine, Model, simulate
 from megatrain.config import CaseConfig
 from megatrain.engine.plan import check_fits
 from megatrain.memory import GIB, Budget
+from megatrain.perf_model.model import Ingredients, Machine, Model, simulate
 
 RESULTS = REPO_ROOT / "results"
 # by GPU kind, in results/ingredients/: the shapes and host rates, then the GPU rates measured in a later lease
 INGREDIENTS = {"H200": ["h200-141g-128g.json", "h200-141g-128g-rates.json"], "H100": ["h100-80g.json"]}
-SPECS = Path(__file__).with_name("hardware_specs.toml")
+SPECS = Path(__file__).parents[1] / "bench" / "hardware_specs.toml"
 LENT_SPECS = {"H200": "h200-sxm-lent", "H100": "h100-sxm-lent"}
 SKIP_DIRS = {"dev", "gpu_checks", "smoke-local", "perf_model", "ingredients"}
 
