@@ -66,7 +66,7 @@ def cmd_suite(args: argparse.Namespace) -> int:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    from megatrain.bench.hardware import describe, measure
+    from megatrain.bench.probe import describe, measure
 
     machine = measure()
     print(describe(machine))

@@ -17,8 +17,9 @@ import pandas as pd
 
 from megatrain.analysis import plots, scaling_report, tables
 from megatrain.bench.env import REPO_ROOT
-from megatrain.bench.hardware import describe, get_profile
+from megatrain.bench.probe import describe
 from megatrain.bench.suite import read_suite_records
+from megatrain.hardware import get_profile
 from megatrain.memory import GPU_FILL
 
 MAX_TRACES = 6

@@ -162,7 +162,7 @@ def sections(scope: pd.DataFrame, out_dir: Path, html_table, figure_html) -> lis
         fig = projection_figure(proj, measured, out_dir / "projections.png")
         parts += ["<h2>Projected: the paper's machines (not measured)</h2>",
                   figure_html(fig, "Projected (hollow) by the performance model from the lent H200's ingredients "
-                                   "and published figures (megatrain/bench/hardware_specs.toml); measured (solid) on "
+                                   "and published figures (megatrain/hardware_specs.toml); measured (solid) on "
                                    "the lent H200; the paper's own (crosses).") if fig else "",
                   html_table(proj.round(2)),
                   "<p class='muted'>PROJECTED, not measured. Each case planned by the engine's own plan for that "

@@ -13,7 +13,7 @@ import pandas as pd
 
 from megatrain.analysis import paper
 from megatrain.bench.flops import hardware_flops, matmul_params, paper_flops
-from megatrain.bench.hardware import actual_profile
+from megatrain.hardware import actual_profile
 from megatrain.memory import GPU_FILL
 from megatrain.models.registry import MODELS, get_model_config
 

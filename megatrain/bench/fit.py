@@ -109,7 +109,7 @@ def plan_memory(case: CaseConfig, machine: dict) -> dict:
 
     Args:
         case: the case to run.
-        machine: a megatrain.bench.hardware.measure() result (host_available_gib, gpu_mem_gib); a case's
+        machine: a megatrain.bench.probe.measure() result (host_available_gib, gpu_mem_gib); a case's
             option host_mem_gib replaces its host figure.
 
     Returns:
@@ -150,7 +150,7 @@ def preflight(case: CaseConfig) -> list[str]:
     """Refuse (ValueError: exit 2) a case this system cannot run here or that does not fit this machine's memory,
     before anything is allocated; the message suggests a setting that fits, or says that none of those does.
     Returns notes to show before the run (a sequence beyond the model's published context)."""
-    from megatrain.bench.hardware import measure
+    from megatrain.bench.probe import measure
 
     notes = []
     cfg = case.model_config()

@@ -46,9 +46,9 @@ from pathlib import Path
 
 from megatrain.bench.args import add_case_arguments, case_from_args
 from megatrain.bench.env import REPO_ROOT, git_commit
-from megatrain.bench.hardware import actual_profile, get_profile, same_machine
 from megatrain.bench.record import append_jsonl, base_record, read_jsonl, relative_paths, summary_line
 from megatrain.config import CaseConfig, OptimConfig
+from megatrain.hardware import actual_profile, get_profile, same_machine
 
 SUITES_DIR = REPO_ROOT / "suites"
 FINAL_STATUSES = ("ok", "oom", "skipped")  # error, timeout and killed are run again on resume
@@ -66,7 +66,7 @@ class SuiteCase:
 
     Attributes:
         config: the case itself.
-        hardware: name of the profile (megatrain.bench.hardware.PROFILES) it is meant for.
+        hardware: name of the profile (megatrain.hardware.PROFILES) it is meant for.
         group: the suite group it came from.
         label: the system's name in tables and plots ('megatrain-bf16').
         timeout_s: wall-clock limit of its subprocess.
@@ -211,7 +211,7 @@ def _preflight(cases: list[SuiteCase], rates: bool) -> dict:
 def preflight_child() -> None:
     """Subprocess side of _preflight: read cases from stdin, print the machine and the plans as JSON."""
     from megatrain.bench.fit import plan_case
-    from megatrain.bench.hardware import measure
+    from megatrain.bench.probe import measure
 
     request = json.loads(sys.stdin.read())
     machine = measure(rates=request["rates"])

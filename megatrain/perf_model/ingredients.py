@@ -3,9 +3,9 @@
 python -m megatrain.perf_model.ingredients --out results/ingredients/h200-141g-128g.json
     [--models qwen2.5-0.5b,...] [--tokens 8192,32768] [--long-seqs 8192,32768,131072]
 
-- the machine probe (megatrain.bench.hardware.measure: pinned PCIe each way and both, bf16 GEMM, torch's fused CPU
+- the machine probe (megatrain.bench.probe.measure: pinned PCIe each way and both, bf16 GEMM, torch's fused CPU
   AdamW), and the host's copy rate (one 2 GiB tensor into another: GB copied per second);
-- the engine's own host AdamW kernel (megatrain.bench.hardware.engine_adamw_gparams_s) in both precisions, in
+- the engine's own host AdamW kernel (megatrain.bench.probe.engine_adamw_gparams_s) in both precisions, in
   G params/s over 128M parameters;
 - the GPU AdamW of a resident unit (the engine's torch_adamw_unit on one 7B layer's tiles on the GPU, clipped), in
   G params/s per precision, and the GPU's copy rate (GB copied per second);
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from megatrain.bench.env import environment
-from megatrain.bench.hardware import GIB, engine_adamw_gparams_s, measure
+from megatrain.bench.probe import GIB, engine_adamw_gparams_s, measure
 from megatrain.config import OptimConfig
 from megatrain.engine.host_optimizer import torch_adamw_unit
 from megatrain.engine.layout import build_units

@@ -9,7 +9,7 @@ python -m megatrain.perf_model.model_check predict SUITE [--only REGEX] --out FI
     Before a suite runs (on its machine: the plan needs it): the model's step time, TFLOPS and memory for each
     engine case, one JSON line each, stamped with the time, commit and ingredients.
 python -m megatrain.perf_model.model_check project [--out results/perf_model]
-    The paper's cases on the hardware of megatrain/bench/hardware_specs.toml (published figures), planned for
+    The paper's cases on the hardware of megatrain/hardware_specs.toml (published figures), planned for
     that machine's memory: projections.csv.
 """
 
@@ -22,34 +22,22 @@ import json
 import re
 import statistics
 import time
-import tomllib
 from pathlib import Path
 
 from megatrain.analysis.tables import compiled
 from megatrain.bench.env import REPO_ROOT, environment
 from megatrain.config import CaseConfig
 from megatrain.engine.plan import check_fits
+from megatrain.hardware import LENT, get_profile, gpu_kind, specs
 from megatrain.memory import GIB, Budget
 from megatrain.perf_model.model import Ingredients, Machine, Model, simulate
 
 RESULTS = REPO_ROOT / "results"
-# by GPU kind, in results/ingredients/: the shapes and host rates, then the GPU rates measured in a later lease
-INGREDIENTS = {"H200": ["h200-141g-128g.json", "h200-141g-128g-rates.json"], "H100": ["h100-80g.json"]}
-SPECS = Path(__file__).parents[1] / "bench" / "hardware_specs.toml"
-LENT_SPECS = {"H200": "h200-sxm-lent", "H100": "h100-sxm-lent"}
 SKIP_DIRS = {"dev", "gpu_checks", "smoke-local", "perf_model", "ingredients"}
 
 
-def specs() -> dict:
-    return tomllib.loads(SPECS.read_text())["profiles"]
-
-
-def gpu_kind(name: str | None) -> str | None:
-    return next((k for k in INGREDIENTS if name and k in name), None)
-
-
 def ingredients(kind: str) -> Ingredients | None:
-    paths = [RESULTS / "ingredients" / name for name in INGREDIENTS[kind]]
+    paths = [RESULTS / "ingredients" / name for name in LENT[kind].ingredients]
     return Ingredients.load(*paths) if all(p.exists() for p in paths) else None
 
 
@@ -64,7 +52,7 @@ def projected_machine(base: Ingredients, spec: dict, probe: dict | None = None) 
     """A machine we have no ingredients of, from the base GPU's ingredients and published figures: matmul time by
     the ratio of dense bf16 rates, the rest of a layer and the GPU AdamW by the ratio of memory bandwidths. With no
     probe of it either: the link at the base's measured share of its nominal rate, the host AdamW as above."""
-    ref = specs()[LENT_SPECS[gpu_kind(base.machine["gpu_name"])]]
+    ref = specs()[LENT[gpu_kind(base.machine["gpu_name"])].spec]
     machine = Machine.from_probe(base, probe, spec.get("gpu", ""))
     machine.gemm_scale = ref["gpu_bf16_dense_tflops"] / spec["gpu_bf16_dense_tflops"]
     machine.bandwidth_scale = ref["gpu_mem_bw_tbs"] / spec["gpu_mem_bw_tbs"]
@@ -128,7 +116,7 @@ def predict_record(r: dict, ing: Ingredients, machine: Machine) -> dict:
 
 
 def validate(out: Path) -> dict:
-    bases = {k: ingredients(k) for k in INGREDIENTS}
+    bases = {k: ingredients(k) for k in LENT}
     rows = []
     for rel, r in engine_records():
         probe = (r.get("suite") or {}).get("machine")
@@ -149,7 +137,7 @@ def validate(out: Path) -> dict:
         row.update(predicted_step_s=p["step_s"], error_pct=100 * (p["step_s"] / r["step_time_s"] - 1),
                    predicted_exposed_s=p["exposed_s"], predicted_compute_s=p["compute_s"])
         if kind != "H200" and bases.get("H200"):  # the projection method: this GPU from the H200's ingredients
-            spec = specs()[LENT_SPECS[kind]]
+            spec = specs()[LENT[kind].spec]
             q = predict_record(r, bases["H200"], projected_machine(bases["H200"], spec, probe))
             row.update(projected_from_h200_s=q["step_s"],
                        projected_error_pct=100 * (q["step_s"] / r["step_time_s"] - 1))
@@ -177,7 +165,7 @@ def validate(out: Path) -> dict:
 
 def predict_suite(suite: str, only: str | None, out: Path) -> list[dict]:
     """The model's numbers for a suite's engine cases on this machine, before they run."""
-    from megatrain.bench.hardware import get_profile, measure
+    from megatrain.bench.probe import measure
     from megatrain.bench.suite import load_suite
 
     probe = measure()

@@ -4,9 +4,9 @@ pytest tests/unit/test_suite.py"""
 import pytest
 
 from megatrain.bench import fit
-from megatrain.bench.hardware import PROFILES, get_profile, same_machine
 from megatrain.bench.suite import SUITES_DIR, bench_args, load_suite
 from megatrain.config import CaseConfig
+from megatrain.hardware import PROFILES, get_profile, same_machine
 
 H200_X2 = {"gpu_name": "NVIDIA H200", "gpu_count": 2, "gpu_mem_gib": 139.8, "host_mem_gib": 251.5,
            "host_available_gib": 245.0, "cpu": "Intel Xeon", "cpu_cores": 32}

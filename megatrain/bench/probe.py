@@ -1,9 +1,8 @@
-"""Hardware: the profiles a suite's cases expect, and a short probe of the machine a run is on.
+"""The probe: a short measurement of the machine a run is on.
 
-A profile names a kind of machine (GPU model and memory, host memory). A case belongs to one
-profile; the suite runner runs the cases whose profile this machine matches, and stores the
-probe's measurements (`measure()`) with every record of the run, so that a number is always read
-beside the link and GEMM rates of the machine it came from.
+The suite runner stores its measurements (`measure()`) with every record of the run, so that a number is always read
+beside the link and GEMM rates of the machine it came from; a suite's cases run where the probe matches their
+hardware profile (megatrain.hardware).
 
 The probe takes seconds: pinned PCIe copies (H2D, D2H, both at once), a bf16 8192^3 GEMM, host
 memory, torch's fused CPU AdamW rate and the engine's own host AdamW kernel in each precision (the performance
@@ -14,7 +13,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
 
 import psutil
 import torch
@@ -23,79 +21,6 @@ from megatrain.bench.env import cpu_name
 from megatrain.memory import host_memory_gib
 
 GIB = 2**30
-
-
-@dataclass(frozen=True)
-class HardwareProfile:
-    """What a case expects of the machine.
-
-    Attributes:
-        name: profile name used in suite files.
-        gpu: substring of the CUDA device name ('H100', 'H200'); None for CPU-only cases.
-        gpu_mem_gib: nominal device memory; None when gpu is None.
-        host_mem_gib: nominal host memory; None means any (the CPU smoke profile).
-        description: the machine in words.
-    """
-
-    name: str
-    gpu: str | None
-    gpu_mem_gib: float | None
-    host_mem_gib: float | None
-    description: str
-
-    def mismatch(self, machine: dict) -> str | None:
-        """Why `machine` (a measure() result) is not this kind of machine, or None when it is.
-
-        GPU memory must be within 10% of nominal, host memory within 15% (reported totals sit a
-        little below nominal, and a host twice as large would change which cases fit).
-        """
-        if self.gpu is not None:
-            if not machine.get("gpu_name"):
-                return f"{self.name} needs a {self.gpu} GPU; this machine has none"
-            if self.gpu.lower() not in machine["gpu_name"].lower():
-                return f"{self.name} needs a {self.gpu} GPU; this machine has {machine['gpu_name']}"
-            if abs(machine["gpu_mem_gib"] - self.gpu_mem_gib) > 0.1 * self.gpu_mem_gib:
-                return f"{self.name} needs ~{self.gpu_mem_gib:.0f} GiB of GPU memory; this GPU has " \
-                       f"{machine['gpu_mem_gib']:.0f}"
-        host = self.host_mem_gib
-        if host is not None and abs(machine["host_mem_gib"] - host) > 0.15 * host:
-            return f"{self.name} needs ~{self.host_mem_gib:.0f} GiB of host memory; this machine has " \
-                   f"{machine['host_mem_gib']:.0f}"
-        return None
-
-
-PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
-    HardwareProfile("cpu-ci", None, None, None, "any machine, CPU only (CI: 2 cores, ~7 GiB)"),
-    HardwareProfile("h100-80g", "H100", 79.2, 128, "one H100 80 GB (PCIe 5), 128 GiB host"),
-    HardwareProfile("h200-141g-128g", "H200", 139.8, 128, "one H200 141 GB, 128 GiB host"),
-    HardwareProfile("h200-141g-256g", "H200", 139.8, 256, "one H200 141 GB of a 2-GPU host with 256 GiB"),
-    HardwareProfile("h200-141g-512g", "H200", 139.8, 512, "one H200 141 GB of a 4-8 GPU host with 512-560 GiB"),
-)}
-UNPROFILED = HardwareProfile("unprofiled", None, None, None, "a machine no profile describes (see 'measured')")
-
-
-def actual_profile(planned: str, machine: dict) -> str:
-    """The profile of the machine a case ran on: `planned` when the machine matches it, else the first profile that
-    matches (a suite run with --any-hardware), else 'unprofiled'. Records and reports name this one."""
-    if get_profile(planned).mismatch(machine) is None:
-        return planned
-    return next((p.name for p in PROFILES.values() if p.gpu is not None and p.mismatch(machine) is None),
-                "cpu-ci" if not machine.get("gpu_name") else "unprofiled")
-
-
-def get_profile(name: str) -> HardwareProfile:
-    if name == UNPROFILED.name:
-        return UNPROFILED
-    if name not in PROFILES:
-        raise ValueError(f"unknown hardware profile {name!r}; choose one of: {', '.join(PROFILES)}")
-    return PROFILES[name]
-
-
-def same_machine(a: dict, b: dict) -> bool:
-    """Whether two probes describe the same kind of machine (a resumed run may continue)."""
-    keys = ("gpu_name", "gpu_count", "cpu", "cpu_cores")
-    return all(a.get(k) == b.get(k) for k in keys) and abs(a["host_mem_gib"] - b["host_mem_gib"]) <= \
-        0.05 * max(a["host_mem_gib"], b["host_mem_gib"])
 
 
 def _median_s(fn, repeats: int) -> float:
