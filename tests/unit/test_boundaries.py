@@ -1,5 +1,7 @@
-"""The engine is a library: it imports no benchmark harness and no baseline, and the package has no import
-cycles; every system's options are typed. CPU, seconds: pytest tests/unit/test_boundaries.py"""
+"""The engine is a library: it imports no benchmark harness and no baseline; running cases, suites and training
+imports neither the analysis nor the performance model (those read records and may import bench and the library);
+the package has no import cycles; every system's options are typed.
+CPU, seconds: pytest tests/unit/test_boundaries.py"""
 
 import ast
 import subprocess
@@ -13,7 +15,10 @@ from megatrain.options import OPTIONS, MegaTrainOptions, parse_options
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = ("megatrain.engine", "megatrain.optim", "megatrain.models", "megatrain.memory", "megatrain.options",
            "megatrain.config", "megatrain.data", "megatrain.systems")
-HARNESS = ("megatrain.bench", "megatrain.cli", "baselines")
+HARNESS = ("megatrain.bench", "megatrain.analysis", "megatrain.perf_model", "megatrain.hardware", "megatrain.cli",
+           "baselines")
+RUNNING = (*LIBRARY, "megatrain.bench", "megatrain.train", "megatrain.hardware", "baselines")
+ANALYSIS = ("megatrain.analysis", "megatrain.perf_model")
 
 
 def _modules() -> dict[str, Path]:
@@ -70,8 +75,15 @@ def test_the_library_modules_import_no_harness_and_no_baseline():
             assert not [d for d in deps if d.startswith(HARNESS)], name
 
 
+def test_running_cases_suites_and_training_imports_neither_analysis_nor_the_performance_model():
+    graph = _import_graph()
+    for name, deps in graph.items():
+        if name.startswith(RUNNING):
+            assert not [d for d in deps if d.startswith(ANALYSIS)], name
+
+
 def test_training_with_the_engine_loads_neither_the_harness_nor_a_baseline():
-    code = """
+    code = f"""
 import sys
 from megatrain.config import CaseConfig
 from megatrain.data import make_batches
@@ -80,7 +92,7 @@ case = CaseConfig(system="megatrain", model="tiny", batch=2, seq=8, steps=1)
 system = build_system(case)
 system.step(*make_batches(case, case.model_config().vocab_size).batch_at(0))
 system.close()
-print(" ".join(m for m in sys.modules if m.startswith(("megatrain.bench", "megatrain.cli", "baselines"))))
+print(" ".join(m for m in sys.modules if m.startswith({HARNESS!r})))
 """
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
