@@ -297,8 +297,13 @@ def _oom_killed(before: int | None) -> str | None:
 
 
 def read_suite_records(path: Path) -> list[dict]:
-    """The runner's records in a JSONL file (records a bare `bench --out` appended carry no suite block)."""
-    return [r for r in read_jsonl(path) if "suite" in r]
+    """The runner's records in a JSONL file (records a bare `bench --out` appended carry no suite block), their
+    run ids as strings: a hand-written or tool-written record may hold one as a number (20261124), which would
+    not sort or compare with the runner's."""
+    records = [r for r in read_jsonl(path) if "suite" in r]
+    for r in records:
+        r["suite"]["run_id"] = str(r["suite"]["run_id"])
+    return records
 
 
 def new_run_id() -> str:
