@@ -5,7 +5,8 @@
 #   (--system-site-packages), so a GPU host keeps its torch and a Debian python that refuses pip (PEP 668,
 #   externally-managed-environment) is never written to.
 # Then: keep an installed torch, else install the CPU wheel of torch 2.13.0; the package with its dev tools;
-# DeepSpeed (the [deepspeed] extra's pin) built against that torch. Afterwards: .venv/bin/python -m nox -s tests
+# DeepSpeed (the [deepspeed] extra's pin) built against that torch; the host AdamW kernel built ahead.
+# Afterwards: .venv/bin/python -m nox -s tests
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -38,4 +39,6 @@ trap 'rm -f "$KEEP_TORCH"' EXIT
 "$PY" -c "import setuptools, wheel" 2>/dev/null || "$PY" -m pip install -q "setuptools>=68" wheel
 DEEPSPEED=$(sed -n 's/.*"deepspeed==\([^"]*\)".*/\1/p' pyproject.toml)
 "$PY" -m pip install -q -c "$KEEP_TORCH" --no-build-isolation "deepspeed==$DEEPSPEED"
+# Build the host AdamW kernel now (~30 s, once per torch install), not in the first training run.
+"$PY" -c "from megatrain.optim import fused; fused.available()"
 echo "setup: done; the environment is .venv ($("$PY" -c 'import sys, torch; print(sys.prefix, "torch", torch.__version__)'))"

@@ -7,6 +7,7 @@ that was not the kernel's OOM killer: Ctrl-C, a kill from outside).
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 import warnings
@@ -91,10 +92,18 @@ def validate(record: dict) -> None:
 
 
 def append_jsonl(path: str | Path, record: dict) -> None:
+    """Append `record` as one line. A torn last line (a kill mid-write left no newline) is ended first, so it stays
+    one bad line that read_jsonl skips instead of swallowing this record."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
+    line = (json.dumps(record) + "\n").encode()
+    with path.open("a+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size:
+            f.seek(size - 1)
+            if f.read(1) != b"\n":
+                line = b"\n" + line
+        f.write(line)  # one write: the newline guard and the record land together
 
 
 def read_jsonl(path: str | Path) -> list[dict]:

@@ -18,6 +18,11 @@ system whether the case fits (megatrain.bench.fit) and runs every case in a fres
 `<out_dir>/records.jsonl`, with a `suite` block: run_id, case_id, group, label, hardware profile,
 the measured machine, the memory plan, the exact command, wall time.
 
+A case runs in a process group of its own with a watchdog process, which kills the group (the case and every
+process it started: DeepSpeed's, torch.compile's workers) when the case ends or the runner dies, even by SIGKILL.
+Ctrl-C or SIGTERM to the runner kills the running case's group, records nothing for that case (a rerun runs it) and
+stops the suite: `python -m megatrain suite` exits 130.
+
 Resume: a rerun continues the latest run in `out_dir` when it is on the same kind of machine and
 the same commit (same run_id), and skips the cases that run already recorded with a final status (ok, oom,
 skipped). Cases that ended `error`, `timeout` or `killed` (a signal that was not the OOM killer's,
@@ -29,6 +34,7 @@ fresh run_id and runs everything.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import itertools
 import json
@@ -229,24 +235,37 @@ def _last_json_line(stdout: str) -> dict | None:
     return None
 
 
+# Leads the case's process group and kills it once its stdin closes: when the runner closes it after the case, or
+# when the runner dies, by a signal no handler sees (SIGKILL) included.
+_WATCHDOG = "import os, signal, sys; sys.stdin.buffer.read(); os.killpg(0, signal.SIGKILL)"
+
+
 def run_case_subprocess(case: SuiteCase, command: list[str], trace_file: Path) -> tuple[dict, dict]:
     """Run one case's command; return (record, facts about the process for the suite block)."""
     env = {**os.environ, "MEGATRAIN_TRACE_FILE": str(trace_file)}
     t0 = time.perf_counter()
     oom_kills_before = cgroup_oom_kills()
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=REPO_ROOT, start_new_session=True)
-    timed_out = False
+    # A group of its own (Ctrl-C at the terminal reaches the runner only), in the runner's session: a process can
+    # join only a group of its own session.
+    watchdog = subprocess.Popen([sys.executable, "-c", _WATCHDOG], stdin=subprocess.PIPE, process_group=0)
+    group = watchdog.pid
     try:
-        stdout, stderr = proc.communicate(timeout=case.timeout_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        os.killpg(proc.pid, signal.SIGKILL)  # the whole session: DeepSpeed/compile workers too
-        stdout, stderr = proc.communicate()
-    except KeyboardInterrupt:  # Ctrl-C: the case's whole session goes too, then the suite stops
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
+        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env, cwd=REPO_ROOT, process_group=group)
+        timed_out = False
+        try:
+            stdout, stderr = proc.communicate(timeout=case.timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(group, signal.SIGKILL)  # the whole group: DeepSpeed/compile workers too
+            stdout, stderr = proc.communicate()
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the case's whole group goes too, then the suite stops
+            os.killpg(group, signal.SIGKILL)
+            proc.communicate()
+            raise
+    finally:
+        watchdog.stdin.close()
+        watchdog.wait()
     facts = {"exit_code": proc.returncode, "wall_s": round(time.perf_counter() - t0, 3)}
     record = _last_json_line(stdout)
     tail = relative_paths(stderr)[-STDERR_TAIL_CHARS:]
@@ -297,8 +316,13 @@ def _oom_killed(before: int | None) -> str | None:
 
 
 def read_suite_records(path: Path) -> list[dict]:
-    """The runner's records in a JSONL file (records a bare `bench --out` appended carry no suite block)."""
-    return [r for r in read_jsonl(path) if "suite" in r]
+    """The runner's records in a JSONL file (records a bare `bench --out` appended carry no suite block), their
+    run ids as strings: a hand-written or tool-written record may hold one as a number (20261124), which would
+    not sort or compare with the runner's."""
+    records = [r for r in read_jsonl(path) if "suite" in r]
+    for r in records:
+        r["suite"]["run_id"] = str(r["suite"]["run_id"])
+    return records
 
 
 def new_run_id() -> str:
@@ -319,6 +343,18 @@ def _current_run(records: list[dict], machine: dict) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def _sigterm_as_ctrl_c():
+    """SIGTERM (a scheduler's, `kill`'s) raises KeyboardInterrupt meanwhile, so it stops the suite as Ctrl-C does
+    instead of ending the runner before it kills the running case."""
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@_sigterm_as_ctrl_c()
 def run_suite(suite: Suite, out_dir: Path, only: str | None = None, timeout_s: float | None = None,
               dry_run: bool = False, new_run: bool = False, any_hardware: bool = False,
               bench_command: list[str] | None = None, log=None) -> list[dict]:

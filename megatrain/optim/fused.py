@@ -1,34 +1,85 @@
 """Build (once, JIT, cached) and call the one-pass host AdamW kernel in csrc/fused_adamw.cpp.
 
+The build lives in a directory of its own per torch version and install, C++ ABI, Python version and source (so
+torch installs never share a build, and checkouts never rebuild each other's), under torch's extensions root
+(TORCH_EXTENSIONS_DIR, else torch's default). Builders take an flock there, which the kernel drops when its holder
+dies: a builder killed mid-build cannot leave the next one waiting forever on torch's own lock file.
+
 Falls back to torch's fused AdamW (more passes over memory, same result) where no C++ compiler
 is available; `available()` says which one runs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
+import hashlib
+import os
+import sys
 import warnings
 from pathlib import Path
 
 import torch
 
 _SRC = Path(__file__).parent / "csrc" / "fused_adamw.cpp"
+_NAME = "megatrain_fused_adamw"
+_CFLAGS = ["-O3", "-fopenmp", "-march=native", "-fno-math-errno"]  # errno blocks vector sqrt
+_LDFLAGS = ["-fopenmp"]
+
+
+def build_directory() -> Path:
+    """Where the kernel is built and cached for this torch (version and install), C++ ABI, Python and source."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    # the install too: the build's commands name its headers, so two installs of one version sharing a build
+    # would rebuild it in turn
+    key = hashlib.sha256(_SRC.read_bytes() + repr((_CFLAGS, _LDFLAGS, torch.__file__)).encode()).hexdigest()[:12]
+    return Path(root) / (f"{_NAME}-torch{torch.__version__}-cxx11abi{int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+                         f"-py{sys.version_info.major}{sys.version_info.minor}-{key}")
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """Sole use of build_dir, by an flock: the kernel drops it when its holder dies, so a dead builder holds none."""
+    with (build_dir / "megatrain.flock").open("w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not (build_dir / f"{_NAME}.so").exists():
+                print(f"waiting for another process building the host AdamW kernel in {build_dir}", file=sys.stderr,
+                      flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 @functools.lru_cache(maxsize=1)
 def _module():
     from torch.utils.cpp_extension import load
 
+    build_dir = build_directory()
     try:
-        return load(name="megatrain_fused_adamw", sources=[str(_SRC)],
-                    extra_cflags=["-O3", "-fopenmp", "-march=native", "-fno-math-errno"],  # errno blocks vector sqrt
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with _build_lock(build_dir):
+            # No live builder holds torch's lock file now: it is a dead builder's, on which load() would wait forever.
+            (build_dir / "lock").unlink(missing_ok=True)
+            if not (build_dir / f"{_NAME}.so").exists():
+                print(f"building the host AdamW kernel once (~30 s) in {build_dir}", file=sys.stderr, flush=True)
+            # Built from a copy in the build directory: every checkout then gives ninja the same command, so none
+            # rebuilds another's.
+            source, code = build_dir / _SRC.name, _SRC.read_bytes()
+            if not source.exists() or source.read_bytes() != code:
+                source.write_bytes(code)
+            return load(name=_NAME, sources=[str(source)], build_directory=str(build_dir), extra_cflags=_CFLAGS,
+                        extra_ldflags=_LDFLAGS, verbose=False)
     except Exception as exc:  # no compiler or ninja: the torch path computes the same update
         warnings.warn(f"one-pass host AdamW kernel unavailable ({exc}); using torch fused AdamW", stacklevel=2)
         return None
 
 
 def available() -> bool:
+    """Whether the one-pass kernel runs here (building or loading it on the first call)."""
     return _module() is not None
 
 

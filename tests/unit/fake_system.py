@@ -8,10 +8,12 @@ test cannot add its own):
     seed 103: hang                             seed 104: OOM from batch 2 (a batch ladder's ceiling)
     seed 105: be killed by a signal that is not the OOM killer's
     seed 106: be refused by its own pre-flight (memory taken between the suite's check and the case's start)
+    seed 107: start a worker process (as compile workers and DeepSpeed do), then hang
 """
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,7 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: make `baselines` importable
 from baselines.native import NativeSystem  # noqa: E402
 
-FAILURES = {101: "oom", 102: "crash", 103: "hang", 104: "oom_from_batch_2", 105: "sigterm", 106: "refused"}
+FAILURES = {101: "oom", 102: "crash", 103: "hang", 104: "oom_from_batch_2", 105: "sigterm", 106: "refused",
+            107: "worker"}
 
 
 class FailingSystem(NativeSystem):
@@ -39,7 +42,9 @@ class FailingSystem(NativeSystem):
             print(f"injected crash: exiting without a record\n  File \"{__file__}\", line 1", file=sys.stderr,
                   flush=True)
             os._exit(3)
-        if failure == "hang":
+        if failure == "worker":
+            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)  # fake_system worker"])
+        if failure in ("hang", "worker"):
             time.sleep(3600)
         if failure == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)

@@ -226,3 +226,11 @@ def test_report_skips_a_corrupt_line_and_says_where(tmp_path):
     with pytest.warns(UserWarning, match=r"records\.jsonl:10: skipped"):
         page = write_report(results, tmp_path / "report")
     assert "Summary" in page.read_text()
+
+
+def test_a_run_id_written_as_a_number_reads_as_a_string(tmp_path):
+    results = tmp_path / "results"
+    append_jsonl(results / "records.jsonl", _record("megatrain", 16, 250.0, run_id=20261124))
+    append_jsonl(results / "records.jsonl", _record("deepspeed", 16, 140.0, run_id="20261125-000000-aaaa"))
+    page = write_report(results, tmp_path / "report").read_text()
+    assert "run 20261124" in page and "run 20261125-000000-aaaa" in page

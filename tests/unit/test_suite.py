@@ -1,9 +1,10 @@
-"""Suite files, case identity, hardware profiles and the pre-flight memory fit. CPU, seconds:
+"""Suite files, case identity, hardware profiles, the pre-flight memory fit and records files. CPU, seconds:
 pytest tests/unit/test_suite.py"""
 
 import pytest
 
 from megatrain.bench import fit
+from megatrain.bench.record import append_jsonl, read_jsonl
 from megatrain.bench.suite import SUITES_DIR, bench_args, load_suite
 from megatrain.config import CaseConfig
 from megatrain.hardware import PROFILES, get_profile, same_machine
@@ -161,3 +162,11 @@ def test_offload_baselines_host_estimates_follow_their_measured_bytes_per_parame
         fsdp, _ = fit._fsdp(_case("fsdp", model=model))
         assert ds / n == 25
         assert fsdp_measured <= fsdp / n <= fsdp_measured + 1.5
+
+
+def test_a_torn_last_line_does_not_swallow_the_next_record(tmp_path):
+    path = tmp_path / "records.jsonl"
+    path.write_text('{"status": "ok"}\n{"status": "ok", "cut sh')  # a runner killed mid-write
+    append_jsonl(path, {"status": "oom"})
+    with pytest.warns(UserWarning, match=r"records\.jsonl:2: skipped a line that is not JSON"):
+        assert read_jsonl(path) == [{"status": "ok"}, {"status": "oom"}]

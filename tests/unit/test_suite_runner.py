@@ -4,7 +4,10 @@ CPU, about a minute (a dozen case subprocesses): pytest tests/unit/test_suite_ru
 Failures are injected by tests/unit/fake_system.py, which stands in for `python -m megatrain bench`.
 """
 
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,14 @@ from megatrain.bench.record import read_jsonl, validate
 from megatrain.bench.suite import load_suite, run_suite
 
 FAKE_BENCH = [sys.executable, str(Path(__file__).with_name("fake_system.py"))]
+# `python -m megatrain suite` with the fake bench command, in a process of its own that a test can kill
+SUITE_CLI = """
+import functools, sys
+import megatrain.bench.suite as suite
+from megatrain.cli import main
+suite.run_suite = functools.partial(suite.run_suite, bench_command={fake!r})
+sys.exit(main(["suite", {path!r}, "--out-dir", {out!r}, *sys.argv[1:]]))
+"""
 
 SUITE = """
 description = "runner robustness"
@@ -155,3 +166,64 @@ def test_a_corrupt_line_in_the_records_is_skipped_with_its_file_and_line(tmp_pat
     with pytest.warns(UserWarning, match=r"records\.jsonl:3: skipped a line that is not JSON"):
         again = _run(suite, out, only="good|oom")
     assert [r["suite"]["group"] for r in again] == ["oom"], "the run still resumes past the bad line"
+
+
+def _processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, state letter) of every process (Linux /proc)."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # it ended meanwhile
+            continue
+        found[int(stat.parent.name)] = (int(fields[1]), fields[0])
+    return found
+
+
+def _descendants(pid: int) -> set[int]:
+    procs, found, todo = _processes(), set(), [pid]
+    while todo:
+        pid = todo.pop()
+        children = {p for p, (parent, _) in procs.items() if parent == pid}
+        found |= children
+        todo += children
+    return found
+
+
+def _command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
+    except OSError:  # it ended meanwhile
+        return ""
+
+
+def _alive(pids: set[int]) -> set[int]:
+    procs = _processes()
+    return {p for p in pids if p in procs and procs[p][1] != "Z"}  # a zombie has ended, whoever reaps it
+
+
+@pytest.mark.subprocess
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_killed_runner_takes_its_running_case_and_the_cases_workers_with_it(tmp_path, sig):
+    (tmp_path / "s.toml").write_text(SUITE + '\n[[cases]]\nname = "worker"\nseed = 107\n')
+    out = tmp_path / "results"
+    code = SUITE_CLI.format(fake=FAKE_BENCH, path=str(tmp_path / "s.toml"), out=str(out))
+    runner = subprocess.Popen([sys.executable, "-c", code, "--only", "worker"], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any("fake_system worker" in _command_line(p) for p in _descendants(runner.pid)):
+            assert runner.poll() is None and time.monotonic() < deadline, "the case never started its worker"
+            time.sleep(0.2)
+        started = _descendants(runner.pid)
+        runner.send_signal(sig)
+        _, stderr = runner.communicate(timeout=30)
+    finally:
+        runner.kill()
+    deadline = time.monotonic() + 5
+    while _alive(started) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(started), "the case or its worker outlived the runner"
+    if sig == signal.SIGTERM:
+        assert runner.returncode == 130 and "interrupted" in stderr, "SIGTERM stops the suite as Ctrl-C does"
+        assert not read_jsonl(out / "records.jsonl"), "nothing recorded for the interrupted case: a rerun runs it"

@@ -1,0 +1,49 @@
+"""The host AdamW kernel's JIT build: one directory per torch install, and no builder's death hangs the next load.
+
+CPU with a C++ compiler and ninja; the slow test builds the kernel once (~30 s, more on a busy machine):
+pytest tests/unit/test_fused_build.py
+"""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.cpp_extension import is_ninja_available
+
+from megatrain.optim import fused
+
+LOAD = "from megatrain.optim import fused; assert fused.available()"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _load(timeout_s: float) -> subprocess.CompletedProcess:
+    """Load the kernel in a fresh process; a hang fails the test after timeout_s instead of hanging it."""
+    return subprocess.run([sys.executable, "-c", LOAD], capture_output=True, text=True, cwd=REPO, timeout=timeout_s)
+
+
+def test_the_build_directory_is_keyed_by_torch_version_abi_python_and_install(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    here = fused.build_directory()
+    assert here.parent == tmp_path, "TORCH_EXTENSIONS_DIR is honoured"
+    assert f"-torch{torch.__version__}-cxx11abi" in here.name and f"-py{sys.version_info[0]}{sys.version_info[1]}-" \
+        in here.name
+    monkeypatch.setattr(torch, "__file__", "/another/venv/site-packages/torch/__init__.py")
+    assert fused.build_directory() != here, "another torch install of the same version builds apart"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("c++") is None or not is_ninja_available(), reason="needs a C++ compiler and ninja")
+def test_a_builder_killed_mid_build_does_not_hang_the_next_load(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # the subprocesses build here
+    build_dir = fused.build_directory()
+    build_dir.mkdir()
+    (build_dir / "lock").touch()  # torch's lock file, as a builder killed mid-build leaves it (its flock died with it)
+    first = _load(timeout_s=300)
+    assert first.returncode == 0, first.stderr
+    assert first.stderr == f"building the host AdamW kernel once (~30 s) in {build_dir}\n"
+    (build_dir / "lock").touch()  # a builder killed after the build: the next load neither hangs nor rebuilds
+    again = _load(timeout_s=60)
+    assert (again.returncode, again.stderr) == (0, "")
