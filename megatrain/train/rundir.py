@@ -21,7 +21,9 @@ RUN_ENTRIES = {RUN_FILE, f".{RUN_FILE}.tmp", LOCK_FILE, TRASH, "metrics.jsonl", 
 
 
 def fault(point: str) -> None:
-    """Test hook: MEGATRAIN_FAULT=point kills this process at that point with SIGKILL (no handler runs)."""
+    """Test hook: MEGATRAIN_FAULT=point kills this process there with SIGKILL (no handler runs). Points:
+    written-NAME (the new NAME complete aside, nothing renamed) and swap-NAME (the old NAME moved aside, the new one
+    not yet renamed in), NAME being step-N or hf."""
     if os.environ.get("MEGATRAIN_FAULT") == point:
         os.kill(os.getpid(), signal.SIGKILL)
 
