@@ -148,7 +148,7 @@ def main() -> int:
            "--lr-schedule", "cosine", "--warmup-steps", "20", "--min-lr", "3e-5", "--save-every", str(args.save_every),
            "--keep", "2",
            "--device", "cuda", "--dtype", "bfloat16", "--precision", "mixed", "--log-every", "20",
-           "--out", str(run_dir)]
+           "--out", str(run_dir), "--overwrite"]
     t0 = time.perf_counter()
     proc = run(cmd)
     marker = run_dir / "checkpoints" / f"step-{args.kill_after}" / "trainer.json"

@@ -43,22 +43,24 @@ def pretokenized(path, rows: int = 24, seed: int = 1, varied: bool = False):
 
 def run_train(init, data, out, system="megatrain", steps=STEPS, extra=(), dtype="float32", device="cpu"):
     """`python -m megatrain train` of a case; returns its exit code."""
-    args = ["train", "--system", system, "--init-from", str(init), "--data", str(data), "--no-shuffle",
+    return main(train_args(init, data, out, system, steps, extra, dtype, device))
+
+
+def train_args(init, data, out, system="megatrain", steps=STEPS, extra=(), dtype="float32", device="cpu"):
+    """The arguments of `python -m megatrain` that train a case."""
+    return ["train", "--system", system, "--init-from", str(init), "--data", str(data), "--no-shuffle",
             "--seq", str(SEQ), "--batch", str(BATCH), "--micro-batch", "2", "--steps", str(steps), "--lr", str(LR),
             "--lr-schedule", "cosine", "--warmup-steps", str(WARMUP), "--min-lr", str(MIN_LR), "--weight-decay",
             str(WD), "--adam-betas", *map(str, BETAS), "--adam-eps", str(EPS), "--max-grad-norm", str(CLIP),
             "--out", str(out), "--dtype", dtype, "--device", device, *extra]
-    return main(args)
 
 
 def metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-
-
-def interrupt_at_step(monkeypatch, n: int) -> None:
-    """Ctrl-C during step n of the next train run: the step finishes, is saved, and the run stops (exit 130)."""
+def at_step(monkeypatch, n: int, action) -> None:
+    """action() once step n of the next train run has computed, before the run records it."""
     import megatrain.train.loop as loop
 
     build = loop.build_system
@@ -71,13 +73,19 @@ def interrupt_at_step(monkeypatch, n: int) -> None:
             loss = step(*args)
             count[0] += 1
             if count[0] == n:
-                os.kill(os.getpid(), signal.SIGINT)
+                action()
             return loss
 
         system.step = stepped
         return system
 
     monkeypatch.setattr(loop, "build_system", built)
+
+
+def interrupt_at_step(monkeypatch, n: int, sig=signal.SIGINT) -> None:
+    """Ctrl-C (or another signal) during step n of the next train run: the step finishes, is saved, and the run
+    stops (exit 130; 143 for SIGTERM)."""
+    at_step(monkeypatch, n, lambda: os.kill(os.getpid(), sig))
 
 
 ROOT = Path(__file__).resolve().parents[1]

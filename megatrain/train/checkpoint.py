@@ -1,34 +1,47 @@
-"""Checkpoint directories: OUT/checkpoints/step-N/, written under a temporary name and renamed when complete
-(a crash mid-save leaves the previous checkpoint as the latest), the last K kept."""
+"""Checkpoint directories: OUT/checkpoints/step-N/ holds the system's own files and trainer.json (the step, data
+position, RNG, settings and a sha256 of every file), written last. A checkpoint is written under a temporary name
+and swapped in whole (rundir.replace_dir), so trainer.json marks a complete one; its checksums are verified on
+resume. Only the last K are kept."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from megatrain.config import CaseConfig
 from megatrain.memory import GIB
+from megatrain.train.rundir import recover_dir, remove_dir, written_aside
 
 META_FILE = "trainer.json"  # written last: its presence marks a complete checkpoint
+HASH_BLOCK_BYTES = 2**28  # files are hashed in blocks, in parallel threads: tens of GiB in seconds, not minutes
+READ_BYTES = 2**22
 
 
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step}"
 
 
+def _step(d: Path) -> int:
+    return int(d.name.removeprefix("step-"))
+
+
 def save(root: Path, step: int, write_state, meta: dict, keep: int) -> Path:
-    """write_state(dir) writes the system's state; meta (step, data position, RNG, config) goes beside it."""
+    """write_state(dir) writes the system's state; meta (step, data position, RNG, config) and the files' checksums
+    go beside it. The new checkpoint is complete before the oldest of this run's beyond `keep` is deleted."""
     final = step_dir(root, step)
-    tmp = root / f".step-{step}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    write_state(tmp)
-    (tmp / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    for old in complete(root)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old)
+    with written_aside(final) as tmp:
+        write_state(tmp)
+        names = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
+        (tmp / META_FILE).write_text(json.dumps({**meta, "files": checksums(tmp, names)}, indent=1) + "\n")
+    older = [d for d in complete(root) if d != final]
+    assert all(_step(d) < step for d in older), "a resume removes the checkpoints after its own"
+    for d in older[:max(len(older) - (keep - 1), 0)]:
+        remove_dir(d)
     return final
 
 
@@ -36,13 +49,81 @@ def complete(root: Path) -> list[Path]:
     """Complete checkpoints, oldest first."""
     if not root.exists():
         return []
-    done = [d for d in root.glob("step-*") if (d / META_FILE).exists()]
-    return sorted(done, key=lambda d: int(d.name.removeprefix("step-")))
+    return sorted((d for d in root.glob("step-*") if (d / META_FILE).exists()), key=_step)
 
 
 def latest(root: Path) -> Path | None:
     found = complete(root)
     return found[-1] if found else None
+
+
+def recover(root: Path) -> None:
+    """Finish or undo what a kill left under root: a checkpoint mid-swap is renamed in, partial ones deleted."""
+    for name in {p.name[1:].rsplit(".", 1)[0] for p in root.glob(".step-*")}:
+        recover_dir(root / name)
+
+
+def _block_sha256(path: Path, offset: int) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        f.seek(offset)
+        left = HASH_BLOCK_BYTES
+        while left and (chunk := f.read(min(left, READ_BYTES))):
+            digest.update(chunk)
+            left -= len(chunk)
+    return digest.hexdigest()
+
+
+def checksums(d: Path, names: list[str]) -> dict[str, dict]:
+    """{name: {"bytes", "sha256": [one per HASH_BLOCK_BYTES block]}} of the files `names` under d."""
+    sizes = {name: (d / name).stat().st_size for name in names}
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:  # hashlib lets go of the GIL on large buffers
+        blocks = {name: [pool.submit(_block_sha256, d / name, at) for at in range(0, max(size, 1), HASH_BLOCK_BYTES)]
+                  for name, size in sizes.items()}
+        return {name: {"bytes": sizes[name], "sha256": [b.result() for b in blocks[name]]} for name in names}
+
+
+def verify(d: Path) -> str | None:
+    """What is wrong with checkpoint d (a file missing, of another size or not matching its checksum), or None."""
+    files = json.loads((d / META_FILE).read_text()).get("files")
+    if files is None:
+        return f"{d / META_FILE} has no checksums (an older megatrain wrote it)"
+    for name, want in files.items():
+        if not (d / name).is_file():
+            return f"{d / name} is missing"
+        if (d / name).stat().st_size != want["bytes"]:
+            return f"{d / name} has {(d / name).stat().st_size} bytes, {want['bytes']} were written"
+    found = checksums(d, list(files))
+    bad = [name for name, want in files.items() if found[name]["sha256"] != want["sha256"]]
+    return f"{d / bad[0]} does not match its checksum" if bad else None
+
+
+def resume_point(root: Path, fallback: bool, log) -> tuple[Path, dict]:
+    """The latest complete checkpoint under root whose files verify, and its trainer.json. One that fails is refused
+    by name, or with fallback the one before is tried, and those that failed are deleted (their steps are trained
+    again, so a later resume does not meet them)."""
+    failed = []
+    for d in reversed(complete(root)):
+        t0 = time.perf_counter()
+        problem = verify(d)
+        seconds = time.perf_counter() - t0
+        if seconds > 1:
+            size = sum(f["bytes"] for f in json.loads((d / META_FILE).read_text())["files"].values())
+            log(f"checked {d.name}'s {size / GIB:.1f} GiB against its checksums in {seconds:.0f} s")
+        if problem is None:
+            break
+        if not fallback:
+            raise ValueError(f"{problem}: checkpoint {d} is damaged; --resume-fallback resumes from the one before")
+        failed.append((d, problem))
+    else:
+        raise ValueError(f"no complete checkpoint under {root} to resume from"
+                         + (f" ({failed[-1][1]}, and every one before)" if failed else ""))
+    for bad, _ in failed:
+        remove_dir(bad)
+    if failed:
+        log(f"resuming from {d.name} (--resume-fallback): " + "; ".join(f"{bad.name} deleted, {problem}"
+                                                                        for bad, problem in failed))
+    return d, json.loads((d / META_FILE).read_text())
 
 
 def state_bytes(case: CaseConfig) -> int:

@@ -50,6 +50,9 @@ class TrainConfig:
     save_every: int = 0
     keep: int = 2
     resume: str | None = None
+    resume_fallback: bool = False
+    overwrite: bool = False
+    max_nonfinite_steps: int = 3
     log_every: int = 1
     eval_data: list[str] = field(default_factory=list)
     eval_every: int = 0
@@ -67,8 +70,11 @@ class TrainConfig:
             raise ValueError(f"--lr-schedule must be one of {', '.join(SCHEDULES)}, got {self.lr_schedule!r}")
         if self.dtype not in DTYPES or self.precision not in PRECISIONS:
             raise ValueError(f"--dtype must be one of {DTYPES} and --precision one of {PRECISIONS}")
-        if self.keep < 1 or self.save_every < 0 or self.warmup_steps < 0 or self.log_every < 1:
-            raise ValueError("--keep and --log-every must be >= 1, --save-every and --warmup-steps >= 0")
+        if self.keep < 1 or min(self.save_every, self.warmup_steps, self.max_nonfinite_steps) < 0 or self.log_every < 1:
+            raise ValueError("--keep and --log-every must be >= 1, --save-every, --warmup-steps and "
+                             "--max-nonfinite-steps >= 0")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume DIR continues the run in DIR and --overwrite discards it: give one")
         if not self.save and self.save_every:
             raise ValueError("--no-save (no training-state checkpoints) and --save-every N contradict each other")
         if self.eval_every < 0 or bool(self.eval_every) != bool(self.eval_data):
@@ -117,6 +123,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="no training-state checkpoints, not even at the end (the Hugging Face export stays)")
     p.add_argument("--keep", type=int, metavar="K", help="checkpoints kept (default 2)")
     p.add_argument("--resume", metavar="DIR", help="continue the run in DIR (its latest complete checkpoint)")
+    p.add_argument("--resume-fallback", action="store_true", default=None,
+                   help="resume from the checkpoint before when the latest fails its checksums (deleting it)")
+    p.add_argument("--overwrite", action="store_true", default=None,
+                   help="discard the run already in --out and start a new one (default: refuse)")
+    p.add_argument("--max-nonfinite-steps", type=int, metavar="K",
+                   help="stop (exit 1, no export) after K steps in a row with a non-finite loss or gradient norm "
+                        "(default 3, 0: never)")
     p.add_argument("--log-every", type=int, metavar="N", help="plain progress line every N steps (default 1)")
     p.add_argument("--eval-data", action="append", metavar="FILE", help="held-out data, as --data")
     p.add_argument("--eval-every", type=int, metavar="N", help="held-out loss every N steps (and at the end)")

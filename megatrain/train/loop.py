@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
+import os
 import shutil
 import signal
 import sys
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,10 +27,22 @@ from megatrain.train import checkpoint
 from megatrain.train.config import TrainConfig
 from megatrain.train.data import Rows, Tokenizer, data_files, read_examples
 from megatrain.train.lr import lr_at
+from megatrain.train.rundir import RunDir, aside, recover_dir, written_aside
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "generation_config.json", "chat_template.jinja")
 EXPORT_SHARD_BYTES = 2**29  # the most a Hugging Face export holds in memory beyond training's own state
+EXPORT_FILE = "megatrain_export.json"  # in hf/: the step exported and the run, beside the Hugging Face files
+PER_INVOCATION = ("overwrite", "resume_fallback")  # how this command treats the directory: not the run's settings
+
+
+@dataclass
+class Progress:
+    """Where the run is; the signal handler writes `signal`."""
+    step: int
+    rows_consumed: int  # the data position: rows of the epoch-ordered stream trained on
+    signal: int = 0  # the signal (SIGINT, SIGTERM) that asked the run to stop after its step; 0: none
+    nonfinite_steps: int = 0  # consecutive steps, up to this one, whose loss or gradient norm was not finite
 
 
 def _model(cfg: TrainConfig) -> tuple[str, object, str]:
@@ -44,10 +60,14 @@ def build_case(cfg: TrainConfig, total_steps: int, label: str, shape) -> CaseCon
 
 
 def train(cfg: TrainConfig, log=print) -> int:
-    """Run (or resume) training as configured; returns the exit code (130 after Ctrl-C, with a checkpoint)."""
+    """Run (or resume) training as configured; returns the exit code: 0 done, 1 diverged (non-finite for
+    --max-nonfinite-steps steps), 130 after Ctrl-C and 143 after SIGTERM (each finishing its step and saving)."""
     from megatrain.bench.fit import preflight
 
     out = Path(cfg.out)
+    if cfg.resume and Path(cfg.resume).resolve() != out.resolve():
+        raise ValueError(f"--resume {cfg.resume} continues the run in that directory, not in --out {cfg.out}: drop "
+                         "--out (to branch a run, copy its directory and resume the copy)")
     tokenizer_dir = cfg.tokenizer or (cfg.init_from if cfg.init_from and
                                       (Path(cfg.init_from) / "tokenizer.json").exists() else None)
     tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
@@ -61,98 +81,127 @@ def train(cfg: TrainConfig, log=print) -> int:
     case = build_case(cfg, total, label, shape)
     for note in preflight(case):
         log(note)
+    run = RunDir(out, cfg.resume is not None, cfg.overwrite)
+    try:
+        return _train(cfg, run, case, rows, eval_rows, total, (model_type, tokenizer_dir), log)
+    finally:
+        run.close()
+
+
+def _train(cfg: TrainConfig, run: RunDir, case, rows, eval_rows, total: int, export: tuple, log) -> int:
+    out = run.out
+    resume_from, meta = None, {"step": 0, "data_rows_consumed": 0}
+    if cfg.resume:
+        checkpoint.recover(out / "checkpoints")
+        recover_dir(out / "hf")
+        resume_from, meta = checkpoint.resume_point(out / "checkpoints", cfg.resume_fallback, log)
+    start = meta["step"]
+    export_only = resume_from is not None and start == total and _exported_step(out) != total
+    if resume_from is not None and start >= total and not export_only:
+        raise ValueError(f"nothing to train: {resume_from} is at step {start} and the run ends at step {total}; "
+                         f"pass --steps N with N above {start} to train on")
     saves = cfg.save * (1 + (len(range(cfg.save_every, total, cfg.save_every)) if cfg.save_every else 0))
     export_bytes = case.model_config().num_params() * (2 if cfg.dtype == "bfloat16" else 4)
-    checkpoint.check_disk(case, out, saves, cfg.keep, export_bytes)
+    # The old export is deleted only once the new one is complete.
+    checkpoint.check_disk(case, out, saves, cfg.keep, export_bytes * (1 + (out / "hf").exists()))
+    run_id = run.start(_settings(cfg))
+    _repair_metrics(out / "metrics.jsonl", start)
     layout = f"packed into {len(rows)} rows" if cfg.pack else f"one per row, {rows.truncated} truncated"
-    log(f"train: {label} on {cfg.system}, {rows.examples} examples {layout} of {cfg.seq + 1} tokens "
+    log(f"train: {case.model} on {cfg.system}, {rows.examples} examples {layout} of {cfg.seq + 1} tokens "
         f"({rows.fill:.0%} data, the rest padding), {total} steps of {cfg.batch} x {cfg.seq}")
-    start = 0
-    resume_from = checkpoint.latest(Path(cfg.resume) / "checkpoints") if cfg.resume else None
-    if cfg.resume and resume_from is None:
-        raise ValueError(f"--resume {cfg.resume}: no complete checkpoint under {Path(cfg.resume) / 'checkpoints'}")
     system = build_system(case)
-    stop = {"signal": False}
-    previous = signal.signal(signal.SIGINT, lambda *_: stop.update(signal=True))  # finish the step, then save
+    progress = Progress(start, meta["data_rows_consumed"])
+    handlers = {s: signal.signal(s, lambda signum, _: setattr(progress, "signal", signum))  # finish the step, save
+                for s in (signal.SIGINT, signal.SIGTERM)}
     memory = {"host_peak_gib_built": peak_host_rss_gib()}
     try:
         if resume_from is not None:
-            meta = json.loads((resume_from / checkpoint.META_FILE).read_text())
             t0 = time.perf_counter()
             system.load_state(resume_from)
             memory.update(load_s=time.perf_counter() - t0, host_peak_gib_loaded=peak_host_rss_gib())
             torch.set_rng_state(torch.tensor(meta["torch_rng"], dtype=torch.uint8))
-            start = meta["step"]
-            log(f"resumed from {resume_from} at step {start}")
+            log(f"resumed from {resume_from} at step {start}" + ("; nothing to train, exporting it (its export "
+                                                                 "was cut short)" if export_only else ""))
         elif cfg.init_from:
             system.load_weights(iter_hf_tensors(cfg.init_from))
-        done = _run_steps(cfg, system, case, rows, eval_rows, start, total, out, stop, log)
+        _run_steps(cfg, system, case, rows, eval_rows, progress, total, out, run_id, log)
+        if cfg.max_nonfinite_steps and progress.nonfinite_steps >= cfg.max_nonfinite_steps:
+            last = checkpoint.latest(out / "checkpoints")
+            log(f"diverged: the loss or gradient norm was not finite for {progress.nonfinite_steps} steps in a row "
+                f"(to step {progress.step}); stopped without saving that state or exporting; the last checkpoint "
+                f"saved while training was finite: {last or 'none'}")
+            return 1
         memory["host_peak_gib_trained"] = peak_host_rss_gib()
-        if cfg.save:
+        if cfg.save and progress.step > start:
             t0 = time.perf_counter()
-            _save(cfg, system, out, done, total)
+            _save(cfg, system, out, progress, total, run_id)
             memory.update(save_s=time.perf_counter() - t0, host_peak_gib_saved=peak_host_rss_gib())
-        if stop["signal"]:
-            log(f"interrupted: checkpoint at step {done} in {out / 'checkpoints'}; --resume {out} continues"
-                if cfg.save else f"interrupted at step {done}; no checkpoint (--no-save)")
-            return 130
+        if progress.signal:
+            log(f"interrupted ({signal.Signals(progress.signal).name}): checkpoint at step {progress.step} in "
+                f"{out / 'checkpoints'}; --resume {out} continues" if cfg.save else
+                f"interrupted at step {progress.step}; no checkpoint (--no-save)")
+            return 128 + progress.signal
         t0 = time.perf_counter()
-        _export(system, case, out / "hf", model_type, tokenizer_dir)
+        with _writing(out / "hf", progress, out):
+            _export(system, case, out / "hf", export, {"step": progress.step, "run_id": run_id})
         memory.update(export_s=time.perf_counter() - t0, host_peak_gib_exported=peak_host_rss_gib())
-        (out / "memory.json").write_text(json.dumps(memory, indent=1) + "\n")
-        log(f"done: {done} steps; Hugging Face checkpoint in {out / 'hf'}; host peak RSS (GiB) "
+        with _writing(out / "memory.json", progress, out):
+            (out / "memory.json").write_text(json.dumps(memory, indent=1) + "\n")
+        log(f"done: {progress.step} steps; Hugging Face checkpoint in {out / 'hf'}; host peak RSS (GiB) "
             + ", ".join(f"{k.removeprefix('host_peak_gib_')} {v:.2f}" for k, v in memory.items() if "gib" in k))
         return 0
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
         system.close()
 
 
-def _run_steps(cfg, system, case, rows, eval_rows, start, total, out, stop, log) -> int:
-    out.mkdir(parents=True, exist_ok=True)
+def _run_steps(cfg, system, case, rows, eval_rows, progress: Progress, total, out, run_id, log) -> None:
     flops_per_token = 6 * case.model_config().num_params()
     bar = None
     if sys.stderr.isatty():
         from tqdm import tqdm
 
-        bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
-    step = start
-    with (out / "metrics.jsonl").open("a") as metrics:
-        while step < total and not stop["signal"]:
-            lr = lr_at(step, total, cfg.lr, cfg.lr_schedule, cfg.warmup_steps, cfg.min_lr)
-            system.set_lr(lr)
-            inputs, labels, segments = rows.batch(step * cfg.batch, cfg.batch)
-            t0 = time.perf_counter()
-            loss = system.step(inputs, labels, segments)
-            if case.device == "cuda":
-                torch.cuda.synchronize()
-            step_s = time.perf_counter() - t0
-            step += 1
-            tokens = inputs.numel()
-            targets = int((labels != IGNORE_INDEX).sum())
-            line = {"step": step, "loss": loss, "lr": lr, "grad_norm": system.last_grad_norm, "tokens": tokens,
-                    "target_tokens": targets, "tokens_per_s": tokens / step_s, "target_tokens_per_s": targets / step_s,
-                    "tflops": flops_per_token * tokens / step_s / 1e12, "step_s": step_s}
-            metrics.write(json.dumps(line) + "\n")
-            metrics.flush()
-            if bar is not None:
-                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{line['tokens_per_s']:.0f}", lr=f"{lr:.2e}")
-                bar.update(1)
-            elif step % cfg.log_every == 0 or step == total:
-                log(f"step {step}/{total}: loss {loss:.4f}, lr {lr:.3e}, grad norm {line['grad_norm']:.3f}, "
-                    f"{line['tokens_per_s']:.0f} tok/s, {line['tflops']:.3g} TFLOPS, ETA "
-                    f"{(total - step) * step_s:.0f} s")
-            if eval_rows is not None and (step % cfg.eval_every == 0 or step == total):
-                held_out = _evaluate(system, eval_rows, cfg.batch)
-                metrics.write(json.dumps({"step": step, **held_out}) + "\n")
-                metrics.flush()
-                log(f"step {step}/{total}: held-out loss {held_out['eval_loss']:.4f} over {held_out['eval_tokens']} "
-                    "tokens")
-            if cfg.save_every and step % cfg.save_every == 0 and step < total:
-                _save(cfg, system, out, step, total)
+        bar = tqdm(total=total, initial=progress.step, unit="step", dynamic_ncols=True)
+    metrics = out / "metrics.jsonl"
+    while progress.step < total and not progress.signal:
+        lr = lr_at(progress.step, total, cfg.lr, cfg.lr_schedule, cfg.warmup_steps, cfg.min_lr)
+        system.set_lr(lr)
+        inputs, labels, segments = rows.batch(progress.rows_consumed, cfg.batch)
+        t0 = time.perf_counter()
+        loss = system.step(inputs, labels, segments)
+        if case.device == "cuda":
+            torch.cuda.synchronize()
+        step_s = time.perf_counter() - t0
+        progress.step += 1
+        progress.rows_consumed += cfg.batch
+        step = progress.step
+        finite = math.isfinite(loss) and math.isfinite(system.last_grad_norm)
+        progress.nonfinite_steps = 0 if finite else progress.nonfinite_steps + 1
+        tokens = inputs.numel()
+        targets = int((labels != IGNORE_INDEX).sum())
+        line = {"step": step, "loss": loss, "lr": lr, "grad_norm": system.last_grad_norm, "tokens": tokens,
+                "target_tokens": targets, "tokens_per_s": tokens / step_s, "target_tokens_per_s": targets / step_s,
+                "tflops": flops_per_token * tokens / step_s / 1e12, "step_s": step_s}
+        _append(metrics, line, progress, out)
+        if bar is not None:
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{line['tokens_per_s']:.0f}", lr=f"{lr:.2e}")
+            bar.update(1)
+        elif step % cfg.log_every == 0 or step == total:
+            log(f"step {step}/{total}: loss {loss:.4f}, lr {lr:.3e}, grad norm {line['grad_norm']:.3f}, "
+                f"{line['tokens_per_s']:.0f} tok/s, {line['tflops']:.3g} TFLOPS, ETA "
+                f"{(total - step) * step_s:.0f} s")
+        if cfg.max_nonfinite_steps and progress.nonfinite_steps >= cfg.max_nonfinite_steps:
+            break
+        if eval_rows is not None and (step % cfg.eval_every == 0 or step == total):
+            held_out = _evaluate(system, eval_rows, cfg.batch)
+            _append(metrics, {"step": step, **held_out}, progress, out)
+            log(f"step {step}/{total}: held-out loss {held_out['eval_loss']:.4f} over {held_out['eval_tokens']} "
+                "tokens")
+        if cfg.save_every and step % cfg.save_every == 0 and step < total and finite:  # never a diverging state
+            _save(cfg, system, out, progress, total, run_id)
     if bar is not None:
         bar.close()
-    return step
 
 
 def _evaluate(system, rows: Rows, batch: int) -> dict:
@@ -166,16 +215,64 @@ def _evaluate(system, rows: Rows, batch: int) -> dict:
     return {"eval_loss": loss_sum / max(tokens, 1), "eval_tokens": tokens}
 
 
-def _save(cfg: TrainConfig, system, out: Path, step: int, total: int) -> Path:
-    meta = {"step": step, "total_steps": total, "data_rows_consumed": step * cfg.batch,
-            "torch_rng": torch.get_rng_state().tolist(), "train_config": dataclasses.asdict(cfg)}
-    return checkpoint.save(out / "checkpoints", step, system.save_state, meta, cfg.keep)
+@contextmanager
+def _writing(where: Path, progress: Progress, out: Path):
+    """A full disk while writing `where` ends the run with one line (exit 2): the step reached and the last
+    complete checkpoint, which is intact (checkpoints are swapped in only when complete)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        last = checkpoint.latest(out / "checkpoints")
+        raise ValueError(f"disk full writing {where} at step {progress.step}: "
+                         + (f"the last complete checkpoint, {last}, is intact" if last else "no checkpoint yet")
+                         + f"; free space, then --resume {out}") from None
 
 
-def _export(system, case: CaseConfig, hf_dir: Path, model_type: str, tokenizer_dir: str | None) -> None:
+def _append(path: Path, line: dict, progress: Progress, out: Path) -> None:
+    with _writing(path, progress, out), path.open("a") as f:  # opened per line: a failed write leaves no buffer
+        f.write(json.dumps(line) + "\n")
+
+
+def _repair_metrics(path: Path, through_step: int) -> None:
+    """Cut a torn last line (a kill or a full disk mid-write) and the lines of steps after through_step, which are
+    trained again: metrics then hold one line per step (and per held-out evaluation)."""
+    if not path.exists():
+        return
+    text = path.read_text()
+    kept = "".join(line for line in text[:text.rfind("\n") + 1].splitlines(keepends=True)
+                   if json.loads(line)["step"] <= through_step)
+    if kept != text:
+        tmp = aside(path, "tmp")
+        tmp.write_text(kept)
+        os.replace(tmp, path)
+
+
+def _settings(cfg: TrainConfig) -> dict:
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in PER_INVOCATION}
+
+
+def _save(cfg: TrainConfig, system, out: Path, progress: Progress, total: int, run_id: str) -> Path:
+    meta = {"step": progress.step, "total_steps": total, "data_rows_consumed": progress.rows_consumed,
+            "torch_rng": torch.get_rng_state().tolist(), "run_id": run_id, "train_config": _settings(cfg)}
+    with _writing(out / "checkpoints", progress, out):
+        return checkpoint.save(out / "checkpoints", progress.step, system.save_state, meta, cfg.keep)
+
+
+def _exported_step(out: Path) -> int | None:
+    path = out / "hf" / EXPORT_FILE
+    return json.loads(path.read_text())["step"] if path.exists() else None
+
+
+def _export(system, case: CaseConfig, hf_dir: Path, export: tuple, provenance: dict) -> None:
+    """The weights as a Hugging Face checkpoint with the tokenizer files, written aside and swapped in whole."""
+    model_type, tokenizer_dir = export
     dtype = torch.bfloat16 if case.dtype == "bfloat16" else torch.float32
-    save_hf_checkpoint(system.export_weights(), case.model_config(), hf_dir, model_type=model_type,
-                       max_shard_bytes=EXPORT_SHARD_BYTES, dtype=dtype)
-    for name in TOKENIZER_FILES if tokenizer_dir else ():
-        if (Path(tokenizer_dir) / name).exists():
-            shutil.copy(Path(tokenizer_dir) / name, hf_dir / name)
+    with written_aside(hf_dir) as tmp:
+        save_hf_checkpoint(system.export_weights(), case.model_config(), tmp, model_type=model_type,
+                           max_shard_bytes=EXPORT_SHARD_BYTES, dtype=dtype)
+        for name in TOKENIZER_FILES if tokenizer_dir else ():
+            if (Path(tokenizer_dir) / name).exists():
+                shutil.copy(Path(tokenizer_dir) / name, tmp / name)
+        (tmp / EXPORT_FILE).write_text(json.dumps(provenance) + "\n")

@@ -1,0 +1,148 @@
+"""A run directory (`train --out DIR`): one process at a time (a lock), one run (its identity in run.json), and
+directories swapped in whole with renames, so a kill at any point leaves the old or the new one complete."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import signal
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+RUN_FILE, LOCK_FILE, TRASH = "run.json", ".train.lock", ".discarded"
+# What a run writes into DIR: --overwrite discards only a directory that holds nothing else.
+RUN_ENTRIES = {RUN_FILE, f".{RUN_FILE}.tmp", LOCK_FILE, TRASH, "metrics.jsonl", ".metrics.jsonl.tmp", "memory.json",
+               "checkpoints", "hf", ".hf.tmp", ".hf.old"}
+
+
+def fault(point: str) -> None:
+    """Test hook: MEGATRAIN_FAULT=point kills this process there with SIGKILL (no handler runs). Points:
+    written-NAME (the new NAME complete aside, nothing renamed) and swap-NAME (the old NAME moved aside, the new one
+    not yet renamed in), NAME being step-N or hf."""
+    if os.environ.get("MEGATRAIN_FAULT") == point:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def aside(final: Path, kind: str) -> Path:
+    """Where `final` is written before it is swapped in (kind 'tmp') or moved while it is replaced ('old')."""
+    return final.parent / f".{final.name}.{kind}"
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def written_aside(final: Path):
+    """Yields a fresh directory, aside(final, 'tmp'), to write `final` into; once the block ends it is swapped in
+    with renames only, or deleted if the block raised (a full disk, say), the old `final` standing. A kill leaves
+    the old final complete, or the new one, or both aside with the new one complete: recover_dir rolls forward."""
+    tmp, old = aside(final, "tmp"), aside(final, "old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except Exception:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for path in [*tmp.rglob("*"), tmp]:  # on disk before any rename, so that a power cut loses nothing either
+        _fsync(path)
+    fault(f"written-{final.name}")
+    if final.exists():
+        final.rename(old)
+    fault(f"swap-{final.name}")
+    tmp.rename(final)
+    _fsync(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_dir(path: Path) -> None:
+    """Delete a directory so that a kill midway leaves no part of it under its name."""
+    path.rename(aside(path, "old"))
+    shutil.rmtree(aside(path, "old"))
+
+
+def recover_dir(final: Path) -> None:
+    """Finish what a kill interrupted around `final`: a swap whose old copy was moved aside had its new copy
+    complete, so it is renamed in; any other leftover copy is incomplete or superseded, and deleted."""
+    tmp, old = aside(final, "tmp"), aside(final, "old")
+    if old.exists() and tmp.exists() and not final.exists():
+        tmp.rename(final)
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _made(path: Path) -> bool:
+    """mkdir -p that says whether it made the directory (of two processes starting at once, one did)."""
+    try:
+        path.mkdir(parents=True)
+    except FileExistsError:
+        return False
+    return True
+
+
+class RunDir:
+    """DIR for one train process: locked (flock, released when the process ends however it ends), and owned by one
+    run: a new run needs DIR empty (or --overwrite, which discards the run in it), --resume continues the run in it."""
+
+    def __init__(self, out: Path, resume: bool, overwrite: bool):
+        self.out, self.started = out, False
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out {out} is a file: choose a directory")
+        try:
+            self.created = _made(out)
+            self.lock = (out / LOCK_FILE).open("a")
+        except OSError as exc:
+            raise ValueError(f"--out {out}: cannot write there ({exc.strerror}): choose a writable directory") from None
+        try:
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.lock.close()
+            raise ValueError(f"--out {out} is in use by another train process: wait for it to end, or choose "
+                             "another --out") from None
+        entries = sorted(p for p in out.iterdir() if p.name != LOCK_FILE)
+        if resume or not entries:
+            return
+        if not overwrite:
+            self.close()
+            raise ValueError(f"--out {out} holds another run: pass --resume {out} to continue it, --overwrite to "
+                             "discard it, or another --out")
+        strangers = [p.name for p in entries if p.name not in RUN_ENTRIES]
+        if strangers:
+            self.close()
+            raise ValueError(f"--out {out} holds {', '.join(strangers[:3])}, which no train run writes: --overwrite "
+                             "discards only a run directory; choose another --out")
+        trash = out / TRASH
+        trash.mkdir(exist_ok=True)
+        for entry in sorted(entries, key=lambda p: p.name != "checkpoints"):  # first: a kill midway leaves no resume
+            if entry != trash:
+                entry.rename(trash / entry.name)
+        shutil.rmtree(trash)
+
+    def start(self, settings: dict) -> str:
+        """The run's id: recorded in run.json by a new run (with its creation time and settings), read on resume."""
+        path = self.out / RUN_FILE
+        if not path.exists():  # a new run, or one from before run.json existed
+            text = json.dumps(settings, sort_keys=True)
+            record = {"run_id": uuid.uuid4().hex, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                      "settings_sha256": hashlib.sha256(text.encode()).hexdigest(), "settings": settings}
+            tmp = aside(path, "tmp")
+            tmp.write_text(json.dumps(record, indent=1) + "\n")
+            os.replace(tmp, path)
+        self.started = True
+        return json.loads(path.read_text())["run_id"]
+
+    def close(self) -> None:
+        """Release the lock; a directory this process created for a run that never started is removed."""
+        if self.created and not self.started:
+            shutil.rmtree(self.out, ignore_errors=True)
+        self.lock.close()

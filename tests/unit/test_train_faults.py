@@ -1,0 +1,285 @@
+"""`python -m megatrain train` loses nothing: one run per --out and one process at a time, checkpoints verified by
+checksum with a fallback, SIGTERM, divergence, torn metrics, bad or full disks (a tmpfs, where mounting is allowed),
+kill -9 at named points (MEGATRAIN_FAULT). CPU, about a minute; the ones marked subprocess spawn python -m megatrain:
+pytest tests/unit/test_train_faults.py"""
+
+import ctypes
+import errno
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from train_helpers import (  # noqa: E402
+    ROOT,
+    at_step,
+    hf_model,
+    interrupt_at_step,
+    metrics,
+    pretokenized,
+    run_train,
+    train_args,
+)
+
+from megatrain.cli import main  # noqa: E402
+from megatrain.train.data import Rows  # noqa: E402
+
+SAVES = ["--save-every", "2", "--keep", "3"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """A tiny model, 10 rows of data (batch 4: steps cross epochs), and its uninterrupted run of 8 steps."""
+    root = tmp_path_factory.mktemp("straight")
+    init, data = hf_model("qwen2", root / "init"), pretokenized(root / "data.jsonl", rows=10)
+    assert run_train(init, data, root / "run", steps=8, extra=SAVES) == 0
+    return init, data, [m["loss"] for m in metrics(root / "run")], root / "run"
+
+
+def _resume(out, *extra):
+    return main(["train", "--resume", str(out), *extra])
+
+
+def _losses_once_each(out, steps=8):
+    lines = metrics(out)
+    assert [m["step"] for m in lines] == list(range(1, steps + 1))
+    return [m["loss"] for m in lines]
+
+
+def _entries(path):
+    return sorted(p.name for p in path.iterdir())
+
+
+def _error(capsys) -> str:
+    """The one error line of the last command (the log lines before it aside)."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, err
+    return errors[0]
+
+
+def _exported_step(out):
+    return json.loads((out / "hf" / "megatrain_export.json").read_text())["step"]
+
+
+def test_a_new_run_is_refused_a_directory_holding_another_and_overwrite_discards_it(straight, tmp_path, capsys):
+    init, data, _, done = straight
+    out = tmp_path / "run"
+    shutil.copytree(done, out)
+    first = json.loads((out / "run.json").read_text())["run_id"]
+    assert run_train(init, data, out, steps=2, extra=SAVES) == 2
+    assert f"--resume {out}" in _error(capsys) and len(metrics(out)) == 8
+    assert run_train(init, data, out, steps=2, extra=[*SAVES, "--overwrite"]) == 0
+    assert [m["step"] for m in metrics(out)] == [1, 2] and _exported_step(out) == 2
+    assert _entries(out / "checkpoints") == ["step-2"], "the old run's steps 4-8 went, not the new run's step 2"
+    assert json.loads((out / "run.json").read_text())["run_id"] != first
+    mine = tmp_path / "notes"
+    mine.mkdir()
+    (mine / "todo.txt").write_text("not a run\n")
+    assert run_train(init, data, mine, steps=2, extra=["--overwrite"]) == 2
+    assert "todo.txt" in _error(capsys) and (mine / "todo.txt").exists()
+
+
+def test_sigterm_saves_like_ctrl_c_and_the_previous_handler_comes_back(straight, tmp_path):
+    init, data, losses, _ = straight
+    out = tmp_path / "run"
+    received = []
+    previous = signal.signal(signal.SIGTERM, lambda *_: received.append(1))
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            interrupt_at_step(mp, 3, signal.SIGTERM)
+            assert run_train(init, data, out, steps=8, extra=SAVES) == 143
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert received == [1], "train put back the handler it found"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert _entries(out / "checkpoints") == ["step-2", "step-3"]
+    assert _resume(out) == 0 and _losses_once_each(out) == losses
+
+
+def _interrupted_at_6(init, data, out):
+    """A run of 8 steps stopped after step 6: checkpoints at steps 2, 4 and 6, metrics of steps 1-6."""
+    with pytest.MonkeyPatch.context() as mp:
+        interrupt_at_step(mp, 6)
+        assert run_train(init, data, out, steps=8, extra=SAVES) == 130
+
+
+def test_a_damaged_checkpoint_is_refused_by_name_and_the_fallback_resumes_from_the_one_before(straight, tmp_path,
+                                                                                               capsys):
+    init, data, losses, _ = straight
+    out = tmp_path / "run"
+    _interrupted_at_6(init, data, out)
+    (out / "checkpoints" / "step-6" / "state.json").unlink()
+    assert _resume(out) == 2
+    assert "step-6/state.json is missing" in _error(capsys)
+    with (out / "checkpoints" / "step-4" / "tiles.bin").open("r+b") as f:
+        f.seek(1000)
+        byte = f.read(1)
+        f.seek(1000)
+        f.write(bytes([byte[0] ^ 1]))
+    assert _resume(out, "--resume-fallback") == 0
+    err = capsys.readouterr().err
+    assert "resuming from step-2 (--resume-fallback)" in err and "step-4/tiles.bin does not match" in err
+    assert _losses_once_each(out) == losses and _entries(out / "checkpoints") == ["step-4", "step-6", "step-8"]
+
+
+def test_metrics_lose_a_torn_line_and_the_steps_after_the_resumed_checkpoint(straight, tmp_path):
+    init, data, losses, _ = straight
+    out = tmp_path / "run"
+    _interrupted_at_6(init, data, out)
+    shutil.rmtree(out / "checkpoints" / "step-6")  # the last checkpoint is step 4's, the metrics go to step 6
+    with (out / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 7, "lo')  # killed mid-write
+    assert _resume(out) == 0 and _losses_once_each(out) == losses
+
+
+def test_resume_takes_the_recorded_data_position(straight, tmp_path, monkeypatch):
+    init, data, _, _ = straight
+    out = tmp_path / "run"
+    assert run_train(init, data, out, steps=2, extra=SAVES) == 0
+    meta_file = out / "checkpoints" / "step-2" / "trainer.json"
+    meta = json.loads(meta_file.read_text())
+    meta_file.write_text(json.dumps({**meta, "data_rows_consumed": 7}))  # say, rows skipped as unusable
+    firsts, batch = [], Rows.batch
+    monkeypatch.setattr(Rows, "batch", lambda self, first, count: firsts.append(first) or batch(self, first, count))
+    assert _resume(out, "--steps", "4") == 0
+    assert firsts == [7, 11]
+
+
+def test_a_resume_with_nothing_to_train_or_into_another_out_is_refused(straight, tmp_path, capsys):
+    out = tmp_path / "run"
+    shutil.copytree(straight[3], out)
+    assert _resume(out) == 2 and "pass --steps N with N above 8" in _error(capsys)
+    assert _resume(out, "--steps", "6") == 2 and "nothing to train" in _error(capsys)
+    assert _resume(out, "--steps", "10", "--out", str(tmp_path / "other")) == 2
+    assert "drop --out" in _error(capsys) and not (tmp_path / "other").exists()
+
+
+@pytest.mark.filterwarnings("ignore:.*update skipped:UserWarning")
+def test_a_diverging_run_stops_with_its_last_finite_checkpoint_and_no_export(straight, tmp_path, capsys):
+    init, data, _, _ = straight
+    out = tmp_path / "run"
+    assert run_train(init, data, out, steps=30, extra=["--lr", "1e3", "--save-every", "1", "--keep", "1"]) == 1
+    assert "diverged: the loss or gradient norm was not finite for 3 steps" in capsys.readouterr().err
+    lines = metrics(out)
+    assert not (out / "hf").exists() and len(lines) < 30
+    assert not any(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in lines[-3:])
+    (kept,) = _entries(out / "checkpoints")
+    last = lines[int(kept.removeprefix("step-")) - 1]
+    assert math.isfinite(last["loss"]) and math.isfinite(last["grad_norm"])
+    assert run_train(init, data, tmp_path / "on", steps=12, extra=["--lr", "1e3", "--max-nonfinite-steps", "0"]) == 0
+
+
+@contextmanager
+def _tmpfs(path, options: str, read_only: bool = False):
+    """A tmpfs mounted at path (root, where the sandbox allows it); skips the test otherwise."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    path.mkdir()
+    if libc.mount(b"tmpfs", str(path).encode(), b"tmpfs", int(read_only), options.encode()) != 0:
+        pytest.skip(f"mounting a tmpfs is not permitted here ({os.strerror(ctypes.get_errno())})")
+    try:
+        yield path
+    finally:
+        libc.umount2(str(path).encode(), 2)  # MNT_DETACH
+
+
+def test_an_out_that_cannot_hold_a_run_is_refused_in_one_line(straight, tmp_path, capsys):
+    init, data, _, _ = straight
+    (tmp_path / "file").write_text("")
+    assert run_train(init, data, tmp_path / "file", steps=1) == 2 and "is a file" in _error(capsys)
+    assert run_train(init, data, "/proc/megatrain-run", steps=1) == 2
+    line = _error(capsys)
+    assert "cannot write there" in line and "GiB" not in line
+    with _tmpfs(tmp_path / "ro", "size=1m", read_only=True) as ro:
+        assert run_train(init, data, ro / "run", steps=1) == 2 and "Read-only file system" in _error(capsys)
+
+
+def test_a_full_disk_mid_run_ends_in_one_line_and_the_run_resumes(straight, tmp_path, capsys):
+    init, data, losses, _ = straight
+    with _tmpfs(tmp_path / "disk", "size=8m") as disk:
+        out, filler = disk / "run", disk / "filler"
+
+        def fill():
+            fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+            try:
+                while os.write(fd, bytes(2**16)):
+                    pass
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+            finally:
+                os.close(fd)
+
+        with pytest.MonkeyPatch.context() as mp:
+            at_step(mp, 3, fill)
+            assert run_train(init, data, out, steps=8, extra=SAVES) == 2
+        line = _error(capsys)
+        assert "disk full writing" in line and "step-2, is intact" in line
+        assert _entries(out / "checkpoints") == ["step-2"], "the partial checkpoint is deleted"
+        filler.unlink()
+        assert _resume(out) == 0 and _losses_once_each(out) == losses
+
+
+def _killed(args, fault):
+    """`python -m megatrain train ARGS` killed with SIGKILL at the point MEGATRAIN_FAULT names."""
+    env = {**os.environ, "MEGATRAIN_FAULT": fault, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "megatrain", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+
+
+@pytest.mark.subprocess
+def test_kill_9_between_a_checkpoint_written_and_swapped_in_loses_nothing(straight, tmp_path):
+    init, data, losses, _ = straight
+    out = tmp_path / "run"
+    _killed(train_args(init, data, out, steps=8, extra=SAVES), "written-step-4")
+    assert _entries(out / "checkpoints") == [".step-4.tmp", "step-2"]
+    assert _resume(out) == 0 and _losses_once_each(out) == losses
+    assert _entries(out / "checkpoints") == ["step-4", "step-6", "step-8"]
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("fault, leftovers, resumed", [("written-hf", [".hf.tmp", "hf"], 0),
+                                                       ("swap-hf", [".hf.old", ".hf.tmp"], 2)])
+def test_kill_9_mid_export_leaves_the_old_export_or_the_new_one(straight, tmp_path, fault, leftovers, resumed):
+    out = tmp_path / "run"
+    shutil.copytree(straight[3], out)
+    _killed(["train", "--resume", str(out), "--steps", "10"], fault)
+    assert [name for name in _entries(out) if "hf" in name] == leftovers
+    # Written, not swapped: the old export stands, and the resume exports step 10. Mid-swap: the new one was
+    # complete, so it is swapped in, and there is nothing left to do.
+    assert _resume(out, "--steps", "10") == resumed
+    assert [name for name in _entries(out) if "hf" in name] == ["hf"] and _exported_step(out) == 10
+    transformers.AutoModelForCausalLM.from_pretrained(out / "hf")
+
+
+@pytest.mark.subprocess
+def test_a_second_process_on_the_same_out_is_refused_and_sigterm_saves(straight, tmp_path, capsys):
+    init, data, _, _ = straight
+    out = tmp_path / "run"
+    with (tmp_path / "stderr").open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "megatrain", *train_args(init, data, out, steps=10**5)],
+                                cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=log)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert run_train(init, data, out, steps=2) == 2
+        assert f"--out {out} is in use by another train process" in _error(capsys)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 143
+    finally:
+        proc.kill()
+    reached = metrics(out)[-1]["step"]
+    assert "interrupted (SIGTERM)" in (tmp_path / "stderr").read_text()
+    assert _entries(out / "checkpoints") == [f"step-{reached}"]
+    assert _resume(out, "--steps", str(reached + 1)) == 0, "the lock died with its process"
