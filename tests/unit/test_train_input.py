@@ -1,6 +1,7 @@
 """`python -m megatrain train` refuses each mistake in its input with exit 2 and one line saying what to change, before
 anything is built. CPU, seconds: pytest tests/unit/test_train_input.py"""
 
+import dataclasses
 import json
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 
 from megatrain.cli import main
 from megatrain.engine.state import read_tiles
+from megatrain.train.config import TrainConfig
 from megatrain.train.data import Example, Rows
 
 
@@ -33,6 +35,19 @@ def test_a_checkpoint_of_another_shape_is_refused_in_one_short_line(tmp_path):
         read_tiles(tmp_path / "tiles.bin", tiles, saved)
     assert str(refusal.value) == (f"{tmp_path} holds another model, dtype or precision than this engine: 3 of 3 tiles "
                                   "differ, the first saved as weights (float32 x 6), here weights (bfloat16 x 6)")
+
+
+def test_schedule_notes_say_a_warmup_as_long_as_the_run_and_a_decay_restretched_on_resume():
+    from megatrain.train.lr import schedule_notes
+
+    cfg = TrainConfig(model="tiny", data=["x"], steps=10, lr=1e-3, warmup_steps=20)
+    (warmup,) = schedule_notes(cfg, 10)
+    assert "--warmup-steps 20 is not shorter than the run's 10 steps" in warmup and "to 0.0005 at the last" in warmup
+    cfg = dataclasses.replace(cfg, warmup_steps=2)
+    assert schedule_notes(cfg, 10) == [] and schedule_notes(cfg, 10, resumed_total_steps=10) == []
+    (stretched,) = schedule_notes(cfg, 20, resumed_total_steps=10)
+    assert "the run's length changes from 10 to 20 steps: the cosine decay" in stretched
+    assert schedule_notes(dataclasses.replace(cfg, lr_schedule="constant"), 20, resumed_total_steps=10) == []
 
 
 @pytest.mark.parametrize("line, says", [
