@@ -31,10 +31,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from megatrain.train.config import config_from_args
+    from megatrain.train.config import check_available, config_from_args
     from megatrain.train.loop import train
 
-    return train(config_from_args(args), log=lambda line: print(line, file=sys.stderr, flush=True))
+    cfg = config_from_args(args)
+    check_available(cfg)
+    return train(cfg, log=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def cmd_models(args: argparse.Namespace) -> int:

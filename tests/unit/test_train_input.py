@@ -3,6 +3,7 @@ anything is built. CPU, seconds: pytest tests/unit/test_train_input.py"""
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch
 from megatrain.cli import main
 from megatrain.engine.state import read_tiles
 from megatrain.train.config import TrainConfig
-from megatrain.train.data import Example, Rows
+from megatrain.train.data import Example, Rows, read_examples
 
 
 def refused(capsys, argv) -> str:
@@ -21,11 +22,101 @@ def refused(capsys, argv) -> str:
     return lines[0]
 
 
+@pytest.fixture
+def data(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"input_ids": list(range(i, i + 9))}) + "\n" for i in range(4)))
+    return path
+
+
 def tiny(data, tmp_path, *extra) -> list[str]:
     """A from-scratch run of the tiny shape on `data`, with extra flags (--steps 1 unless --epochs is given)."""
     length = [] if "--epochs" in extra else ["--steps", "1"]
     return ["--model", "tiny", "--data", str(data), "--seq", "8", "--batch", "4", *length, "--out",
             str(tmp_path / "run"), *extra]
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    (["--lr", "inf"], "--lr must be a finite number > 0"),
+    (["--lr", "0"], "--lr must be a finite number > 0"),
+    (["--lr", "-1"], "--lr must be a finite number > 0"),
+    (["--adam-eps", "0"], "--adam-eps must be a finite number > 0"),
+    (["--adam-eps", "-1"], "--adam-eps must be"),
+    (["--adam-eps", "nan"], "--adam-eps must be"),
+    (["--weight-decay", "nan"], "--weight-decay must be a finite number >= 0"),
+    (["--weight-decay", "-5"], "--weight-decay must be"),
+    (["--min-lr", "1"], "--min-lr must be a number from 0 to --lr (1e-05), got 1.0"),
+    (["--min-lr", "-1"], "--min-lr must be"),
+    (["--min-lr", "nan"], "--min-lr must be"),
+    (["--adam-betas", "1", "0.9"], "--adam-betas must be two numbers in [0, 1), got 1.0 0.9"),
+    (["--adam-betas", "0.9", "nan"], "--adam-betas must be"),
+    (["--max-grad-norm", "nan"], "--max-grad-norm must be a finite number >= 0"),
+    (["--max-grad-norm", "inf"], "--max-grad-norm must be"),
+    (["--max-grad-norm", "-1"], "--max-grad-norm must be"),
+    (["--epochs", "inf"], "--epochs must be a finite number > 0, got inf"),
+    (["--epochs", "nan"], "--epochs must be"),
+    (["--epochs", "0"], "--epochs must be"),
+    (["--epochs", "-1"], "--epochs must be"),
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--steps", "-1"], "--steps must be >= 1"),
+    (["--seq", "0"], "--seq must be >= 1"),
+    (["--seq", "-1"], "--seq must be >= 1"),
+    (["--batch", "0"], "--batch must be >= 1"),
+    (["--micro-batch", "3"], "--micro-batch must be a divisor of --batch (4), or 0 for the whole batch, got 3"),
+    (["--micro-batch", "-2"], "--micro-batch must be a divisor"),
+    (["--warmup-steps", "-1"], "--warmup-steps must be >= 0, got -1"),
+    (["--seed", "-1"], "--seed must be in [0, 2**32)"),
+    (["--seed", str(2**62)], "--seed must be in [0, 2**32)"),
+    (["--save-every", "-1"], "--save-every must be >= 0"),
+    (["--keep", "0"], "--keep must be >= 1"),
+    (["--log-every", "0"], "--log-every must be >= 1, got 0"),
+    (["--eval-data", "x.jsonl", "--eval-every", "-1"], "--eval-every must be >= 0"),
+])
+def test_a_nonsensical_hyperparameter_is_refused_naming_its_flag(tmp_path, capsys, data, flags, says):
+    assert says in refused(capsys, tiny(data, tmp_path, *flags))
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("line, says", [
+    ('lr = "abc"', "train setting lr='abc': expected a number"),
+    ("batch = 2.5", "train setting batch=2.5: expected an integer"),
+    ("steps = true", "train setting steps=True: expected an integer or null"),
+    ("data = 3", "train setting data=3: expected a list, each a string"),
+    ("data = [3]", "train setting data=[3]: expected a list, each a string"),
+    ("option = 5", "train setting option=5: expected a table"),
+    ('pack = "no"', "train setting pack='no': expected true or false"),
+    ("adam_betas = [0.9]", "train setting adam_betas=[0.9]: expected a list of 2, each a number"),
+])
+def test_a_config_file_value_of_the_wrong_type_is_refused_naming_key_type_and_value(tmp_path, capsys, data, line,
+                                                                                   says):
+    key, value = line.split(" = ")
+    settings = {"model": '"tiny"', "data": json.dumps([str(data)]), "steps": "1", "out": json.dumps(str(tmp_path)),
+                key: value}
+    (tmp_path / "run.toml").write_text("".join(f"{k} = {v}\n" for k, v in settings.items()))
+    assert says in refused(capsys, ["--config", str(tmp_path / "run.toml")])
+
+
+def test_an_init_from_that_is_not_a_checkpoint_is_refused_naming_it(tmp_path, capsys, data):
+    def init_from(path):
+        return refused(capsys, ["--init-from", str(path), "--data", str(data), "--steps", "1"])
+
+    assert init_from(tmp_path / "nowhere").endswith(f"--init-from {tmp_path / 'nowhere'}: no such directory")
+    (tmp_path / "ckpt").mkdir()
+    assert f"--init-from {tmp_path / 'ckpt'} has no config.json" in init_from(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "config.json").write_text("{not json")
+    assert f"{tmp_path / 'ckpt' / 'config.json'} is not valid JSON" in init_from(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 8}))
+    assert "config.json lacks hidden_size, intermediate_size" in init_from(tmp_path / "ckpt")
+    config = {"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+              "num_hidden_layers": 1, "num_attention_heads": 1}
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    assert "neither model.safetensors nor model.safetensors.index.json" in init_from(tmp_path / "ckpt")
+
+
+def test_device_cuda_without_cuda_is_refused(tmp_path, capsys, data, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "--device cuda: torch sees no CUDA device" in refused(capsys, tiny(data, tmp_path, "--device", "cuda"))
 
 
 def test_a_checkpoint_of_another_shape_is_refused_in_one_short_line(tmp_path):
@@ -81,6 +172,15 @@ def test_bytes_that_are_not_utf8_are_refused_naming_file_and_line(tmp_path, caps
     txt.write_bytes(b"one document\n\nanother,\nover lines \xff\n")
     assert f"--data {jsonl}:2: byte 0xe9 is not UTF-8" in refused(capsys, tiny(jsonl, tmp_path))
     assert f"--data {txt}:4: byte 0xff is not UTF-8" in refused(capsys, tiny(txt, tmp_path))
+
+
+def test_held_out_data_errors_name_eval_data(tmp_path, capsys, data):
+    missing = tmp_path / "held_out.jsonl"
+    line = refused(capsys, tiny(data, tmp_path, "--eval-data", str(missing), "--eval-every", "1"))
+    assert line == f"error: --eval-data {missing}: no such file or folder"
+    missing.write_text('{"input_ids": [1, -1]}\n')
+    with pytest.raises(ValueError, match=f"^--eval-data {re.escape(str(missing))}:1: input_ids must be"):
+        read_examples([missing], None, False, flag="--eval-data")
 
 
 def test_data_without_a_target_token_is_refused(tmp_path, capsys):
