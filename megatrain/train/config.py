@@ -23,6 +23,10 @@ from megatrain.train.data import data_files
 from megatrain.train.lr import SCHEDULES
 
 DEVICES = ("cpu", "cuda")
+# the settings a resumed run keeps, each shaping its data, model or saved state; the others may change: the optimizer's
+# and the length from the resumed step on, the device, micro-batch, compile and the system's options only in rounding
+RESUME_FIXES = ("system", "init_from", "model", "tokenizer", "data", "train_on_prompt", "shuffle", "pack", "seq",
+                "batch", "seed", "dtype", "precision")
 
 
 @dataclass
@@ -194,20 +198,32 @@ def _file_values(path: str | None) -> dict:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    values = {}
-    if args.resume:  # the run's own settings, in the directory given, then the file's and the flags' over them
-        values = {**resumed_config(Path(args.resume)), "out": args.resume}
-    values.update(_file_values(args.config))
+    """The run's settings: the --config file's, the flags' over them, and on --resume the run's own beneath both
+    (refusing a change to what the run trains, RESUME_FIXES)."""
+    values = _file_values(args.config)
     for f in dataclasses.fields(TrainConfig):
         flag = getattr(args, f.name, None)
         if flag is not None:
             values[f.name] = parse_option_flags(flag) if f.name == "option" else flag
-    if values.get("resume") and not values.get("out"):  # resume = "DIR" in a TOML file
-        values["out"] = values["resume"]
+    if values.get("resume"):
+        values = _over_resumed(values, values["resume"])
     try:
         return TrainConfig(**values)
     except TypeError as exc:  # a key of a checkpoint's settings this version does not have
         raise ValueError(f"bad train setting: {exc}") from None
+
+
+def _over_resumed(given: dict, run_dir: str) -> dict:
+    resumed = resumed_config(Path(run_dir))
+    changed = [f"{k} {resumed.get(k)!r} -> {given[k]!r}" for k in RESUME_FIXES
+               if k in given and given[k] != resumed.get(k)]
+    if changed:
+        raise ValueError(f"--resume {run_dir}: {', '.join(changed)}: a resumed run keeps the settings of its data, "
+                         "model and saved state; resume without these, or start a new run in another --out")
+    values = {**resumed, "out": run_dir, **given}
+    if ("steps" in given) != ("epochs" in given):  # one length given replaces the run's, whichever it had
+        values.update(steps=given.get("steps"), epochs=given.get("epochs"))
+    return values
 
 
 def check_available(cfg: TrainConfig) -> None:

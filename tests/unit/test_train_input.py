@@ -1,6 +1,7 @@
 """`python -m megatrain train` refuses each mistake in its input with exit 2 and one line saying what to change, before
 anything is built. CPU, seconds: pytest tests/unit/test_train_input.py"""
 
+import argparse
 import dataclasses
 import json
 import re
@@ -8,6 +9,7 @@ import re
 import pytest
 import torch
 
+import megatrain.train.config as train_config
 from megatrain.cli import main
 from megatrain.engine.state import read_tiles
 from megatrain.train.config import TrainConfig
@@ -117,6 +119,40 @@ def test_an_init_from_that_is_not_a_checkpoint_is_refused_naming_it(tmp_path, ca
 def test_device_cuda_without_cuda_is_refused(tmp_path, capsys, data, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert "--device cuda: torch sees no CUDA device" in refused(capsys, tiny(data, tmp_path, "--device", "cuda"))
+
+
+@pytest.fixture
+def started(tmp_path, data, monkeypatch):
+    """A run directory whose latest checkpoint was started with --model tiny --data DATA --steps 4 (its settings as
+    a checkpoint's meta keeps them)."""
+    saved = json.loads(json.dumps(dataclasses.asdict(TrainConfig(model="tiny", data=[str(data)], steps=4,
+                                                                 out=str(tmp_path / "run")))))
+    monkeypatch.setattr(train_config, "resumed_config", lambda run_dir: dict(saved))
+    return tmp_path / "run"
+
+
+def test_resume_refuses_a_change_to_the_runs_data_or_model_naming_each_change(tmp_path, capsys, started):
+    line = refused(capsys, ["--resume", str(started), "--batch", "16", "--no-pack", "--system", "native"])
+    assert f"--resume {started}: system 'megatrain' -> 'native', pack True -> False, batch 8 -> 16: " in line
+    for flags in (["--seq", "64"], ["--seed", "1"], ["--no-shuffle"], ["--data", "other.jsonl"], ["--train-on-prompt"],
+                  ["--tokenizer", "tok"], ["--init-from", "ckpt"], ["--model", "small"], ["--dtype", "bfloat16"],
+                  ["--precision", "bf16"]):
+        assert "a resumed run keeps the settings of its data, model and saved state" in refused(
+            capsys, ["--resume", str(started), *flags]), flags
+
+
+def test_resume_takes_a_new_length_schedule_or_micro_batch_and_a_config_files_resume_key(tmp_path, started):
+    from megatrain.train.config import add_train_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    cfg = config_from_args(parser.parse_args(["--resume", str(started), "--epochs", "2", "--lr", "1e-4",
+                                              "--micro-batch", "2", "--save-every", "1"]))
+    assert (cfg.model, cfg.steps, cfg.epochs, cfg.lr, cfg.micro_batch, cfg.out) == ("tiny", None, 2, 1e-4, 2,
+                                                                                     str(started))
+    (tmp_path / "resume.toml").write_text(f'resume = "{started}"\nsteps = 8\n')
+    cfg = config_from_args(parser.parse_args(["--config", str(tmp_path / "resume.toml")]))
+    assert (cfg.model, cfg.steps, cfg.out) == ("tiny", 8, str(started))
 
 
 def test_a_checkpoint_of_another_shape_is_refused_in_one_short_line(tmp_path):
