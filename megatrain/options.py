@@ -21,11 +21,7 @@ class CommonOptions:
     host_mem_gib: float | None = None  # the host's total for the pre-flight, on VMs whose MemTotal grows on use
 
     def __post_init__(self) -> None:
-        hints = typing.get_type_hints(type(self))
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if not _is_a(value, hints[f.name]):
-                raise ValueError(f"option {f.name}={value!r}: expected {_describe(hints[f.name])}")
+        check_field_types(self, "option")
         if self.host_mem_gib is not None and self.host_mem_gib <= 0:
             raise ValueError(f"option host_mem_gib must be > 0, got {self.host_mem_gib}")
 
@@ -102,10 +98,23 @@ def parse_options(system: str, given: dict) -> CommonOptions:
         raise ValueError(f"{system}: {exc}") from None
 
 
+def check_field_types(obj, label: str) -> None:
+    """Each field of the dataclass obj against its annotation: ValueError '{label} NAME=VALUE: expected TYPE'."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if not _is_a(value, hints[f.name]):
+            raise ValueError(f"{label} {f.name}={value!r}: expected {_describe(hints[f.name])}")
+
+
 def _is_a(value, hint) -> bool:
-    origin = typing.get_origin(hint)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        return any(_is_a(value, h) for h in typing.get_args(hint))
+        return any(_is_a(value, h) for h in args)
+    if origin is list:
+        return isinstance(value, list) and all(_is_a(v, args[0]) for v in value)
+    if origin is tuple:  # a TOML or JSON array stands for a tuple
+        return isinstance(value, (list, tuple)) and len(value) == len(args) and all(map(_is_a, value, args))
     if origin is Literal:
         return value in typing.get_args(hint) and not isinstance(value, bool)
     if hint is type(None):
@@ -125,4 +134,9 @@ def _describe(hint) -> str:
         return " or ".join(_describe(h) for h in typing.get_args(hint))
     if origin is Literal:
         return " or ".join(repr(a) for a in typing.get_args(hint))
-    return {type(None): "null", bool: "true or false", int: "an integer", float: "a number"}.get(hint, str(hint))
+    if origin is list:
+        return f"a list, each {_describe(typing.get_args(hint)[0])}"
+    if origin is tuple:
+        return f"a list of {len(typing.get_args(hint))}, each {_describe(typing.get_args(hint)[0])}"
+    return {type(None): "null", bool: "true or false", int: "an integer", float: "a number", str: "a string",
+            dict: "a table of KEY = VALUE"}.get(hint, str(hint))

@@ -7,6 +7,7 @@ sizes, and the AdamW step counts). Gradients are not state: every step overwrite
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -41,11 +42,17 @@ def write_tiles(path: Path, tiles: dict[str, torch.Tensor]) -> list[dict]:
     return manifest(tiles)
 
 
+def _tile(entry: dict | None) -> str:
+    return f"{entry['name']} ({entry['dtype']} x {entry['numel']})" if entry else "none"
+
+
 def read_tiles(path: Path, tiles: dict[str, torch.Tensor], saved: list[dict]) -> None:
     mine = manifest(tiles)
-    if saved != mine:
-        raise ValueError(f"{path.parent}: the saved tiles {saved} are not this engine's {mine} "
-                         "(another model, dtype or precision)")
+    differ = [(a, b) for a, b in itertools.zip_longest(saved, mine) if a != b]
+    if differ:  # one line: the first difference and the count, not both manifests
+        (first_saved, first_mine), tiles_n = differ[0], max(len(saved), len(mine))
+        raise ValueError(f"{path.parent} holds another model, dtype or precision than this engine: {len(differ)} of "
+                         f"{tiles_n} tiles differ, the first saved as {_tile(first_saved)}, here {_tile(first_mine)}")
     with path.open("rb") as f:
         for t in tiles.values():
             raw = _raw(t)

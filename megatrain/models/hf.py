@@ -22,6 +22,7 @@ from megatrain.models.transformer import Transformer
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 _DEFAULT_MAX_POSITIONS = {"qwen2": 32768, "llama": 2048}
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -36,6 +37,39 @@ def our_name(hf: str) -> str:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _read_json(file: Path):
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{file} is not valid JSON ({exc})") from None
+
+
+def read_hf_config(path: str | Path) -> dict:
+    """The config.json of a checkpoint directory; ValueError naming the directory when it or the file is missing
+    or not a JSON object."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"{path}: no such directory")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
+    hf = _read_json(path / "config.json")
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path / 'config.json'} is not a JSON object")
+    return hf
+
+
+def check_hf_checkpoint(path: str | Path) -> ModelConfig:
+    """The shape of the checkpoint in directory `path`, its config read and translated and its weight files found,
+    without reading a tensor; a ValueError, starting with the path, names what is missing or unsupported."""
+    hf = read_hf_config(path)
+    try:
+        cfg = config_from_hf(hf)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    _weight_files(Path(path))
+    return cfg
 
 
 def config_from_hf(hf: Mapping) -> ModelConfig:
@@ -69,6 +103,9 @@ def config_from_hf(hf: Mapping) -> ModelConfig:
     if hf.get("attention_dropout", 0.0):
         warnings.warn(f"attention_dropout={hf['attention_dropout']} is ignored: our attention has no dropout",
                       stacklevel=2)
+    missing = [k for k in REQUIRED_KEYS if k not in hf]
+    if missing:
+        raise ValueError(f"config.json lacks {', '.join(missing)}")
     return ModelConfig(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -217,7 +254,7 @@ def _weight_files(path: Path) -> list[Path]:
     if (path / SINGLE_FILE).exists():
         return [path / SINGLE_FILE]
     if (path / INDEX_FILE).exists():
-        weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+        weight_map = _read_json(path / INDEX_FILE)["weight_map"]
         return [path / f for f in sorted(set(weight_map.values()))]
     raise ValueError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}; only safetensors checkpoints are read")
 
@@ -226,7 +263,7 @@ def iter_hf_tensors(path: str | Path, dtype: torch.dtype | None = None) -> Itera
     """(our name, tensor) of a checkpoint directory, read one tensor at a time from its safetensors files (a
     stored buffer such as rotary_emb.inv_freq and a tied model's stored head are left out, as transformers does)."""
     path = Path(path)
-    tied = config_from_hf(json.loads((path / "config.json").read_text())).tie_embeddings
+    tied = config_from_hf(read_hf_config(path)).tie_embeddings
     for file in _weight_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
             for key in f.keys():
@@ -263,7 +300,7 @@ def load_hf_checkpoint(path: str | Path, device: torch.device | str = "cpu",
         dtype: cast every tensor to this dtype; None keeps the stored dtypes.
     """
     path = Path(path)
-    cfg = config_from_hf(json.loads((path / "config.json").read_text()))
+    cfg = config_from_hf(read_hf_config(path))
     state = {name: t.to(device) for name, t in iter_hf_tensors(path, dtype)}
     _check_names(state, _expected_shapes(cfg), f"checkpoint {path} vs its config.json")
     return cfg, state

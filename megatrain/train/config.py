@@ -6,14 +6,27 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from megatrain.bench.args import parse_option_flags
 from megatrain.config import DTYPES, PRECISIONS, OptimConfig
+from megatrain.models.hf import check_hf_checkpoint
+from megatrain.models.registry import get_model_config
+from megatrain.options import check_field_types, parse_options
 from megatrain.systems import SYSTEMS
+from megatrain.train.data import data_files
 from megatrain.train.lr import SCHEDULES
+
+DEVICES = ("cpu", "cuda")
+# the settings a resumed run keeps, each shaping its data, model or saved state; the others may change: the optimizer's
+# and the length from the resumed step on, the device, micro-batch, compile and the system's options only in rounding
+RESUME_FIXES = ("system", "init_from", "model", "tokenizer", "data", "train_on_prompt", "shuffle", "pack", "seq",
+                "batch", "seed", "dtype", "precision")
 
 
 @dataclass
@@ -58,28 +71,63 @@ class TrainConfig:
     eval_every: int = 0
 
     def __post_init__(self) -> None:
+        check_field_types(self, "train setting")  # a TOML file's values reach here untyped
         if self.system not in SYSTEMS:
             raise ValueError(f"--system must be one of {', '.join(SYSTEMS)}, got {self.system!r}")
         if (self.init_from is None) == (self.model is None) and self.resume is None:
             raise ValueError("give one of --init-from DIR (a Hugging Face checkpoint) or --model NAME (from scratch)")
+        if self.model is not None:
+            get_model_config(self.model)
         if not self.data:
             raise ValueError("--data FILE is required (JSONL or .txt, repeatable, or a folder)")
         if (self.steps is None) == (self.epochs is None):
             raise ValueError("give one of --steps N or --epochs E")
         if self.lr_schedule not in SCHEDULES:
             raise ValueError(f"--lr-schedule must be one of {', '.join(SCHEDULES)}, got {self.lr_schedule!r}")
-        if self.dtype not in DTYPES or self.precision not in PRECISIONS:
-            raise ValueError(f"--dtype must be one of {DTYPES} and --precision one of {PRECISIONS}")
-        if self.keep < 1 or min(self.save_every, self.warmup_steps, self.max_nonfinite_steps) < 0 or self.log_every < 1:
-            raise ValueError("--keep and --log-every must be >= 1, --save-every, --warmup-steps and "
-                             "--max-nonfinite-steps >= 0")
+        if self.dtype not in DTYPES or self.precision not in PRECISIONS or self.device not in DEVICES:
+            raise ValueError(f"--dtype must be one of {DTYPES}, --precision one of {PRECISIONS} and --device one of "
+                             f"{DEVICES}")
+        for holds, flag, value, must in self._ranges():
+            if not holds:
+                raise ValueError(f"{flag} must be {must}, got {value}")
         if self.resume and self.overwrite:
             raise ValueError("--resume DIR continues the run in DIR and --overwrite discards it: give one")
         if not self.save and self.save_every:
             raise ValueError("--no-save (no training-state checkpoints) and --save-every N contradict each other")
-        if self.eval_every < 0 or bool(self.eval_every) != bool(self.eval_data):
+        if bool(self.eval_every) != bool(self.eval_data):
             raise ValueError("--eval-data FILE and --eval-every N (>= 1) go together")
+        parse_options(self.system, self.option)  # a wrong option is refused before the data is read
         self.adam_betas = tuple(self.adam_betas)
+
+    def _ranges(self) -> list[tuple[bool, str, object, str]]:
+        """(holds, flag, value, what it must be) of every numeric setting; NaN fails every comparison."""
+        finite = math.isfinite
+        return [
+            (finite(self.lr) and self.lr > 0, "--lr", self.lr, "a finite number > 0"),
+            (finite(self.min_lr) and 0 <= self.min_lr <= self.lr, "--min-lr", self.min_lr,
+             f"a number from 0 to --lr ({self.lr:g})"),
+            (finite(self.weight_decay) and self.weight_decay >= 0, "--weight-decay", self.weight_decay,
+             "a finite number >= 0"),
+            (all(0 <= b < 1 for b in self.adam_betas), "--adam-betas", " ".join(map(str, self.adam_betas)),
+             "two numbers in [0, 1)"),
+            (finite(self.adam_eps) and self.adam_eps > 0, "--adam-eps", self.adam_eps, "a finite number > 0"),
+            (finite(self.max_grad_norm) and self.max_grad_norm >= 0, "--max-grad-norm", self.max_grad_norm,
+             "a finite number >= 0 (0 disables clipping)"),
+            (self.steps is None or self.steps >= 1, "--steps", self.steps, ">= 1"),
+            (self.epochs is None or (finite(self.epochs) and self.epochs > 0), "--epochs", self.epochs,
+             "a finite number > 0"),
+            (self.seq >= 1, "--seq", self.seq, ">= 1"),
+            (self.batch >= 1, "--batch", self.batch, ">= 1"),
+            (self.micro_batch == 0 or (self.micro_batch > 0 and self.batch % self.micro_batch == 0), "--micro-batch",
+             self.micro_batch, f"a divisor of --batch ({self.batch}), or 0 for the whole batch"),
+            (self.warmup_steps >= 0, "--warmup-steps", self.warmup_steps, ">= 0"),
+            (0 <= self.seed < 2**32, "--seed", self.seed, "in [0, 2**32)"),  # seeds torch.Generator per epoch
+            (self.save_every >= 0, "--save-every", self.save_every, ">= 0 (0: only at the end)"),
+            (self.keep >= 1, "--keep", self.keep, ">= 1"),
+            (self.log_every >= 1, "--log-every", self.log_every, ">= 1"),
+            (self.eval_every >= 0, "--eval-every", self.eval_every, ">= 0"),
+            (self.max_nonfinite_steps >= 0, "--max-nonfinite-steps", self.max_nonfinite_steps, ">= 0 (0: never stop)"),
+        ]
 
     def optim(self) -> OptimConfig:
         return OptimConfig(lr=self.lr, beta1=self.adam_betas[0], beta2=self.adam_betas[1], eps=self.adam_eps,
@@ -90,7 +138,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     """Every flag defaults to None (not given): the file's value, else TrainConfig's default, applies."""
     p.add_argument("--config", default=None, help="TOML file of these settings (keys: flag names with underscores)")
     p.add_argument("--system", help="megatrain (default) | native | deepspeed | fsdp")
-    p.add_argument("--device", choices=["cpu", "cuda"])
+    p.add_argument("--device", choices=DEVICES)
     p.add_argument("--dtype", choices=DTYPES)
     p.add_argument("--precision", choices=PRECISIONS)
     p.add_argument("--compile", action="store_true", default=None, help="torch.compile each decoder layer")
@@ -145,29 +193,62 @@ def resumed_config(run_dir: Path) -> dict:
     return json.loads((found / META_FILE).read_text())["train_config"]
 
 
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    values = {}
-    if args.resume:  # the run's own settings, in the directory given, then the file's and the flags' over them
-        values = {**resumed_config(Path(args.resume)), "out": args.resume}
-    if args.config:
-        try:
-            file_values = tomllib.loads(Path(args.config).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ValueError(f"--config {args.config}: {exc}") from None
-        values = {**values, **file_values}
-        if isinstance(values.get("data"), str):
-            values["data"] = [values["data"]]
+def _file_values(path: str | None) -> dict:
+    if path is None:
+        return {}
+    try:
+        values = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ValueError(f"--config {path}: {exc}") from None
     names = {f.name for f in dataclasses.fields(TrainConfig)}
-    unknown = sorted(set(values) - names - {"resume"})
+    unknown = sorted(set(values) - names)
     if unknown:
-        raise ValueError(f"--config {args.config}: unknown keys {unknown}; valid: {', '.join(sorted(names))}")
-    for name in names:
-        given = getattr(args, name, None)
-        if given is not None:
-            values[name] = parse_option_flags(given) if name == "option" else given
-    if values.get("resume") and not values.get("out"):  # resume = "DIR" in a TOML file
-        values["out"] = values["resume"]
+        raise ValueError(f"--config {path}: unknown keys {unknown}; valid: {', '.join(sorted(names))}")
+    for name in ("data", "eval_data"):  # one file may be a string
+        if isinstance(values.get(name), str):
+            values[name] = [values[name]]
+    return values
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The run's settings: the --config file's, the flags' over them, and on --resume the run's own beneath both
+    (refusing a change to what the run trains, RESUME_FIXES)."""
+    values = _file_values(args.config)
+    for f in dataclasses.fields(TrainConfig):
+        flag = getattr(args, f.name, None)
+        if flag is not None:
+            values[f.name] = parse_option_flags(flag) if f.name == "option" else flag
+    if values.get("resume"):
+        values = _over_resumed(values, values["resume"])
     try:
         return TrainConfig(**values)
-    except TypeError as exc:
+    except TypeError as exc:  # a key of a checkpoint's settings this version does not have
         raise ValueError(f"bad train setting: {exc}") from None
+
+
+def _over_resumed(given: dict, run_dir: str) -> dict:
+    resumed = resumed_config(Path(run_dir))
+    changed = [f"{k} {resumed.get(k)!r} -> {given[k]!r}" for k in RESUME_FIXES
+               if k in given and given[k] != resumed.get(k)]
+    if changed:
+        raise ValueError(f"--resume {run_dir}: {', '.join(changed)}: a resumed run keeps the settings of its data, "
+                         "model and saved state; resume without these, or start a new run in another --out")
+    values = {**resumed, "out": run_dir, **given}
+    if ("steps" in given) != ("epochs" in given):  # one length given replaces the run's, whichever it had
+        values.update(steps=given.get("steps"), epochs=given.get("epochs"))
+    return values
+
+
+def check_available(cfg: TrainConfig) -> None:
+    """What cfg's values alone cannot tell, checked before anything is read or built: the CUDA device, the
+    --init-from checkpoint and the data files, here."""
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device on this machine; use --device cpu")
+    if cfg.init_from:
+        try:
+            check_hf_checkpoint(cfg.init_from)
+        except ValueError as exc:
+            raise ValueError(f"--init-from {exc}") from None
+    data_files(cfg.data, "--data")
+    if cfg.eval_data:
+        data_files(cfg.eval_data, "--eval-data")

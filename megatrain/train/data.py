@@ -14,7 +14,7 @@ A .txt file holds documents separated by blank lines, each like {"text": ...}.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -28,10 +28,11 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assi
 class Example:
     ids: list[int]
     target: list[bool]  # target[i]: token i is predicted with a loss
+    where: str = ""  # the flag, file and line it came from, for messages
 
 
-def data_files(paths: list[str]) -> list[Path]:
-    """The files named, a folder standing for its .jsonl and .txt files (sorted)."""
+def data_files(paths: list[str], flag: str = "--data") -> list[Path]:
+    """The files named, a folder standing for its .jsonl and .txt files (sorted); flag names them in messages."""
     files = []
     for p in map(Path, paths):
         if p.is_dir():
@@ -39,9 +40,9 @@ def data_files(paths: list[str]) -> list[Path]:
         elif p.exists():
             files.append(p)
         else:
-            raise ValueError(f"--data {p}: no such file or folder")
+            raise ValueError(f"{flag} {p}: no such file or folder")
     if not files:
-        raise ValueError(f"--data {' '.join(paths)}: no .jsonl or .txt files")
+        raise ValueError(f"{flag} {' '.join(paths)}: no .jsonl or .txt files")
     return files
 
 
@@ -90,49 +91,90 @@ class Tokenizer:
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
 
+def _string(record: dict, key: str, where: str) -> str:
+    value = record.get(key)
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: {key} must be a string, got {json.dumps(value)[:60]}")
+    return value
+
+
 def _messages(record: dict, where: str) -> list[dict]:
     if "instruction" in record:
-        prompt = record["instruction"] + (f"\n\n{record['input']}" if record.get("input") else "")
-        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
-    turns = record.get("messages") or record.get("conversations")
+        prompt = _string(record, "instruction", where)
+        if record.get("input"):  # absent, null or "": no input
+            prompt += "\n\n" + _string(record, "input", where)
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": _string(record, "output", where)}]
+    key = "messages" if "messages" in record else "conversations"
+    turns = record[key]
+    if not isinstance(turns, list) or not all(isinstance(turn, dict) for turn in turns):
+        raise ValueError(f"{where}: {key} must be a list of {{role, content}} objects, got {json.dumps(turns)[:60]}")
     out = []
     for turn in turns:
-        role = ROLES.get(turn.get("role", turn.get("from")))
-        if role is None:
-            raise ValueError(f"{where}: unknown role {turn.get('role', turn.get('from'))!r}")
-        out.append({"role": role, "content": turn.get("content", turn.get("value"))})
+        sharegpt = "from" in turn
+        role = _string(turn, "from" if sharegpt else "role", where)
+        if role not in ROLES:
+            raise ValueError(f"{where}: unknown role {role!r}; known: {', '.join(ROLES)}")
+        out.append({"role": ROLES[role], "content": _string(turn, "value" if sharegpt else "content", where)})
     return out
 
 
-def read_examples(files: list[Path], tokenizer: Tokenizer | None, train_on_prompt: bool) -> list[Example]:
+def _utf8(raw: bytes, file_where: str, first_line: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = first_line + raw[:exc.start].count(b"\n")
+        raise ValueError(f"{file_where}:{line}: byte {raw[exc.start]:#04x} is not UTF-8; save the file as UTF-8") \
+            from None
+
+
+def _example(record, where: str, tokenizer: Tokenizer | None, train_on_prompt: bool) -> Example:
+    """The example of one JSONL record."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: a line must be a JSON object such as {{\"text\": ...}}, got "
+                         f"{json.dumps(record)[:60]}")
+    if "input_ids" in record:
+        ids = record["input_ids"]
+        bad = [t for t in ids if type(t) is not int or t < 0][:1] if isinstance(ids, list) and ids else [ids]
+        if bad:
+            raise ValueError(f"{where}: input_ids must be a non-empty list of token ids (integers >= 0); "
+                             f"{json.dumps(bad[0])[:60]} is not")
+        return Example(ids, [True] * len(ids))
+    if "text" in record:
+        text = _string(record, "text", where)
+        return _need(tokenizer, where).text(text)
+    if "instruction" in record or "messages" in record or "conversations" in record:
+        messages = _messages(record, where)
+        return _need(tokenizer, where).chat(messages, train_on_prompt)
+    raise ValueError(f"{where}: a line needs input_ids, text, instruction/output (alpaca) or "
+                     f"messages/conversations (chat); it has {sorted(record)}")
+
+
+def read_examples(files: list[Path], tokenizer: Tokenizer | None, train_on_prompt: bool,
+                  flag: str = "--data") -> list[Example]:
+    """Every example of the files, in order; a ValueError names the flag, file and line of the first bad one."""
     examples = []
     for path in files:
         if path.suffix == ".txt":
-            for doc in path.read_text(encoding="utf-8").split("\n\n"):
+            line_no = 1
+            for doc in _utf8(path.read_bytes(), f"{flag} {path}", 1).split("\n\n"):
+                where = f"{flag} {path}:{line_no}"
                 if doc.strip():
-                    examples.append(_need(tokenizer, path).text(doc))
+                    examples.append(replace(_need(tokenizer, where).text(doc), where=where))
+                line_no += doc.count("\n") + 2
             continue
-        with path.open(encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
+        with path.open("rb") as f:
+            for line_no, raw in enumerate(f, 1):
+                where = f"{flag} {path}:{line_no}"
+                line = _utf8(raw, f"{flag} {path}", line_no)
                 if not line.strip():
                     continue
-                where = f"{path}:{line_no}"
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise ValueError(f"{where}: not a JSON record ({exc})") from None
-                if "input_ids" in record:
-                    ids = [int(t) for t in record["input_ids"]]
-                    examples.append(Example(ids, [True] * len(ids)))
-                elif "text" in record:
-                    examples.append(_need(tokenizer, where).text(record["text"]))
-                elif "instruction" in record or "messages" in record or "conversations" in record:
-                    examples.append(_need(tokenizer, where).chat(_messages(record, where), train_on_prompt))
-                else:
-                    raise ValueError(f"{where}: a line needs input_ids, text, instruction/output (alpaca) or "
-                                     f"messages/conversations (chat); it has {sorted(record)}")
+                examples.append(replace(_example(record, where, tokenizer, train_on_prompt), where=where))
     if not examples:
-        raise ValueError(f"no examples in {', '.join(map(str, files))}")
+        raise ValueError(f"{flag}: no examples in {', '.join(map(str, files))}")
     return examples
 
 
@@ -169,10 +211,15 @@ class Rows:
     each row, with their segment ids, so attention and positions stay within a document
     (models.transformer.packed_rope_and_mask); or one example per row (pack=False), truncated or right-padded. Pad
     tokens are never targets, nor is a document's first token (it would be predicted from the previous document).
-    Row order per epoch: file order, or a permutation seeded by (seed, epoch)."""
+    Row order per epoch: file order, or a permutation seeded by (seed, epoch). A token id outside the vocabulary,
+    and data with no target token at all, are refused (flag names the data in messages)."""
 
     def __init__(self, examples: list[Example], seq: int, vocab_size: int, shuffle: bool, seed: int,
-                 pack: bool = True):
+                 pack: bool = True, flag: str = "--data"):
+        outside = next((ex for ex in examples if max(ex.ids) >= vocab_size), None)
+        if outside is not None:
+            raise ValueError(f"{outside.where}: token id {max(outside.ids)} is outside the model's vocabulary of "
+                             f"{vocab_size}: a tokenizer of another model?")
         if pack:
             rows = _pack(examples, seq + 1)
         else:
@@ -190,10 +237,11 @@ class Rows:
         self.examples, self.pack = len(examples), pack
         self.truncated = 0 if pack else sum(len(ex.ids) > seq + 1 for ex in examples)
         self.fill = sum(len(r[0]) for r in rows) / max(1, n * (seq + 1))  # share of row tokens that are data
-        top = int(self.tokens.max())
-        if top >= vocab_size:
-            raise ValueError(f"token id {top} is outside the model's vocabulary of {vocab_size}: "
-                             "a tokenizer of another model?")
+        if not (self.target[:, 1:] & (self.segments[:, 1:] == self.segments[:, :-1])).any():  # batch()'s labels
+            raise ValueError(f"{flag}: no token of the data is a target, so the loss would be over none: a "
+                             "document's first token is never predicted (one-token documents have no target), nor "
+                             "a chat prompt's tokens without --train-on-prompt (a chat without an assistant turn "
+                             "has none)")
         self.shuffle, self.seed = shuffle, seed
         self._orders: dict[int, torch.Tensor] = {}
 

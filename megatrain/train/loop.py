@@ -19,14 +19,14 @@ import torch
 
 from megatrain.config import CaseConfig
 from megatrain.memory import peak_host_rss_gib
-from megatrain.models.hf import config_from_hf, iter_hf_tensors, save_hf_checkpoint
+from megatrain.models.hf import config_from_hf, iter_hf_tensors, read_hf_config, save_hf_checkpoint
 from megatrain.models.loss import IGNORE_INDEX
 from megatrain.models.registry import get_model_config
 from megatrain.systems import build_system
 from megatrain.train import checkpoint
-from megatrain.train.config import TrainConfig
+from megatrain.train.config import TrainConfig, check_available
 from megatrain.train.data import Rows, Tokenizer, data_files, read_examples
-from megatrain.train.lr import lr_at
+from megatrain.train.lr import lr_at, schedule_notes
 from megatrain.train.rundir import RunDir, aside, recover_dir, written_aside
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -48,7 +48,7 @@ class Progress:
 def _model(cfg: TrainConfig) -> tuple[str, object, str]:
     """(label, shape or None for a registry name, Hugging Face model_type for the export)."""
     if cfg.init_from:
-        hf = json.loads((Path(cfg.init_from) / "config.json").read_text())
+        hf = read_hf_config(cfg.init_from)
         return Path(cfg.init_from).name, config_from_hf(hf), hf["model_type"]
     return cfg.model, None, "llama" if not get_model_config(cfg.model).qkv_bias else "qwen2"
 
@@ -64,6 +64,7 @@ def train(cfg: TrainConfig, log=print) -> int:
     --max-nonfinite-steps steps), 130 after Ctrl-C and 143 after SIGTERM (each finishing its step and saving)."""
     from megatrain.bench.fit import preflight
 
+    check_available(cfg)
     out = Path(cfg.out)
     if cfg.resume and Path(cfg.resume).resolve() != out.resolve():
         raise ValueError(f"--resume {cfg.resume} continues the run in that directory, not in --out {cfg.out}: drop "
@@ -75,8 +76,9 @@ def train(cfg: TrainConfig, log=print) -> int:
     vocab = (shape or get_model_config(cfg.model)).vocab_size
     rows = Rows(read_examples(data_files(cfg.data), tokenizer, cfg.train_on_prompt), cfg.seq, vocab, cfg.shuffle,
                 cfg.seed, cfg.pack)
-    eval_rows = Rows(read_examples(data_files(cfg.eval_data), tokenizer, cfg.train_on_prompt), cfg.seq, vocab,
-                     False, cfg.seed, cfg.pack) if cfg.eval_data else None
+    eval_rows = Rows(read_examples(data_files(cfg.eval_data, "--eval-data"), tokenizer, cfg.train_on_prompt,
+                                   "--eval-data"), cfg.seq, vocab, False, cfg.seed, cfg.pack, "--eval-data") \
+        if cfg.eval_data else None
     total = cfg.steps if cfg.steps is not None else math.ceil(cfg.epochs * len(rows) / cfg.batch)
     case = build_case(cfg, total, label, shape)
     for note in preflight(case):
@@ -96,6 +98,8 @@ def _train(cfg: TrainConfig, run: RunDir, case, rows, eval_rows, total: int, exp
         recover_dir(out / "hf")
         resume_from, meta = checkpoint.resume_point(out / "checkpoints", cfg.resume_fallback, log)
     start = meta["step"]
+    for note in schedule_notes(cfg, total, meta["total_steps"] if resume_from is not None else None):
+        log(note)
     export_only = resume_from is not None and start == total and _exported_step(out) != total
     if resume_from is not None and start >= total and not export_only:
         raise ValueError(f"nothing to train: {resume_from} is at step {start} and the run ends at step {total}; "

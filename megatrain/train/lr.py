@@ -20,3 +20,19 @@ def lr_at(step: int, total_steps: int, lr: float, schedule: str, warmup_steps: i
     if schedule == "linear":
         return lr - (lr - min_lr) * progress
     raise ValueError(f"--lr-schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+
+
+def schedule_notes(cfg, total_steps: int, resumed_total_steps: int | None = None) -> list[str]:
+    """One line each on what the schedule of a run of `total_steps` (cfg: a TrainConfig) does that its flags do not
+    say: a warmup as long as the run, and on resume from a run of `resumed_total_steps`, a decay re-stretched."""
+    notes = []
+    if cfg.warmup_steps >= total_steps:
+        top = lr_at(total_steps - 1, total_steps, cfg.lr, cfg.lr_schedule, cfg.warmup_steps, cfg.min_lr)
+        notes.append(f"note: --warmup-steps {cfg.warmup_steps} is not shorter than the run's {total_steps} steps: the "
+                     f"learning rate only rises, to {top:.3g} at the last step (--lr {cfg.lr:g}); the "
+                     f"{cfg.lr_schedule} schedule after the warmup never starts")
+    if resumed_total_steps not in (None, total_steps) and cfg.lr_schedule != "constant":
+        notes.append(f"note: the run's length changes from {resumed_total_steps} to {total_steps} steps: the "
+                     f"{cfg.lr_schedule} decay to --min-lr is stretched over the new length, so from the resumed step "
+                     "on the learning rate leaves the curve the run followed")
+    return notes

@@ -1,0 +1,228 @@
+"""`python -m megatrain train` refuses each mistake in its input with exit 2 and one line saying what to change, before
+anything is built. CPU, seconds: pytest tests/unit/test_train_input.py"""
+
+import argparse
+import dataclasses
+import json
+import re
+
+import pytest
+import torch
+
+import megatrain.train.config as train_config
+from megatrain.cli import main
+from megatrain.engine.state import read_tiles
+from megatrain.train.config import TrainConfig
+from megatrain.train.data import Example, Rows, read_examples
+
+
+def refused(capsys, argv) -> str:
+    """The one line `train` answers argv with, after checking the exit code 2."""
+    assert main(["train", *argv]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+@pytest.fixture
+def data(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"input_ids": list(range(i, i + 9))}) + "\n" for i in range(4)))
+    return path
+
+
+def tiny(data, tmp_path, *extra) -> list[str]:
+    """A from-scratch run of the tiny shape on `data`, with extra flags (--steps 1 unless --epochs is given)."""
+    length = [] if "--epochs" in extra else ["--steps", "1"]
+    return ["--model", "tiny", "--data", str(data), "--seq", "8", "--batch", "4", *length, "--out",
+            str(tmp_path / "run"), *extra]
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    (["--lr", "inf"], "--lr must be a finite number > 0"),
+    (["--lr", "0"], "--lr must be a finite number > 0"),
+    (["--lr", "-1"], "--lr must be a finite number > 0"),
+    (["--adam-eps", "0"], "--adam-eps must be a finite number > 0"),
+    (["--adam-eps", "-1"], "--adam-eps must be"),
+    (["--adam-eps", "nan"], "--adam-eps must be"),
+    (["--weight-decay", "nan"], "--weight-decay must be a finite number >= 0"),
+    (["--weight-decay", "-5"], "--weight-decay must be"),
+    (["--min-lr", "1"], "--min-lr must be a number from 0 to --lr (1e-05), got 1.0"),
+    (["--min-lr", "-1"], "--min-lr must be"),
+    (["--min-lr", "nan"], "--min-lr must be"),
+    (["--adam-betas", "1", "0.9"], "--adam-betas must be two numbers in [0, 1), got 1.0 0.9"),
+    (["--adam-betas", "0.9", "nan"], "--adam-betas must be"),
+    (["--max-grad-norm", "nan"], "--max-grad-norm must be a finite number >= 0"),
+    (["--max-grad-norm", "inf"], "--max-grad-norm must be"),
+    (["--max-grad-norm", "-1"], "--max-grad-norm must be"),
+    (["--epochs", "inf"], "--epochs must be a finite number > 0, got inf"),
+    (["--epochs", "nan"], "--epochs must be"),
+    (["--epochs", "0"], "--epochs must be"),
+    (["--epochs", "-1"], "--epochs must be"),
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--steps", "-1"], "--steps must be >= 1"),
+    (["--seq", "0"], "--seq must be >= 1"),
+    (["--seq", "-1"], "--seq must be >= 1"),
+    (["--batch", "0"], "--batch must be >= 1"),
+    (["--micro-batch", "3"], "--micro-batch must be a divisor of --batch (4), or 0 for the whole batch, got 3"),
+    (["--micro-batch", "-2"], "--micro-batch must be a divisor"),
+    (["--warmup-steps", "-1"], "--warmup-steps must be >= 0, got -1"),
+    (["--seed", "-1"], "--seed must be in [0, 2**32)"),
+    (["--seed", str(2**62)], "--seed must be in [0, 2**32)"),
+    (["--save-every", "-1"], "--save-every must be >= 0"),
+    (["--keep", "0"], "--keep must be >= 1"),
+    (["--log-every", "0"], "--log-every must be >= 1, got 0"),
+    (["--eval-data", "x.jsonl", "--eval-every", "-1"], "--eval-every must be >= 0"),
+])
+def test_a_nonsensical_hyperparameter_is_refused_naming_its_flag(tmp_path, capsys, data, flags, says):
+    assert says in refused(capsys, tiny(data, tmp_path, *flags))
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("line, says", [
+    ('lr = "abc"', "train setting lr='abc': expected a number"),
+    ("batch = 2.5", "train setting batch=2.5: expected an integer"),
+    ("steps = true", "train setting steps=True: expected an integer or null"),
+    ("data = 3", "train setting data=3: expected a list, each a string"),
+    ("data = [3]", "train setting data=[3]: expected a list, each a string"),
+    ("option = 5", "train setting option=5: expected a table"),
+    ('pack = "no"', "train setting pack='no': expected true or false"),
+    ("adam_betas = [0.9]", "train setting adam_betas=[0.9]: expected a list of 2, each a number"),
+])
+def test_a_config_file_value_of_the_wrong_type_is_refused_naming_key_type_and_value(tmp_path, capsys, data, line,
+                                                                                   says):
+    key, value = line.split(" = ")
+    settings = {"model": '"tiny"', "data": json.dumps([str(data)]), "steps": "1", "out": json.dumps(str(tmp_path)),
+                key: value}
+    (tmp_path / "run.toml").write_text("".join(f"{k} = {v}\n" for k, v in settings.items()))
+    assert says in refused(capsys, ["--config", str(tmp_path / "run.toml")])
+
+
+def test_an_init_from_that_is_not_a_checkpoint_is_refused_naming_it(tmp_path, capsys, data):
+    def init_from(path):
+        return refused(capsys, ["--init-from", str(path), "--data", str(data), "--steps", "1"])
+
+    assert init_from(tmp_path / "nowhere").endswith(f"--init-from {tmp_path / 'nowhere'}: no such directory")
+    (tmp_path / "ckpt").mkdir()
+    assert f"--init-from {tmp_path / 'ckpt'} has no config.json" in init_from(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "config.json").write_text("{not json")
+    assert f"{tmp_path / 'ckpt' / 'config.json'} is not valid JSON" in init_from(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 8}))
+    assert "config.json lacks hidden_size, intermediate_size" in init_from(tmp_path / "ckpt")
+    config = {"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+              "num_hidden_layers": 1, "num_attention_heads": 1}
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    assert "neither model.safetensors nor model.safetensors.index.json" in init_from(tmp_path / "ckpt")
+
+
+def test_device_cuda_without_cuda_is_refused(tmp_path, capsys, data, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "--device cuda: torch sees no CUDA device" in refused(capsys, tiny(data, tmp_path, "--device", "cuda"))
+
+
+@pytest.fixture
+def started(tmp_path, data, monkeypatch):
+    """A run directory whose latest checkpoint was started with --model tiny --data DATA --steps 4 (its settings as
+    a checkpoint's meta keeps them)."""
+    saved = json.loads(json.dumps(dataclasses.asdict(TrainConfig(model="tiny", data=[str(data)], steps=4,
+                                                                 out=str(tmp_path / "run")))))
+    monkeypatch.setattr(train_config, "resumed_config", lambda run_dir: dict(saved))
+    return tmp_path / "run"
+
+
+def test_resume_refuses_a_change_to_the_runs_data_or_model_naming_each_change(tmp_path, capsys, started):
+    line = refused(capsys, ["--resume", str(started), "--batch", "16", "--no-pack", "--system", "native"])
+    assert f"--resume {started}: system 'megatrain' -> 'native', pack True -> False, batch 8 -> 16: " in line
+    for flags in (["--seq", "64"], ["--seed", "1"], ["--no-shuffle"], ["--data", "other.jsonl"], ["--train-on-prompt"],
+                  ["--tokenizer", "tok"], ["--init-from", "ckpt"], ["--model", "small"], ["--dtype", "bfloat16"],
+                  ["--precision", "bf16"]):
+        assert "a resumed run keeps the settings of its data, model and saved state" in refused(
+            capsys, ["--resume", str(started), *flags]), flags
+
+
+def test_resume_takes_a_new_length_schedule_or_micro_batch_and_a_config_files_resume_key(tmp_path, started):
+    from megatrain.train.config import add_train_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    cfg = config_from_args(parser.parse_args(["--resume", str(started), "--epochs", "2", "--lr", "1e-4",
+                                              "--micro-batch", "2", "--save-every", "1"]))
+    assert (cfg.model, cfg.steps, cfg.epochs, cfg.lr, cfg.micro_batch, cfg.out) == ("tiny", None, 2, 1e-4, 2,
+                                                                                     str(started))
+    (tmp_path / "resume.toml").write_text(f'resume = "{started}"\nsteps = 8\n')
+    cfg = config_from_args(parser.parse_args(["--config", str(tmp_path / "resume.toml")]))
+    assert (cfg.model, cfg.steps, cfg.out) == ("tiny", 8, str(started))
+
+
+def test_a_checkpoint_of_another_shape_is_refused_in_one_short_line(tmp_path):
+    tiles = {"weights": torch.zeros(6, dtype=torch.bfloat16), "master": torch.zeros(6), "exp_avg": torch.zeros(6)}
+    saved = [{"name": "weights", "dtype": "float32", "numel": 6}, {"name": "exp_avg", "dtype": "float32", "numel": 6}]
+    with pytest.raises(ValueError) as refusal:
+        read_tiles(tmp_path / "tiles.bin", tiles, saved)
+    assert str(refusal.value) == (f"{tmp_path} holds another model, dtype or precision than this engine: 3 of 3 tiles "
+                                  "differ, the first saved as weights (float32 x 6), here weights (bfloat16 x 6)")
+
+
+def test_schedule_notes_say_a_warmup_as_long_as_the_run_and_a_decay_restretched_on_resume():
+    from megatrain.train.lr import schedule_notes
+
+    cfg = TrainConfig(model="tiny", data=["x"], steps=10, lr=1e-3, warmup_steps=20)
+    (warmup,) = schedule_notes(cfg, 10)
+    assert "--warmup-steps 20 is not shorter than the run's 10 steps" in warmup and "to 0.0005 at the last" in warmup
+    cfg = dataclasses.replace(cfg, warmup_steps=2)
+    assert schedule_notes(cfg, 10) == [] and schedule_notes(cfg, 10, resumed_total_steps=10) == []
+    (stretched,) = schedule_notes(cfg, 20, resumed_total_steps=10)
+    assert "the run's length changes from 10 to 20 steps: the cosine decay" in stretched
+    assert schedule_notes(dataclasses.replace(cfg, lr_schedule="constant"), 20, resumed_total_steps=10) == []
+
+
+@pytest.mark.parametrize("line, says", [
+    ('{"input_ids": [1, -2, 3]}', "input_ids must be a non-empty list of token ids (integers >= 0); -2 is not"),
+    ('{"input_ids": [1, [2], 3]}', "[2] is not"),
+    ('{"input_ids": [1, null, 3]}', "null is not"),
+    ('{"input_ids": [1, 2.5]}', "2.5 is not"),
+    ('{"input_ids": [1, "2"]}', '"2" is not'),
+    ('{"input_ids": "123"}', '"123" is not'),
+    ('{"input_ids": []}', "[] is not"),
+    ('{"input_ids": [1, 256]}', "token id 256 is outside the model's vocabulary of 256"),
+    ('"a string with text in it"', 'a line must be a JSON object such as {"text": ...}, got "a string'),
+    ("5", "a line must be a JSON object"),
+    ("{oops", "not a JSON record"),
+    ('{"text": null}', "text must be a string, got null"),
+    ('{"instruction": "a"}', "output must be a string, got null"),
+    ('{"messages": "hi"}', "messages must be a list of {role, content} objects"),
+    ('{"messages": [{"role": "user", "content": 5}]}', "content must be a string, got 5"),
+    ('{"conversations": [{"from": "alien", "value": "x"}]}', "unknown role 'alien'"),
+])
+def test_a_bad_data_line_is_refused_naming_flag_file_and_line(tmp_path, capsys, line, says):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"input_ids": [1, 2, 3]}\n\n' + line + "\n")
+    line = refused(capsys, tiny(path, tmp_path))
+    assert line.startswith(f"error: --data {path}:3: ") and says in line
+
+
+def test_bytes_that_are_not_utf8_are_refused_naming_file_and_line(tmp_path, capsys):
+    jsonl, txt = tmp_path / "bad.jsonl", tmp_path / "bad.txt"
+    jsonl.write_bytes(b'{"input_ids": [1, 2]}\n{"text": "caf\xe9"}\n')
+    txt.write_bytes(b"one document\n\nanother,\nover lines \xff\n")
+    assert f"--data {jsonl}:2: byte 0xe9 is not UTF-8" in refused(capsys, tiny(jsonl, tmp_path))
+    assert f"--data {txt}:4: byte 0xff is not UTF-8" in refused(capsys, tiny(txt, tmp_path))
+
+
+def test_held_out_data_errors_name_eval_data(tmp_path, capsys, data):
+    missing = tmp_path / "held_out.jsonl"
+    line = refused(capsys, tiny(data, tmp_path, "--eval-data", str(missing), "--eval-every", "1"))
+    assert line == f"error: --eval-data {missing}: no such file or folder"
+    missing.write_text('{"input_ids": [1, -1]}\n')
+    with pytest.raises(ValueError, match=f"^--eval-data {re.escape(str(missing))}:1: input_ids must be"):
+        read_examples([missing], None, False, flag="--eval-data")
+
+
+def test_data_without_a_target_token_is_refused(tmp_path, capsys):
+    one_token_docs = tmp_path / "short.jsonl"
+    one_token_docs.write_text("".join(json.dumps({"input_ids": [i]}) + "\n" for i in range(12)))
+    assert "--data: no token of the data is a target" in refused(capsys, tiny(one_token_docs, tmp_path))
+    prompts_only = [Example([1, 2, 3], [False, False, False], "chat.jsonl:1")]  # a chat without an assistant turn
+    with pytest.raises(ValueError, match="^--eval-data: no token of the data is a target"):
+        Rows(prompts_only, seq=8, vocab_size=16, shuffle=False, seed=0, flag="--eval-data")
