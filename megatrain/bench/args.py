@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from megatrain.config import DTYPES, PRECISIONS, CaseConfig, OptimConfig
+from megatrain.config import DTYPES, PRECISIONS, CaseConfig
+from megatrain.optim.config import OptimConfig
 
 
 def add_case_arguments(p: argparse.ArgumentParser) -> None:

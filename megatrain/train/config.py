@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatrain.bench.args import parse_option_flags
-from megatrain.config import DTYPES, PRECISIONS, OptimConfig
+from megatrain.config import DTYPES, PRECISIONS
+from megatrain.optim.config import OptimConfig
 from megatrain.systems import SYSTEMS
 from megatrain.train.lr import SCHEDULES
 
