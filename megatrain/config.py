@@ -10,11 +10,11 @@ import torch
 from megatrain.models.config import ModelConfig
 from megatrain.models.registry import get_model_config
 from megatrain.optim.config import OptimConfig
-from megatrain.options import CommonOptions, parse_options
+from megatrain.options import CommonOptions
+from megatrain.systems import parse_options, system_spec
 
 DTYPES = ("float32", "bfloat16")
 PRECISIONS = ("mixed", "bf16")
-SYSTEM_NAMES = ("native", "megatrain", "deepspeed", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class CaseConfig:
     """One training case: which system trains which model on what work.
 
     Attributes:
-        system: 'native', 'megatrain', 'deepspeed' or 'fsdp'.
+        system: a name in megatrain.systems.SYSTEMS.
         model: registry name (megatrain.models.registry.MODELS), or a label when model_shape is given.
         model_shape: the model's shape when it is not a registry one (a Hugging Face checkpoint's config).
         num_layers: override the registered depth (depth-scaling sweeps); None keeps it.
@@ -39,7 +39,7 @@ class CaseConfig:
         repeat_batch: train on the same batch every step (convergence checks).
         compile: run each decoder layer through torch.compile, in every system (the same kernels for all;
             a comparison gives every system the same setting).
-        options: system-specific settings, recorded as given; parsed and checked as `opts` (megatrain.options).
+        options: system-specific settings, recorded as given; parsed and checked as `opts` (the system's SystemSpec).
     """
 
     system: str = "native"
@@ -63,8 +63,7 @@ class CaseConfig:
     options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.system not in SYSTEM_NAMES:
-            raise ValueError(f"unknown system {self.system!r}; choose one of: {', '.join(SYSTEM_NAMES)}")
+        system_spec(self.system)  # refuses an unknown system, naming the known ones
         self.model_config()  # validates the model name and depth
         if self.batch < 1:
             raise ValueError(f"batch must be >= 1, got {self.batch}")
@@ -97,7 +96,7 @@ class CaseConfig:
 
     @functools.cached_property
     def opts(self) -> CommonOptions:
-        """The system's typed options (megatrain.options)."""
+        """The system's typed options (its SystemSpec.options)."""
         return parse_options(self.system, self.options)
 
     @property
