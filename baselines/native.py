@@ -10,17 +10,46 @@ Precision modes:
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from baselines.common import COMPILED_LAYERS, accumulate_and_step, compile_layers, evaluate_micro_batches
+from megatrain.bench.fit import activation_bytes, estimate_plan
 from megatrain.config import CaseConfig
 from megatrain.models import Transformer
 from megatrain.models.hf import copy_named_weights
 from megatrain.models.init import init_module
 from megatrain.optim.groups import torch_adamw
+from megatrain.options import CommonOptions
+from megatrain.systems import SystemSpec
+
+
+@dataclass(frozen=True)
+class NativeOptions(CommonOptions):
+    activation_checkpointing: bool = True  # every layer checkpointed, as every system
+    mlp_chunk_tokens: int = 0  # as megatrain's
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.mlp_chunk_tokens < 0:
+            raise ValueError(f"option mlp_chunk_tokens must be >= 0 (0: no chunking), got {self.mlp_chunk_tokens}")
+
+
+def memory_bytes(case: CaseConfig) -> tuple[int, int]:
+    """(host bytes beyond the process overhead, device bytes): the whole model on one device. mixed: fp32 weights,
+    grads, Adam m and v = 16 B/param; bf16: bf16 weights, grads, m, v = 8 B/param (torch AdamW keeps moments in the
+    param dtype); activations (megatrain.bench.fit.activation_bytes)."""
+    n = case.model_config().num_params()
+    return 0, n * (16 if case.precision == "mixed" else 8) + activation_bytes(case)
+
+
+def checkpoint_bytes(case: CaseConfig) -> int:
+    """One save_state: the parameters and both moments, in the parameter dtype."""
+    return case.model_config().num_params() * (12 if case.precision == "mixed" else 6)
 
 
 class NativeSystem:
@@ -94,3 +123,7 @@ class NativeSystem:
 
     def close(self) -> None:
         del self.model, self.optimizer
+
+
+SPEC = SystemSpec(factory=NativeSystem, options=NativeOptions,
+                  plan_memory=functools.partial(estimate_plan, memory_bytes), checkpoint_bytes=checkpoint_bytes)

@@ -1,4 +1,4 @@
-"""Per-component configs: the optimizer, and one benchmark/training case."""
+"""One benchmark/training case: which system trains which model on what work."""
 
 from __future__ import annotations
 
@@ -9,31 +9,12 @@ import torch
 
 from megatrain.models.config import ModelConfig
 from megatrain.models.registry import get_model_config
-from megatrain.options import CommonOptions, parse_options
+from megatrain.optim.config import OptimConfig
+from megatrain.options import CommonOptions
+from megatrain.systems import parse_options, system_spec
 
 DTYPES = ("float32", "bfloat16")
 PRECISIONS = ("mixed", "bf16")
-SYSTEM_NAMES = ("native", "megatrain", "deepspeed", "fsdp")
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    """AdamW with global-norm clipping, identical for every system."""
-
-    lr: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    max_grad_norm: float = 1.0  # 0 disables clipping
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise ValueError(f"betas must be in [0, 1), got {self.beta1}, {self.beta2}")
-        if self.max_grad_norm < 0:
-            raise ValueError(f"max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}")
 
 
 @dataclass(frozen=True)
@@ -41,7 +22,7 @@ class CaseConfig:
     """One training case: which system trains which model on what work.
 
     Attributes:
-        system: 'native', 'megatrain', 'deepspeed' or 'fsdp'.
+        system: a name in megatrain.systems.SYSTEMS.
         model: registry name (megatrain.models.registry.MODELS), or a label when model_shape is given.
         model_shape: the model's shape when it is not a registry one (a Hugging Face checkpoint's config).
         num_layers: override the registered depth (depth-scaling sweeps); None keeps it.
@@ -58,7 +39,7 @@ class CaseConfig:
         repeat_batch: train on the same batch every step (convergence checks).
         compile: run each decoder layer through torch.compile, in every system (the same kernels for all;
             a comparison gives every system the same setting).
-        options: system-specific settings, recorded as given; parsed and checked as `opts` (megatrain.options).
+        options: system-specific settings, recorded as given; parsed and checked as `opts` (the system's SystemSpec).
     """
 
     system: str = "native"
@@ -82,8 +63,7 @@ class CaseConfig:
     options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.system not in SYSTEM_NAMES:
-            raise ValueError(f"unknown system {self.system!r}; choose one of: {', '.join(SYSTEM_NAMES)}")
+        system_spec(self.system)  # refuses an unknown system, naming the known ones
         self.model_config()  # validates the model name and depth
         if self.batch < 1:
             raise ValueError(f"batch must be >= 1, got {self.batch}")
@@ -116,7 +96,7 @@ class CaseConfig:
 
     @functools.cached_property
     def opts(self) -> CommonOptions:
-        """The system's typed options (megatrain.options)."""
+        """The system's typed options (its SystemSpec.options)."""
         return parse_options(self.system, self.options)
 
     @property

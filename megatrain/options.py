@@ -1,8 +1,8 @@
 """Per-system options: one typed dataclass per system, from `--option KEY=VALUE` or a suite's `options`.
 
-A key the system does not have (a typo, or another system's option) and a value of the wrong type are
-refused with a ValueError that lists the system's valid keys (the CLI's exit 2). The record keeps the
-options as given; systems read the parsed dataclass (CaseConfig.opts).
+Each system declares its dataclass, a CommonOptions, in its own file (its SystemSpec, megatrain.systems, which
+parses them); a value of the wrong type is refused here with what the field takes. The record keeps the options
+as given; systems read the parsed dataclass (CaseConfig.opts).
 """
 
 from __future__ import annotations
@@ -24,78 +24,6 @@ class CommonOptions:
         check_field_types(self, "option")
         if self.host_mem_gib is not None and self.host_mem_gib <= 0:
             raise ValueError(f"option host_mem_gib must be > 0, got {self.host_mem_gib}")
-
-
-@dataclass(frozen=True)
-class MegaTrainOptions(CommonOptions):
-    # saved layer inputs in pinned host memory (long contexts): all (true), none (false), the first K layers' (K), or
-    # 'auto': as few as the GPU needs (the memory plan chooses)
-    offload_activations: bool | int | Literal["auto"] = False
-    # the saved inputs of layers 2..R+1 not kept at all: backward re-runs layers 1..R forward to regenerate them (their
-    # weights cross PCIe a third time); 'auto': as few as let the host hold the offloaded rest (the memory plan chooses)
-    recompute_inputs: int | Literal["auto"] = 0
-    mlp_chunk_tokens: int = 0  # run the SwiGLU in chunks of this many tokens (0: whole micro-batch)
-    optimizer_kernel: Literal["fused", "torch"] = "fused"  # host AdamW: one-pass kernel, or torch's fused AdamW
-    resident_embedding: bool | Literal["auto"] = "auto"  # embedding state on the GPU ('auto': when it fits)
-    resident_layers: int | Literal["auto"] = "auto"  # first K layers' state on the GPU ('auto': as many as fit)
-    stream_stress: int | None = None  # debug: seed of random delays on every stream hand-off
-    timeline: bool = True  # record the per-step stream timeline
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.mlp_chunk_tokens < 0:
-            raise ValueError(f"option mlp_chunk_tokens must be >= 0 (0: no chunking), got {self.mlp_chunk_tokens}")
-        if type(self.offload_activations) is int and self.offload_activations < 0:
-            raise ValueError(f"option offload_activations must be true, false, 'auto' or a layer count >= 0, got "
-                             f"{self.offload_activations}")
-        if self.recompute_inputs != "auto" and self.recompute_inputs < 0:
-            raise ValueError(f"option recompute_inputs must be 'auto' or an integer >= 0, got {self.recompute_inputs}")
-        if self.resident_layers != "auto" and self.resident_layers < 0:
-            raise ValueError(f"option resident_layers must be 'auto' or an integer >= 0, got {self.resident_layers}")
-
-
-@dataclass(frozen=True)
-class NativeOptions(CommonOptions):
-    activation_checkpointing: bool = True  # every layer checkpointed, as every system
-    mlp_chunk_tokens: int = 0  # as megatrain's
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.mlp_chunk_tokens < 0:
-            raise ValueError(f"option mlp_chunk_tokens must be >= 0 (0: no chunking), got {self.mlp_chunk_tokens}")
-
-
-@dataclass(frozen=True)
-class DeepSpeedOptions(CommonOptions):
-    optimizer: Literal["cpu_adam", "torch_adamw"] | None = None  # None: DeepSpeedCPUAdam on GPU, torch AdamW on CPU
-
-
-@dataclass(frozen=True)
-class FSDPOptions(CommonOptions):
-    pass
-
-
-OPTIONS: dict[str, type[CommonOptions]] = {
-    "megatrain": MegaTrainOptions,
-    "native": NativeOptions,
-    "deepspeed": DeepSpeedOptions,
-    "fsdp": FSDPOptions,
-}
-
-
-def parse_options(system: str, given: dict) -> CommonOptions:
-    """The system's options from a {key: value} mapping (JSON/TOML values); ValueError names what to change."""
-    cls = OPTIONS[system]
-    valid = [f.name for f in dataclasses.fields(cls)]
-    unknown = [k for k in given if k not in valid]
-    if unknown:
-        owners = [s for s, c in OPTIONS.items() if unknown[0] in {f.name for f in dataclasses.fields(c)}]
-        whose = f" (an option of {', '.join(owners)})" if owners else ""
-        raise ValueError(f"{system} has no option {unknown[0]!r}{whose}; its options: {', '.join(valid)}")
-    try:
-        return cls(**given)
-    except ValueError as exc:
-        raise ValueError(f"{system}: {exc}") from None
 
 
 def check_field_types(obj, label: str) -> None:

@@ -1,29 +1,86 @@
-"""The protocol every training system implements, and the name -> system registry.
+"""The protocol every training system implements, and the one registry of systems.
 
 A system is built from a CaseConfig, runs one optimizer step per `step(inputs, labels)` call over
 the whole batch (micro-batches and gradient accumulation inside), and reports its own settings and
 metrics for the record. Every system trains the same megatrain.models.Transformer with the same
 init, loss normalisation (valid tokens of the whole step), AdamW groups and global-norm clipping.
-Systems are named here and imported only when built, so the engine never imports a baseline.
+
+Everything the harness knows about a system before building it is its SystemSpec, declared in the system's own
+file; SYSTEMS names where each spec lives and imports it only when asked, so the engine never imports a baseline.
+Adding a system is its file (the system class and its SPEC) and one line in SYSTEMS.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from megatrain.config import CaseConfig
+from megatrain.memory import Budget
+from megatrain.options import CommonOptions
 
+if TYPE_CHECKING:  # annotations only: megatrain.config imports this registry to check a case's system and options
+    from megatrain.config import CaseConfig
+
+# system name -> "module:attribute" of its SystemSpec
 SYSTEMS = {
-    "native": "baselines.native:NativeSystem",
-    "megatrain": "megatrain.engine.trainer:StreamingSystem",
-    "deepspeed": "baselines.deepspeed_zero3:DeepSpeedSystem",
-    "fsdp": "baselines.fsdp_offload:FSDPSystem",
+    "native": "baselines.native:SPEC",
+    "megatrain": "megatrain.engine.trainer:SPEC",
+    "deepspeed": "baselines.deepspeed_zero3:SPEC",
+    "fsdp": "baselines.fsdp_offload:SPEC",
 }
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    """One training system, as the harness sees it before building it.
+
+    Attributes:
+        factory: builds the system for a case (its class).
+        options: its typed options (a CommonOptions dataclass): `--option KEY=VALUE`, a suite's `options`.
+        plan_memory: (case, limits) -> the pre-flight plan of the case against `limits`: {host_bytes, gpu_bytes,
+            fits, reason, source}, host_bytes with the process overhead (on CPU, everything; gpu_bytes 0 there),
+            reason naming the budget exceeded (None when it fits).
+        checkpoint_bytes: case -> bytes of one save_state checkpoint (the weights and the optimizer state).
+        package: the package it needs beyond torch, also the name of its pip extra; None when it needs none.
+    """
+
+    factory: Callable[[CaseConfig], TrainSystem]
+    options: type[CommonOptions]
+    plan_memory: Callable[[CaseConfig, Budget], dict]
+    checkpoint_bytes: Callable[[CaseConfig], int]
+    package: str | None = None
+
+
+def system_spec(system: str) -> SystemSpec:
+    """The spec of `system`, importing its module (a baseline's only when asked for); ValueError for an unknown name."""
+    if system not in SYSTEMS:
+        raise ValueError(f"unknown system {system!r}; choose one of: {', '.join(SYSTEMS)}")
+    module, name = SYSTEMS[system].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def parse_options(system: str, given: dict) -> CommonOptions:
+    """The system's options from a {key: value} mapping (JSON/TOML values); ValueError names what to change.
+
+    A key the system does not have (a typo, or another system's option) and a value of the wrong type are refused
+    with the system's valid keys (the CLI's exit 2)."""
+    cls = system_spec(system).options
+    valid = _option_keys(system)
+    unknown = [k for k in given if k not in valid]
+    if unknown:
+        owners = sorted(s for s in SYSTEMS if unknown[0] in _option_keys(s))
+        whose = f" (an option of {', '.join(owners)})" if owners else ""
+        raise ValueError(f"{system} has no option {unknown[0]!r}{whose}; its options: {', '.join(valid)}")
+    try:
+        return cls(**given)
+    except ValueError as exc:
+        raise ValueError(f"{system}: {exc}") from None
 
 
 class TrainSystem(Protocol):
@@ -66,8 +123,10 @@ class TrainSystem(Protocol):
         """Release GPU memory, pinned memory, threads and process groups."""
 
 
+def _option_keys(system: str) -> list[str]:
+    return [f.name for f in dataclasses.fields(system_spec(system).options)]
+
+
 def build_system(case: CaseConfig) -> TrainSystem:
-    if case.system not in SYSTEMS:
-        raise ValueError(f"unknown system {case.system!r}; choose one of: {', '.join(SYSTEMS)}")
-    module, name = SYSTEMS[case.system].split(":")
-    return getattr(importlib.import_module(module), name)(case)
+    """The case's system, built (the packages only building needs, such as DeepSpeed, are imported now)."""
+    return system_spec(case.system).factory(case)

@@ -6,9 +6,9 @@ import contextlib
 
 import torch
 
+from baselines.native import NativeOptions
 from megatrain.config import CaseConfig
 from megatrain.data import make_batches
-from megatrain.options import NativeOptions
 from megatrain.systems import build_system
 
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 
-from megatrain.config import DTYPES, PRECISIONS, CaseConfig, OptimConfig
+from megatrain.config import DTYPES, PRECISIONS, CaseConfig
+from megatrain.optim.config import OptimConfig
+from megatrain.systems import SYSTEMS
 
 
 def add_case_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--system", default="native", help="native | megatrain | deepspeed | fsdp")
+    p.add_argument("--system", default="native", help=" | ".join(SYSTEMS))
     p.add_argument("--model", default="tiny", help="registry name (python -m megatrain models)")
     p.add_argument("--num-layers", type=int, default=None, help="override the model's depth")
     p.add_argument("--batch", type=int, default=2, help="sequences per optimizer step")

@@ -2,13 +2,14 @@
 
 `plan_memory(case, machine)` returns {host_bytes, gpu_bytes, fits, reason, source}. The suite
 runner asks before every case and records a case that cannot fit as `skipped` with the reason,
-instead of letting it take the host down. The estimates below are deliberately simple (bytes per
-parameter for the training state, plus activations); each record keeps its plan beside the
-measured peaks, so the estimates can be checked against measurement.
+instead of letting it take the host down. Each system's estimate is its SystemSpec's plan_memory
+(megatrain.systems), declared beside the system. The baselines' are deliberately simple (bytes per
+parameter for the training state, plus activations, from the helpers below, judged by estimate_plan);
+each record keeps its plan beside the measured peaks, so the estimates can be checked against measurement.
 
 MegaTrain's sizes and verdict come from its own planner, `megatrain.engine.plan.check_fits` (the
-engine's exact tiles); the fixed process overheads below are the engine plan's, counted for every system.
-Every system is judged against one budget (megatrain.memory).
+engine's exact tiles); the fixed process overheads estimate_plan adds are the engine plan's, counted for every
+system. Every system is judged against one budget (megatrain.memory).
 
 Symbols: N parameters, L layers, H hidden, I SwiGLU width, V vocabulary, T = micro_batch * seq
 tokens per forward/backward, e bytes per activation element (2 for bf16 compute, 4 for fp32).
@@ -18,28 +19,21 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from collections.abc import Callable
 
 from megatrain.config import CaseConfig
-from megatrain.engine.plan import GPU_RESERVE_BYTES, PROCESS_OVERHEAD_BYTES, check_fits
+from megatrain.engine.plan import GPU_RESERVE_BYTES, PROCESS_OVERHEAD_BYTES
 from megatrain.memory import GIB, Budget, host_memory_gib
 from megatrain.models.loss import chunk_tokens_for
-from megatrain.systems import SYSTEMS
-
-# Packages a system needs beyond torch.
-REQUIRED_PACKAGES = {"deepspeed": "deepspeed"}
+from megatrain.systems import system_spec
 
 
 def unavailable(system: str) -> str | None:
-    """Why `system` cannot run in this environment (its package or module is missing), or None."""
-    package = REQUIRED_PACKAGES.get(system)
+    """Why `system` cannot run in this environment (a package it needs is missing), or None."""
+    package = system_spec(system).package
     if package and importlib.util.find_spec(package) is None:
         return f"package {package!r} is not installed (pip install -e '.[{package}]')"
-    module = SYSTEMS[system].split(":")[0]
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        found = False
-    return None if found else f"module {module} does not exist in this checkout"
+    return None
 
 
 def activation_bytes(case: CaseConfig) -> int:
@@ -59,49 +53,27 @@ def activation_bytes(case: CaseConfig) -> int:
     return saved + working + loss
 
 
-def _largest_unit_params(case: CaseConfig) -> int:
+def largest_unit_params(case: CaseConfig) -> int:
     """The largest block a sharding/streaming system gathers at once: a decoder layer or the embedding."""
     cfg = case.model_config()
     return max(cfg.layer_params(), cfg.embedding_params())
 
 
-def _native(case: CaseConfig) -> tuple[int, int]:
-    # Whole model on one device. mixed: fp32 weights, grads, Adam m and v = 16 B/param.
-    # bf16: bf16 weights, grads, m, v = 8 B/param (torch AdamW keeps moments in the param dtype).
-    n = case.model_config().num_params()
-    state = n * (16 if case.precision == "mixed" else 8) + activation_bytes(case)
-    return 0, state
-
-
-def _deepspeed(case: CaseConfig) -> tuple[int, int]:
-    # ZeRO-3 with params and optimizer offloaded to CPU. DeepSpeed's own estimator
-    # (deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs, zero_init=True) puts the host at
-    # 18 B/param: fp32 master weights, Adam m and v (12), fp32 gradient partition (4), bf16 parameter partition (2).
-    # Measured peak RSS beyond the process overhead is 24.4-24.9 B/param (1.5B, 3B and 14B at batches 8-512, H200
-    # and H100 hosts: results/smoke_gpu, results/reproduce_14b): its pinned swap and bucket buffers; we count 25.
-    # GPU: 4 B per parameter of the largest module (bf16 params and grads, gathered), plus the prefetch buffers,
-    # plus activations.
-    n = case.model_config().num_params()
-    host = n * 25
-    gpu = 4 * _largest_unit_params(case) * 2 + activation_bytes(case)
-    return host, gpu
-
-
-def _fsdp(case: CaseConfig) -> tuple[int, int]:
-    # FSDP2 with CPUOffloadPolicy(pin_memory=True): the fp32 sharded parameters and their fp32 gradients live in
-    # pinned host memory, whose caching allocator rounds every block up to a power of two, and AdamW runs on the
-    # host with fp32 m and v (8 B/param). Per parameter tensor: 2 * next_pow2(4 * numel) + 8 * numel; this gives
-    # 18.1, 19.7 and 21.8 B/param for 1.5B, 3B and 14B, measured 16.9, 19.1 and 21.7 beyond the process overhead
-    # (results/smoke_gpu, results/reproduce_14b). GPU: the gathered bf16 unit being computed plus the prefetched
-    # one, its bf16 gradient before the reduce, activations.
-    sizes = case.model_config().param_numels()
-    host = sum(2 * (1 << (4 * k - 1).bit_length()) + 8 * k for k in sizes)
-    gpu = 3 * 2 * _largest_unit_params(case) + activation_bytes(case)
-    return host, gpu
-
-
-# Each baseline's estimate returns (host bytes beyond the process overhead, bytes on the compute device).
-ESTIMATES = {"native": _native, "deepspeed": _deepspeed, "fsdp": _fsdp}
+def estimate_plan(estimate: Callable[[CaseConfig], tuple[int, int]], case: CaseConfig, limits: Budget) -> dict:
+    """The pre-flight plan of a system whose `estimate` gives (host bytes beyond the process overhead, bytes on the
+    compute device): the fixed overheads added, on CPU everything counted as host memory, judged against `limits`
+    (a baseline's SystemSpec.plan_memory is this with its estimate bound)."""
+    state_host, state_gpu = estimate(case)
+    host, gpu = state_host + PROCESS_OVERHEAD_BYTES, state_gpu + GPU_RESERVE_BYTES
+    if case.device == "cpu":
+        host, gpu = host + state_gpu, 0
+    reasons = []
+    if host > limits.host_bytes:
+        reasons.append(f"needs ~{host / GIB:.0f} GiB host memory, {limits.host_bytes / GIB:.0f} GiB usable here")
+    if case.device == "cuda" and gpu > (limits.gpu_bytes or 0):
+        reasons.append(f"needs ~{gpu / GIB:.0f} GiB GPU memory, {(limits.gpu_bytes or 0) / GIB:.0f} GiB usable here")
+    return {"source": "estimate (megatrain.bench.fit)", "host_bytes": int(host), "gpu_bytes": int(gpu),
+            "fits": not reasons, "reason": "; ".join(reasons) or None}
 
 
 def plan_memory(case: CaseConfig, machine: dict) -> dict:
@@ -120,22 +92,7 @@ def plan_memory(case: CaseConfig, machine: dict) -> dict:
     declared = case.opts.host_mem_gib
     available = host_memory_gib(declared)[1] if declared else machine["host_available_gib"]
     limits = Budget.of(available, machine["gpu_mem_gib"] if case.device == "cuda" else None)
-    if case.system == "megatrain":
-        plan = dict(check_fits(case, limits), source="megatrain.engine.plan")
-        host, gpu = plan["host_need_bytes"], plan["gpu_bytes"] if case.device == "cuda" else 0
-        plan.update(host_bytes=int(host), gpu_bytes=int(gpu))
-        return plan
-    state_host, state_gpu = ESTIMATES[case.system](case)
-    host, gpu = state_host + PROCESS_OVERHEAD_BYTES, state_gpu + GPU_RESERVE_BYTES
-    if case.device == "cpu":
-        host, gpu = host + state_gpu, 0
-    reasons = []
-    if host > limits.host_bytes:
-        reasons.append(f"needs ~{host / GIB:.0f} GiB host memory, {limits.host_bytes / GIB:.0f} GiB usable here")
-    if case.device == "cuda" and gpu > (limits.gpu_bytes or 0):
-        reasons.append(f"needs ~{gpu / GIB:.0f} GiB GPU memory, {(limits.gpu_bytes or 0) / GIB:.0f} GiB usable here")
-    return {"source": "estimate (megatrain.bench.fit)", "host_bytes": int(host), "gpu_bytes": int(gpu),
-            "fits": not reasons, "reason": "; ".join(reasons) or None}
+    return system_spec(case.system).plan_memory(case, limits)
 
 
 def plan_case(case: CaseConfig, machine: dict) -> dict:

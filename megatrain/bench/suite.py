@@ -53,8 +53,9 @@ from pathlib import Path
 from megatrain.bench.args import add_case_arguments, case_from_args
 from megatrain.bench.env import REPO_ROOT, git_commit
 from megatrain.bench.record import append_jsonl, base_record, read_jsonl, relative_paths, summary_line
-from megatrain.config import CaseConfig, OptimConfig
+from megatrain.config import CaseConfig
 from megatrain.hardware import actual_profile, get_profile, same_machine
+from megatrain.optim.config import OptimConfig
 
 SUITES_DIR = REPO_ROOT / "suites"
 FINAL_STATUSES = ("ok", "oom", "skipped")  # error, timeout and killed are run again on resume

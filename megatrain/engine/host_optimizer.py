@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from megatrain.config import OptimConfig
 from megatrain.engine.layout import Unit
 from megatrain.engine.store import OPT_CHUNK, HostStore
 from megatrain.optim import fused
+from megatrain.optim.config import OptimConfig
 from megatrain.optim.host_adamw import FlatAdamW
 
 

@@ -1,23 +1,55 @@
-"""StreamingSystem: the MegaTrain engine behind the common system protocol."""
+"""StreamingSystem: the MegaTrain engine behind the common system protocol; its options and SystemSpec."""
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from megatrain.config import CaseConfig
 from megatrain.engine.host_optimizer import HostOptimizer
-from megatrain.engine.plan import check_fits
+from megatrain.engine.plan import check_fits, host_bytes_per_param
 from megatrain.engine.schedule import Schedule
 from megatrain.engine.state import load_engine_state, save_engine_state, steps_from_json, steps_to_json
 from megatrain.engine.store import HostStore
 from megatrain.engine.streams import StreamSet
-from megatrain.memory import GIB, peak_host_rss_gib
+from megatrain.memory import GIB, Budget, peak_host_rss_gib
 from megatrain.models.hf import copy_named_weights
 from megatrain.models.loss import valid_tokens
+from megatrain.options import CommonOptions
+from megatrain.systems import SystemSpec
+
+
+@dataclass(frozen=True)
+class MegaTrainOptions(CommonOptions):
+    # saved layer inputs in pinned host memory (long contexts): all (true), none (false), the first K layers' (K), or
+    # 'auto': as few as the GPU needs (the memory plan chooses)
+    offload_activations: bool | int | Literal["auto"] = False
+    # the saved inputs of layers 2..R+1 not kept at all: backward re-runs layers 1..R forward to regenerate them (their
+    # weights cross PCIe a third time); 'auto': as few as let the host hold the offloaded rest (the memory plan chooses)
+    recompute_inputs: int | Literal["auto"] = 0
+    mlp_chunk_tokens: int = 0  # run the SwiGLU in chunks of this many tokens (0: whole micro-batch)
+    optimizer_kernel: Literal["fused", "torch"] = "fused"  # host AdamW: one-pass kernel, or torch's fused AdamW
+    resident_embedding: bool | Literal["auto"] = "auto"  # embedding state on the GPU ('auto': when it fits)
+    resident_layers: int | Literal["auto"] = "auto"  # first K layers' state on the GPU ('auto': as many as fit)
+    stream_stress: int | None = None  # debug: seed of random delays on every stream hand-off
+    timeline: bool = True  # record the per-step stream timeline
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.mlp_chunk_tokens < 0:
+            raise ValueError(f"option mlp_chunk_tokens must be >= 0 (0: no chunking), got {self.mlp_chunk_tokens}")
+        if type(self.offload_activations) is int and self.offload_activations < 0:
+            raise ValueError(f"option offload_activations must be true, false, 'auto' or a layer count >= 0, got "
+                             f"{self.offload_activations}")
+        if self.recompute_inputs != "auto" and self.recompute_inputs < 0:
+            raise ValueError(f"option recompute_inputs must be 'auto' or an integer >= 0, got {self.recompute_inputs}")
+        if self.resident_layers != "auto" and self.resident_layers < 0:
+            raise ValueError(f"option resident_layers must be 'auto' or an integer >= 0, got {self.resident_layers}")
 
 
 class StreamingSystem:
@@ -156,3 +188,22 @@ class StreamingSystem:
         self.store.close()
         self.schedule.acts.close()
         del self.schedule
+
+
+def preflight_plan(case: CaseConfig, limits: Budget) -> dict:
+    """The pre-flight plan: the engine's own (check_fits, its exact tiles and choices against `limits`), with
+    host_bytes what it counts against the host (on CPU, everything) and gpu_bytes 0 on CPU."""
+    plan = dict(check_fits(case, limits), source="megatrain.engine.plan")
+    host, gpu = plan["host_need_bytes"], plan["gpu_bytes"] if case.device == "cuda" else 0
+    plan.update(host_bytes=int(host), gpu_bytes=int(gpu))
+    return plan
+
+
+def checkpoint_bytes(case: CaseConfig) -> int:
+    """One save_state: every host tile but the gradients (megatrain.engine.state)."""
+    per = host_bytes_per_param(case)
+    return case.model_config().num_params() * (sum(per.values()) - per["grads"])
+
+
+SPEC = SystemSpec(factory=StreamingSystem, options=MegaTrainOptions, plan_memory=preflight_plan,
+                  checkpoint_bytes=checkpoint_bytes)

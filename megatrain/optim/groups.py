@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatrain.config import OptimConfig
+from megatrain.optim.config import OptimConfig
 
 
 def decays(shape) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.optim.adam import adam
 
-from megatrain.config import OptimConfig
+from megatrain.optim.config import OptimConfig
 
 
 class FlatAdamW:

@@ -33,12 +33,12 @@ import torch.nn.functional as F
 
 from megatrain.bench.env import environment
 from megatrain.bench.probe import GIB, engine_adamw_gparams_s, measure
-from megatrain.config import OptimConfig
 from megatrain.engine.host_optimizer import torch_adamw_unit
 from megatrain.engine.layout import build_units
 from megatrain.engine.store import OPT_CHUNK
 from megatrain.engine.templates import HeadTemplate
 from megatrain.models import get_model_config
+from megatrain.optim.config import OptimConfig
 from megatrain.optim.host_adamw import FlatAdamW
 from megatrain.perf_model.layer_profile import bench_ms, engine_layer
 

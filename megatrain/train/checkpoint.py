@@ -128,15 +128,9 @@ def resume_point(root: Path, fallback: bool, log) -> tuple[Path, dict]:
 
 def state_bytes(case: CaseConfig) -> int:
     """Bytes of one checkpoint of `case`: the weights and AdamW state as its system writes them."""
-    from megatrain.engine.plan import host_bytes_per_param
+    from megatrain.systems import system_spec
 
-    n = case.model_config().num_params()
-    if case.system == "megatrain":  # every host tile but the gradients (megatrain.engine.state)
-        per = host_bytes_per_param(case)
-        return n * (sum(per.values()) - per["grads"])
-    if case.system == "native":  # the parameters and both moments, in the parameter dtype
-        return n * (12 if case.precision == "mixed" else 6)
-    return n * 12  # DeepSpeed and FSDP2: fp32 master (sharded fp32 parameters) and both fp32 moments
+    return system_spec(case.system).checkpoint_bytes(case)
 
 
 def check_disk(case: CaseConfig, out: Path, saves: int, keep: int, export_bytes: int) -> None:

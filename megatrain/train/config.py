@@ -14,11 +14,12 @@ from pathlib import Path
 import torch
 
 from megatrain.bench.args import parse_option_flags
-from megatrain.config import DTYPES, PRECISIONS, OptimConfig
+from megatrain.config import DTYPES, PRECISIONS
 from megatrain.models.hf import check_hf_checkpoint
 from megatrain.models.registry import get_model_config
-from megatrain.options import check_field_types, parse_options
-from megatrain.systems import SYSTEMS
+from megatrain.optim.config import OptimConfig
+from megatrain.options import check_field_types
+from megatrain.systems import SYSTEMS, parse_options
 from megatrain.train.data import data_files
 from megatrain.train.lr import SCHEDULES
 
@@ -137,7 +138,7 @@ class TrainConfig:
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     """Every flag defaults to None (not given): the file's value, else TrainConfig's default, applies."""
     p.add_argument("--config", default=None, help="TOML file of these settings (keys: flag names with underscores)")
-    p.add_argument("--system", help="megatrain (default) | native | deepspeed | fsdp")
+    p.add_argument("--system", help=" | ".join(SYSTEMS) + " (default megatrain)")
     p.add_argument("--device", choices=DEVICES)
     p.add_argument("--dtype", choices=DTYPES)
     p.add_argument("--precision", choices=PRECISIONS)

@@ -28,7 +28,8 @@ import torch
 from engine_helpers import assert_nan_step_skipped, train, train_with_nan_gradient
 
 from megatrain.bench.case import run_case
-from megatrain.config import CaseConfig, OptimConfig
+from megatrain.config import CaseConfig
+from megatrain.optim.config import OptimConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]

@@ -1,7 +1,8 @@
 """A test-only system that fails on demand, and a `bench` entry point that trains with it.
 
-Run as a script with `python -m megatrain bench` arguments (the suite runner's `bench_command` in
-tests/unit/test_suite_runner.py): the system registered as 'native' becomes FailingSystem, which
+SPEC is native's SystemSpec built as FailingSystem: one SYSTEMS entry registers it (test_boundaries registers it
+under a name of its own). Run as a script with `python -m megatrain bench` arguments (the suite runner's
+`bench_command` in tests/unit/test_suite_runner.py): the system registered as 'native' becomes FailingSystem, which
 trains like NativeSystem unless the case's seed asks it to fail (every system's options are typed, so a
 test cannot add its own):
     seed 101: raise a CUDA-style OOM          seed 102: exit without a record
@@ -11,6 +12,7 @@ test cannot add its own):
     seed 107: start a worker process (as compile workers and DeepSpeed do), then hang
 """
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -21,13 +23,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: make `baselines` importable
-from baselines.native import NativeSystem  # noqa: E402
+from baselines import native  # noqa: E402
 
 FAILURES = {101: "oom", 102: "crash", 103: "hang", 104: "oom_from_batch_2", 105: "sigterm", 106: "refused",
             107: "worker"}
 
 
-class FailingSystem(NativeSystem):
+class FailingSystem(native.NativeSystem):
     def __init__(self, case, *args, **kwargs):
         if FAILURES.get(case.seed) == "refused":  # as megatrain.bench.fit.preflight refuses, before allocating
             raise ValueError("native tiny b2 s16 does not fit here: host memory: needs 9.0 GiB but 8.9 GiB is usable "
@@ -51,9 +53,12 @@ class FailingSystem(NativeSystem):
         return super().step(inputs_BS, labels_BS)
 
 
+SPEC = dataclasses.replace(native.SPEC, factory=FailingSystem)
+
+
 if __name__ == "__main__":
     import megatrain.systems
     from megatrain.cli import main
 
-    megatrain.systems.SYSTEMS["native"] = "fake_system:FailingSystem"
+    megatrain.systems.SYSTEMS["native"] = "fake_system:SPEC"
     sys.exit(main(["bench", *sys.argv[1:]]))

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from baselines.native import NativeSystem
-from megatrain.config import CaseConfig, OptimConfig
+from megatrain.config import CaseConfig
 from megatrain.data import make_batches
+from megatrain.optim.config import OptimConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 # Tiny models are latency-bound: one thread avoids OpenMP spin-waits on a shared 2-core CI machine.

@@ -1,16 +1,23 @@
 """The engine is a library: it imports no benchmark harness and no baseline; running cases, suites and training
 imports neither the analysis nor the performance model (those read records and may import bench and the library);
-the package has no import cycles; every system's options are typed.
+the package has no import cycles; every system is one SystemSpec in one registry, with typed options.
 CPU, seconds: pytest tests/unit/test_boundaries.py"""
 
 import ast
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from megatrain.options import OPTIONS, MegaTrainOptions, parse_options
+from megatrain.bench import fit
+from megatrain.config import CaseConfig
+from megatrain.data import make_batches
+from megatrain.engine.trainer import MegaTrainOptions
+from megatrain.options import CommonOptions
+from megatrain.systems import SYSTEMS, SystemSpec, build_system, parse_options, system_spec
+from megatrain.train.checkpoint import state_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = ("megatrain.engine", "megatrain.optim", "megatrain.models", "megatrain.memory", "megatrain.options",
@@ -27,22 +34,30 @@ def _modules() -> dict[str, Path]:
     return {n.removesuffix(".__init__"): p for n, p in names.items()}
 
 
+def _import_nodes(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement that can run, function-level ones included; an `if TYPE_CHECKING:` block never runs."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.Import | ast.ImportFrom):
+            yield child
+        elif not (isinstance(child, ast.If) and ast.unparse(child.test) == "TYPE_CHECKING"):
+            yield from _import_nodes(child)
+
+
+def _imported_names(path: Path) -> set[str]:
+    """The modules a file imports, and for `from M import x` also M.x (x may be a module)."""
+    names = set()
+    for node in _import_nodes(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+    return names
+
+
 def _import_graph() -> dict[str, set[str]]:
     """module -> the package modules it imports anywhere in its file (function-level imports included)."""
     modules = _modules()
-    graph = {}
-    for name, path in modules.items():
-        deps = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
-            elif isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            else:
-                continue
-            deps |= {t for t in targets if t in modules and t != name}
-        graph[name] = deps
-    return graph
+    return {name: {t for t in _imported_names(path) if t in modules and t != name} for name, path in modules.items()}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -82,6 +97,16 @@ def test_running_cases_suites_and_training_imports_neither_analysis_nor_the_perf
             assert not [d for d in deps if d.startswith(ANALYSIS)], name
 
 
+def test_the_engine_models_and_optim_never_import_a_baseline_or_deepspeed():
+    modules = _modules()
+    for name, path in modules.items():
+        if name.startswith(("megatrain.engine", "megatrain.models", "megatrain.optim")):
+            imported = _imported_names(path)
+            assert not [m for m in imported if m.split(".")[0] in ("baselines", "deepspeed")], name
+            if name.startswith("megatrain.optim"):  # the optimizer knows its own settings, not the cases or systems
+                assert not [m for m in imported if m in modules and not m.startswith("megatrain.optim")], name
+
+
 def test_training_with_the_engine_loads_neither_the_harness_nor_a_baseline():
     code = f"""
 import sys
@@ -92,19 +117,61 @@ case = CaseConfig(system="megatrain", model="tiny", batch=2, seq=8, steps=1)
 system = build_system(case)
 system.step(*make_batches(case, case.model_config().vocab_size).batch_at(0))
 system.close()
-print(" ".join(m for m in sys.modules if m.startswith({HARNESS!r})))
+print(" ".join(m for m in sys.modules if m.startswith({HARNESS!r} + ("deepspeed",))))
 """
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == ""
 
 
-def test_every_system_has_typed_options():
-    assert set(OPTIONS) == {"megatrain", "native", "deepspeed", "fsdp"}
+def test_planning_every_system_imports_no_deepspeed():
+    """DeepSpeed loads only when a DeepSpeed system is built: its spec, options and estimates need none of it."""
+    code = """
+import sys
+from megatrain.bench.fit import plan_case
+from megatrain.config import CaseConfig
+from megatrain.systems import SYSTEMS
+from megatrain.train.checkpoint import state_bytes
+machine = {"host_available_gib": 64.0, "gpu_mem_gib": None}
+for system in SYSTEMS:
+    case = CaseConfig(system=system, model="tiny")
+    plan_case(case, machine), state_bytes(case)
+print(" ".join(m for m in sys.modules if m.startswith("deepspeed")))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == ""
+
+
+def test_every_system_is_one_spec_with_typed_options():
+    assert set(SYSTEMS) == {"megatrain", "native", "deepspeed", "fsdp"}
+    for system in SYSTEMS:
+        spec = system_spec(system)
+        assert isinstance(spec, SystemSpec) and issubclass(spec.options, CommonOptions), system
     assert parse_options("megatrain", {"resident_layers": 3, "offload_activations": True}) == \
         MegaTrainOptions(resident_layers=3, offload_activations=True)
     assert parse_options("deepspeed", {}).optimizer is None
     assert parse_options("fsdp", {"host_mem_gib": 100}).host_mem_gib == 100
+    with pytest.raises(ValueError, match="unknown system 'nativ'; choose one of: native, megatrain, deepspeed, fsdp"):
+        CaseConfig(system="nativ")
+
+
+def test_a_system_added_with_one_registry_entry_is_known_everywhere(monkeypatch):
+    """tests/unit/fake_system.py's SPEC registered under a new name: the case, its options, the pre-flight, the
+    checkpoint size and the build all find it through the registry alone."""
+    monkeypatch.setitem(SYSTEMS, "failing", "fake_system:SPEC")
+    case = CaseConfig(system="failing", model="tiny", batch=2, seq=8, steps=1, options={"mlp_chunk_tokens": 4})
+    assert case.opts.mlp_chunk_tokens == 4
+    with pytest.raises(ValueError, match="failing has no option 'resident_layers' \\(an option of megatrain\\)"):
+        CaseConfig(system="failing", options={"resident_layers": 1})
+    native = CaseConfig(system="native", model="tiny", batch=2, seq=8, steps=1)
+    machine = {"host_available_gib": 64.0, "gpu_mem_gib": None}
+    assert fit.plan_case(case, machine) == fit.plan_case(native, machine)
+    assert state_bytes(case) == state_bytes(native)
+    system = build_system(case)
+    assert type(system).__name__ == "FailingSystem"
+    system.step(*make_batches(case, case.model_config().vocab_size).batch_at(0))
+    system.close()
 
 
 @pytest.mark.parametrize("system,given,message", [

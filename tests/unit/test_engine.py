@@ -8,13 +8,14 @@ from engine_helpers import assert_nan_step_skipped, native_options, train_with_n
 from engine_helpers import train as _train
 from torch._dynamo.exc import BackendCompilerFailed
 
-from megatrain.config import CaseConfig, OptimConfig
+from megatrain.config import CaseConfig
 from megatrain.engine.layout import build_units
 from megatrain.engine.plan import activation_placement, check_fits, plan_memory
 from megatrain.engine.schedule import plan_uses
 from megatrain.engine.templates import LayerTemplate, bind
 from megatrain.memory import GPU_FILL, Budget
 from megatrain.models import get_model_config, rotary_tables
+from megatrain.optim.config import OptimConfig
 from megatrain.optim.host_adamw import FlatAdamW
 from megatrain.systems import build_system
 

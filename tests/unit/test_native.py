@@ -8,7 +8,8 @@ import pytest
 
 from megatrain.bench.case import run_case
 from megatrain.bench.record import validate
-from megatrain.config import CaseConfig, OptimConfig
+from megatrain.config import CaseConfig
+from megatrain.optim.config import OptimConfig
 
 
 def test_native_tiny_loss_falls_over_50_steps_on_a_repeated_batch():

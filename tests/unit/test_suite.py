@@ -3,6 +3,7 @@ pytest tests/unit/test_suite.py"""
 
 import pytest
 
+from baselines import deepspeed_zero3, fsdp_offload
 from megatrain.bench import fit
 from megatrain.bench.record import append_jsonl, read_jsonl
 from megatrain.bench.suite import SUITES_DIR, bench_args, load_suite
@@ -158,8 +159,8 @@ def test_offload_baselines_host_estimates_follow_their_measured_bytes_per_parame
     blocks (results/smoke_gpu, results/reproduce_14b): the pre-flight counts at least that, so it refuses first."""
     for model, fsdp_measured in (("qwen2.5-1.5b", 16.9), ("qwen2.5-3b", 19.1), ("qwen2.5-14b", 21.7)):
         n = CaseConfig(model=model).model_config().num_params()
-        ds, _ = fit._deepspeed(_case("deepspeed", model=model))
-        fsdp, _ = fit._fsdp(_case("fsdp", model=model))
+        ds, _ = deepspeed_zero3.memory_bytes(_case("deepspeed", model=model))
+        fsdp, _ = fsdp_offload.memory_bytes(_case("fsdp", model=model))
         assert ds / n == 25
         assert fsdp_measured <= fsdp / n <= fsdp_measured + 1.5
 
