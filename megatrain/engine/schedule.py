@@ -306,8 +306,14 @@ class Schedule:
 
     def _embed_backward(self, tokens) -> None:
         gacc = self.embed_gacc.view(self.cfg.vocab_size, self.cfg.hidden_size)
-        for t, dy in zip(tokens, self.dys, strict=True):  # index_put_'s accumulate sorts: repeatable, unlike
-            gacc.index_put_((t.flatten(),), dy.flatten(0, 1).float(), accumulate=True)  # index_add_'s atomics
+        for t, dy in zip(tokens, self.dys, strict=True):
+            rows = dy.flatten(0, 1).float()
+            # repeatable sums: on the GPU index_put_'s accumulate sorts, where index_add_ uses atomics; on the CPU
+            # index_put_ adds with atomics across threads (from 32768 elements), where index_add_ adds in token order
+            if self.streams.cuda:
+                gacc.index_put_((t.flatten(),), rows, accumulate=True)
+            else:
+                gacc.index_add_(0, t.flatten(), rows)
         self.dys = []
         self.sumsq += torch.linalg.vector_norm(self.embed_gacc).square()
         if 0 in self.resident:  # stays on the GPU: updated there once the norm is known

@@ -1,10 +1,11 @@
-"""Streaming engine vs the native reference, fp32 on CPU. CPU only, ~30 s: pytest tests/unit/test_engine.py"""
+"""Streaming engine vs the native reference, and its repeatability at several thread counts, fp32 on CPU. CPU only,
+~35 s: pytest tests/unit/test_engine.py"""
 
 import dataclasses
 
 import pytest
 import torch
-from engine_helpers import assert_nan_step_skipped, native_options, train_with_nan_gradient
+from engine_helpers import assert_nan_step_skipped, built, native_options, train_with_nan_gradient
 from engine_helpers import train as _train
 from torch._dynamo.exc import BackendCompilerFailed
 
@@ -248,6 +249,47 @@ def test_resident_embedding_takes_true_false_or_auto(bad):
 def test_resident_layers_out_of_range_are_refused_before_allocating(bad, why):
     with pytest.raises(ValueError, match=f"resident_layers.*{why}"):
         check_fits(CaseConfig(system="megatrain", model="tiny", num_layers=4, options={"resident_layers": bad}))
+
+
+# 512 tokens a micro-batch x 64 wide: the embedding gradient's scatter-add is past torch's parallel grain (32768
+# elements), where index_put_'s accumulate adds with atomics from several threads on the CPU; 256 ids: many repeats
+REPEATABLE = dict(model="tiny", batch=4, micro_batch=2, seq=256, steps=4)
+
+
+@pytest.fixture
+def num_threads(request):
+    """torch's intra-op thread count for one test (its parameter); the previous count is restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def assert_same_run(a: tuple[list[float], dict], b: tuple[list[float], dict]) -> None:
+    """(losses, parameters by name) of two runs are bitwise equal."""
+    assert a[0] == b[0]
+    assert a[1].keys() == b[1].keys()
+    assert all(torch.equal(a[1][n], b[1][n]) for n in a[1]), [n for n in a[1] if not torch.equal(a[1][n], b[1][n])]
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 4], indirect=True)
+def test_two_runs_are_bitwise_equal_at_any_thread_count(num_threads):
+    first, second = (_train("megatrain", **REPEATABLE)[:2] for _ in range(2))
+    assert_same_run(first, second)
+
+
+@pytest.mark.parametrize("num_threads", [2], indirect=True)
+def test_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path, num_threads):
+    steps, cut = REPEATABLE["steps"], 2
+    straight = _train("megatrain", **REPEATABLE)[:2]
+    with built("megatrain", **REPEATABLE) as (trainer, data):
+        losses = [trainer.step(*data.batch_at(i)) for i in range(cut)]
+        trainer.save_state(tmp_path)
+    with built("megatrain", **REPEATABLE) as (trainer, data):  # a new engine from the saved state
+        trainer.load_state(tmp_path)
+        losses += [trainer.step(*data.batch_at(i)) for i in range(cut, steps)]
+        resumed = losses, trainer.named_parameters_fp32()
+    assert_same_run(resumed, straight)
 
 
 def test_clipping_changes_the_result():
