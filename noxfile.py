@@ -1,6 +1,6 @@
-"""Sessions: tests, smoke, gpu, reproduce_14b, report, perf_model, bench, lint. Every session runs in the environment
-nox itself runs in (python=False, the interpreter is nox's own): a per-session virtualenv would download a
-fresh (CUDA) torch. Set up first with scripts/setup.sh, then run .venv/bin/python -m nox."""
+"""Sessions: tests, tests_subprocess, smoke, gpu, reproduce_14b, report, perf_model, bench, lint. Every session runs
+in the environment nox itself runs in (python=False, the interpreter is nox's own): a per-session virtualenv would
+download a fresh (CUDA) torch. Set up first with scripts/setup.sh, then run .venv/bin/python -m nox."""
 
 import sys
 from pathlib import Path
@@ -13,8 +13,16 @@ PY = sys.executable
 
 @nox.session(python=False)
 def tests(session):
-    """Unit tests on CPU (GPU tests skip without CUDA)."""
-    session.run(PY, "-m", "pytest", "tests", "-q", *session.posargs)
+    """The fast tests on CPU (a few minutes on 2 cores; GPU tests skip without CUDA). The tests that spawn
+    `python -m megatrain` processes, run suites or compile are the session tests_subprocess."""
+    session.run(PY, "-m", "pytest", "tests", "-q", "-m", "not subprocess and not slow", *session.posargs)
+
+
+@nox.session(python=False)
+def tests_subprocess(session):
+    """The tests that spawn `python -m megatrain` processes (CLI contracts, kills, signals, the suite runner) or
+    compile (torch.compile on CPU, the host AdamW kernel build): CI runs them after the fast ones."""
+    session.run(PY, "-m", "pytest", "tests", "-q", "-m", "subprocess or slow", *session.posargs)
 
 
 @nox.session(python=False)

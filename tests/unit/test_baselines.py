@@ -98,6 +98,7 @@ def test_deepspeed_matches_native_with_accumulation_and_clipping(model, tmp_path
 
 
 @pytest.mark.parametrize("system", ["native", "fsdp", pytest.param("deepspeed", marks=needs_deepspeed), "megatrain"])
+@pytest.mark.slow  # torch.compile on CPU: 10-40 s a system
 def test_compiled_layers_match_eager_native(system, tmp_path):
     # every system compiles the same thing (each decoder layer), so every one stays at eager native's float noise
     case = dataclasses.replace(_case(system, "tiny"), steps=3, compile=True)
@@ -107,6 +108,7 @@ def test_compiled_layers_match_eager_native(system, tmp_path):
 
 
 @pytest.mark.parametrize("system", ["fsdp", pytest.param("deepspeed", marks=needs_deepspeed)])
+@pytest.mark.subprocess
 def test_cli_bench_runs_the_baseline(system):
     proc = subprocess.run([sys.executable, "-m", "megatrain", "bench", "--system", system, "--model", "tiny",
                            "--batch", "2", "--seq", "32", "--steps", "2"], cwd=ROOT, env=ENV, capture_output=True,

@@ -32,6 +32,7 @@ def _bench(*args):
     return subprocess.run([sys.executable, "-m", "megatrain", "bench", *args], capture_output=True, text=True)
 
 
+@pytest.mark.subprocess
 def test_cli_prints_record_as_last_line_and_appends(tmp_path):
     out = tmp_path / "r.jsonl"
     proc = _bench("--system", "native", "--model", "tiny", "--batch", "2", "--seq", "64", "--steps", "5",
@@ -63,6 +64,7 @@ def test_cli_prints_record_as_last_line_and_appends(tmp_path):
     (["--system", "megatrain", "--option", "mlp_chunk_tokens=true"], "mlp_chunk_tokens=True: expected an integer"),
     (["--system", "fsdp", "--option", "host_mem_gib"], "--option takes KEY=VALUE"),
 ])
+@pytest.mark.subprocess
 def test_cli_rejects_bad_input_with_exit_code_2(args, message):
     proc = _bench(*args)
     assert proc.returncode == 2
@@ -70,6 +72,7 @@ def test_cli_rejects_bad_input_with_exit_code_2(args, message):
     assert len(proc.stderr.strip().splitlines()) == 1, "one line saying what to change, no traceback"
 
 
+@pytest.mark.subprocess
 def test_a_sequence_beyond_the_models_published_context_is_said_before_the_run():
     proc = _bench("--system", "native", "--model", "tiny", "--seq", "2049", "--batch", "1", "--steps", "1")
     assert proc.returncode == 0, proc.stderr

@@ -186,6 +186,7 @@ window.addEventListener('load', () => {
 </script>"""
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(_chromium() is None, reason="needs chromium (apt-get install -y chromium)")
 def test_report_loads_in_a_headless_browser_without_errors(tmp_path):
     page_path = _write(tmp_path)

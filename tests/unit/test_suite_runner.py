@@ -1,6 +1,6 @@
 """The suite runner survives OOMs, crashes and hangs, stops batch ladders, and resumes.
 
-CPU, about a minute (a dozen case subprocesses): pytest tests/unit/test_suite_runner.py
+CPU, a few minutes (case subprocesses), in the subprocess session: pytest -m subprocess tests/unit/test_suite_runner.py
 Failures are injected by tests/unit/fake_system.py, which stands in for `python -m megatrain bench`.
 """
 
@@ -14,6 +14,8 @@ import pytest
 
 from megatrain.bench.record import read_jsonl, validate
 from megatrain.bench.suite import load_suite, run_suite
+
+pytestmark = pytest.mark.subprocess  # every test here runs suites of case subprocesses
 
 FAKE_BENCH = [sys.executable, str(Path(__file__).with_name("fake_system.py"))]
 # `python -m megatrain suite` with the fake bench command, in a process of its own that a test can kill
@@ -72,7 +74,6 @@ def _by_group(records):
     return {(r["suite"]["group"], r["batch"], r["seq"]): r for r in records}
 
 
-@pytest.mark.slow
 def test_failures_become_records_and_a_rerun_finishes_only_what_is_missing(tmp_path):
     (tmp_path / "robust.toml").write_text(SUITE)
     suite = load_suite(str(tmp_path / "robust.toml"))
@@ -202,7 +203,6 @@ def _alive(pids: set[int]) -> set[int]:
     return {p for p in pids if p in procs and procs[p][1] != "Z"}  # a zombie has ended, whoever reaps it
 
 
-@pytest.mark.subprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_a_killed_runner_takes_its_running_case_and_the_cases_workers_with_it(tmp_path, sig):

@@ -100,6 +100,7 @@ def test_train_matches_transformers_with_adamw_and_exports_a_checkpoint_transfor
         torch.testing.assert_close(p, ref[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("system", SYSTEMS)
 def test_ctrl_c_saves_and_the_resumed_run_is_bit_for_bit_the_uninterrupted_one(tmp_path, system):
     init = hf_model("qwen2", tmp_path / "init")
