@@ -272,13 +272,13 @@ def assert_same_run(a: tuple[list[float], dict], b: tuple[list[float], dict]) ->
     assert all(torch.equal(a[1][n], b[1][n]) for n in a[1]), [n for n in a[1] if not torch.equal(a[1][n], b[1][n])]
 
 
-@pytest.mark.parametrize("num_threads", [1, 2, 4], indirect=True)
+@pytest.mark.parametrize("num_threads", [1, 2, 16], indirect=True)
 def test_two_runs_are_bitwise_equal_at_any_thread_count(num_threads):
     first, second = (_train("megatrain", **REPEATABLE)[:2] for _ in range(2))
     assert_same_run(first, second)
 
 
-@pytest.mark.parametrize("num_threads", [2], indirect=True)
+@pytest.mark.parametrize("num_threads", [1, 2, 16], indirect=True)
 def test_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path, num_threads):
     steps, cut = REPEATABLE["steps"], 2
     straight = _train("megatrain", **REPEATABLE)[:2]
