@@ -48,7 +48,7 @@ def head_key(cfg: ModelConfig) -> tuple:
 
 
 def layer_matmul_flops(cfg: ModelConfig, tokens: int) -> float:
-    return 2.0 * (cfg.matmul_params() - cfg.vocab_size * cfg.hidden_size) / cfg.num_layers * tokens
+    return 2.0 * cfg.layer_matmul_params() * tokens
 
 
 def _linear(points: list[tuple[int, float]], x: float) -> float:

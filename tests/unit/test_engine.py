@@ -15,7 +15,7 @@ from megatrain.engine.plan import activation_placement, check_fits, plan_memory
 from megatrain.engine.schedule import plan_uses
 from megatrain.engine.templates import LayerTemplate, bind
 from megatrain.memory import GPU_FILL, Budget
-from megatrain.models import get_model_config, rotary_tables
+from megatrain.models import Transformer, get_model_config, rotary_tables
 from megatrain.optim.config import OptimConfig
 from megatrain.optim.host_adamw import FlatAdamW
 from megatrain.systems import build_system
@@ -70,6 +70,15 @@ def test_streamed_engine_matches_native(name):
         torch.testing.assert_close(params[n], ref_params[n], rtol=1e-5, atol=1e-5, msg=n)
     if "clip" in name:
         assert max(metrics["grad_norms"]) > CASES[name]["optim"].max_grad_norm  # clipping really acted
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-tied"])
+def test_units_lay_out_exactly_the_modules_parameters(model):
+    cfg = get_model_config(model)
+    with torch.device("meta"):
+        module = Transformer(cfg)
+    slots = {slot.name: slot.shape for unit in build_units(cfg) for slot in unit.params}
+    assert slots == {n: tuple(p.shape) for n, p in module.named_parameters()}
 
 
 def test_offloaded_activations_cross_pcie_and_leave_nothing_behind():
