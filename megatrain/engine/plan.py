@@ -17,6 +17,7 @@ from megatrain.engine.schedule import plan_uses
 from megatrain.engine.store import OPT_CHUNK
 from megatrain.memory import GIB, Budget, budget
 from megatrain.models.loss import chunk_tokens_for
+from megatrain.optim.state_bytes import FP32_BYTES, state_bytes_per_param
 
 # Fixed per-process costs beyond the training state; the pre-flight of every system (megatrain.bench.fit)
 # counts the same.
@@ -25,21 +26,20 @@ GPU_RESERVE_BYTES = 2 * GIB  # CUDA context, cuBLAS workspaces, allocator fragme
 
 
 def host_bytes_per_param(case: CaseConfig) -> dict[str, int]:
-    """Bytes per parameter of each persistent host tile."""
-    w = case.dtype_bytes
-    per = {"weights": w, "grads": w, "exp_avg": 4, "exp_avg_sq": 4}
-    if w == 2 and case.precision == "mixed":
-        per["master"] = 4
-    return per
+    """Bytes per parameter of each persistent host tile (megatrain.optim.state_bytes: the streamed weights and
+    gradients in the compute dtype)."""
+    return state_bytes_per_param(case.dtype_bytes, case.precision)
 
 
 def resident_bytes(case: CaseConfig, unit: Unit) -> int:
-    """GPU bytes a resident unit adds: fp32 moments, an fp32 master (mixed precision with bf16 compute),
-    and for a layer its own weights and fp32 gradient buffer (the embedding has both already). bf16
-    mode adds one shared fp32 update chunk (plan_memory)."""
-    w = case.dtype_bytes
-    master = 4 if w == 2 and case.precision == "mixed" else 0
-    return unit.numel * (8 + master + (0 if unit.index == 0 else w + 4))
+    """GPU bytes a resident unit adds: its moments and master (where there is one), and for a layer its own weights
+    and fp32 gradient accumulator (the embedding has both already). bf16 mode adds one shared fp32 update chunk
+    (plan_memory)."""
+    per = host_bytes_per_param(case)
+    on_gpu = per["exp_avg"] + per["exp_avg_sq"] + per.get("master", 0)
+    if unit.index != 0:
+        on_gpu += per["weights"] + FP32_BYTES
+    return unit.numel * on_gpu
 
 
 def resident_unit_indices(case: CaseConfig, limits: Budget | None = None) -> list[int]:

@@ -20,6 +20,7 @@ from megatrain.engine.streams import StreamSet
 from megatrain.memory import GIB, Budget, peak_host_rss_gib
 from megatrain.models.hf import copy_named_weights
 from megatrain.models.loss import valid_tokens
+from megatrain.optim.state_bytes import checkpoint_bytes_per_param
 from megatrain.options import CommonOptions
 from megatrain.systems import SystemSpec
 
@@ -201,8 +202,7 @@ def preflight_plan(case: CaseConfig, limits: Budget) -> dict:
 
 def checkpoint_bytes(case: CaseConfig) -> int:
     """One save_state: every host tile but the gradients (megatrain.engine.state)."""
-    per = host_bytes_per_param(case)
-    return case.model_config().num_params() * (sum(per.values()) - per["grads"])
+    return case.model_config().num_params() * checkpoint_bytes_per_param(host_bytes_per_param(case))
 
 
 SPEC = SystemSpec(factory=StreamingSystem, options=MegaTrainOptions, plan_memory=preflight_plan,
