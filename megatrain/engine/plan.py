@@ -3,8 +3,9 @@
 Host: the store's tiles exactly (see engine/store.py), offloaded activations, and a fixed process
 overhead. GPU: the two weight slots, the embedding (with its AdamW state when resident), fp32
 gradient accumulators and staging, the saved layer inputs (those neither offloaded nor recomputed; at least
-about three when any are offloaded; in backward the recomputed ones and the embedding's output), and an
-estimate of one layer's recompute-plus-backward working set and the chunked loss of one micro-batch.
+about three when any are offloaded; in backward the recomputed ones and the embedding's output), and the
+working set of one micro-batch's layer recompute + backward or chunked loss (megatrain.memory's count, which every
+system's pre-flight uses).
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ from megatrain.config import CaseConfig
 from megatrain.engine.layout import Unit, build_units, total_numel
 from megatrain.engine.schedule import plan_uses
 from megatrain.engine.store import OPT_CHUNK
-from megatrain.memory import GIB, Budget, budget
-from megatrain.models.loss import chunk_tokens_for
+from megatrain.memory import GIB, Budget, backward_work_bytes, budget, layer_input_bytes
 from megatrain.optim.state_bytes import FP32_BYTES, state_bytes_per_param
 
 # Fixed per-process costs beyond the training state; the pre-flight of every system (megatrain.bench.fit)
@@ -123,7 +123,7 @@ def _loaded_numel(units: list[Unit], resident: list[int], recomputed: int) -> in
 
 def _activation_bytes(case: CaseConfig) -> int:
     """One saved layer input for every micro-batch of a step."""
-    return case.batch * case.seq * case.model_config().hidden_size * case.dtype_bytes
+    return layer_input_bytes(case.model_config(), case.batch * case.seq, case.dtype_bytes)
 
 
 def plan_memory(case: CaseConfig, limits: Budget | None = None) -> dict:
@@ -141,10 +141,8 @@ def plan_memory(case: CaseConfig, limits: Budget | None = None) -> dict:
     host_state = n * sum(per.values())
     host = host_state + scratch + PROCESS_OVERHEAD_BYTES
 
-    mb, seq, h, i = case.micro_batch, case.seq, cfg.hidden_size, cfg.intermediate_size
-    tokens_mb = mb * seq
+    tokens_mb = case.micro_batch * case.seq
     offloaded, recomputed = activation_placement(case, limits)
-    mlp_tokens = min(tokens_mb, case.opts.mlp_chunk_tokens or tokens_mb)
     buffers = 2 * slot * w + embed * w + 2 * slot * 4 + embed * 4 + (2 * slot * w if w == 2 else 0)
     resident = resident_unit_indices(case, limits)
     buffers += sum(resident_bytes(case, units[u]) for u in resident)
@@ -157,17 +155,9 @@ def plan_memory(case: CaseConfig, limits: Budget | None = None) -> dict:
     kept = cfg.num_layers + 1 - offloaded - recomputed
     checkpoints = max(kept, 3 if offloaded else 0, recomputed + 1) * activation
     host_activations = offloaded * activation
-    # one layer's recompute + backward for a micro-batch: saved activations (~11H + q/k/v per token; the
-    # MLP's 4I for one chunk of tokens; flash/SDPA keeps no S x S matrix) and the gradients alive beside
-    # them. Calibrated on two kinds of peak. Short context, MLP whole (results/smoke_gpu, H200, Qwen2.5-1.5B/3B at
-    # batch 128): peak minus saved inputs and buffers was 0.87-0.89x of the count with 7H, ~0.78x of this one. Long
-    # context, MLP chunked (results/long_context/layer_profile-qwen2.5-7b-s524288.json: one 7B layer at 512k, cuDNN
-    # flash attention): 47.6 GiB beside its input, output gradient and weights, ~45k elements per token against
-    # 32k counted with 7H, so the attention block's share was raised to 11H: 0.97x of this count.
-    layer_work = int(w * (tokens_mb * (11 * h + cfg.q_size + 2 * cfg.kv_size) + mlp_tokens * 4 * i))
-    # loss: fp32 logits of one chunk, the head's fp32 weight gradient and its per-chunk product
-    head_work = min(chunk_tokens_for(cfg.vocab_size), tokens_mb) * cfg.vocab_size * 4 * 2 + cfg.vocab_size * h * (4 + w)
-    gpu = buffers + checkpoints + max(layer_work, head_work) + tokens_mb * h * w * 2 + GPU_RESERVE_BYTES
+    work = backward_work_bytes(cfg, tokens_mb, w, case.opts.mlp_chunk_tokens)
+    # beside it, the input and output gradient of the layer computing
+    gpu = buffers + checkpoints + work + 2 * layer_input_bytes(cfg, tokens_mb, w) + GPU_RESERVE_BYTES
     host += host_activations
     return {
         "host_bytes": host,
@@ -177,7 +167,7 @@ def plan_memory(case: CaseConfig, limits: Budget | None = None) -> dict:
         "gpu_bytes": gpu,
         "gpu_buffers_bytes": buffers,
         "gpu_checkpoint_bytes": checkpoints,
-        "gpu_work_bytes": max(layer_work, head_work),
+        "gpu_work_bytes": work,
         "host_activation_bytes": host_activations,
         "offloaded_layers": offloaded,
         "recomputed_inputs": recomputed,
