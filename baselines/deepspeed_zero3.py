@@ -245,7 +245,7 @@ class DeepSpeedSystem:
                 "optimizer": self.optimizer_desc,
                 "loss_scaling": "engine.backward(loss, scale_wrt_gas=False), loss / valid tokens of the step"}
 
-    def metrics(self) -> dict:
+    def metrics(self, warmup_steps: int = 0) -> dict:
         return {"deepspeed_version": self.ds.__version__, "optimizer": self.optimizer_name,
                 "accelerator": self.ds.accelerator.get_accelerator().device_name(),
                 "last_grad_norm": float(self.engine.get_global_grad_norm() or 0.0)}

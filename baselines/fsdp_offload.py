@@ -128,7 +128,7 @@ class FSDPSystem:
                 "compile": COMPILED_LAYERS + ", before fully_shard" if self.case.compile else False,
                 "optimizer": "torch.optim.AdamW(fused=True) on host shards", "clip": "torch.nn.utils.clip_grad_norm_"}
 
-    def metrics(self) -> dict:
+    def metrics(self, warmup_steps: int = 0) -> dict:
         return {}
 
     def named_parameters_fp32(self) -> dict[str, torch.Tensor]:

@@ -95,7 +95,7 @@ class NativeSystem:
                 "compile": COMPILED_LAYERS if self.case.compile else False,
                 "optimizer": "torch.optim.AdamW(fused=True)", "clip": "torch.nn.utils.clip_grad_norm_"}
 
-    def metrics(self) -> dict:
+    def metrics(self, warmup_steps: int = 0) -> dict:
         return {}
 
     def named_parameters_fp32(self) -> dict[str, torch.Tensor]:

@@ -30,8 +30,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from megatrain.config import CaseConfig
 from megatrain.engine.activations import ActivationStore
+from megatrain.engine.config import EngineConfig
 from megatrain.engine.host_optimizer import HostOptimizer, torch_adamw_unit
 from megatrain.engine.layout import Unit
 from megatrain.engine.store import OPT_CHUNK, HostStore
@@ -68,11 +68,11 @@ def plan_uses(num_layers: int, resident: frozenset = frozenset(), recomputed: in
 
 
 class Schedule:
-    def __init__(self, case: CaseConfig, store: HostStore, optimizer: HostOptimizer, streams: StreamSet,
+    def __init__(self, config: EngineConfig, store: HostStore, optimizer: HostOptimizer, streams: StreamSet,
                  device: torch.device, resident_units: list[int], offloaded_layers: int = 0,
                  recomputed_inputs: int = 0):
-        cfg = case.model_config()
-        self.case, self.store, self.optimizer, self.streams, self.device = case, store, optimizer, streams, device
+        cfg = config.model
+        self.config, self.store, self.optimizer, self.streams, self.device = config, store, optimizer, streams, device
         self.cfg = cfg
         dt = store.compute_dtype
         self.units = store.units
@@ -85,18 +85,18 @@ class Schedule:
         grad_dt = store.grads.dtype
         self.stage = None if grad_dt == torch.float32 else \
             [torch.empty(slot_numel, dtype=grad_dt, device=device) for _ in range(2)]
-        self.layer_t = LayerTemplate(cfg, compile_layer=case.compile,
-                                     mlp_chunk_tokens=case.opts.mlp_chunk_tokens)
-        self.acts = ActivationStore(streams, device, offloaded_layers, cfg.num_layers, case.grad_accum,
-                                    (case.micro_batch, case.seq, cfg.hidden_size), dt, recomputed_inputs)
+        self.layer_t = LayerTemplate(cfg, compile_layer=config.compile,
+                                     mlp_chunk_tokens=config.options.mlp_chunk_tokens)
+        self.acts = ActivationStore(streams, device, offloaded_layers, cfg.num_layers, config.micro_batches,
+                                    (config.micro_batch, config.seq, cfg.hidden_size), dt, recomputed_inputs)
         self.head_t = HeadTemplate(cfg)
-        self.cos, self.sin = rotary_tables(cfg, case.seq, device, dt)
+        self.cos, self.sin = rotary_tables(cfg, config.seq, device, dt)
         self.plan = plan_uses(cfg.num_layers, frozenset(resident_units), self.acts.recomputed)
         self.slot_free = [None, None]  # compute-stream event: last use of the weight slot finished
         self.gslot_free = [None, None]  # d2h-stream event: last gradient copied out of the grad slot
         self.embed_free = None  # d2h-stream event: the embedding gradient left the embedding buffer
         self.resident: dict[int, dict] = {u: self._make_resident(self.units[u]) for u in resident_units}
-        self.resident_adamw = FlatAdamW(case.optim)
+        self.resident_adamw = FlatAdamW(config.optim)
         # bf16 mode updates resident weights in fp32 one chunk at a time
         self.resident_scratch = torch.empty(min(OPT_CHUNK, max(self.units[u].numel for u in resident_units)),
                                             dtype=torch.float32, device=device) \
@@ -105,7 +105,7 @@ class Schedule:
         self.history: list[dict] = []
         self.timeline: list[dict] = []
         self.skipped_steps = 0  # steps whose gradient norm was not finite: no update applied
-        self.lr = case.optim.lr  # of the next update (a learning-rate schedule sets it before each step)
+        self.lr = config.optim.lr  # of the next update (a learning-rate schedule sets it before each step)
         if streams.cuda:  # the rotary tables and resident copies above ran on the default stream, which the
             torch.cuda.synchronize(device)  # side streams do not wait for
 
@@ -149,7 +149,7 @@ class Schedule:
         self.acts.stats = self.stats
         self.grad_ready = [None] * len(self.units)
         self.stall_events = []
-        mb = self.case.micro_batch
+        mb = self.config.micro_batch
         with s.use("compute"):
             tokens = [inputs_BS[i:i + mb].to(dev, non_blocking=True) for i in range(0, inputs_BS.shape[0], mb)]
             labels = [labels_BS[i:i + mb].to(dev, non_blocking=True) for i in range(0, labels_BS.shape[0], mb)]
@@ -206,7 +206,7 @@ class Schedule:
         with s.use("compute"):
             norm_sq, loss = torch.stack([self.sumsq, self.loss_sum]).tolist()
         total_norm = math.sqrt(norm_sq)
-        max_norm = self.case.optim.max_grad_norm
+        max_norm = self.config.optim.max_grad_norm
         clip = min(1.0, max_norm / (total_norm + 1e-6)) if max_norm > 0 else 1.0
         skip = not math.isfinite(total_norm)  # a NaN/inf gradient: leave weights and moments as they are
         if self.resident and not skip:
@@ -345,14 +345,14 @@ class Schedule:
         """AdamW of a resident unit on the compute stream, before the next step's forward reads it."""
         r = self.resident[index]
         torch_adamw_unit(self.resident_adamw, self.units[index], r["w"], r["gacc"], r["master"], r["exp_avg"],
-                         r["exp_avg_sq"], clip, self.case.optim.weight_decay, None, self.resident_scratch, self.lr)
+                         r["exp_avg_sq"], clip, self.config.optim.weight_decay, None, self.resident_scratch, self.lr)
 
     def _rope(self, segments_BS: torch.Tensor | None, micro_batches: int) -> list[tuple]:
         """(cos, sin, mask) of each micro-batch: the shared tables, or for packed rows per-document positions and
         a document mask (models.transformer.packed_rope_and_mask), on the compute stream."""
         if segments_BS is None:
             return [(self.cos, self.sin, None)] * micro_batches
-        mb = self.case.micro_batch
+        mb = self.config.micro_batch
         return [packed_rope_and_mask(self.cos, self.sin, segments_BS[i:i + mb].to(self.device))
                 for i in range(0, segments_BS.shape[0], mb)]
 
@@ -363,7 +363,7 @@ class Schedule:
         simple: after every pending host update, on the compute stream, each streamed unit's weights are copied to
         a temporary GPU buffer in turn (resident units are read where they live) and every micro-batch passes it."""
         self.optimizer.flush()
-        s, dev, mb, units = self.streams, self.device, self.case.micro_batch, self.units
+        s, dev, mb, units = self.streams, self.device, self.config.micro_batch, self.units
         with s.use("compute"):
             def weights(unit):
                 if unit.index in self.resident:
