@@ -11,6 +11,7 @@ system's pre-flight uses).
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 from megatrain.engine.config import EngineConfig
 from megatrain.engine.layout import Unit, build_units, total_numel
@@ -23,6 +24,63 @@ from megatrain.optim.state_bytes import FP32_BYTES, state_bytes_per_param
 # counts the same.
 PROCESS_OVERHEAD_BYTES = 3 * GIB  # python, torch, CUDA context and libraries in host RSS
 GPU_RESERVE_BYTES = 2 * GIB  # CUDA context, cuBLAS workspaces, allocator fragmentation
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The engine's memory for one configuration and the placement behind it (plan_memory). A record keeps it as a
+    dict (dataclasses.asdict): these names are its keys, which the perf model and the analysis read.
+
+    Attributes:
+        host_bytes: what the host holds: the tiles, the optimizer's scratch, the process overhead and the offloaded
+            activations.
+        host_state_bytes: the store's tiles alone.
+        host_bytes_per_param: host_bytes over the model's parameters.
+        host_tiles_bytes_per_param: bytes per parameter of each tile (host_bytes_per_param()).
+        gpu_bytes: buffers, checkpoints, the working set, the computing layer's input and output gradient and the
+            reserve.
+        gpu_buffers_bytes: weight slots, gradient accumulators and staging, resident units.
+        gpu_checkpoint_bytes: the saved layer inputs on the GPU at their peak.
+        gpu_work_bytes: one micro-batch's layer recompute + backward or loss (megatrain.memory.backward_work_bytes).
+        host_activation_bytes: the offloaded layer inputs in pinned host memory.
+        offloaded_layers, recomputed_inputs: the placement of the saved inputs (activation_placement).
+        extra_h2d_bytes: weight bytes a step loads beyond two per layer, for the recomputed inputs.
+        resident_units: units kept and updated on the GPU (resident_unit_indices).
+    """
+
+    host_bytes: int
+    host_state_bytes: int
+    host_bytes_per_param: float
+    host_tiles_bytes_per_param: dict[str, int]
+    gpu_bytes: int
+    gpu_buffers_bytes: int
+    gpu_checkpoint_bytes: int
+    gpu_work_bytes: int
+    host_activation_bytes: int
+    offloaded_layers: int
+    recomputed_inputs: int
+    extra_h2d_bytes: int
+    resident_units: list[int]
+
+
+@dataclass(frozen=True)
+class CheckedPlan(MemoryPlan):
+    """A MemoryPlan judged against a budget (check_fits).
+
+    Attributes:
+        fits: both budgets hold it.
+        reason: which budget is exceeded and by how much (None when it fits).
+        advice: what to change (None when it fits).
+        host_need_bytes: what counts against the host (on CPU, the GPU's share too).
+        host_available_bytes, gpu_available_bytes: the budget judged against (gpu None without a GPU).
+    """
+
+    fits: bool
+    reason: str | None
+    advice: str | None
+    host_need_bytes: int
+    host_available_bytes: int
+    gpu_available_bytes: int | None
 
 
 def host_bytes_per_param(config: EngineConfig) -> dict[str, int]:
@@ -68,7 +126,7 @@ def _auto_fits(config: EngineConfig, options: dict, per_layer: bool = False, lim
     gpu = (limits or budget_here(config)).gpu_fill_bytes
     if gpu is None:
         return 0
-    room = gpu - plan_memory(_with_options(config, **options), limits)["gpu_bytes"]
+    room = gpu - plan_memory(_with_options(config, **options), limits).gpu_bytes
     if not per_layer:
         return int(room >= 0)
     per = resident_bytes(config, build_units(config.model)[1])
@@ -102,12 +160,12 @@ def activation_placement(config: EngineConfig, limits: Budget | None = None) -> 
     elif limits.gpu_fill_bytes is None:
         k = 0
     else:  # the plan's GPU bytes fall as k grows: the first k that fits is the fewest
-        k = next((k for k in range(layers + 1) if plan_memory(_with_options(fixed, offload_activations=k), limits)[
-            "gpu_bytes"] <= limits.gpu_fill_bytes), layers)
+        k = next((k for k in range(layers + 1) if plan_memory(_with_options(fixed, offload_activations=k), limits)
+                  .gpu_bytes <= limits.gpu_fill_bytes), layers)
     k = min(k, layers - 1 - r) if r else k  # with inputs recomputed the embedding's output stays on the GPU
     if recompute == "auto" and k and limits.gpu_fill_bytes is not None:
         planned = plan_memory(_with_options(fixed, offload_activations=k), limits)
-        short = planned["host_bytes"] - limits.host_bytes
+        short = planned.host_bytes - limits.host_bytes
         if short > 0:
             r = min(k, layers - 1, -(-short // _step_input_bytes(config)))
             k = min(k - r, layers - 1 - r)
@@ -130,54 +188,45 @@ def _step_input_bytes(config: EngineConfig) -> int:
     return layer_input_bytes(config.model, config.batch * config.seq, config.dtype_bytes)
 
 
-def plan_memory(config: EngineConfig, limits: Budget | None = None) -> dict:
+def plan_memory(config: EngineConfig, limits: Budget | None = None) -> MemoryPlan:
     """Host and GPU bytes of `config` and the placement behind them, planned for `limits` (default: this machine)."""
-    cfg = config.model
-    units = build_units(cfg)
-    n = total_numel(units)
+    model, dtype_bytes = config.model, config.dtype_bytes
+    units = build_units(model)
     per = host_bytes_per_param(config)
-    slot = max(u.numel for u in units[1:])
-    embed = units[0].numel
-    w = config.dtype_bytes
+    slot_numel = max(u.numel for u in units[1:])
+    embed_numel = units[0].numel
     # the torch optimizer kernel's fp32 scratch (one chunk of gradients, and of weights in bf16 mode)
     torch_kernel = config.options.optimizer_kernel == "torch"
-    scratch = min(OPT_CHUNK, max(u.numel for u in units)) * 4 * ((w == 2) + (config.precision == "bf16")) * torch_kernel
-    host_state = n * sum(per.values())
-    host = host_state + scratch + PROCESS_OVERHEAD_BYTES
+    scratch = min(OPT_CHUNK, max(u.numel for u in units)) * FP32_BYTES * torch_kernel * (
+        (dtype_bytes == 2) + (config.precision == "bf16"))
+    host_state = total_numel(units) * sum(per.values())
 
     tokens_mb = config.micro_batch * config.seq
     offloaded, recomputed = activation_placement(config, limits)
-    buffers = 2 * slot * w + embed * w + 2 * slot * 4 + embed * 4 + (2 * slot * w if w == 2 else 0)
+    # two weight slots and the embedding's buffer, their fp32 gradient accumulators, and (bf16) the staging of the
+    # streamed gradients
+    buffers = (2 * slot_numel + embed_numel) * (dtype_bytes + FP32_BYTES) + (
+        2 * slot_numel * dtype_bytes if dtype_bytes == 2 else 0)
     resident = resident_unit_indices(config, limits)
     buffers += sum(resident_bytes(config, units[u]) for u in resident)
     if resident and config.precision == "bf16":  # the fp32 chunk resident bf16 weights are updated in
-        buffers += min(OPT_CHUNK, max(units[u].numel for u in resident)) * 4
+        buffers += min(OPT_CHUNK, max(units[u].numel for u in resident)) * FP32_BYTES
     activation = _step_input_bytes(config)
     # the kept inputs (and the head's: the early layers' dropped or offloaded ones have left before the later kept
     # ones exist); with any offloaded, at least an offloaded layer's input and output and the next input streaming
     # back; in backward the recomputed ones regenerated beside the embedding's output, the rest freed by then
-    kept = cfg.num_layers + 1 - offloaded - recomputed
+    kept = model.num_layers + 1 - offloaded - recomputed
     checkpoints = max(kept, 3 if offloaded else 0, recomputed + 1) * activation
-    host_activations = offloaded * activation
-    work = backward_work_bytes(cfg, tokens_mb, w, config.options.mlp_chunk_tokens)
+    work = backward_work_bytes(model, tokens_mb, dtype_bytes, config.options.mlp_chunk_tokens)
     # beside it, the input and output gradient of the layer computing
-    gpu = buffers + checkpoints + work + 2 * layer_input_bytes(cfg, tokens_mb, w) + GPU_RESERVE_BYTES
-    host += host_activations
-    return {
-        "host_bytes": host,
-        "host_state_bytes": host_state,
-        "host_bytes_per_param": host / cfg.num_params(),
-        "host_tiles_bytes_per_param": per,
-        "gpu_bytes": gpu,
-        "gpu_buffers_bytes": buffers,
-        "gpu_checkpoint_bytes": checkpoints,
-        "gpu_work_bytes": work,
-        "host_activation_bytes": host_activations,
-        "offloaded_layers": offloaded,
-        "recomputed_inputs": recomputed,
-        "extra_h2d_bytes": (_loaded_numel(units, resident, recomputed) - _loaded_numel(units, resident, 0)) * w,
-        "resident_units": resident,
-    }
+    gpu = buffers + checkpoints + work + 2 * layer_input_bytes(model, tokens_mb, dtype_bytes) + GPU_RESERVE_BYTES
+    host = host_state + scratch + PROCESS_OVERHEAD_BYTES + offloaded * activation
+    extra_loads = _loaded_numel(units, resident, recomputed) - _loaded_numel(units, resident, 0)
+    return MemoryPlan(
+        host_bytes=host, host_state_bytes=host_state, host_bytes_per_param=host / model.num_params(),
+        host_tiles_bytes_per_param=per, gpu_bytes=gpu, gpu_buffers_bytes=buffers, gpu_checkpoint_bytes=checkpoints,
+        gpu_work_bytes=work, host_activation_bytes=offloaded * activation, offloaded_layers=offloaded,
+        recomputed_inputs=recomputed, extra_h2d_bytes=extra_loads * dtype_bytes, resident_units=resident)
 
 
 def budget_here(config: EngineConfig) -> Budget:
@@ -185,34 +234,34 @@ def budget_here(config: EngineConfig) -> Budget:
     return budget(config.device, config.options.host_mem_gib)
 
 
-def check_fits(config: EngineConfig, limits: Budget | None = None) -> dict:
-    """The plan judged against `limits` (default: this machine now, megatrain.memory's rule), with 'fits',
-    'reason' (which budget is exceeded, by how much), 'advice' (what to change: a precision only when it fits)
-    and the bytes counted against each budget; raises nothing. On CPU the GPU's share of the plan (buffers,
-    checkpoints, working set) is host memory too."""
+def check_fits(config: EngineConfig, limits: Budget | None = None) -> CheckedPlan:
+    """The plan judged against `limits` (default: this machine now, megatrain.memory's rule): whether it fits, which
+    budget is exceeded and by how much, what to change (a precision only when it fits) and the bytes counted
+    against each budget; raises nothing. On CPU the GPU's share of the plan (buffers, checkpoints, working set) is
+    host memory too."""
     limits = limits or budget_here(config)
     plan = plan_memory(config, limits)
     cpu = config.device == "cpu"
-    host_need = plan["host_bytes"] + (plan["gpu_bytes"] - GPU_RESERVE_BYTES if cpu else 0)
+    host_need = plan.host_bytes + (plan.gpu_bytes - GPU_RESERVE_BYTES if cpu else 0)
     reasons, advice = [], []
     if host_need > limits.host_bytes:
         bf16 = dataclasses.replace(config, precision="bf16", dtype="bfloat16")
-        bf16_need = host_need - plan["host_bytes"] + plan_memory(bf16, limits)["host_bytes"]
+        bf16_need = host_need - plan.host_bytes + plan_memory(bf16, limits).host_bytes
         reasons.append(
-            f"host memory: needs {host_need / GIB:.1f} GiB ({plan['host_bytes_per_param']:.1f} B/param of state"
+            f"host memory: needs {host_need / GIB:.1f} GiB ({plan.host_bytes_per_param:.1f} B/param of state"
             + (", activations included" if cpu else "") + f") but {limits.host_bytes / GIB:.1f} GiB is usable here")
         bf16_fits = config.precision == "mixed" and bf16_need <= limits.host_bytes
         smaller = "a smaller model" + (", --batch or --seq" if cpu else "")
         advice.append("use --precision bf16 (12 B/param)" if bf16_fits else
                       f"no precision fits: use {smaller} or a host with more memory "
                       "(on a VM whose memory grows on use, set --option host_mem_gib=N)")
-    if not cpu and limits.gpu_bytes is not None and plan["gpu_bytes"] > limits.gpu_bytes:
+    if not cpu and limits.gpu_bytes is not None and plan.gpu_bytes > limits.gpu_bytes:
         reasons.append(
-            f"GPU memory: needs {plan['gpu_bytes'] / GIB:.1f} GiB (checkpoints "
-            f"{plan['gpu_checkpoint_bytes'] / GIB:.1f}, buffers {plan['gpu_buffers_bytes'] / GIB:.1f}, working "
-            f"{plan['gpu_work_bytes'] / GIB:.1f}) but the GPU has {limits.gpu_bytes / GIB:.1f} GiB")
+            f"GPU memory: needs {plan.gpu_bytes / GIB:.1f} GiB (checkpoints {plan.gpu_checkpoint_bytes / GIB:.1f}, "
+            f"buffers {plan.gpu_buffers_bytes / GIB:.1f}, working {plan.gpu_work_bytes / GIB:.1f}) but the GPU has "
+            f"{limits.gpu_bytes / GIB:.1f} GiB")
         advice.append("lower --batch or --seq, a smaller --micro-batch, or for long contexts "
                       "--option offload_activations=auto --option recompute_inputs=auto --option mlp_chunk_tokens=N")
-    plan.update(fits=not reasons, reason="; ".join(reasons) or None, advice="; ".join(advice) or None,
-                host_need_bytes=host_need, host_available_bytes=limits.host_bytes, gpu_available_bytes=limits.gpu_bytes)
-    return plan
+    return CheckedPlan(**vars(plan), fits=not reasons, reason="; ".join(reasons) or None,
+                       advice="; ".join(advice) or None, host_need_bytes=host_need,
+                       host_available_bytes=limits.host_bytes, gpu_available_bytes=limits.gpu_bytes)

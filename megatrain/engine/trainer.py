@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Iterable
 from pathlib import Path
@@ -28,19 +29,19 @@ class StreamingSystem:
         self.config = config
         self.device = torch.device(config.device)
         self.plan = check_fits(config)
-        if not self.plan["fits"]:
-            raise ValueError(f"configuration does not fit: {self.plan['reason']}; {self.plan['advice']}")
+        if not self.plan.fits:
+            raise ValueError(f"configuration does not fit: {self.plan.reason}; {self.plan.advice}")
         self.num_params = config.model.num_params()
         cuda = self.device.type == "cuda"
         self.store = HostStore(config.model, config.torch_dtype, config.precision, pin=cuda)
         self.store.initialise(config.seed, self.device)
-        resident = self.plan["resident_units"]
+        resident = self.plan.resident_units
         self.optimizer = HostOptimizer(self.store, config.optim, kernel=config.options.optimizer_kernel,
                                        skip=frozenset(resident))
         self.streams = StreamSet(self.device, timeline=config.options.timeline,
                                  stress_seed=config.options.stream_stress)
         self.schedule = Schedule(config, self.store, self.optimizer, self.streams, self.device, resident,
-                                 self.plan["offloaded_layers"], self.plan["recomputed_inputs"])
+                                 self.plan.offloaded_layers, self.plan.recomputed_inputs)
 
     @staticmethod
     def from_case(case: CaseConfig) -> StreamingSystem:
@@ -72,7 +73,7 @@ class StreamingSystem:
             "mlp_chunk_tokens": self.schedule.layer_t.module.mlp.chunk_tokens,
             "compile": self.schedule.layer_t.compiled,
             "resident_units": sorted(self.schedule.resident),
-            "plan": {k: v for k, v in self.plan.items() if k != "host_tiles_bytes_per_param"},
+            "plan": {k: v for k, v in dataclasses.asdict(self.plan).items() if k != "host_tiles_bytes_per_param"},
         }
 
     def metrics(self, warmup_steps: int = 0) -> dict:
@@ -169,7 +170,7 @@ class StreamingSystem:
 def preflight_plan(case: CaseConfig, limits: Budget) -> dict:
     """The pre-flight plan: the engine's own (check_fits, its exact tiles and choices against `limits`), with
     host_bytes what it counts against the host (on CPU, everything) and gpu_bytes 0 on CPU."""
-    plan = dict(check_fits(EngineConfig.from_case(case), limits), source="megatrain.engine.plan")
+    plan = dict(dataclasses.asdict(check_fits(EngineConfig.from_case(case), limits)), source="megatrain.engine.plan")
     host, gpu = plan["host_need_bytes"], plan["gpu_bytes"] if case.device == "cuda" else 0
     plan.update(host_bytes=int(host), gpu_bytes=int(gpu))
     return plan

@@ -228,8 +228,9 @@ class Model:
 
 
 def simulate(case: CaseConfig, plan: dict, model: Model) -> dict:
-    """One steady-state step of `case` under its memory plan (resident_units, offloaded_layers, recomputed_inputs:
-    megatrain.engine.plan.plan_memory or a record's system_config): seconds, and where they went."""
+    """One steady-state step of `case` under its memory plan, as a record keeps it (resident_units, offloaded_layers,
+    recomputed_inputs: dataclasses.asdict of a megatrain.engine.plan.MemoryPlan, or a record's system_config's):
+    seconds, and where they went."""
     cfg = case.model_config()
     m = model.machine
     units = build_units(cfg)

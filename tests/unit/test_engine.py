@@ -112,7 +112,7 @@ def test_recomputed_inputs_cost_weight_loads_and_no_activation_traffic():
         assert run["h2d_bytes"] - plain["h2d_bytes"] == extra * layer_bytes + act_bytes, (r, k)
         assert run["d2h_bytes"] - plain["d2h_bytes"] == act_bytes, (r, k)
         case = _engine(**kw, options={"recompute_inputs": r, "offload_activations": k})
-        assert plan_memory(case)["extra_h2d_bytes"] == extra * layer_bytes
+        assert plan_memory(case).extra_h2d_bytes == extra * layer_bytes
 
 
 def test_plan_uses_regenerate_the_recomputed_inputs_right_before_their_backward():
@@ -129,13 +129,13 @@ def test_auto_recompute_takes_from_the_offloaded_inputs_what_the_host_cannot_hol
                    options={"offload_activations": 10, "recompute_inputs": "auto"})
     activation = 65536 * case.model.hidden_size * 2
     fixed = {"resident_embedding": False, "resident_layers": 0}
-    host_at_10 = plan_memory(_options(case, **fixed, offload_activations=10))["host_bytes"]
+    host_at_10 = plan_memory(_options(case, **fixed, offload_activations=10)).host_bytes
     monkeypatch.setattr(plan_mod, "budget_here", lambda c: Budget(host_at_10, 2**45, "test"))  # room for all 10
     assert activation_placement(case) == (10, 0)
     monkeypatch.setattr(plan_mod, "budget_here", lambda c: Budget(host_at_10 - 3 * activation + 1, 2**45, "test"))
     assert activation_placement(case) == (7, 3)  # 3 short: 3 recomputed instead
     planned = plan_memory(case)
-    assert planned["host_activation_bytes"] == 7 * activation and planned["recomputed_inputs"] == 3
+    assert planned.host_activation_bytes == 7 * activation and planned.recomputed_inputs == 3
     monkeypatch.setattr(plan_mod, "budget_here", lambda c: Budget(2**30, 2**45, "test"))  # hopeless: all recomputed
     assert activation_placement(case) == (0, 10)
     with pytest.raises(ValueError, match="recompute_inputs must be 'auto' or an integer from 0 to the model's 36"):
@@ -149,20 +149,20 @@ def test_auto_offload_takes_the_fewest_layers_that_fit_and_residency_fills_what_
                    options={"offload_activations": "auto"})
     layers = case.model.num_layers
     at = {k: plan_memory(_options(case, offload_activations=k, resident_embedding=False,
-                                  resident_layers=0))["gpu_bytes"] for k in (0, 9, 10)}
+                                  resident_layers=0)).gpu_bytes for k in (0, 9, 10)}
     activation = 4 * 16384 * case.model.hidden_size * 2
     assert at[0] - at[10] == 10 * activation  # each offloaded input leaves the GPU
     gpu = int((at[10] + at[9]) / 2 / GPU_FILL)  # room for 10 offloaded, not for 9
     monkeypatch.setattr(plan_mod, "budget_here", lambda c: Budget(2**40, gpu, "test"))
     planned = plan_memory(case)
-    assert planned["offloaded_layers"] == 10 and planned["host_activation_bytes"] == 10 * activation
-    assert planned["resident_units"] == [] and planned["gpu_bytes"] <= gpu * GPU_FILL
+    assert planned.offloaded_layers == 10 and planned.host_activation_bytes == 10 * activation
+    assert planned.resident_units == [] and planned.gpu_bytes <= gpu * GPU_FILL
     monkeypatch.setattr(plan_mod, "budget_here", lambda c: Budget(2**40, 2**45, "test"))  # everything fits: none
-    assert plan_memory(case)["offloaded_layers"] == 0
+    assert plan_memory(case).offloaded_layers == 0
     monkeypatch.setattr(plan_mod, "budget_here", lambda c: Budget(2**40, 2**30, "test"))  # nothing fits: all
-    assert plan_memory(case)["offloaded_layers"] == layers
+    assert plan_memory(case).offloaded_layers == layers
     monkeypatch.setattr(plan_mod, "budget_here", lambda c: Budget(2**40, None, "test"))  # no GPU: none
-    assert plan_memory(case)["offloaded_layers"] == 0
+    assert plan_memory(case).offloaded_layers == 0
     with pytest.raises(ValueError, match="layer count from 0 to the model's 36 layers"):
         plan_memory(_options(case, offload_activations=37))
 
@@ -215,14 +215,14 @@ def test_auto_resident_layers_fill_the_gpu_share_the_plan_leaves(monkeypatch):
     from megatrain.engine import plan as plan_mod
 
     case = _qwen_3b_b8(resident_embedding=False, resident_layers="auto")
-    base = plan_memory(_qwen_3b_b8(resident_embedding=False, resident_layers=0))["gpu_bytes"]
+    base = plan_memory(_qwen_3b_b8(resident_embedding=False, resident_layers=0)).gpu_bytes
     per_layer = plan_mod.resident_bytes(case, build_units(case.model)[1])
     gpu = int((base + 5.5 * per_layer) / GPU_FILL)
     monkeypatch.setattr(plan_mod, "budget_here", lambda c: Budget(2**40, gpu, "test"))
     assert plan_mod.resident_unit_indices(case) == [1, 2, 3, 4, 5]
     planned = plan_memory(case)
-    assert planned["resident_units"] == [1, 2, 3, 4, 5]
-    assert planned["gpu_bytes"] == base + 5 * per_layer
+    assert planned.resident_units == [1, 2, 3, 4, 5]
+    assert planned.gpu_bytes == base + 5 * per_layer
     monkeypatch.setattr(plan_mod, "budget_here", lambda c: Budget(2**40, None, "test"))  # no GPU: nothing resident
     assert plan_mod.resident_unit_indices(case) == []
 
@@ -230,27 +230,27 @@ def test_auto_resident_layers_fill_the_gpu_share_the_plan_leaves(monkeypatch):
 def test_by_default_the_plan_makes_resident_what_fits_and_nothing_when_the_batch_needs_the_memory(monkeypatch):
     from megatrain.engine import plan as plan_mod
 
-    streamed = plan_memory(_qwen_3b_b8(resident_embedding=False, resident_layers=0))["gpu_bytes"]
+    streamed = plan_memory(_qwen_3b_b8(resident_embedding=False, resident_layers=0)).gpu_bytes
     embedding = plan_mod.resident_bytes(_qwen_3b_b8(), build_units(get_model_config("qwen2.5-3b"))[0])
     per_layer = plan_mod.resident_bytes(_qwen_3b_b8(), build_units(get_model_config("qwen2.5-3b"))[1])
     gpu = int((streamed + embedding + 2.5 * per_layer) / GPU_FILL)
     monkeypatch.setattr(plan_mod, "budget_here", lambda c: Budget(2**40, gpu, "test"))
-    assert plan_memory(_qwen_3b_b8())["resident_units"] == [0, 1, 2]
+    assert plan_memory(_qwen_3b_b8()).resident_units == [0, 1, 2]
     # batch 64 needs more than that GPU for its activations alone: nothing is made resident (and the plan says
     # that it does not fit, rather than the resident units making it not fit)
-    assert plan_memory(dataclasses.replace(_qwen_3b_b8(), batch=64))["resident_units"] == []
+    assert plan_memory(dataclasses.replace(_qwen_3b_b8(), batch=64)).resident_units == []
     monkeypatch.setattr(plan_mod, "budget_here", lambda c: Budget(2**40, 2**45, "test"))  # a huge GPU: everything
-    assert plan_memory(_qwen_3b_b8())["resident_units"] == list(range(37))
+    assert plan_memory(_qwen_3b_b8()).resident_units == list(range(37))
 
 
 def test_the_plan_places_for_the_machine_it_is_given_not_this_one():
     """A projection plans for another machine's memory (megatrain.perf_model.model_check): the limits it passes decide
     the placement, as this machine's would (this CPU machine alone makes nothing resident)."""
     case = _qwen_3b_b8()
-    assert plan_memory(case)["resident_units"] == []
+    assert plan_memory(case).resident_units == []
     huge = Budget(2**40, 2**45, "given")
-    assert plan_memory(case, huge)["resident_units"] == list(range(37))
-    assert check_fits(case, huge)["resident_units"] == list(range(37))
+    assert plan_memory(case, huge).resident_units == list(range(37))
+    assert check_fits(case, huge).resident_units == list(range(37))
     long = _options(dataclasses.replace(case, batch=1, micro_batch=1, seq=131072), offload_activations="auto")
     small = Budget(2**40, 24 * 2**30, "given")
     assert activation_placement(long, small)[0] > 0 == activation_placement(long)[0]
@@ -367,19 +367,19 @@ def test_bf16_precision_requires_bf16_dtype():
 def test_host_bytes_per_param_plan():
     mixed = plan_memory(_engine(model="qwen2.5-7b", dtype="bfloat16", seq=1024, batch=8))
     bf16 = plan_memory(_engine(model="qwen2.5-7b", dtype="bfloat16", precision="bf16", seq=1024, batch=8))
-    assert sum(mixed["host_tiles_bytes_per_param"].values()) == 16
-    assert sum(bf16["host_tiles_bytes_per_param"].values()) == 12
-    assert mixed["host_bytes_per_param"] < 16.5 and bf16["host_bytes_per_param"] < 12.5
+    assert sum(mixed.host_tiles_bytes_per_param.values()) == 16
+    assert sum(bf16.host_tiles_bytes_per_param.values()) == 12
+    assert mixed.host_bytes_per_param < 16.5 and bf16.host_bytes_per_param < 12.5
 
 
 def test_refuses_what_does_not_fit_before_allocating_and_suggests_only_what_fits():
     case = CaseConfig(system="megatrain", model="qwen2.5-7b", dtype="bfloat16", seq=1024, device="cuda",
                       options={"host_mem_gib": 110})  # 16 B/param ~ 117 GiB does not fit, 12 B/param ~ 88 GiB does
-    assert not check_fits(EngineConfig.from_case(case))["fits"]
+    assert not check_fits(EngineConfig.from_case(case)).fits
     with pytest.raises(ValueError, match=r"host memory: needs .* GiB .* use --precision bf16"):
         build_system(case)
     huge = dataclasses.replace(case, model="qwen2.5-72b", options={"host_mem_gib": 64})
-    assert "no precision fits" in check_fits(EngineConfig.from_case(huge))["advice"]
+    assert "no precision fits" in check_fits(EngineConfig.from_case(huge)).advice
 
 
 def test_one_pass_kernel_equals_torch_adamw_and_rounds_to_bf16():
