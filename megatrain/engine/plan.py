@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from megatrain.engine.config import EngineConfig
 from megatrain.engine.layout import Unit, build_units, total_numel
-from megatrain.engine.schedule import plan_uses
 from megatrain.engine.store import OPT_CHUNK
+from megatrain.engine.uses import use_order
 from megatrain.memory import GIB, Budget, backward_work_bytes, budget, layer_input_bytes
 from megatrain.optim.state_bytes import FP32_BYTES, state_bytes_per_param
 
@@ -179,8 +179,8 @@ def _with_options(config: EngineConfig, **options) -> EngineConfig:
 def _loaded_numel(units: list[Unit], resident: list[int], recomputed: int) -> int:
     """Weight elements a step loads into the slots (recomputed layers' weights cross a third time, less the loads
     the slots' reuse saves)."""
-    uses = plan_uses(len(units) - 2, frozenset(resident), recomputed)
-    return sum(units[u].numel for u, _, _, load in uses if load)
+    uses = use_order(len(units) - 2, frozenset(resident), recomputed)
+    return sum(units[use.unit].numel for use in uses if use.load)
 
 
 def _step_input_bytes(config: EngineConfig) -> int:

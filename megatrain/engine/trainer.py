@@ -70,8 +70,8 @@ class StreamingSystem:
             "activation_checkpointing": self._checkpointing(),
             "offloaded_layers": self.schedule.acts.offloaded,
             "recomputed_inputs": self.schedule.acts.recomputed,
-            "mlp_chunk_tokens": self.schedule.layer_t.module.mlp.chunk_tokens,
-            "compile": self.schedule.layer_t.compiled,
+            "mlp_chunk_tokens": self.schedule.layer_template.module.mlp.chunk_tokens,
+            "compile": self.schedule.layer_template.compiled,
             "resident_units": sorted(self.schedule.resident),
             "plan": {k: v for k, v in dataclasses.asdict(self.plan).items() if k != "host_tiles_bytes_per_param"},
         }

@@ -13,8 +13,8 @@ from megatrain.config import CaseConfig
 from megatrain.engine.config import EngineConfig, MegaTrainOptions
 from megatrain.engine.layout import build_units
 from megatrain.engine.plan import activation_placement, check_fits, plan_memory
-from megatrain.engine.schedule import plan_uses
 from megatrain.engine.templates import LayerTemplate, bind
+from megatrain.engine.uses import use_order
 from megatrain.memory import GPU_FILL, Budget
 from megatrain.models import Transformer, get_model_config, rotary_tables
 from megatrain.optim.config import OptimConfig
@@ -115,11 +115,11 @@ def test_recomputed_inputs_cost_weight_loads_and_no_activation_traffic():
         assert plan_memory(case).extra_h2d_bytes == extra * layer_bytes
 
 
-def test_plan_uses_regenerate_the_recomputed_inputs_right_before_their_backward():
-    uses = [(u, phase) for u, phase, _, _ in plan_uses(4, recomputed=2)]
+def test_use_order_regenerates_the_recomputed_inputs_right_before_their_backward():
+    uses = [(u, phase) for u, phase, _, _ in use_order(4, recomputed=2)]
     assert uses == [(1, "fwd"), (2, "fwd"), (3, "fwd"), (4, "fwd"), (5, "head"), (4, "bwd"), (1, "refwd"),
                     (2, "refwd"), (3, "bwd"), (2, "bwd"), (1, "bwd")]
-    assert [load for u, phase, _, load in plan_uses(4, recomputed=2) if phase == "bwd"] == [False, True, False, True]
+    assert [load for u, phase, _, load in use_order(4, recomputed=2) if phase == "bwd"] == [False, True, False, True]
 
 
 def test_auto_recompute_takes_from_the_offloaded_inputs_what_the_host_cannot_hold(monkeypatch):
@@ -184,10 +184,10 @@ def test_resident_embedding_never_crosses_pcie_and_matches_the_streamed_one_in_b
 
 
 def test_resident_layers_take_no_slot_and_never_cross_pcie():
-    plan = plan_uses(4, frozenset({1, 2}))
+    plan = use_order(4, frozenset({1, 2}))
     assert [use for use in plan if use[0] in (1, 2)] == [(1, "fwd", None, False), (2, "fwd", None, False),
                                                           (2, "bwd", None, False), (1, "bwd", None, False)]
-    streamed = [(u, ph, load) for u, ph, slot, load in plan_uses(4) if u > 2]
+    streamed = [(u, ph, load) for u, ph, slot, load in use_order(4) if u > 2]
     assert [(u, ph, load) for u, ph, slot, load in plan if u > 2] == streamed  # the rest streams as before
     kw = dict(steps=2, model="tiny", num_layers=4, batch=2, seq=8)
     _, _, plain = _train("megatrain", **kw)
@@ -319,7 +319,7 @@ def test_clipping_changes_the_result():
 
 def test_each_layer_crosses_twice_and_bytes_are_counted():
     cfg = get_model_config("tiny", num_layers=4)
-    plan = plan_uses(cfg.num_layers)
+    plan = use_order(cfg.num_layers)
     loads = [u for u, _, _, load in plan if load]
     for layer in range(1, cfg.num_layers):
         assert loads.count(layer) == 2
@@ -330,6 +330,16 @@ def test_each_layer_crosses_twice_and_bytes_are_counted():
     expected = sum(units[u].numel for u in loads) + units[0].numel
     assert metrics["h2d_bytes"] == expected * 4
     assert metrics["d2h_bytes"] == sum(u.numel for u in units) * 4
+
+
+def test_each_host_update_shows_once_in_the_next_steps_timeline():
+    """The host optimizer's worker thread hands its spans over under a lock (it appends while the training thread
+    reads): the previous step's update of every unit is in a step's timeline, once."""
+    with built("megatrain", 3, model="tiny", num_layers=2, batch=2, seq=8) as (trainer, data):
+        for i in range(3):
+            trainer.step(*data.batch_at(i))
+        updated = [t["unit"] for t in trainer.schedule.timeline if t["stream"] == "optim"]
+        assert sorted(updated) == [u.index for u in trainer.store.units]
 
 
 def test_bf16_precision_mode_trains_on_cpu():
