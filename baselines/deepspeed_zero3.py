@@ -32,6 +32,7 @@ from megatrain.models.hf import copy_named_weights
 from megatrain.models.init import init_module
 from megatrain.models.loss import valid_tokens
 from megatrain.optim.groups import adamw_param_groups
+from megatrain.optim.state_bytes import FP32_BYTES, checkpoint_bytes_per_param, state_bytes_per_param
 from megatrain.options import CommonOptions
 from megatrain.systems import SystemSpec
 
@@ -58,8 +59,8 @@ def memory_bytes(case: CaseConfig) -> tuple[int, int]:
 
 
 def checkpoint_bytes(case: CaseConfig) -> int:
-    """One save_state: the fp32 master weights and both fp32 moments."""
-    return case.model_config().num_params() * 12
+    """One save_state: the fp32 master weights (its fp32 parameter partitions) and both fp32 moments."""
+    return case.model_config().num_params() * checkpoint_bytes_per_param(state_bytes_per_param(FP32_BYTES, "mixed"))
 
 
 def zero3_config(case: CaseConfig) -> dict:
@@ -244,7 +245,7 @@ class DeepSpeedSystem:
                 "optimizer": self.optimizer_desc,
                 "loss_scaling": "engine.backward(loss, scale_wrt_gas=False), loss / valid tokens of the step"}
 
-    def metrics(self) -> dict:
+    def metrics(self, warmup_steps: int = 0) -> dict:
         return {"deepspeed_version": self.ds.__version__, "optimizer": self.optimizer_name,
                 "accelerator": self.ds.accelerator.get_accelerator().device_name(),
                 "last_grad_norm": float(self.engine.get_global_grad_norm() or 0.0)}

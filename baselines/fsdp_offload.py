@@ -29,11 +29,16 @@ from megatrain.models import Transformer
 from megatrain.models.hf import copy_named_weights
 from megatrain.models.init import init_param
 from megatrain.optim.groups import torch_adamw
+from megatrain.optim.state_bytes import FP32_BYTES, checkpoint_bytes_per_param, state_bytes_per_param
 from megatrain.options import CommonOptions
 from megatrain.systems import SystemSpec
 
 # torch.distributed.fsdp and torch.distributed.checkpoint take about a second to import: they are imported where
 # FSDP2 is built and where it saves, so that this module, which the pre-flight reads for SPEC, stays light.
+
+
+# fp32 sharded parameters, their fp32 gradients, fp32 AdamW moments, whatever the compute dtype
+SHARD_STATE_BYTES = state_bytes_per_param(FP32_BYTES, "mixed")
 
 
 @dataclass(frozen=True)
@@ -50,15 +55,20 @@ def memory_bytes(case: CaseConfig) -> tuple[int, int]:
     measured 16.9, 19.1 and 21.7 beyond the process overhead (results/smoke_gpu, results/reproduce_14b). GPU: the
     gathered bf16 unit being computed plus the prefetched one, its bf16 gradient before the reduce, activations.
     """
-    sizes = case.model_config().param_numels()
-    host = sum(2 * (1 << (4 * k - 1).bit_length()) + 8 * k for k in sizes)
+    per = SHARD_STATE_BYTES
+    host = sum(_pow2(per["weights"] * k) + _pow2(per["grads"] * k) + (per["exp_avg"] + per["exp_avg_sq"]) * k
+               for k in case.model_config().param_numels())
     gpu = 3 * 2 * largest_unit_params(case) + activation_bytes(case)
     return host, gpu
 
 
+def _pow2(nbytes: int) -> int:
+    return 1 << (nbytes - 1).bit_length()
+
+
 def checkpoint_bytes(case: CaseConfig) -> int:
     """One save_state: the sharded fp32 parameters and both fp32 moments."""
-    return case.model_config().num_params() * 12
+    return case.model_config().num_params() * checkpoint_bytes_per_param(SHARD_STATE_BYTES)
 
 
 class FSDPSystem:
@@ -118,7 +128,7 @@ class FSDPSystem:
                 "compile": COMPILED_LAYERS + ", before fully_shard" if self.case.compile else False,
                 "optimizer": "torch.optim.AdamW(fused=True) on host shards", "clip": "torch.nn.utils.clip_grad_norm_"}
 
-    def metrics(self) -> dict:
+    def metrics(self, warmup_steps: int = 0) -> dict:
         return {}
 
     def named_parameters_fp32(self) -> dict[str, torch.Tensor]:

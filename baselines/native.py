@@ -24,6 +24,7 @@ from megatrain.models import Transformer
 from megatrain.models.hf import copy_named_weights
 from megatrain.models.init import init_module
 from megatrain.optim.groups import torch_adamw
+from megatrain.optim.state_bytes import FP32_BYTES, checkpoint_bytes_per_param, state_bytes_per_param
 from megatrain.options import CommonOptions
 from megatrain.systems import SystemSpec
 
@@ -39,17 +40,22 @@ class NativeOptions(CommonOptions):
             raise ValueError(f"option mlp_chunk_tokens must be >= 0 (0: no chunking), got {self.mlp_chunk_tokens}")
 
 
+def state_bytes(case: CaseConfig) -> dict[str, int]:
+    """Bytes per parameter of each state tensor: mixed keeps fp32 weights, grads, Adam m and v (16 B/param); bf16 keeps
+    them all in the compute dtype (8 B/param in bf16: torch AdamW keeps its moments in the parameter dtype)."""
+    param_bytes = case.dtype_bytes if case.precision == "bf16" else FP32_BYTES
+    return state_bytes_per_param(param_bytes, case.precision, moment_bytes=param_bytes)
+
+
 def memory_bytes(case: CaseConfig) -> tuple[int, int]:
-    """(host bytes beyond the process overhead, device bytes): the whole model on one device. mixed: fp32 weights,
-    grads, Adam m and v = 16 B/param; bf16: bf16 weights, grads, m, v = 8 B/param (torch AdamW keeps moments in the
-    param dtype); activations (megatrain.bench.fit.activation_bytes)."""
-    n = case.model_config().num_params()
-    return 0, n * (16 if case.precision == "mixed" else 8) + activation_bytes(case)
+    """(host bytes beyond the process overhead, device bytes): the whole model and its state on one device
+    (state_bytes), and activations (megatrain.bench.fit.activation_bytes)."""
+    return 0, case.model_config().num_params() * sum(state_bytes(case).values()) + activation_bytes(case)
 
 
 def checkpoint_bytes(case: CaseConfig) -> int:
     """One save_state: the parameters and both moments, in the parameter dtype."""
-    return case.model_config().num_params() * (12 if case.precision == "mixed" else 6)
+    return case.model_config().num_params() * checkpoint_bytes_per_param(state_bytes(case))
 
 
 class NativeSystem:
@@ -89,7 +95,7 @@ class NativeSystem:
                 "compile": COMPILED_LAYERS if self.case.compile else False,
                 "optimizer": "torch.optim.AdamW(fused=True)", "clip": "torch.nn.utils.clip_grad_norm_"}
 
-    def metrics(self) -> dict:
+    def metrics(self, warmup_steps: int = 0) -> dict:
         return {}
 
     def named_parameters_fp32(self) -> dict[str, torch.Tensor]:

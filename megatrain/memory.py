@@ -1,4 +1,5 @@
-"""Host and GPU memory: the one budget every pre-flight judges against, and what this process has used.
+"""Host and GPU memory: the one budget every pre-flight judges against, what this process has used, and the
+activations of a forward/backward that every pre-flight counts alike.
 
 The rule, used by the engine's own plan, by `bench`'s and the suite's pre-flight of every system, and by
 the report's batch projections:
@@ -19,6 +20,9 @@ from dataclasses import dataclass
 
 import psutil
 import torch
+
+from megatrain.models.config import ModelConfig
+from megatrain.models.loss import chunk_tokens_for
 
 GIB = 2**30
 HOST_USABLE = 0.92
@@ -69,3 +73,43 @@ def budget(device: str, host_mem_gib: float | None = None) -> Budget:
     if device == "cuda" and torch.cuda.is_available():
         gpu = torch.cuda.get_device_properties(0).total_memory / GIB
     return Budget.of(available, gpu, source)
+
+
+# ---- activations ------------------------------------------------------------------------------------------------
+# Every system runs megatrain.models' decoder layer and chunked loss with every layer checkpointed, so one count
+# serves the engine's plan and every baseline's pre-flight. `tokens`: one forward/backward's (a micro-batch);
+# `dtype_bytes`: bytes per activation element (the compute dtype).
+
+
+def layer_input_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int) -> int:
+    """One layer input [tokens, H]: what checkpointing saves of a layer until its backward, and the size of the
+    gradient flowing back through it."""
+    return tokens * cfg.hidden_size * dtype_bytes
+
+
+def layer_work_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int, mlp_chunk_tokens: int = 0) -> int:
+    """One decoder layer's recompute + backward beyond its input and output gradient: the saved activations (~11H +
+    q/k/v per token; the MLP's 4I for one chunk of tokens, mlp_chunk_tokens, 0 the whole; flash/SDPA keeps no S x S
+    matrix) and the gradients alive beside them.
+
+    Calibrated on two kinds of peak. Short context, MLP whole (results/smoke_gpu, H200, Qwen2.5-1.5B/3B at batch 128):
+    peak minus saved inputs and buffers was 0.87-0.89x of the count with 7H, ~0.78x of this one. Long context, MLP
+    chunked (results/long_context/layer_profile-qwen2.5-7b-s524288.json: one 7B layer at 512k, cuDNN flash
+    attention): 47.6 GiB beside its input, output gradient and weights, ~45k elements per token against 32k counted
+    with 7H, so the attention block's share was raised to 11H: 0.97x of this count."""
+    mlp_tokens = min(tokens, mlp_chunk_tokens or tokens)
+    attention = tokens * (11 * cfg.hidden_size + cfg.q_size + 2 * cfg.kv_size)
+    return int(dtype_bytes * (attention + mlp_tokens * 4 * cfg.intermediate_size))
+
+
+def loss_work_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int) -> int:
+    """The chunked loss's forward + backward (megatrain.models.loss): fp32 logits of one chunk and their gradient,
+    the head's fp32 weight gradient and its per-chunk product."""
+    logits = min(chunk_tokens_for(cfg.vocab_size), tokens) * cfg.vocab_size * 4 * 2
+    return logits + cfg.head_matmul_params() * (4 + dtype_bytes)
+
+
+def backward_work_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int, mlp_chunk_tokens: int = 0) -> int:
+    """The working set of one forward/backward beyond the saved inputs and the input and output gradient of what is
+    computing: a layer's recompute + backward or the loss's, whichever is larger (they never run at once)."""
+    return max(layer_work_bytes(cfg, tokens, dtype_bytes, mlp_chunk_tokens), loss_work_bytes(cfg, tokens, dtype_bytes))

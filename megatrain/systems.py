@@ -94,8 +94,9 @@ class TrainSystem(Protocol):
     def system_config(self) -> dict:
         """The exact settings this system ran with (stored in the record)."""
 
-    def metrics(self) -> dict:
-        """System-specific measurements for the record (bytes moved, pinned bytes, ...)."""
+    def metrics(self, warmup_steps: int = 0) -> dict:
+        """System-specific measurements for the record (bytes moved, pinned bytes, ...); per-step figures are medians
+        over the steps after the first warmup_steps (the caller's to say: the engine knows no benchmark)."""
 
     def named_parameters_fp32(self) -> dict[str, torch.Tensor]:
         """Current weights as fp32 CPU tensors under our module names (parity tests)."""

@@ -57,10 +57,10 @@ def train_with_nan_gradient(system: str, nan_step: int, steps: int, **kw) -> dic
             sched = trainer.schedule
             finish = sched._finish_grads
 
-            def poisoned(unit, gacc, gslot):
+            def poisoned(step, unit, grad_acc, grad_slot):
                 if current["step"] == nan_step and unit.index == len(sched.units) - 1:
-                    gacc[0] = float("nan")
-                finish(unit, gacc, gslot)
+                    grad_acc[0] = float("nan")
+                finish(step, unit, grad_acc, grad_slot)
 
             sched._finish_grads = poisoned
         else:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pandas as pd
 
 from megatrain.analysis import paper
-from megatrain.bench.flops import hardware_flops, matmul_params, paper_flops
+from megatrain.bench.flops import hardware_flops, paper_flops
 from megatrain.hardware import actual_profile
 from megatrain.memory import GPU_FILL
 from megatrain.models.registry import MODELS, get_model_config
@@ -80,12 +80,12 @@ def records_frame(records: list[dict]) -> pd.DataFrame:
 
 
 def _tflops_no_embed(record: dict) -> float | None:
-    """The record's figure; for records written before it existed, the same 6NT rate with N without the untied
-    input embedding, from the record's own TFLOPS (exact: same tokens, same step time)."""
+    """The record's figure; for records written before it existed, the same 6NT rate with N the matmul parameters
+    (ModelConfig.matmul_params), from the record's own TFLOPS (exact: same tokens, same step time)."""
     if "tflops_no_embed" in record or record["tflops"] is None:
         return record.get("tflops_no_embed")
     cfg = get_model_config(record["model"], record["config"].get("num_layers"))
-    return record["tflops"] * matmul_params(cfg) / record["num_params"]
+    return record["tflops"] * cfg.matmul_params() / record["num_params"]
 
 
 def _rate(record: dict, key: str) -> float | None:

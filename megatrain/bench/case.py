@@ -61,7 +61,7 @@ def run_case(case: CaseConfig, gemm_peak_tflops: float | None = None, on_step=No
         record.update(timing_metrics(case, step_times, gemm_peak_tflops,
                                      record["system_config"].get("recomputed_inputs", 0)))
         record["skipped_steps"] = system.skipped_steps
-        record["metrics"] = system.metrics()
+        record["metrics"] = system.metrics(warmup_steps=case.warmup)
     except ValueError as exc:
         if system is not None:
             _record_failure(record, exc)

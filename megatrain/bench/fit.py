@@ -23,8 +23,7 @@ from collections.abc import Callable
 
 from megatrain.config import CaseConfig
 from megatrain.engine.plan import GPU_RESERVE_BYTES, PROCESS_OVERHEAD_BYTES
-from megatrain.memory import GIB, Budget, host_memory_gib
-from megatrain.models.loss import chunk_tokens_for
+from megatrain.memory import GIB, Budget, backward_work_bytes, host_memory_gib, layer_input_bytes
 from megatrain.systems import system_spec
 
 
@@ -37,20 +36,17 @@ def unavailable(system: str) -> str | None:
 
 
 def activation_bytes(case: CaseConfig) -> int:
-    """Activations with every layer checkpointed (all four systems do this).
-
-    Saved: each layer's input [T, H] until backward. Working set of one layer's recompute plus
-    backward: q/k/v/attention output and the MLP's gate/up/product, with their gradients,
-    ~2 * (6H + 3I) elements per token (flash-style SDPA keeps no [S, S] scores). Loss: one fp32
-    [chunk, V] logits block and its gradient (megatrain.models.loss).
+    """Activations with every layer checkpointed (all four systems do this), counted as the engine's plan counts them
+    (megatrain.memory: the same layer and loss): the L + 1 saved layer inputs of one micro-batch (the last layer's
+    output is the head's), and the larger working set of a layer's recompute + backward or the loss, beside the input
+    and output gradient of what computes.
     """
     cfg = case.model_config()
     e = case.dtype_bytes
     tokens = case.micro_batch * case.seq
-    saved = cfg.num_layers * tokens * cfg.hidden_size * e
-    working = tokens * 2 * (6 * cfg.hidden_size + 3 * cfg.intermediate_size) * e
-    loss = 2 * min(tokens, chunk_tokens_for(cfg.vocab_size)) * cfg.vocab_size * 4
-    return saved + working + loss
+    mlp_chunk_tokens = getattr(case.opts, "mlp_chunk_tokens", 0)  # native's option; the others run the MLP whole
+    saved = (cfg.num_layers + 1) * layer_input_bytes(cfg, tokens, e)
+    return saved + backward_work_bytes(cfg, tokens, e, mlp_chunk_tokens) + 2 * layer_input_bytes(cfg, tokens, e)
 
 
 def largest_unit_params(case: CaseConfig) -> int:

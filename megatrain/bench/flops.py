@@ -2,7 +2,8 @@
 
 - `model_flops`: 6 * num_params * tokens, the convention of the paper and its peers (the
   headline 'TFLOPS' of every record). It counts the input embedding, which does no matmul when
-  untied (a lookup); `matmul_params` leaves it out, for the figure beside it ('tflops_no_embed').
+  untied (a lookup), and the norms and biases; the figure beside it ('tflops_no_embed') counts
+  6 * ModelConfig.matmul_params * tokens: the layers' matrices and the LM head.
 - `hardware_flops`: what the GPU actually executes: matmuls of the layers and the LM head (2 FLOPs
   per multiply-add), causal attention scores and weighted sums, backward at twice the forward, and
   one extra forward of every decoder layer when activations are recomputed, and any further layer forwards
@@ -24,11 +25,6 @@ def model_flops(num_params: int, tokens: int) -> float:
     return 6.0 * num_params * tokens
 
 
-def matmul_params(cfg: ModelConfig) -> int:
-    """Parameters without an untied input embedding (a lookup, no FLOPs); a tied one is the LM head's matrix."""
-    return cfg.num_params() - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size)
-
-
 def attention_flops_per_seq(cfg: ModelConfig, seq: int) -> float:
     """Forward attention FLOPs of one sequence over all layers: QK^T and PV, causal (half the square)."""
     return cfg.num_layers * 2 * (2.0 * seq * seq * cfg.num_heads * cfg.head_dim) / 2
@@ -37,11 +33,8 @@ def attention_flops_per_seq(cfg: ModelConfig, seq: int) -> float:
 def hardware_flops(cfg: ModelConfig, batch: int, seq: int, recompute: bool = True, extra_layer_forwards: int = 0
                    ) -> float:
     tokens = batch * seq
-    h = cfg.hidden_size
-    layer_matmul = cfg.matmul_params() - cfg.vocab_size * h
-    head_matmul = cfg.vocab_size * h
-    layer_fwd = 2.0 * layer_matmul * tokens + batch * attention_flops_per_seq(cfg, seq)
-    head_fwd = 2.0 * head_matmul * tokens
+    layer_fwd = 2.0 * cfg.num_layers * cfg.layer_matmul_params() * tokens + batch * attention_flops_per_seq(cfg, seq)
+    head_fwd = 2.0 * cfg.head_matmul_params() * tokens
     passes = 4 if recompute else 3  # forward, (recompute), backward = 2 forwards
     return (passes + extra_layer_forwards / cfg.num_layers) * layer_fwd + 3 * head_fwd
 

@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 
 from megatrain.bench.env import REPO_ROOT, environment
-from megatrain.bench.flops import hardware_flops, matmul_params, mfu, model_flops, paper_flops
+from megatrain.bench.flops import hardware_flops, mfu, model_flops, paper_flops
 from megatrain.config import CaseConfig
 
 STATUSES = ("ok", "oom", "error", "timeout", "skipped", "killed")
@@ -77,7 +77,7 @@ def timing_metrics(case: CaseConfig, step_times_s: list[float], gemm_peak_tflops
         "timed_steps": len(timed),
         "tokens_per_s": case.tokens_per_step / median,
         "tflops": model_flops(cfg.num_params(), case.tokens_per_step) / median / 1e12,
-        "tflops_no_embed": model_flops(matmul_params(cfg), case.tokens_per_step) / median / 1e12,
+        "tflops_no_embed": model_flops(cfg.matmul_params(), case.tokens_per_step) / median / 1e12,
         "hw_tflops": hw,
         "paper_tflops": paper_flops(cfg, case.batch, case.seq) / median / 1e12,
         "gemm_peak_tflops": gemm_peak_tflops,

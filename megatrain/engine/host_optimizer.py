@@ -33,19 +33,19 @@ def torch_adamw_unit(adamw: FlatAdamW, unit: Unit, weights: torch.Tensor, grads:
     for lo, hi, wd in ((0, d, weight_decay), (d, unit.numel, 0.0)):
         for a in range(lo, hi, OPT_CHUNK):
             b = min(a + OPT_CHUNK, hi)
-            w = weights[a:b]
+            weights_chunk = weights[a:b]
             if master is not None:
                 p32 = master[a:b]
-            elif w.dtype == torch.float32:
-                p32 = w
+            elif weights_chunk.dtype == torch.float32:
+                p32 = weights_chunk
             else:  # bf16 mode: update in fp32, round back to the stored bf16 weights
-                p32 = param_scratch[:b - a].copy_(w)
+                p32 = param_scratch[:b - a].copy_(weights_chunk)
             g32 = grads[a:b] if grads.dtype == torch.float32 else grad_scratch[:b - a].copy_(grads[a:b])
             if clip != 1.0:  # torch's clip_grad_norm_ multiplies by the clamped coefficient; x1.0 is exact
                 g32.mul_(clip)
             adamw.update((unit.index, a), p32, g32, exp_avg[a:b], exp_avg_sq[a:b], wd, lr)
-            if p32 is not w:
-                w.copy_(p32)  # the bf16 weights the next step streams
+            if p32 is not weights_chunk:
+                weights_chunk.copy_(p32)  # the bf16 weights the next step streams
 
 
 class HostOptimizer:
@@ -70,7 +70,9 @@ class HostOptimizer:
         self.done = [threading.Event() for _ in store.units]
         for ev in self.done:
             ev.set()
-        self.spans: list[tuple[int, float, float]] = []  # (unit, host start, host end)
+        # (unit, host start s, host end s) of the updates finished: the worker appends, the training thread takes
+        self._spans: list[tuple[int, float, float]] = []
+        self._spans_lock = threading.Lock()
         self._jobs: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="megatrain-host-adamw", daemon=True)
@@ -83,6 +85,13 @@ class HostOptimizer:
         self.done = done
         self.step_count += 1
         self._jobs.put((done, clip_coef, grad_ready, self.step_count, lr))
+
+    def take_spans(self) -> list[tuple[int, float, float]]:
+        """(unit, host start s, host end s) of each update finished since the last call. The list is swapped under a
+        lock: the worker thread appends to it while the training thread reads."""
+        with self._spans_lock:
+            spans, self._spans = self._spans, []
+        return spans
 
     def wait(self, unit_index: int) -> float:
         """Block until unit_index's pending update has landed; returns the seconds spent waiting."""
@@ -119,7 +128,8 @@ class HostOptimizer:
                     grad_ready[unit.index].synchronize()
                     t0 = time.perf_counter()
                     self._update(unit, clip_coef, step, lr)
-                    self.spans.append((unit.index, t0, time.perf_counter()))
+                    with self._spans_lock:
+                        self._spans.append((unit.index, t0, time.perf_counter()))
                     done[unit.index].set()
             except BaseException as exc:  # surfaced to the training thread by wait()
                 self._error = exc
@@ -139,7 +149,9 @@ class HostOptimizer:
         for lo, hi, weight_decay in ((0, d, self.weight_decay), (d, unit.numel, 0.0)):
             for a in range(lo, hi, OPT_CHUNK):
                 b = min(a + OPT_CHUNK, hi)
-                w = weights[a:b]
-                p = master[a:b] if master is not None else w  # mixed: fp32 master, bf16 copy out; bf16: in place
-                fused.fused_adamw(p, grads[a:b], m[a:b], v[a:b], None if p is w else w, step, clip_coef,
-                                  lr, o.beta1, o.beta2, o.eps, weight_decay)
+                weights_chunk = weights[a:b]
+                # mixed: the fp32 master updated, a bf16 copy out; bf16: the weights updated in place
+                p = master[a:b] if master is not None else weights_chunk
+                copy_out = None if p is weights_chunk else weights_chunk
+                fused.fused_adamw(p, grads[a:b], m[a:b], v[a:b], copy_out, step, clip_coef, lr, o.beta1, o.beta2,
+                                  o.eps, weight_decay)

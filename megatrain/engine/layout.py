@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatrain.models import DecoderLayer, ModelConfig, RMSNorm
+from megatrain.models import ModelConfig
 from megatrain.optim.groups import decays
 
 ALIGN = 128  # elements; keeps every unit's tile start 256-byte aligned in bf16
@@ -60,21 +60,12 @@ def _unit_params(prefix: str, named_shapes: list[tuple[str, tuple[int, ...]]]):
     return tuple(slots), off, decay
 
 
-def _shapes(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
-    return [(n, tuple(p.shape)) for n, p in module.named_parameters()]
-
-
 def build_units(cfg: ModelConfig) -> list[Unit]:
-    """Units in forward order: embed, layers 0..L-1, head."""
-    with torch.device("meta"):
-        layer_shapes = _shapes(DecoderLayer(cfg))
-        norm_shapes = _shapes(RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
-    specs = [("embed", "", [("embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))])]
+    """Units in forward order: embed, layers 0..L-1, head (the model's named shapes, ModelConfig)."""
+    layer_shapes = list(cfg.layer_shapes().items())
+    specs = [("embed", "", list(cfg.embedding_shapes().items()))]
     specs += [("layer", f"layers.{i}.", layer_shapes) for i in range(cfg.num_layers)]
-    head = [("norm." + n, s) for n, s in norm_shapes]
-    if not cfg.tie_embeddings:
-        head.append(("lm_head.weight", (cfg.vocab_size, cfg.hidden_size)))
-    specs.append(("head", "", head))
+    specs.append(("head", "", list(cfg.head_shapes().items())))
     units, offset = [], 0
     for index, (kind, prefix, shapes) in enumerate(specs):
         params, numel, decay = _unit_params(prefix, shapes)

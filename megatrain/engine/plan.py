@@ -3,20 +3,22 @@
 Host: the store's tiles exactly (see engine/store.py), offloaded activations, and a fixed process
 overhead. GPU: the two weight slots, the embedding (with its AdamW state when resident), fp32
 gradient accumulators and staging, the saved layer inputs (those neither offloaded nor recomputed; at least
-about three when any are offloaded; in backward the recomputed ones and the embedding's output), and an
-estimate of one layer's recompute-plus-backward working set and the chunked loss of one micro-batch.
+about three when any are offloaded; in backward the recomputed ones and the embedding's output), and the
+working set of one micro-batch's layer recompute + backward or chunked loss (megatrain.memory's count, which every
+system's pre-flight uses).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
-from megatrain.config import CaseConfig
+from megatrain.engine.config import EngineConfig
 from megatrain.engine.layout import Unit, build_units, total_numel
-from megatrain.engine.schedule import plan_uses
 from megatrain.engine.store import OPT_CHUNK
-from megatrain.memory import GIB, Budget, budget
-from megatrain.models.loss import chunk_tokens_for
+from megatrain.engine.uses import use_order
+from megatrain.memory import GIB, Budget, backward_work_bytes, budget, layer_input_bytes
+from megatrain.optim.state_bytes import FP32_BYTES, state_bytes_per_param
 
 # Fixed per-process costs beyond the training state; the pre-flight of every system (megatrain.bench.fit)
 # counts the same.
@@ -24,58 +26,114 @@ PROCESS_OVERHEAD_BYTES = 3 * GIB  # python, torch, CUDA context and libraries in
 GPU_RESERVE_BYTES = 2 * GIB  # CUDA context, cuBLAS workspaces, allocator fragmentation
 
 
-def host_bytes_per_param(case: CaseConfig) -> dict[str, int]:
-    """Bytes per parameter of each persistent host tile."""
-    w = case.dtype_bytes
-    per = {"weights": w, "grads": w, "exp_avg": 4, "exp_avg_sq": 4}
-    if w == 2 and case.precision == "mixed":
-        per["master"] = 4
-    return per
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The engine's memory for one configuration and the placement behind it (plan_memory). A record keeps it as a
+    dict (dataclasses.asdict): these names are its keys, which the perf model and the analysis read.
+
+    Attributes:
+        host_bytes: what the host holds: the tiles, the optimizer's scratch, the process overhead and the offloaded
+            activations.
+        host_state_bytes: the store's tiles alone.
+        host_bytes_per_param: host_bytes over the model's parameters.
+        host_tiles_bytes_per_param: bytes per parameter of each tile (host_bytes_per_param()).
+        gpu_bytes: buffers, checkpoints, the working set, the computing layer's input and output gradient and the
+            reserve.
+        gpu_buffers_bytes: weight slots, gradient accumulators and staging, resident units.
+        gpu_checkpoint_bytes: the saved layer inputs on the GPU at their peak.
+        gpu_work_bytes: one micro-batch's layer recompute + backward or loss (megatrain.memory.backward_work_bytes).
+        host_activation_bytes: the offloaded layer inputs in pinned host memory.
+        offloaded_layers, recomputed_inputs: the placement of the saved inputs (activation_placement).
+        extra_h2d_bytes: weight bytes a step loads beyond two per layer, for the recomputed inputs.
+        resident_units: units kept and updated on the GPU (resident_unit_indices).
+    """
+
+    host_bytes: int
+    host_state_bytes: int
+    host_bytes_per_param: float
+    host_tiles_bytes_per_param: dict[str, int]
+    gpu_bytes: int
+    gpu_buffers_bytes: int
+    gpu_checkpoint_bytes: int
+    gpu_work_bytes: int
+    host_activation_bytes: int
+    offloaded_layers: int
+    recomputed_inputs: int
+    extra_h2d_bytes: int
+    resident_units: list[int]
 
 
-def resident_bytes(case: CaseConfig, unit: Unit) -> int:
-    """GPU bytes a resident unit adds: fp32 moments, an fp32 master (mixed precision with bf16 compute),
-    and for a layer its own weights and fp32 gradient buffer (the embedding has both already). bf16
-    mode adds one shared fp32 update chunk (plan_memory)."""
-    w = case.dtype_bytes
-    master = 4 if w == 2 and case.precision == "mixed" else 0
-    return unit.numel * (8 + master + (0 if unit.index == 0 else w + 4))
+@dataclass(frozen=True)
+class CheckedPlan(MemoryPlan):
+    """A MemoryPlan judged against a budget (check_fits).
+
+    Attributes:
+        fits: both budgets hold it.
+        reason: which budget is exceeded and by how much (None when it fits).
+        advice: what to change (None when it fits).
+        host_need_bytes: what counts against the host (on CPU, the GPU's share too).
+        host_available_bytes, gpu_available_bytes: the budget judged against (gpu None without a GPU).
+    """
+
+    fits: bool
+    reason: str | None
+    advice: str | None
+    host_need_bytes: int
+    host_available_bytes: int
+    gpu_available_bytes: int | None
 
 
-def resident_unit_indices(case: CaseConfig, limits: Budget | None = None) -> list[int]:
+def host_bytes_per_param(config: EngineConfig) -> dict[str, int]:
+    """Bytes per parameter of each persistent host tile (megatrain.optim.state_bytes: the streamed weights and
+    gradients in the compute dtype)."""
+    return state_bytes_per_param(config.dtype_bytes, config.precision)
+
+
+def resident_bytes(config: EngineConfig, unit: Unit) -> int:
+    """GPU bytes a resident unit adds: its moments and master (where there is one), and for a layer its own weights
+    and fp32 gradient accumulator (the embedding has both already). bf16 mode adds one shared fp32 update chunk
+    (plan_memory)."""
+    per = host_bytes_per_param(config)
+    on_gpu = per["exp_avg"] + per["exp_avg_sq"] + per.get("master", 0)
+    if unit.index != 0:
+        on_gpu += per["weights"] + FP32_BYTES
+    return unit.numel * on_gpu
+
+
+def resident_unit_indices(config: EngineConfig, limits: Budget | None = None) -> list[int]:
     """Units whose weights, gradients and AdamW state stay on the GPU and update there.
 
     Options: resident_embedding (true, false, or 'auto': when it fits) and resident_layers (K: the first K layers,
     or 'auto': as many as fit). Both default to 'auto': the embedding first, then leading layers, up to
     megatrain.memory.GPU_FILL of the GPU beside everything else the plan counts (so a batch that needs the memory gets
-    none). Without a GPU nothing is resident. limits: the machine planned for (default: this one, case_budget)."""
-    layers = case.model_config().num_layers
-    embedding = case.opts.resident_embedding
+    none). Without a GPU nothing is resident. limits: the machine planned for (default: this one, budget_here)."""
+    layers = config.model.num_layers
+    embedding = config.options.resident_embedding
     if embedding == "auto":
-        embedding = _auto_fits(case, {"resident_embedding": True, "resident_layers": 0}, limits=limits) > 0
-    k = case.opts.resident_layers
+        embedding = _auto_fits(config, {"resident_embedding": True, "resident_layers": 0}, limits=limits) > 0
+    k = config.options.resident_layers
     if k == "auto":
-        k = _auto_fits(case, {"resident_embedding": embedding, "resident_layers": 0}, per_layer=True, limits=limits)
+        k = _auto_fits(config, {"resident_embedding": embedding, "resident_layers": 0}, per_layer=True, limits=limits)
     if k > layers:
         raise ValueError(f"resident_layers must be 'auto' or an integer from 0 to the model's {layers} layers, "
                          f"got {k}")
     return ([0] if embedding else []) + list(range(1, k + 1))
 
 
-def _auto_fits(case: CaseConfig, options: dict, per_layer: bool = False, limits: Budget | None = None) -> int:
+def _auto_fits(config: EngineConfig, options: dict, per_layer: bool = False, limits: Budget | None = None) -> int:
     """With `options` fixed: 1 if that plan fits the resident share of the GPU (0 if not), or with per_layer the
     number of further resident layers that fit beside it. 0 without a GPU."""
-    gpu = (limits or case_budget(case)).gpu_fill_bytes
+    gpu = (limits or budget_here(config)).gpu_fill_bytes
     if gpu is None:
         return 0
-    room = gpu - plan_memory(dataclasses.replace(case, options={**case.options, **options}), limits)["gpu_bytes"]
+    room = gpu - plan_memory(_with_options(config, **options), limits).gpu_bytes
     if not per_layer:
         return int(room >= 0)
-    per = resident_bytes(case, build_units(case.model_config())[1])
-    return max(0, min(case.model_config().num_layers, int(room // per)))
+    per = resident_bytes(config, build_units(config.model)[1])
+    return max(0, min(config.model.num_layers, int(room // per)))
 
 
-def activation_placement(case: CaseConfig, limits: Budget | None = None) -> tuple[int, int]:
+def activation_placement(config: EngineConfig, limits: Budget | None = None) -> tuple[int, int]:
     """(K, R): how many saved layer inputs go to pinned host memory and how many are not kept but recomputed
     (megatrain.engine.activations says which).
 
@@ -84,17 +142,17 @@ def activation_placement(case: CaseConfig, limits: Budget | None = None) -> tupl
     recompute_inputs: R, or 'auto': none when the host holds the offloaded inputs, else as many of them as the host
     lacks room for are recomputed instead (each costs one more layer forward and one more weight load a step).
     Without a GPU 'auto' means none."""
-    layers = case.model_config().num_layers
-    option, recompute = case.opts.offload_activations, case.opts.recompute_inputs
+    layers = config.model.num_layers
+    option, recompute = config.options.offload_activations, config.options.recompute_inputs
     if recompute != "auto" and recompute > layers - 1:
         raise ValueError(f"recompute_inputs must be 'auto' or an integer from 0 to the model's {layers} layers less "
                          f"one, got {recompute}")
     if not isinstance(option, bool) and option != "auto" and option > layers:
         raise ValueError(f"offload_activations must be true, false, 'auto' or a layer count from 0 to the model's "
                          f"{layers} layers, got {option}")
-    limits = limits or case_budget(case)
+    limits = limits or budget_here(config)
     r = 0 if recompute == "auto" else recompute
-    fixed = {**case.options, "resident_embedding": False, "resident_layers": 0, "recompute_inputs": r}
+    fixed = _with_options(config, resident_embedding=False, resident_layers=0, recompute_inputs=r)
     if isinstance(option, bool):
         k = layers if option else 0
     elif option != "auto":
@@ -102,123 +160,108 @@ def activation_placement(case: CaseConfig, limits: Budget | None = None) -> tupl
     elif limits.gpu_fill_bytes is None:
         k = 0
     else:  # the plan's GPU bytes fall as k grows: the first k that fits is the fewest
-        k = next((k for k in range(layers + 1) if plan_memory(dataclasses.replace(
-            case, options={**fixed, "offload_activations": k}), limits)["gpu_bytes"] <= limits.gpu_fill_bytes), layers)
+        k = next((k for k in range(layers + 1) if plan_memory(_with_options(fixed, offload_activations=k), limits)
+                  .gpu_bytes <= limits.gpu_fill_bytes), layers)
     k = min(k, layers - 1 - r) if r else k  # with inputs recomputed the embedding's output stays on the GPU
     if recompute == "auto" and k and limits.gpu_fill_bytes is not None:
-        planned = plan_memory(dataclasses.replace(case, options={**fixed, "offload_activations": k}), limits)
-        short = planned["host_bytes"] - limits.host_bytes
+        planned = plan_memory(_with_options(fixed, offload_activations=k), limits)
+        short = planned.host_bytes - limits.host_bytes
         if short > 0:
-            r = min(k, layers - 1, -(-short // _activation_bytes(case)))
+            r = min(k, layers - 1, -(-short // _step_input_bytes(config)))
             k = min(k - r, layers - 1 - r)
     return k, r
+
+
+def _with_options(config: EngineConfig, **options) -> EngineConfig:
+    return dataclasses.replace(config, options=dataclasses.replace(config.options, **options))
 
 
 def _loaded_numel(units: list[Unit], resident: list[int], recomputed: int) -> int:
     """Weight elements a step loads into the slots (recomputed layers' weights cross a third time, less the loads
     the slots' reuse saves)."""
-    uses = plan_uses(len(units) - 2, frozenset(resident), recomputed)
-    return sum(units[u].numel for u, _, _, load in uses if load)
+    uses = use_order(len(units) - 2, frozenset(resident), recomputed)
+    return sum(units[use.unit].numel for use in uses if use.load)
 
 
-def _activation_bytes(case: CaseConfig) -> int:
+def _step_input_bytes(config: EngineConfig) -> int:
     """One saved layer input for every micro-batch of a step."""
-    return case.batch * case.seq * case.model_config().hidden_size * case.dtype_bytes
+    return layer_input_bytes(config.model, config.batch * config.seq, config.dtype_bytes)
 
 
-def plan_memory(case: CaseConfig, limits: Budget | None = None) -> dict:
-    """Host and GPU bytes of `case` and the placement behind them, planned for `limits` (default: this machine)."""
-    cfg = case.model_config()
-    units = build_units(cfg)
-    n = total_numel(units)
-    per = host_bytes_per_param(case)
-    slot = max(u.numel for u in units[1:])
-    embed = units[0].numel
-    w = case.dtype_bytes
+def plan_memory(config: EngineConfig, limits: Budget | None = None) -> MemoryPlan:
+    """Host and GPU bytes of `config` and the placement behind them, planned for `limits` (default: this machine)."""
+    model, dtype_bytes = config.model, config.dtype_bytes
+    units = build_units(model)
+    per = host_bytes_per_param(config)
+    slot_numel = max(u.numel for u in units[1:])
+    embed_numel = units[0].numel
     # the torch optimizer kernel's fp32 scratch (one chunk of gradients, and of weights in bf16 mode)
-    torch_kernel = case.opts.optimizer_kernel == "torch"
-    scratch = min(OPT_CHUNK, max(u.numel for u in units)) * 4 * ((w == 2) + (case.precision == "bf16")) * torch_kernel
-    host_state = n * sum(per.values())
-    host = host_state + scratch + PROCESS_OVERHEAD_BYTES
+    torch_kernel = config.options.optimizer_kernel == "torch"
+    scratch = min(OPT_CHUNK, max(u.numel for u in units)) * FP32_BYTES * torch_kernel * (
+        (dtype_bytes == 2) + (config.precision == "bf16"))
+    host_state = total_numel(units) * sum(per.values())
 
-    mb, seq, h, i = case.micro_batch, case.seq, cfg.hidden_size, cfg.intermediate_size
-    tokens_mb = mb * seq
-    offloaded, recomputed = activation_placement(case, limits)
-    mlp_tokens = min(tokens_mb, case.opts.mlp_chunk_tokens or tokens_mb)
-    buffers = 2 * slot * w + embed * w + 2 * slot * 4 + embed * 4 + (2 * slot * w if w == 2 else 0)
-    resident = resident_unit_indices(case, limits)
-    buffers += sum(resident_bytes(case, units[u]) for u in resident)
-    if resident and case.precision == "bf16":  # the fp32 chunk resident bf16 weights are updated in
-        buffers += min(OPT_CHUNK, max(units[u].numel for u in resident)) * 4
-    activation = _activation_bytes(case)
+    tokens_mb = config.micro_batch * config.seq
+    offloaded, recomputed = activation_placement(config, limits)
+    # two weight slots and the embedding's buffer, their fp32 gradient accumulators, and (bf16) the staging of the
+    # streamed gradients
+    buffers = (2 * slot_numel + embed_numel) * (dtype_bytes + FP32_BYTES) + (
+        2 * slot_numel * dtype_bytes if dtype_bytes == 2 else 0)
+    resident = resident_unit_indices(config, limits)
+    buffers += sum(resident_bytes(config, units[u]) for u in resident)
+    if resident and config.precision == "bf16":  # the fp32 chunk resident bf16 weights are updated in
+        buffers += min(OPT_CHUNK, max(units[u].numel for u in resident)) * FP32_BYTES
+    activation = _step_input_bytes(config)
     # the kept inputs (and the head's: the early layers' dropped or offloaded ones have left before the later kept
     # ones exist); with any offloaded, at least an offloaded layer's input and output and the next input streaming
     # back; in backward the recomputed ones regenerated beside the embedding's output, the rest freed by then
-    kept = cfg.num_layers + 1 - offloaded - recomputed
+    kept = model.num_layers + 1 - offloaded - recomputed
     checkpoints = max(kept, 3 if offloaded else 0, recomputed + 1) * activation
-    host_activations = offloaded * activation
-    # one layer's recompute + backward for a micro-batch: saved activations (~11H + q/k/v per token; the
-    # MLP's 4I for one chunk of tokens; flash/SDPA keeps no S x S matrix) and the gradients alive beside
-    # them. Calibrated on two kinds of peak. Short context, MLP whole (results/smoke_gpu, H200, Qwen2.5-1.5B/3B at
-    # batch 128): peak minus saved inputs and buffers was 0.87-0.89x of the count with 7H, ~0.78x of this one. Long
-    # context, MLP chunked (results/long_context/layer_profile-qwen2.5-7b-s524288.json: one 7B layer at 512k, cuDNN
-    # flash attention): 47.6 GiB beside its input, output gradient and weights, ~45k elements per token against
-    # 32k counted with 7H, so the attention block's share was raised to 11H: 0.97x of this count.
-    layer_work = int(w * (tokens_mb * (11 * h + cfg.q_size + 2 * cfg.kv_size) + mlp_tokens * 4 * i))
-    # loss: fp32 logits of one chunk, the head's fp32 weight gradient and its per-chunk product
-    head_work = min(chunk_tokens_for(cfg.vocab_size), tokens_mb) * cfg.vocab_size * 4 * 2 + cfg.vocab_size * h * (4 + w)
-    gpu = buffers + checkpoints + max(layer_work, head_work) + tokens_mb * h * w * 2 + GPU_RESERVE_BYTES
-    host += host_activations
-    return {
-        "host_bytes": host,
-        "host_state_bytes": host_state,
-        "host_bytes_per_param": host / cfg.num_params(),
-        "host_tiles_bytes_per_param": per,
-        "gpu_bytes": gpu,
-        "gpu_buffers_bytes": buffers,
-        "gpu_checkpoint_bytes": checkpoints,
-        "gpu_work_bytes": max(layer_work, head_work),
-        "host_activation_bytes": host_activations,
-        "offloaded_layers": offloaded,
-        "recomputed_inputs": recomputed,
-        "extra_h2d_bytes": (_loaded_numel(units, resident, recomputed) - _loaded_numel(units, resident, 0)) * w,
-        "resident_units": resident,
-    }
+    work = backward_work_bytes(model, tokens_mb, dtype_bytes, config.options.mlp_chunk_tokens)
+    # beside it, the input and output gradient of the layer computing
+    gpu = buffers + checkpoints + work + 2 * layer_input_bytes(model, tokens_mb, dtype_bytes) + GPU_RESERVE_BYTES
+    host = host_state + scratch + PROCESS_OVERHEAD_BYTES + offloaded * activation
+    extra_loads = _loaded_numel(units, resident, recomputed) - _loaded_numel(units, resident, 0)
+    return MemoryPlan(
+        host_bytes=host, host_state_bytes=host_state, host_bytes_per_param=host / model.num_params(),
+        host_tiles_bytes_per_param=per, gpu_bytes=gpu, gpu_buffers_bytes=buffers, gpu_checkpoint_bytes=checkpoints,
+        gpu_work_bytes=work, host_activation_bytes=offloaded * activation, offloaded_layers=offloaded,
+        recomputed_inputs=recomputed, extra_h2d_bytes=extra_loads * dtype_bytes, resident_units=resident)
 
 
-def case_budget(case: CaseConfig) -> Budget:
-    """The memory this case may use here (megatrain.memory's one rule; option host_mem_gib declares the host)."""
-    return budget(case.device, case.opts.host_mem_gib)
+def budget_here(config: EngineConfig) -> Budget:
+    """The memory this run may use here (megatrain.memory's one rule; option host_mem_gib declares the host)."""
+    return budget(config.device, config.options.host_mem_gib)
 
 
-def check_fits(case: CaseConfig, limits: Budget | None = None) -> dict:
-    """The plan judged against `limits` (default: this machine now, megatrain.memory's rule), with 'fits',
-    'reason' (which budget is exceeded, by how much), 'advice' (what to change: a precision only when it fits)
-    and the bytes counted against each budget; raises nothing. On CPU the GPU's share of the plan (buffers,
-    checkpoints, working set) is host memory too."""
-    limits = limits or case_budget(case)
-    plan = plan_memory(case, limits)
-    cpu = case.device == "cpu"
-    host_need = plan["host_bytes"] + (plan["gpu_bytes"] - GPU_RESERVE_BYTES if cpu else 0)
+def check_fits(config: EngineConfig, limits: Budget | None = None) -> CheckedPlan:
+    """The plan judged against `limits` (default: this machine now, megatrain.memory's rule): whether it fits, which
+    budget is exceeded and by how much, what to change (a precision only when it fits) and the bytes counted
+    against each budget; raises nothing. On CPU the GPU's share of the plan (buffers, checkpoints, working set) is
+    host memory too."""
+    limits = limits or budget_here(config)
+    plan = plan_memory(config, limits)
+    cpu = config.device == "cpu"
+    host_need = plan.host_bytes + (plan.gpu_bytes - GPU_RESERVE_BYTES if cpu else 0)
     reasons, advice = [], []
     if host_need > limits.host_bytes:
-        bf16 = dataclasses.replace(case, precision="bf16", dtype="bfloat16")
-        bf16_need = host_need - plan["host_bytes"] + plan_memory(bf16, limits)["host_bytes"]
+        bf16 = dataclasses.replace(config, precision="bf16", dtype="bfloat16")
+        bf16_need = host_need - plan.host_bytes + plan_memory(bf16, limits).host_bytes
         reasons.append(
-            f"host memory: needs {host_need / GIB:.1f} GiB ({plan['host_bytes_per_param']:.1f} B/param of state"
+            f"host memory: needs {host_need / GIB:.1f} GiB ({plan.host_bytes_per_param:.1f} B/param of state"
             + (", activations included" if cpu else "") + f") but {limits.host_bytes / GIB:.1f} GiB is usable here")
-        bf16_fits = case.precision == "mixed" and bf16_need <= limits.host_bytes
+        bf16_fits = config.precision == "mixed" and bf16_need <= limits.host_bytes
         smaller = "a smaller model" + (", --batch or --seq" if cpu else "")
         advice.append("use --precision bf16 (12 B/param)" if bf16_fits else
                       f"no precision fits: use {smaller} or a host with more memory "
                       "(on a VM whose memory grows on use, set --option host_mem_gib=N)")
-    if not cpu and limits.gpu_bytes is not None and plan["gpu_bytes"] > limits.gpu_bytes:
+    if not cpu and limits.gpu_bytes is not None and plan.gpu_bytes > limits.gpu_bytes:
         reasons.append(
-            f"GPU memory: needs {plan['gpu_bytes'] / GIB:.1f} GiB (checkpoints "
-            f"{plan['gpu_checkpoint_bytes'] / GIB:.1f}, buffers {plan['gpu_buffers_bytes'] / GIB:.1f}, working "
-            f"{plan['gpu_work_bytes'] / GIB:.1f}) but the GPU has {limits.gpu_bytes / GIB:.1f} GiB")
+            f"GPU memory: needs {plan.gpu_bytes / GIB:.1f} GiB (checkpoints {plan.gpu_checkpoint_bytes / GIB:.1f}, "
+            f"buffers {plan.gpu_buffers_bytes / GIB:.1f}, working {plan.gpu_work_bytes / GIB:.1f}) but the GPU has "
+            f"{limits.gpu_bytes / GIB:.1f} GiB")
         advice.append("lower --batch or --seq, a smaller --micro-batch, or for long contexts "
                       "--option offload_activations=auto --option recompute_inputs=auto --option mlp_chunk_tokens=N")
-    plan.update(fits=not reasons, reason="; ".join(reasons) or None, advice="; ".join(advice) or None,
-                host_need_bytes=host_need, host_available_bytes=limits.host_bytes, gpu_available_bytes=limits.gpu_bytes)
-    return plan
+    return CheckedPlan(**vars(plan), fits=not reasons, reason="; ".join(reasons) or None,
+                       advice="; ".join(advice) or None, host_need_bytes=host_need,
+                       host_available_bytes=limits.host_bytes, gpu_available_bytes=limits.gpu_bytes)

@@ -1,6 +1,6 @@
 """Host store: every byte of training state in host memory, as flat per-unit tiles.
 
-Per parameter, by precision mode (compute dtype bf16):
+Per parameter, by precision mode (compute dtype bf16; megatrain.optim.state_bytes):
 - mixed: bf16 weights (pinned, streamed to the GPU) 2 B, bf16 gradients (pinned, streamed back)
   2 B, fp32 master weights 4 B, fp32 Adam moments 8 B: 16 B/param.
 - bf16: bf16 weights 2 B, bf16 gradients 2 B, fp32 Adam moments 8 B: 12 B/param (the paper's
@@ -17,6 +17,7 @@ import torch
 from megatrain.engine.layout import Unit, build_units, total_numel
 from megatrain.models import ModelConfig
 from megatrain.models.init import init_param
+from megatrain.optim.state_bytes import state_bytes_per_param
 
 OPT_CHUNK = 2**25  # elements the optimizer updates at a time: bounds its fp32 scratch to 128 MiB
 
@@ -46,9 +47,9 @@ class HostStore:
         self.max_unit_numel = max(u.numel for u in self.units)
         self.weights = torch.empty(n, dtype=compute_dtype)
         self.grads = torch.empty(n, dtype=compute_dtype)
-        fp32_compute = compute_dtype == torch.float32
-        # fp32 master copy only where the streamed weights are not already fp32 and mixed mode asks for it
-        self.master = None if (fp32_compute or precision == "bf16") else torch.empty(n, dtype=torch.float32)
+        # an fp32 master copy only where mixed precision streams weights narrower than fp32
+        tiles = state_bytes_per_param(compute_dtype.itemsize, precision)
+        self.master = torch.empty(n, dtype=torch.float32) if "master" in tiles else None
         self.exp_avg = torch.zeros(n, dtype=torch.float32)
         self.exp_avg_sq = torch.zeros(n, dtype=torch.float32)
         self._pinned: list[torch.Tensor] = []

@@ -1,16 +1,16 @@
-"""StreamingSystem: the MegaTrain engine behind the common system protocol; its options and SystemSpec."""
+"""StreamingSystem: the MegaTrain engine behind the common system protocol, and its SystemSpec."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 
 from megatrain.config import CaseConfig
+from megatrain.engine.config import EngineConfig, MegaTrainOptions
 from megatrain.engine.host_optimizer import HostOptimizer
 from megatrain.engine.plan import check_fits, host_bytes_per_param
 from megatrain.engine.schedule import Schedule
@@ -20,56 +20,33 @@ from megatrain.engine.streams import StreamSet
 from megatrain.memory import GIB, Budget, peak_host_rss_gib
 from megatrain.models.hf import copy_named_weights
 from megatrain.models.loss import valid_tokens
-from megatrain.options import CommonOptions
+from megatrain.optim.state_bytes import checkpoint_bytes_per_param
 from megatrain.systems import SystemSpec
 
 
-@dataclass(frozen=True)
-class MegaTrainOptions(CommonOptions):
-    # saved layer inputs in pinned host memory (long contexts): all (true), none (false), the first K layers' (K), or
-    # 'auto': as few as the GPU needs (the memory plan chooses)
-    offload_activations: bool | int | Literal["auto"] = False
-    # the saved inputs of layers 2..R+1 not kept at all: backward re-runs layers 1..R forward to regenerate them (their
-    # weights cross PCIe a third time); 'auto': as few as let the host hold the offloaded rest (the memory plan chooses)
-    recompute_inputs: int | Literal["auto"] = 0
-    mlp_chunk_tokens: int = 0  # run the SwiGLU in chunks of this many tokens (0: whole micro-batch)
-    optimizer_kernel: Literal["fused", "torch"] = "fused"  # host AdamW: one-pass kernel, or torch's fused AdamW
-    resident_embedding: bool | Literal["auto"] = "auto"  # embedding state on the GPU ('auto': when it fits)
-    resident_layers: int | Literal["auto"] = "auto"  # first K layers' state on the GPU ('auto': as many as fit)
-    stream_stress: int | None = None  # debug: seed of random delays on every stream hand-off
-    timeline: bool = True  # record the per-step stream timeline
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.mlp_chunk_tokens < 0:
-            raise ValueError(f"option mlp_chunk_tokens must be >= 0 (0: no chunking), got {self.mlp_chunk_tokens}")
-        if type(self.offload_activations) is int and self.offload_activations < 0:
-            raise ValueError(f"option offload_activations must be true, false, 'auto' or a layer count >= 0, got "
-                             f"{self.offload_activations}")
-        if self.recompute_inputs != "auto" and self.recompute_inputs < 0:
-            raise ValueError(f"option recompute_inputs must be 'auto' or an integer >= 0, got {self.recompute_inputs}")
-        if self.resident_layers != "auto" and self.resident_layers < 0:
-            raise ValueError(f"option resident_layers must be 'auto' or an integer >= 0, got {self.resident_layers}")
-
-
 class StreamingSystem:
-    def __init__(self, case: CaseConfig):
-        self.case = case
-        self.device = torch.device(case.device)
-        self.plan = check_fits(case)
-        if not self.plan["fits"]:
-            raise ValueError(f"configuration does not fit: {self.plan['reason']}; {self.plan['advice']}")
-        cfg = case.model_config()
-        self.num_params = cfg.num_params()
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.plan = check_fits(config)
+        if not self.plan.fits:
+            raise ValueError(f"configuration does not fit: {self.plan.reason}; {self.plan.advice}")
+        self.num_params = config.model.num_params()
         cuda = self.device.type == "cuda"
-        self.store = HostStore(cfg, case.torch_dtype, case.precision, pin=cuda)
-        self.store.initialise(case.seed, self.device)
-        resident = self.plan["resident_units"]
-        self.optimizer = HostOptimizer(self.store, case.optim, kernel=case.opts.optimizer_kernel,
+        self.store = HostStore(config.model, config.torch_dtype, config.precision, pin=cuda)
+        self.store.initialise(config.seed, self.device)
+        resident = self.plan.resident_units
+        self.optimizer = HostOptimizer(self.store, config.optim, kernel=config.options.optimizer_kernel,
                                        skip=frozenset(resident))
-        self.streams = StreamSet(self.device, timeline=case.opts.timeline, stress_seed=case.opts.stream_stress)
-        self.schedule = Schedule(case, self.store, self.optimizer, self.streams, self.device, resident,
-                                 self.plan["offloaded_layers"], self.plan["recomputed_inputs"])
+        self.streams = StreamSet(self.device, timeline=config.options.timeline,
+                                 stress_seed=config.options.stream_stress)
+        self.schedule = Schedule(config, self.store, self.optimizer, self.streams, self.device, resident,
+                                 self.plan.offloaded_layers, self.plan.recomputed_inputs)
+
+    @staticmethod
+    def from_case(case: CaseConfig) -> StreamingSystem:
+        """The engine for a benchmark or training case (its SystemSpec factory)."""
+        return StreamingSystem(EngineConfig.from_case(case))
 
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, segments_BS: torch.Tensor | None = None) -> float:
         return self.schedule.step(inputs_BS, labels_BS, valid_tokens(labels_BS), segments_BS)
@@ -84,8 +61,8 @@ class StreamingSystem:
 
     def system_config(self) -> dict:
         return {
-            "precision": self.case.precision,
-            "compute_dtype": self.case.dtype,
+            "precision": self.config.precision,
+            "compute_dtype": self.config.dtype,
             "weight_slots": 2,
             "grad_slots": 2,
             "streams": ["h2d", "compute", "d2h"] if self.streams.cuda else ["host"],
@@ -93,14 +70,14 @@ class StreamingSystem:
             "activation_checkpointing": self._checkpointing(),
             "offloaded_layers": self.schedule.acts.offloaded,
             "recomputed_inputs": self.schedule.acts.recomputed,
-            "mlp_chunk_tokens": self.schedule.layer_t.module.mlp.chunk_tokens,
-            "compile": self.schedule.layer_t.compiled,
+            "mlp_chunk_tokens": self.schedule.layer_template.module.mlp.chunk_tokens,
+            "compile": self.schedule.layer_template.compiled,
             "resident_units": sorted(self.schedule.resident),
-            "plan": {k: v for k, v in self.plan.items() if k != "host_tiles_bytes_per_param"},
+            "plan": {k: v for k, v in dataclasses.asdict(self.plan).items() if k != "host_tiles_bytes_per_param"},
         }
 
-    def metrics(self) -> dict:
-        timed = self.schedule.history[self.case.warmup:] or self.schedule.history
+    def metrics(self, warmup_steps: int = 0) -> dict:
+        timed = self.schedule.history[warmup_steps:] or self.schedule.history
         med = {k: statistics.median(h[k] for h in timed) for k in timed[0] if k not in ("grad_norm", "skipped")}
         step = med["step_s"]
         rss = peak_host_rss_gib() * GIB
@@ -125,7 +102,7 @@ class StreamingSystem:
         }
 
     def _checkpointing(self) -> str:
-        acts, layers = self.schedule.acts, self.case.model_config().num_layers
+        acts, layers = self.schedule.acts, self.config.model.num_layers
         recomputed = f"layers 2-{acts.recomputed + 1}'s not kept but regenerated in backward by running layers " \
             f"1-{acts.recomputed} forward again, " if acts.recomputed else ""
         offloaded = f"layers {acts.host_indices.start + 1}-{acts.host_indices.stop}'s saved in pinned host memory, " \
@@ -193,7 +170,7 @@ class StreamingSystem:
 def preflight_plan(case: CaseConfig, limits: Budget) -> dict:
     """The pre-flight plan: the engine's own (check_fits, its exact tiles and choices against `limits`), with
     host_bytes what it counts against the host (on CPU, everything) and gpu_bytes 0 on CPU."""
-    plan = dict(check_fits(case, limits), source="megatrain.engine.plan")
+    plan = dict(dataclasses.asdict(check_fits(EngineConfig.from_case(case), limits)), source="megatrain.engine.plan")
     host, gpu = plan["host_need_bytes"], plan["gpu_bytes"] if case.device == "cuda" else 0
     plan.update(host_bytes=int(host), gpu_bytes=int(gpu))
     return plan
@@ -201,9 +178,9 @@ def preflight_plan(case: CaseConfig, limits: Budget) -> dict:
 
 def checkpoint_bytes(case: CaseConfig) -> int:
     """One save_state: every host tile but the gradients (megatrain.engine.state)."""
-    per = host_bytes_per_param(case)
-    return case.model_config().num_params() * (sum(per.values()) - per["grads"])
+    config = EngineConfig.from_case(case)
+    return config.model.num_params() * checkpoint_bytes_per_param(host_bytes_per_param(config))
 
 
-SPEC = SystemSpec(factory=StreamingSystem, options=MegaTrainOptions, plan_memory=preflight_plan,
+SPEC = SystemSpec(factory=StreamingSystem.from_case, options=MegaTrainOptions, plan_memory=preflight_plan,
                   checkpoint_bytes=checkpoint_bytes)

@@ -1,7 +1,8 @@
-"""Model shape: one dataclass, the exact parameter count, and validation."""
+"""Model shape: one dataclass, its named tensor shapes (every parameter count derives from them), and validation."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 
 
@@ -63,42 +64,75 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    # ---- accounting: every count derives from the named tensor shapes below ---------------------------------
+    def layer_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each parameter of one decoder layer: its name in megatrain.models.DecoderLayer (in that module's order)
+        and its shape ([out, in] for a projection)."""
+        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_size, self.kv_size
+        shapes: dict[str, tuple[int, ...]] = {"input_layernorm.weight": (h,)}
+        for proj, out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            shapes[f"self_attn.{proj}.weight"] = (out, h)
+            if self.qkv_bias:
+                shapes[f"self_attn.{proj}.bias"] = (out,)
+        shapes["self_attn.o_proj.weight"] = (h, q)
+        shapes["post_attention_layernorm.weight"] = (h,)
+        shapes.update({"mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)})
+        return shapes
+
+    def embedding_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"embed_tokens.weight": (self.vocab_size, self.hidden_size)}
+
+    def head_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The final norm and the LM head matrix (none of its own when tied: it is the embedding's)."""
+        lm_head = {} if self.tie_embeddings else {"lm_head.weight": (self.vocab_size, self.hidden_size)}
+        return {"norm.weight": (self.hidden_size,), **lm_head}
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter of the model by its name in megatrain.models.Transformer (tied embeddings once)."""
+        layers = {f"layers.{n}.{name}": shape for n in range(self.num_layers)
+                  for name, shape in self.layer_shapes().items()}
+        return {**self.embedding_shapes(), **layers, **self.head_shapes()}
+
     def layer_params(self) -> int:
         """Parameters of one decoder layer."""
-        h, i = self.hidden_size, self.intermediate_size
-        attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
-        if self.qkv_bias:
-            attn += self.q_size + 2 * self.kv_size
-        return attn + 3 * h * i + 2 * h
+        return _numel(self.layer_shapes())
 
     def embedding_params(self) -> int:
-        return self.vocab_size * self.hidden_size
+        return _numel(self.embedding_shapes())
 
     def head_params(self) -> int:
         """Final norm plus the LM head matrix (0 extra when tied)."""
-        return self.hidden_size + (0 if self.tie_embeddings else self.vocab_size * self.hidden_size)
+        return _numel(self.head_shapes())
 
     def num_params(self) -> int:
-        """Exact parameter count (tied embeddings counted once)."""
+        """Total parameters (tied embeddings counted once): what the training state holds. What a token computes
+        with is matmul_params."""
         return self.embedding_params() + self.num_layers * self.layer_params() + self.head_params()
 
     def param_numels(self) -> list[int]:
         """Element counts of every parameter tensor of the model (tied embeddings once)."""
-        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_size, self.kv_size
-        layer = [h * q, h * kv, h * kv, q * h] + [h * i] * 3 + [h, h]
-        if self.qkv_bias:
-            layer += [q, kv, kv]
-        head = [h] + ([] if self.tie_embeddings else [self.vocab_size * h])
-        return [self.vocab_size * h] + layer * self.num_layers + head
+        return [math.prod(shape) for shape in self.param_shapes().values()]
+
+    def layer_matmul_params(self) -> int:
+        """The matrices of one decoder layer: the parameters a token multiplies through (norms and biases do no
+        matmul)."""
+        return sum(math.prod(shape) for shape in self.layer_shapes().values() if len(shape) == 2)
+
+    def head_matmul_params(self) -> int:
+        """The LM head's matrix (the embedding's when tied)."""
+        return self.vocab_size * self.hidden_size
 
     def matmul_params(self) -> int:
-        """Parameters that take part in a matmul per token (layers' matrices and the LM head)."""
-        h, i = self.hidden_size, self.intermediate_size
-        per_layer = h * self.q_size + 2 * h * self.kv_size + self.q_size * h + 3 * h * i
-        return self.num_layers * per_layer + self.vocab_size * h
+        """Parameters that take part in a matmul per token: the layers' matrices and the LM head. The untied input
+        embedding is a lookup and does none."""
+        return self.num_layers * self.layer_matmul_params() + self.head_matmul_params()
 
     def with_layers(self, num_layers: int) -> ModelConfig:
         return replace(self, num_layers=num_layers)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _numel(shapes: dict[str, tuple[int, ...]]) -> int:
+    return sum(math.prod(shape) for shape in shapes.values())

@@ -61,8 +61,7 @@ def profile(model: str, tokens: int, seq: int) -> dict:
     dy = torch.randn_like(x)
     cos, sin = rotary_tables(cfg, seq, dev, dt)
     params = list(layer.parameters())
-    mm = cfg.matmul_params() - cfg.vocab_size * cfg.hidden_size
-    layer_mm = mm // cfg.num_layers
+    layer_mm = cfg.layer_matmul_params()
     attn = 2 * (2.0 * seq * seq * cfg.num_heads * cfg.head_dim) / 2 * b
     fwd_flops = 2.0 * layer_mm * tokens + attn
     out = {"model": model, "tokens": tokens, "seq": seq, "gemm_peak_tflops": gemm_peak_tflops()}
@@ -187,7 +186,7 @@ def profile_long(model: str, seq: int, mlp_chunk_tokens: int) -> dict:
     for e in kernels:
         by_cat[kernel_category(e.key)] = by_cat.get(kernel_category(e.key), 0.0) + e.self_device_time_total / 1e3
     total_ms = sum(by_cat.values())
-    layer_mm = (cfg.matmul_params() - cfg.vocab_size * cfg.hidden_size) // cfg.num_layers
+    layer_mm = cfg.layer_matmul_params()
     attn_fwd = attention_flops_per_seq(cfg, seq) / cfg.num_layers
     mm_fwd = 2.0 * layer_mm * seq
     return {

@@ -15,7 +15,7 @@ bandwidth. `simulate` then replays one step as the engine issues it (megatrain.e
 - two weight slots on the H2D stream: use k+1's weights load once use k-1 has freed the slot; compute waits for
   them; the head and each backward use send their gradients out on the D2H stream, into two alternating slots;
 - offloaded layer inputs leave on D2H after their layer's forward and come back on H2D two backward uses ahead;
-  recomputed inputs add layer forwards ('refwd'), as planned (plan_uses);
+  recomputed inputs add layer forwards ('refwd'), in the engine's use order (megatrain.engine.uses);
 - transfers in both directions at once share the link (the probe's both-ways rate);
 - the step ends when the compute stream (embedding backward, resident units' GPU AdamW) and the D2H stream are done.
 Not modelled: the embedding's forward and backward (a gather and a scatter-add), host launch overhead, the first
@@ -33,7 +33,7 @@ from pathlib import Path
 from megatrain.bench.flops import attention_flops_per_seq, hardware_flops, model_flops
 from megatrain.config import CaseConfig
 from megatrain.engine.layout import build_units
-from megatrain.engine.schedule import plan_uses
+from megatrain.engine.uses import use_order
 from megatrain.models import ModelConfig, get_model_config
 
 BASE_SEQ = 1024  # the sequence length of the layer and head ingredients
@@ -48,7 +48,7 @@ def head_key(cfg: ModelConfig) -> tuple:
 
 
 def layer_matmul_flops(cfg: ModelConfig, tokens: int) -> float:
-    return 2.0 * (cfg.matmul_params() - cfg.vocab_size * cfg.hidden_size) / cfg.num_layers * tokens
+    return 2.0 * cfg.layer_matmul_params() * tokens
 
 
 def _linear(points: list[tuple[int, float]], x: float) -> float:
@@ -228,8 +228,9 @@ class Model:
 
 
 def simulate(case: CaseConfig, plan: dict, model: Model) -> dict:
-    """One steady-state step of `case` under its memory plan (resident_units, offloaded_layers, recomputed_inputs:
-    megatrain.engine.plan.plan_memory or a record's system_config): seconds, and where they went."""
+    """One steady-state step of `case` under its memory plan, as a record keeps it (resident_units, offloaded_layers,
+    recomputed_inputs: dataclasses.asdict of a megatrain.engine.plan.MemoryPlan, or a record's system_config's):
+    seconds, and where they went."""
     cfg = case.model_config()
     m = model.machine
     units = build_units(cfg)
@@ -252,7 +253,7 @@ def simulate(case: CaseConfig, plan: dict, model: Model) -> dict:
             t += u.numel / rate
         opt_end[u.index] = t
     host_opt_s = t
-    uses = plan_uses(layers, resident, recomputed)
+    uses = use_order(layers, resident, recomputed)
     back = next(k for k, (_, phase, _, _) in enumerate(uses) if phase == "head")
     h2d_free = d2h_free = compute = host = 0.0
     slot_free, gslot_free, ready, act_back, act_out = [0.0, 0.0], [0.0, 0.0], {}, {}, {}

@@ -27,6 +27,7 @@ from pathlib import Path
 from megatrain.analysis.tables import compiled
 from megatrain.bench.env import REPO_ROOT, environment
 from megatrain.config import CaseConfig
+from megatrain.engine.config import EngineConfig
 from megatrain.engine.plan import check_fits
 from megatrain.hardware import LENT, get_profile, gpu_kind, specs
 from megatrain.memory import GIB, Budget
@@ -179,13 +180,13 @@ def predict_suite(suite: str, only: str | None, out: Path) -> list[dict]:
         if case.config.system != "megatrain" or (only and not re.search(only, name)) or \
                 get_profile(case.hardware).mismatch(probe):
             continue
-        plan = check_fits(case.config, limits)
-        row = {"case_id": case.case_id, "name": case.name, "fits": plan["fits"], "reason": plan["reason"],
-               "planned_host_gib": plan["host_need_bytes"] / GIB, "planned_gpu_gib": plan["gpu_bytes"] / GIB,
-               "resident_units": len(plan["resident_units"]), "offloaded_layers": plan["offloaded_layers"],
-               "recomputed_inputs": plan["recomputed_inputs"]}
-        if plan["fits"]:
-            p = simulate(case.config, plan, Model(ing, machine))
+        plan = check_fits(EngineConfig.from_case(case.config), limits)
+        row = {"case_id": case.case_id, "name": case.name, "fits": plan.fits, "reason": plan.reason,
+               "planned_host_gib": plan.host_need_bytes / GIB, "planned_gpu_gib": plan.gpu_bytes / GIB,
+               "resident_units": len(plan.resident_units), "offloaded_layers": plan.offloaded_layers,
+               "recomputed_inputs": plan.recomputed_inputs}
+        if plan.fits:
+            p = simulate(case.config, dataclasses.asdict(plan), Model(ing, machine))
             row.update(predicted_step_s=p["step_s"], predicted_tflops=p["tflops"], predicted_exposed_s=p["exposed_s"])
         rows.append(row)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -234,20 +235,20 @@ def project(out: Path) -> list[dict]:
         case = CaseConfig(system="megatrain", model=model, num_layers=layers, batch=batch, seq=seq,
                           precision=precision, device="cuda", dtype="bfloat16", compile=True, options=opts)
         limits = Budget.of(spec["host_mem_gib"], spec["gpu_mem_gib"], "published")
-        plan = check_fits(case, limits)
+        plan = check_fits(EngineConfig.from_case(case), limits)
         micro = batch
-        while not plan["fits"] and micro > 1 and plan["host_need_bytes"] <= limits.host_bytes:
+        while not plan.fits and micro > 1 and plan.host_need_bytes <= limits.host_bytes:
             micro //= 2  # the GPU is the limit: gradient accumulation over smaller micro-batches
             case = dataclasses.replace(case, micro_batch=micro)
-            plan = check_fits(case, limits)
+            plan = check_fits(EngineConfig.from_case(case), limits)
         row = {"label": label, "profile": profile, "model": model, "layers": case.model_config().num_layers,
                "params_b": case.model_config().num_params() / 1e9, "batch": batch, "micro_batch": case.micro_batch,
-               "seq": seq, "precision": precision, "fits": plan["fits"], "reason": plan["reason"],
-               "planned_host_gib": plan["host_need_bytes"] / GIB, "planned_gpu_gib": plan["gpu_bytes"] / GIB,
-               "resident_units": len(plan["resident_units"]), "offloaded_layers": plan["offloaded_layers"],
-               "recomputed_inputs": plan["recomputed_inputs"]}
-        if plan["fits"]:
-            p = simulate(case, plan, Model(base, projected_machine(base, spec)))
+               "seq": seq, "precision": precision, "fits": plan.fits, "reason": plan.reason,
+               "planned_host_gib": plan.host_need_bytes / GIB, "planned_gpu_gib": plan.gpu_bytes / GIB,
+               "resident_units": len(plan.resident_units), "offloaded_layers": plan.offloaded_layers,
+               "recomputed_inputs": plan.recomputed_inputs}
+        if plan.fits:
+            p = simulate(case, dataclasses.asdict(plan), Model(base, projected_machine(base, spec)))
             row.update(projected_step_s=p["step_s"], projected_tflops=p["tflops"], exposed_s=p["exposed_s"],
                        host_opt_s=p["host_opt_s"])
             if seq > 1024:  # the paper's long-context convention (megatrain.bench.flops.paper_flops)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from megatrain.bench.flops import model_flops
 from megatrain.config import CaseConfig
 from megatrain.memory import peak_host_rss_gib
 from megatrain.models.hf import config_from_hf, iter_hf_tensors, read_hf_config, save_hf_checkpoint
@@ -161,7 +162,7 @@ def _train(cfg: TrainConfig, run: RunDir, case, rows, eval_rows, total: int, exp
 
 
 def _run_steps(cfg, system, case, rows, eval_rows, progress: Progress, total, out, run_id, log) -> None:
-    flops_per_token = 6 * case.model_config().num_params()
+    flops_per_token = model_flops(case.model_config().num_params(), tokens=1)  # the records' 6NT
     bar = None
     if sys.stderr.isatty():
         from tqdm import tqdm

@@ -14,7 +14,7 @@ import pytest
 from megatrain.bench import fit
 from megatrain.config import CaseConfig
 from megatrain.data import make_batches
-from megatrain.engine.trainer import MegaTrainOptions
+from megatrain.engine.config import MegaTrainOptions
 from megatrain.options import CommonOptions
 from megatrain.systems import SYSTEMS, SystemSpec, build_system, parse_options, system_spec
 from megatrain.train.checkpoint import state_bytes

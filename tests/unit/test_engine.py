@@ -10,12 +10,13 @@ from engine_helpers import train as _train
 from torch._dynamo.exc import BackendCompilerFailed
 
 from megatrain.config import CaseConfig
+from megatrain.engine.config import EngineConfig, MegaTrainOptions
 from megatrain.engine.layout import build_units
 from megatrain.engine.plan import activation_placement, check_fits, plan_memory
-from megatrain.engine.schedule import plan_uses
 from megatrain.engine.templates import LayerTemplate, bind
+from megatrain.engine.uses import use_order
 from megatrain.memory import GPU_FILL, Budget
-from megatrain.models import get_model_config, rotary_tables
+from megatrain.models import Transformer, get_model_config, rotary_tables
 from megatrain.optim.config import OptimConfig
 from megatrain.optim.host_adamw import FlatAdamW
 from megatrain.systems import build_system
@@ -72,6 +73,15 @@ def test_streamed_engine_matches_native(name):
         assert max(metrics["grad_norms"]) > CASES[name]["optim"].max_grad_norm  # clipping really acted
 
 
+@pytest.mark.parametrize("model", ["tiny", "tiny-tied"])
+def test_units_lay_out_exactly_the_modules_parameters(model):
+    cfg = get_model_config(model)
+    with torch.device("meta"):
+        module = Transformer(cfg)
+    slots = {slot.name: slot.shape for unit in build_units(cfg) for slot in unit.params}
+    assert slots == {n: tuple(p.shape) for n, p in module.named_parameters()}
+
+
 def test_offloaded_activations_cross_pcie_and_leave_nothing_behind():
     _, _, plain = _train("megatrain", steps=2, model="tiny", num_layers=4, batch=2, seq=8)
     _, _, off = _train("megatrain", steps=2, model="tiny", num_layers=4, batch=2, seq=8,
@@ -101,60 +111,60 @@ def test_recomputed_inputs_cost_weight_loads_and_no_activation_traffic():
         act_bytes = k * 2 * 8 * 64 * 4  # the offloaded inputs, [2, 8, 64] fp32 each, out and back
         assert run["h2d_bytes"] - plain["h2d_bytes"] == extra * layer_bytes + act_bytes, (r, k)
         assert run["d2h_bytes"] - plain["d2h_bytes"] == act_bytes, (r, k)
-        case = CaseConfig(system="megatrain", **kw, options={"recompute_inputs": r, "offload_activations": k})
-        assert plan_memory(case)["extra_h2d_bytes"] == extra * layer_bytes
+        case = _engine(**kw, options={"recompute_inputs": r, "offload_activations": k})
+        assert plan_memory(case).extra_h2d_bytes == extra * layer_bytes
 
 
-def test_plan_uses_regenerate_the_recomputed_inputs_right_before_their_backward():
-    uses = [(u, phase) for u, phase, _, _ in plan_uses(4, recomputed=2)]
+def test_use_order_regenerates_the_recomputed_inputs_right_before_their_backward():
+    uses = [(u, phase) for u, phase, _, _ in use_order(4, recomputed=2)]
     assert uses == [(1, "fwd"), (2, "fwd"), (3, "fwd"), (4, "fwd"), (5, "head"), (4, "bwd"), (1, "refwd"),
                     (2, "refwd"), (3, "bwd"), (2, "bwd"), (1, "bwd")]
-    assert [load for u, phase, _, load in plan_uses(4, recomputed=2) if phase == "bwd"] == [False, True, False, True]
+    assert [load for u, phase, _, load in use_order(4, recomputed=2) if phase == "bwd"] == [False, True, False, True]
 
 
 def test_auto_recompute_takes_from_the_offloaded_inputs_what_the_host_cannot_hold(monkeypatch):
     from megatrain.engine import plan as plan_mod
 
-    case = CaseConfig(system="megatrain", model="qwen2.5-3b", dtype="bfloat16", precision="bf16", batch=1, seq=65536,
-                      device="cuda", options={"offload_activations": 10, "recompute_inputs": "auto"})
-    activation = 65536 * case.model_config().hidden_size * 2
+    case = _engine(model="qwen2.5-3b", dtype="bfloat16", precision="bf16", batch=1, seq=65536, device="cuda",
+                   options={"offload_activations": 10, "recompute_inputs": "auto"})
+    activation = 65536 * case.model.hidden_size * 2
     fixed = {"resident_embedding": False, "resident_layers": 0}
-    host_at_10 = plan_memory(dataclasses.replace(case, options={**fixed, "offload_activations": 10}))["host_bytes"]
-    monkeypatch.setattr(plan_mod, "case_budget", lambda c: Budget(host_at_10, 2**45, "test"))  # room for all 10
+    host_at_10 = plan_memory(_options(case, **fixed, offload_activations=10)).host_bytes
+    monkeypatch.setattr(plan_mod, "budget_here", lambda c: Budget(host_at_10, 2**45, "test"))  # room for all 10
     assert activation_placement(case) == (10, 0)
-    monkeypatch.setattr(plan_mod, "case_budget", lambda c: Budget(host_at_10 - 3 * activation + 1, 2**45, "test"))
+    monkeypatch.setattr(plan_mod, "budget_here", lambda c: Budget(host_at_10 - 3 * activation + 1, 2**45, "test"))
     assert activation_placement(case) == (7, 3)  # 3 short: 3 recomputed instead
     planned = plan_memory(case)
-    assert planned["host_activation_bytes"] == 7 * activation and planned["recomputed_inputs"] == 3
-    monkeypatch.setattr(plan_mod, "case_budget", lambda c: Budget(2**30, 2**45, "test"))  # hopeless: all recomputed
+    assert planned.host_activation_bytes == 7 * activation and planned.recomputed_inputs == 3
+    monkeypatch.setattr(plan_mod, "budget_here", lambda c: Budget(2**30, 2**45, "test"))  # hopeless: all recomputed
     assert activation_placement(case) == (0, 10)
     with pytest.raises(ValueError, match="recompute_inputs must be 'auto' or an integer from 0 to the model's 36"):
-        plan_memory(dataclasses.replace(case, options={"recompute_inputs": 36}))
+        plan_memory(_options(case, recompute_inputs=36))
 
 
 def test_auto_offload_takes_the_fewest_layers_that_fit_and_residency_fills_what_is_left(monkeypatch):
     from megatrain.engine import plan as plan_mod
 
-    case = CaseConfig(system="megatrain", model="qwen2.5-3b", dtype="bfloat16", batch=4, seq=16384, device="cuda",
-                      options={"offload_activations": "auto"})
-    layers = case.model_config().num_layers
-    at = {k: plan_memory(dataclasses.replace(case, options={"offload_activations": k, "resident_embedding": False,
-                                                            "resident_layers": 0}))["gpu_bytes"] for k in (0, 9, 10)}
-    activation = 4 * 16384 * case.model_config().hidden_size * 2
+    case = _engine(model="qwen2.5-3b", dtype="bfloat16", batch=4, seq=16384, device="cuda",
+                   options={"offload_activations": "auto"})
+    layers = case.model.num_layers
+    at = {k: plan_memory(_options(case, offload_activations=k, resident_embedding=False,
+                                  resident_layers=0)).gpu_bytes for k in (0, 9, 10)}
+    activation = 4 * 16384 * case.model.hidden_size * 2
     assert at[0] - at[10] == 10 * activation  # each offloaded input leaves the GPU
     gpu = int((at[10] + at[9]) / 2 / GPU_FILL)  # room for 10 offloaded, not for 9
-    monkeypatch.setattr(plan_mod, "case_budget", lambda c: Budget(2**40, gpu, "test"))
+    monkeypatch.setattr(plan_mod, "budget_here", lambda c: Budget(2**40, gpu, "test"))
     planned = plan_memory(case)
-    assert planned["offloaded_layers"] == 10 and planned["host_activation_bytes"] == 10 * activation
-    assert planned["resident_units"] == [] and planned["gpu_bytes"] <= gpu * GPU_FILL
-    monkeypatch.setattr(plan_mod, "case_budget", lambda c: Budget(2**40, 2**45, "test"))  # everything fits: none
-    assert plan_memory(case)["offloaded_layers"] == 0
-    monkeypatch.setattr(plan_mod, "case_budget", lambda c: Budget(2**40, 2**30, "test"))  # nothing fits: all
-    assert plan_memory(case)["offloaded_layers"] == layers
-    monkeypatch.setattr(plan_mod, "case_budget", lambda c: Budget(2**40, None, "test"))  # no GPU: none
-    assert plan_memory(case)["offloaded_layers"] == 0
+    assert planned.offloaded_layers == 10 and planned.host_activation_bytes == 10 * activation
+    assert planned.resident_units == [] and planned.gpu_bytes <= gpu * GPU_FILL
+    monkeypatch.setattr(plan_mod, "budget_here", lambda c: Budget(2**40, 2**45, "test"))  # everything fits: none
+    assert plan_memory(case).offloaded_layers == 0
+    monkeypatch.setattr(plan_mod, "budget_here", lambda c: Budget(2**40, 2**30, "test"))  # nothing fits: all
+    assert plan_memory(case).offloaded_layers == layers
+    monkeypatch.setattr(plan_mod, "budget_here", lambda c: Budget(2**40, None, "test"))  # no GPU: none
+    assert plan_memory(case).offloaded_layers == 0
     with pytest.raises(ValueError, match="layer count from 0 to the model's 36 layers"):
-        plan_memory(dataclasses.replace(case, options={"offload_activations": 37}))
+        plan_memory(_options(case, offload_activations=37))
 
 
 def test_resident_embedding_never_crosses_pcie_and_matches_the_streamed_one_in_bf16():
@@ -174,10 +184,10 @@ def test_resident_embedding_never_crosses_pcie_and_matches_the_streamed_one_in_b
 
 
 def test_resident_layers_take_no_slot_and_never_cross_pcie():
-    plan = plan_uses(4, frozenset({1, 2}))
+    plan = use_order(4, frozenset({1, 2}))
     assert [use for use in plan if use[0] in (1, 2)] == [(1, "fwd", None, False), (2, "fwd", None, False),
                                                           (2, "bwd", None, False), (1, "bwd", None, False)]
-    streamed = [(u, ph, load) for u, ph, slot, load in plan_uses(4) if u > 2]
+    streamed = [(u, ph, load) for u, ph, slot, load in use_order(4) if u > 2]
     assert [(u, ph, load) for u, ph, slot, load in plan if u > 2] == streamed  # the rest streams as before
     kw = dict(steps=2, model="tiny", num_layers=4, batch=2, seq=8)
     _, _, plain = _train("megatrain", **kw)
@@ -187,52 +197,61 @@ def test_resident_layers_take_no_slot_and_never_cross_pcie():
     assert plain["d2h_bytes"] - res["d2h_bytes"] == (units[1].numel + units[2].numel) * 4
 
 
-def _qwen_3b_b8(**options) -> CaseConfig:
-    return CaseConfig(system="megatrain", model="qwen2.5-3b", dtype="bfloat16", batch=8, seq=1024, device="cuda",
-                      options=options)
+def _engine(**case) -> EngineConfig:
+    """The engine's config of a megatrain case."""
+    return EngineConfig.from_case(CaseConfig(system="megatrain", **case))
+
+
+def _options(config: EngineConfig, **options) -> EngineConfig:
+    """config with these options (the rest at their defaults)."""
+    return dataclasses.replace(config, options=MegaTrainOptions(**options))
+
+
+def _qwen_3b_b8(**options) -> EngineConfig:
+    return _engine(model="qwen2.5-3b", dtype="bfloat16", batch=8, seq=1024, device="cuda", options=options)
 
 
 def test_auto_resident_layers_fill_the_gpu_share_the_plan_leaves(monkeypatch):
     from megatrain.engine import plan as plan_mod
 
     case = _qwen_3b_b8(resident_embedding=False, resident_layers="auto")
-    base = plan_memory(_qwen_3b_b8(resident_embedding=False, resident_layers=0))["gpu_bytes"]
-    per_layer = plan_mod.resident_bytes(case, build_units(case.model_config())[1])
+    base = plan_memory(_qwen_3b_b8(resident_embedding=False, resident_layers=0)).gpu_bytes
+    per_layer = plan_mod.resident_bytes(case, build_units(case.model)[1])
     gpu = int((base + 5.5 * per_layer) / GPU_FILL)
-    monkeypatch.setattr(plan_mod, "case_budget", lambda c: Budget(2**40, gpu, "test"))
+    monkeypatch.setattr(plan_mod, "budget_here", lambda c: Budget(2**40, gpu, "test"))
     assert plan_mod.resident_unit_indices(case) == [1, 2, 3, 4, 5]
     planned = plan_memory(case)
-    assert planned["resident_units"] == [1, 2, 3, 4, 5]
-    assert planned["gpu_bytes"] == base + 5 * per_layer
-    monkeypatch.setattr(plan_mod, "case_budget", lambda c: Budget(2**40, None, "test"))  # no GPU: nothing resident
+    assert planned.resident_units == [1, 2, 3, 4, 5]
+    assert planned.gpu_bytes == base + 5 * per_layer
+    monkeypatch.setattr(plan_mod, "budget_here", lambda c: Budget(2**40, None, "test"))  # no GPU: nothing resident
     assert plan_mod.resident_unit_indices(case) == []
 
 
 def test_by_default_the_plan_makes_resident_what_fits_and_nothing_when_the_batch_needs_the_memory(monkeypatch):
     from megatrain.engine import plan as plan_mod
 
-    streamed = plan_memory(_qwen_3b_b8(resident_embedding=False, resident_layers=0))["gpu_bytes"]
+    streamed = plan_memory(_qwen_3b_b8(resident_embedding=False, resident_layers=0)).gpu_bytes
     embedding = plan_mod.resident_bytes(_qwen_3b_b8(), build_units(get_model_config("qwen2.5-3b"))[0])
     per_layer = plan_mod.resident_bytes(_qwen_3b_b8(), build_units(get_model_config("qwen2.5-3b"))[1])
     gpu = int((streamed + embedding + 2.5 * per_layer) / GPU_FILL)
-    monkeypatch.setattr(plan_mod, "case_budget", lambda c: Budget(2**40, gpu, "test"))
-    assert plan_memory(_qwen_3b_b8())["resident_units"] == [0, 1, 2]
+    monkeypatch.setattr(plan_mod, "budget_here", lambda c: Budget(2**40, gpu, "test"))
+    assert plan_memory(_qwen_3b_b8()).resident_units == [0, 1, 2]
     # batch 64 needs more than that GPU for its activations alone: nothing is made resident (and the plan says
     # that it does not fit, rather than the resident units making it not fit)
-    assert plan_memory(dataclasses.replace(_qwen_3b_b8(), batch=64))["resident_units"] == []
-    monkeypatch.setattr(plan_mod, "case_budget", lambda c: Budget(2**40, 2**45, "test"))  # a huge GPU: everything
-    assert plan_memory(_qwen_3b_b8())["resident_units"] == list(range(37))
+    assert plan_memory(dataclasses.replace(_qwen_3b_b8(), batch=64)).resident_units == []
+    monkeypatch.setattr(plan_mod, "budget_here", lambda c: Budget(2**40, 2**45, "test"))  # a huge GPU: everything
+    assert plan_memory(_qwen_3b_b8()).resident_units == list(range(37))
 
 
 def test_the_plan_places_for_the_machine_it_is_given_not_this_one():
     """A projection plans for another machine's memory (megatrain.perf_model.model_check): the limits it passes decide
     the placement, as this machine's would (this CPU machine alone makes nothing resident)."""
     case = _qwen_3b_b8()
-    assert plan_memory(case)["resident_units"] == []
+    assert plan_memory(case).resident_units == []
     huge = Budget(2**40, 2**45, "given")
-    assert plan_memory(case, huge)["resident_units"] == list(range(37))
-    assert check_fits(case, huge)["resident_units"] == list(range(37))
-    long = dataclasses.replace(case, batch=1, micro_batch=1, seq=131072, options={"offload_activations": "auto"})
+    assert plan_memory(case, huge).resident_units == list(range(37))
+    assert check_fits(case, huge).resident_units == list(range(37))
+    long = _options(dataclasses.replace(case, batch=1, micro_batch=1, seq=131072), offload_activations="auto")
     small = Budget(2**40, 24 * 2**30, "given")
     assert activation_placement(long, small)[0] > 0 == activation_placement(long)[0]
 
@@ -248,7 +267,7 @@ def test_resident_embedding_takes_true_false_or_auto(bad):
                                      (5, "must be 'auto' or an integer from 0 to the model's 4 layers")])
 def test_resident_layers_out_of_range_are_refused_before_allocating(bad, why):
     with pytest.raises(ValueError, match=f"resident_layers.*{why}"):
-        check_fits(CaseConfig(system="megatrain", model="tiny", num_layers=4, options={"resident_layers": bad}))
+        check_fits(_engine(model="tiny", num_layers=4, options={"resident_layers": bad}))
 
 
 # 512 tokens a micro-batch x 64 wide: the embedding gradient's scatter-add is past torch's parallel grain (32768
@@ -300,7 +319,7 @@ def test_clipping_changes_the_result():
 
 def test_each_layer_crosses_twice_and_bytes_are_counted():
     cfg = get_model_config("tiny", num_layers=4)
-    plan = plan_uses(cfg.num_layers)
+    plan = use_order(cfg.num_layers)
     loads = [u for u, _, _, load in plan if load]
     for layer in range(1, cfg.num_layers):
         assert loads.count(layer) == 2
@@ -311,6 +330,16 @@ def test_each_layer_crosses_twice_and_bytes_are_counted():
     expected = sum(units[u].numel for u in loads) + units[0].numel
     assert metrics["h2d_bytes"] == expected * 4
     assert metrics["d2h_bytes"] == sum(u.numel for u in units) * 4
+
+
+def test_each_host_update_shows_once_in_the_next_steps_timeline():
+    """The host optimizer's worker thread hands its spans over under a lock (it appends while the training thread
+    reads): the previous step's update of every unit is in a step's timeline, once."""
+    with built("megatrain", 3, model="tiny", num_layers=2, batch=2, seq=8) as (trainer, data):
+        for i in range(3):
+            trainer.step(*data.batch_at(i))
+        updated = [t["unit"] for t in trainer.schedule.timeline if t["stream"] == "optim"]
+        assert sorted(updated) == [u.index for u in trainer.store.units]
 
 
 def test_bf16_precision_mode_trains_on_cpu():
@@ -346,22 +375,21 @@ def test_bf16_precision_requires_bf16_dtype():
 
 
 def test_host_bytes_per_param_plan():
-    mixed = plan_memory(CaseConfig(system="megatrain", model="qwen2.5-7b", dtype="bfloat16", seq=1024, batch=8))
-    bf16 = plan_memory(CaseConfig(system="megatrain", model="qwen2.5-7b", dtype="bfloat16", precision="bf16",
-                                  seq=1024, batch=8))
-    assert sum(mixed["host_tiles_bytes_per_param"].values()) == 16
-    assert sum(bf16["host_tiles_bytes_per_param"].values()) == 12
-    assert mixed["host_bytes_per_param"] < 16.5 and bf16["host_bytes_per_param"] < 12.5
+    mixed = plan_memory(_engine(model="qwen2.5-7b", dtype="bfloat16", seq=1024, batch=8))
+    bf16 = plan_memory(_engine(model="qwen2.5-7b", dtype="bfloat16", precision="bf16", seq=1024, batch=8))
+    assert sum(mixed.host_tiles_bytes_per_param.values()) == 16
+    assert sum(bf16.host_tiles_bytes_per_param.values()) == 12
+    assert mixed.host_bytes_per_param < 16.5 and bf16.host_bytes_per_param < 12.5
 
 
 def test_refuses_what_does_not_fit_before_allocating_and_suggests_only_what_fits():
     case = CaseConfig(system="megatrain", model="qwen2.5-7b", dtype="bfloat16", seq=1024, device="cuda",
                       options={"host_mem_gib": 110})  # 16 B/param ~ 117 GiB does not fit, 12 B/param ~ 88 GiB does
-    assert not check_fits(case)["fits"]
+    assert not check_fits(EngineConfig.from_case(case)).fits
     with pytest.raises(ValueError, match=r"host memory: needs .* GiB .* use --precision bf16"):
         build_system(case)
     huge = dataclasses.replace(case, model="qwen2.5-72b", options={"host_mem_gib": 64})
-    assert "no precision fits" in check_fits(huge)["advice"]
+    assert "no precision fits" in check_fits(EngineConfig.from_case(huge)).advice
 
 
 def test_one_pass_kernel_equals_torch_adamw_and_rounds_to_bf16():

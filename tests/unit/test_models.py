@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatrain.models import MODELS, ModelConfig, Transformer, get_model_config
+from megatrain.models import MODELS, DecoderLayer, ModelConfig, Transformer, get_model_config
 from megatrain.models.init import init_module
 from megatrain.models.loss import IGNORE_INDEX, linear_cross_entropy
 
@@ -31,6 +31,29 @@ def test_exact_counts():
 def test_count_matches_module(name):
     model = Transformer(MODELS[name])
     assert sum(p.numel() for p in model.parameters()) == MODELS[name].num_params()
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-tied", "small", "qwen2.5-7b", "llama3-8b"])
+def test_named_shapes_are_the_modules(name):
+    """Every count derives from ModelConfig's named shapes (and the engine lays its tiles out by them): they are the
+    modules' parameters, names, order and shapes."""
+    cfg = MODELS[name]
+    with torch.device("meta"):
+        model, layer = Transformer(cfg), DecoderLayer(cfg)
+    assert {n: tuple(p.shape) for n, p in layer.named_parameters()} == cfg.layer_shapes()
+    assert list(cfg.layer_shapes()) == [n for n, _ in layer.named_parameters()]
+    assert list(cfg.param_shapes().items()) == [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    assert sum(p.numel() for p in model.parameters()) == sum(cfg.param_numels()) == cfg.num_params()
+
+
+def test_matmul_params_are_the_layers_matrices_and_the_lm_head():
+    cfg = MODELS["qwen2.5-7b"]
+    with torch.device("meta"):
+        layer = DecoderLayer(cfg)
+    matrices = sum(p.numel() for p in layer.parameters() if p.dim() == 2)
+    assert cfg.matmul_params() == cfg.num_layers * matrices + cfg.vocab_size * cfg.hidden_size == 7_070_285_824
+    tied = MODELS["qwen2.5-1.5b"]  # the tied head's matrix is the embedding's: counted once, as the head
+    assert tied.matmul_params() == tied.num_layers * tied.layer_matmul_params() + tied.embedding_params()
 
 
 def test_72b_on_meta_device_is_counted_without_allocation():

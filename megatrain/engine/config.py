@@ -1,0 +1,99 @@
+"""The engine's own settings: what it needs to stream one training run, and its typed options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from megatrain.models.config import ModelConfig
+from megatrain.optim.config import OptimConfig
+from megatrain.options import CommonOptions
+
+if TYPE_CHECKING:  # annotations only: a case is what the harness builds an engine from
+    from megatrain.config import CaseConfig
+
+
+@dataclass(frozen=True)
+class MegaTrainOptions(CommonOptions):
+    # saved layer inputs in pinned host memory (long contexts): all (true), none (false), the first K layers' (K), or
+    # 'auto': as few as the GPU needs (the memory plan chooses)
+    offload_activations: bool | int | Literal["auto"] = False
+    # the saved inputs of layers 2..R+1 not kept at all: backward re-runs layers 1..R forward to regenerate them (their
+    # weights cross PCIe a third time); 'auto': as few as let the host hold the offloaded rest (the memory plan chooses)
+    recompute_inputs: int | Literal["auto"] = 0
+    mlp_chunk_tokens: int = 0  # run the SwiGLU in chunks of this many tokens (0: whole micro-batch)
+    optimizer_kernel: Literal["fused", "torch"] = "fused"  # host AdamW: one-pass kernel, or torch's fused AdamW
+    resident_embedding: bool | Literal["auto"] = "auto"  # embedding state on the GPU ('auto': when it fits)
+    resident_layers: int | Literal["auto"] = "auto"  # first K layers' state on the GPU ('auto': as many as fit)
+    stream_stress: int | None = None  # debug: seed of random delays on every stream hand-off
+    timeline: bool = True  # record the per-step stream timeline
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.mlp_chunk_tokens < 0:
+            raise ValueError(f"option mlp_chunk_tokens must be >= 0 (0: no chunking), got {self.mlp_chunk_tokens}")
+        if type(self.offload_activations) is int and self.offload_activations < 0:
+            raise ValueError(f"option offload_activations must be true, false, 'auto' or a layer count >= 0, got "
+                             f"{self.offload_activations}")
+        if self.recompute_inputs != "auto" and self.recompute_inputs < 0:
+            raise ValueError(f"option recompute_inputs must be 'auto' or an integer >= 0, got {self.recompute_inputs}")
+        if self.resident_layers != "auto" and self.resident_layers < 0:
+            raise ValueError(f"option resident_layers must be 'auto' or an integer >= 0, got {self.resident_layers}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the streaming engine needs to train: the model, one step's work, precision, device and its options.
+
+    Attributes:
+        model: the model's shape.
+        batch: sequences per optimizer step.
+        micro_batch: sequences per forward/backward pass; divides batch (gradients accumulate over the rest).
+        seq: tokens per sequence.
+        dtype: compute dtype, 'bfloat16' or 'float32'.
+        precision: 'mixed' (fp32 master weights) or 'bf16' (bf16 weights, fp32 Adam moments).
+        device: 'cpu' or 'cuda'.
+        seed: seeds the weights.
+        optim: AdamW and global-norm clipping.
+        compile: run each decoder layer through torch.compile.
+        options: the engine's typed options.
+    """
+
+    model: ModelConfig
+    batch: int
+    micro_batch: int
+    seq: int
+    dtype: str = "float32"
+    precision: str = "mixed"
+    device: str = "cpu"
+    seed: int = 0
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    compile: bool = False
+    options: MegaTrainOptions = field(default_factory=MegaTrainOptions)
+
+    def __post_init__(self) -> None:
+        if self.micro_batch < 1 or self.batch % self.micro_batch:
+            raise ValueError(f"micro_batch={self.micro_batch} must divide batch={self.batch}")
+
+    @staticmethod
+    def from_case(case: CaseConfig) -> EngineConfig:
+        """The engine's part of a benchmark or training case (its steps, warm-up and data stay the caller's)."""
+        return EngineConfig(model=case.model_config(), batch=case.batch, micro_batch=case.micro_batch, seq=case.seq,
+                            dtype=case.dtype, precision=case.precision, device=case.device, seed=case.seed,
+                            optim=case.optim, compile=case.compile, options=case.opts)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def dtype_bytes(self) -> int:
+        """Bytes per element of the compute dtype."""
+        return self.torch_dtype.itemsize
+
+    @property
+    def micro_batches(self) -> int:
+        """Forward/backward passes per optimizer step."""
+        return self.batch // self.micro_batch
