@@ -9,7 +9,8 @@ import argparse
 import json
 import sys
 
-from megatrain.bench.args import add_case_arguments, case_from_args
+from megatrain.bench.args import BenchFlags
+from megatrain.flags import add_flags, given
 from megatrain.train.config import add_train_arguments
 
 
@@ -18,14 +19,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from megatrain.bench.fit import preflight
     from megatrain.bench.record import append_jsonl, summary_line
 
-    case = case_from_args(args)
+    flags = BenchFlags(**given(BenchFlags, args))
+    case = flags.case()
     for note in preflight(case):
         print(note, file=sys.stderr, flush=True)
-    record = run_case(case, gemm_peak_tflops=args.gemm_peak_tflops,
+    record = run_case(case, gemm_peak_tflops=flags.gemm_peak_tflops,
                       on_step=lambda i, loss, t: print(f"step {i}: loss {loss:.4f} ({t:.3f}s)", flush=True))
     print(summary_line(record))
-    if args.out:
-        append_jsonl(args.out, record)
+    if flags.out:
+        append_jsonl(flags.out, record)
     print(json.dumps(record), flush=True)
     return 0 if record["status"] == "ok" else 1
 
@@ -90,8 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="run one benchmark case; last stdout line is its JSON record")
-    add_case_arguments(bench)
-    bench.add_argument("--out", default=None, help="append the record to this JSONL file")
+    add_flags(bench, BenchFlags)
     bench.set_defaults(func=cmd_bench)
     train = sub.add_parser("train", help="train a model: a Hugging Face checkpoint (or a registry shape) and your "
                            "data in, metrics, checkpoints and a Hugging Face checkpoint out; --resume continues",

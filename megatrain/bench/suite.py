@@ -33,7 +33,6 @@ fresh run_id and runs everything.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import itertools
@@ -47,13 +46,14 @@ import subprocess
 import sys
 import time
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from megatrain.bench.args import add_case_arguments, case_from_args
+from megatrain.bench.args import BenchFlags
 from megatrain.bench.env import REPO_ROOT, git_commit
 from megatrain.bench.record import append_jsonl, base_record, read_jsonl, relative_paths, summary_line
 from megatrain.config import CaseConfig
+from megatrain.flags import flag_argv
 from megatrain.hardware import actual_profile, get_profile, same_machine
 from megatrain.optim.config import OptimConfig
 
@@ -178,30 +178,9 @@ def load_suite(name_or_path: str) -> Suite:
     return Suite(path.stem, spec.get("description", ""), cases)
 
 
-def bench_args(config: CaseConfig) -> list[str]:
-    """`python -m megatrain bench` arguments that rebuild exactly `config`."""
-    args = ["--system", config.system, "--model", config.model, "--batch", str(config.batch),
-            "--micro-batch", str(config.micro_batch), "--seq", str(config.seq), "--steps", str(config.steps),
-            "--warmup", str(config.warmup), "--device", config.device, "--dtype", config.dtype,
-            "--precision", config.precision, "--seed", str(config.seed), "--data", config.data,
-            "--lr", repr(config.optim.lr), "--weight-decay", repr(config.optim.weight_decay),
-            "--max-grad-norm", repr(config.optim.max_grad_norm)]
-    if config.num_layers is not None:
-        args += ["--num-layers", str(config.num_layers)]
-    if config.tokenizer:
-        args += ["--tokenizer", config.tokenizer]
-    if config.repeat_batch:
-        args.append("--repeat-batch")
-    if config.compile:
-        args.append("--compile")
-    for key, value in config.options.items():
-        args += ["--option", f"{key}={json.dumps(value)}"]
-    parser = argparse.ArgumentParser()
-    add_case_arguments(parser)
-    rebuilt = case_from_args(parser.parse_args(args))
-    if rebuilt != config:
-        raise ValueError(f"the bench CLI cannot express this case (optim betas/eps are not flags): {config}")
-    return args
+def bench_args(config: CaseConfig, gemm_peak_tflops: float | None = None) -> list[str]:
+    """`python -m megatrain bench` arguments that rebuild exactly `config` (ValueError for a case they cannot)."""
+    return flag_argv(replace(BenchFlags.of_case(config), gemm_peak_tflops=gemm_peak_tflops))
 
 
 def _preflight(cases: list[SuiteCase], rates: bool) -> dict:
@@ -439,9 +418,8 @@ def _progress(done: int, total: int, elapsed_s: float) -> str:
 
 def _run_one(case: SuiteCase, plan: dict, machine: dict, run_id: str, suite_name: str, out_dir: Path,
              command_prefix: list[str]) -> dict:
-    args = bench_args(case.config)
-    if machine["gemm_bf16_tflops"] and case.config.device == "cuda":
-        args += ["--gemm-peak-tflops", f"{machine['gemm_bf16_tflops']:.1f}"]
+    gemm = machine["gemm_bf16_tflops"] if case.config.device == "cuda" else None
+    args = bench_args(case.config, round(gemm, 1) if gemm else None)
     trace_rel = Path("traces") / f"{run_id}-{case.case_id}.json"  # a rerun in a new run keeps the old trace
     started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     if plan["fits"]:

@@ -5,9 +5,11 @@ import pytest
 
 from baselines import deepspeed_zero3, fsdp_offload
 from megatrain.bench import fit
+from megatrain.bench.args import BenchFlags
 from megatrain.bench.record import append_jsonl, read_jsonl
 from megatrain.bench.suite import SUITES_DIR, bench_args, load_suite
 from megatrain.config import CaseConfig
+from megatrain.flags import parse
 from megatrain.hardware import PROFILES, get_profile, same_machine
 
 H200_X2 = {"gpu_name": "NVIDIA H200", "gpu_count": 2, "gpu_mem_gib": 139.8, "host_mem_gib": 251.5,
@@ -31,7 +33,7 @@ def test_every_shipped_suite_loads():
         assert suite.cases and suite.description
         for case in suite.cases:
             assert case.hardware in PROFILES
-            bench_args(case.config)  # every case is expressible on the bench command line
+            assert parse(BenchFlags, bench_args(case.config)).case() == case.config  # as bench reads its argv
 
 
 def test_group_is_a_product_with_overrides(tmp_path):
