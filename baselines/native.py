@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 
 from baselines.common import COMPILED_LAYERS, accumulate_and_step, compile_layers, evaluate_micro_batches
-from megatrain.bench.fit import activation_bytes, estimate_plan
 from megatrain.config import CaseConfig
 from megatrain.models import Transformer
 from megatrain.models.hf import copy_named_weights
 from megatrain.models.init import init_module
 from megatrain.optim.groups import torch_adamw
 from megatrain.options import CommonOptions
+from megatrain.preflight import activation_bytes, estimate_plan
 from megatrain.systems import SystemSpec
 
 
@@ -42,7 +42,7 @@ class NativeOptions(CommonOptions):
 def memory_bytes(case: CaseConfig) -> tuple[int, int]:
     """(host bytes beyond the process overhead, device bytes): the whole model on one device. mixed: fp32 weights,
     grads, Adam m and v = 16 B/param; bf16: bf16 weights, grads, m, v = 8 B/param (torch AdamW keeps moments in the
-    param dtype); activations (megatrain.bench.fit.activation_bytes)."""
+    param dtype); activations (megatrain.preflight.activation_bytes)."""
     n = case.model_config().num_params()
     return 0, n * (16 if case.precision == "mixed" else 8) + activation_bytes(case)
 

@@ -16,8 +16,8 @@ from megatrain.train.config import add_train_arguments
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from megatrain.bench.case import run_case
-    from megatrain.bench.fit import preflight
     from megatrain.bench.record import append_jsonl, summary_line
+    from megatrain.preflight import preflight
 
     flags = BenchFlags(**given(BenchFlags, args))
     case = flags.case()
@@ -68,11 +68,11 @@ def cmd_suite(args: argparse.Namespace) -> int:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    from megatrain.bench.probe import describe, measure
+    from megatrain.probe import measure
 
     machine = measure()
-    print(describe(machine))
-    print(json.dumps(machine), flush=True)
+    print(machine.describe())
+    print(json.dumps(machine.to_dict()), flush=True)
     return 0
 
 

@@ -17,10 +17,10 @@ import pandas as pd
 
 from megatrain.analysis import plots, scaling_report, tables
 from megatrain.bench.env import REPO_ROOT
-from megatrain.bench.probe import describe
 from megatrain.bench.suite import read_suite_records
 from megatrain.hardware import get_profile
 from megatrain.memory import GPU_FILL
+from megatrain.probe import Machine
 
 MAX_TRACES = 6
 CSS = """
@@ -78,7 +78,7 @@ def _runs_section(records: list[dict], scope: pd.DataFrame) -> str:
         profiles = sorted({r["suite"]["hardware"] for r in rs})
         facts = {
             "hardware profile": ", ".join(f"{p}: {get_profile(p).description}" for p in profiles),
-            "measured": describe(machine),
+            "measured": Machine.from_dict(machine).describe(),
             "commits": ", ".join(commits), "started": min(r["suite"]["started_at"] or "?" for r in rs),
             "python / torch / CUDA": f"{env['python']} / {env['torch']} / {env['cuda'] or 'none'}",
             "DeepSpeed / transformers": f"{env['deepspeed'] or 'not installed'} / {env['transformers'] or '—'}",
@@ -228,7 +228,7 @@ def write_report(results_dir: Path, out_dir: Path, all_runs: bool = False) -> Pa
         "<h2>Results</h2>", html_table(tables.results_table(scope)),
         "<p class='muted'>host B/param: peak RSS of the case's process over its parameters (includes the "
         "process's fixed ~0.3-3 GiB, so it reads high for small models). plan: the pre-flight estimate "
-        "(megatrain.bench.fit).</p>",
+        "(megatrain.preflight).</p>",
         *_headroom_section(scope),
         *([] if not (scope["device"] == "cuda").any() else [
             "<h2>Speedups</h2>",

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from megatrain.memory import host_memory_gib
+from megatrain.probe import cpu_name
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,16 +36,6 @@ def _version(pkg: str) -> str | None:
         return metadata.version(pkg)
     except metadata.PackageNotFoundError:
         return None
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 @functools.lru_cache(maxsize=1)

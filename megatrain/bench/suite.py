@@ -13,7 +13,7 @@ system's largest batch" (or deepest model) is found. Cases above the stop are no
 
 The runner (`run_suite`) probes the machine once (in a subprocess, so that this process never
 holds a CUDA context), keeps the cases whose hardware profile this machine matches, asks each
-system whether the case fits (megatrain.bench.fit) and runs every case in a fresh
+system whether the case fits (megatrain.preflight) and runs every case in a fresh
 `python -m megatrain bench` subprocess under a time limit. Each case appends one record to
 `<out_dir>/records.jsonl`, with a `suite` block: run_id, case_id, group, label, hardware profile,
 the measured machine, the memory plan, the exact command, wall time.
@@ -56,6 +56,7 @@ from megatrain.config import CaseConfig
 from megatrain.flags import flag_argv
 from megatrain.hardware import actual_profile, get_profile, same_machine
 from megatrain.optim.config import OptimConfig
+from megatrain.probe import Machine, measure
 
 SUITES_DIR = REPO_ROOT / "suites"
 FINAL_STATUSES = ("ok", "oom", "skipped")  # error, timeout and killed are run again on resume
@@ -196,13 +197,12 @@ def _preflight(cases: list[SuiteCase], rates: bool) -> dict:
 
 def preflight_child() -> None:
     """Subprocess side of _preflight: read cases from stdin, print the machine and the plans as JSON."""
-    from megatrain.bench.fit import plan_case
-    from megatrain.bench.probe import measure
+    from megatrain.preflight import plan_case
 
     request = json.loads(sys.stdin.read())
     machine = measure(rates=request["rates"])
     plans = {cid: plan_case(CaseConfig.from_dict(d), machine) for cid, d in request["cases"].items()}
-    print(json.dumps({"machine": machine, "plans": plans}))
+    print(json.dumps({"machine": machine.to_dict(), "plans": plans}))
 
 
 def _last_json_line(stdout: str) -> dict | None:
@@ -272,7 +272,7 @@ def run_case_subprocess(case: SuiteCase, command: list[str], trace_file: Path) -
     return record, facts
 
 
-PREFLIGHT_REFUSAL = "does not fit here"  # megatrain.bench.fit.preflight's refusal (exit code 2)
+PREFLIGHT_REFUSAL = "does not fit here"  # megatrain.preflight.preflight's refusal (exit code 2)
 
 
 def cgroup_oom_kills() -> int | None:
@@ -309,7 +309,7 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
 
 
-def _current_run(records: list[dict], machine: dict) -> str | None:
+def _current_run(records: list[dict], machine: Machine) -> str | None:
     """run_id of the latest run in these records if it ran on the same kind of machine and commit.
 
     A run is one commit: cases added to a suite after a commit (or code changed under it) start a new
@@ -318,7 +318,8 @@ def _current_run(records: list[dict], machine: dict) -> str | None:
     if not records:
         return None
     last = records[-1]
-    if same_machine(last["suite"]["machine"], machine) and last["env"].get("commit") == git_commit()[0]:
+    same_commit = last["env"].get("commit") == git_commit()[0]
+    if same_commit and same_machine(Machine.from_dict(last["suite"]["machine"]), machine):
         return last["suite"]["run_id"]
     return None
 
@@ -358,9 +359,9 @@ def run_suite(suite: Suite, out_dir: Path, only: str | None = None, timeout_s: f
     if timeout_s is not None:
         cases = [SuiteCase(c.config, c.hardware, c.group, c.label, timeout_s, c.ladder) for c in cases]
     pre = _preflight(cases, rates=not dry_run)
-    machine = pre["machine"]
-    log(f"suite {suite.name}: {len(cases)} cases; machine: {machine['gpu_name'] or 'no GPU'}, "
-        f"host {machine['host_mem_gib']:.0f} GiB")
+    machine = Machine.from_dict(pre["machine"])
+    log(f"suite {suite.name}: {len(cases)} cases; machine: {machine.gpu_name or 'no GPU'}, "
+        f"host {machine.host_mem_gib:.0f} GiB")
     mismatch = {c.case_id: get_profile(c.hardware).mismatch(machine) for c in cases}
     for profile, why in sorted({(c.hardware, mismatch[c.case_id]) for c in cases if mismatch[c.case_id]}):
         log(f"  {'running anyway' if any_hardware else 'not running'} the cases for {profile}: {why}")
@@ -416,9 +417,9 @@ def _progress(done: int, total: int, elapsed_s: float) -> str:
     return f"{done}/{total}, {elapsed_s / 60:.1f} min, ETA {eta_s / 60:.1f} min"
 
 
-def _run_one(case: SuiteCase, plan: dict, machine: dict, run_id: str, suite_name: str, out_dir: Path,
+def _run_one(case: SuiteCase, plan: dict, machine: Machine, run_id: str, suite_name: str, out_dir: Path,
              command_prefix: list[str]) -> dict:
-    gemm = machine["gemm_bf16_tflops"] if case.config.device == "cuda" else None
+    gemm = machine.gemm_bf16_tflops if case.config.device == "cuda" else None
     args = bench_args(case.config, round(gemm, 1) if gemm else None)
     trace_rel = Path("traces") / f"{run_id}-{case.case_id}.json"  # a rerun in a new run keeps the old trace
     started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -437,7 +438,7 @@ def _run_one(case: SuiteCase, plan: dict, machine: dict, run_id: str, suite_name
         "name": suite_name, "run_id": run_id, "case_id": case.case_id, "group": case.group, "label": case.label,
         "hardware": hardware, **({"planned_hardware": case.hardware} if hardware != case.hardware else {}),
         "ladder": case.ladder, "timeout_s": case.timeout_s, "plan": plan,
-        "machine": machine, "command": shlex.join(["python", "-m", "megatrain", "bench", *args]),
+        "machine": machine.to_dict(), "command": shlex.join(["python", "-m", "megatrain", "bench", *args]),
         "started_at": started_at, **facts,
     }
     return record

@@ -165,10 +165,11 @@ def validate(out: Path) -> dict:
 
 def predict_suite(suite: str, only: str | None, out: Path) -> list[dict]:
     """The model's numbers for a suite's engine cases on this machine, before they run."""
-    from megatrain.bench.probe import measure
     from megatrain.bench.suite import load_suite
+    from megatrain.probe import measure
 
-    probe = measure()
+    found = measure()
+    probe = found.to_dict()
     kind = gpu_kind(probe["gpu_name"])
     ing = ingredients(kind)
     machine = Machine.from_probe(ing, probe, kind)
@@ -177,7 +178,7 @@ def predict_suite(suite: str, only: str | None, out: Path) -> list[dict]:
     for case in load_suite(suite).cases:
         name = f"{case.group} {case.name} {case.case_id}"
         if case.config.system != "megatrain" or (only and not re.search(only, name)) or \
-                get_profile(case.hardware).mismatch(probe):
+                get_profile(case.hardware).mismatch(found):
             continue
         plan = check_fits(case.config, limits)
         row = {"case_id": case.case_id, "name": case.name, "fits": plan["fits"], "reason": plan["reason"],
