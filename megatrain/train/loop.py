@@ -24,9 +24,10 @@ from megatrain.models.loss import IGNORE_INDEX
 from megatrain.models.registry import get_model_config
 from megatrain.preflight import preflight
 from megatrain.systems import build_system
+from megatrain.tokenizer import Tokenizer
 from megatrain.train import checkpoint
 from megatrain.train.config import TrainConfig, check_available
-from megatrain.train.data import Rows, Tokenizer, data_files, read_examples
+from megatrain.train.data import Rows, data_files, read_examples
 from megatrain.train.lr import lr_at, schedule_notes
 from megatrain.train.rundir import RunDir, aside, recover_dir, written_aside
 

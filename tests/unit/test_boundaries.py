@@ -24,7 +24,7 @@ from megatrain.train.checkpoint import state_bytes
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = ("megatrain.engine", "megatrain.optim", "megatrain.models", "megatrain.memory", "megatrain.options",
            "megatrain.config", "megatrain.data", "megatrain.systems", "megatrain.flags", "megatrain.preflight",
-           "megatrain.probe")
+           "megatrain.probe", "megatrain.tokenizer")
 HARNESS = ("megatrain.bench", "megatrain.analysis", "megatrain.perf_model", "megatrain.hardware", "megatrain.cli",
            "baselines")
 RUNNING = (*LIBRARY, "megatrain.bench", "megatrain.train", "megatrain.hardware", "baselines")
