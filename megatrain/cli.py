@@ -52,11 +52,11 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_suite(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from megatrain.bench.env import REPO_ROOT
+    from megatrain.bench.env import WORKSPACE
     from megatrain.bench.suite import load_suite, run_suite
 
     suite = load_suite(args.name)
-    out_dir = Path(args.out_dir) if args.out_dir else REPO_ROOT / "results" / suite.name
+    out_dir = Path(args.out_dir) if args.out_dir else WORKSPACE / "results" / suite.name
     try:
         run_suite(suite, out_dir, only=args.only, timeout_s=args.timeout, dry_run=args.dry_run,
                   new_run=args.new_run, any_hardware=args.any_hardware)

@@ -13,7 +13,7 @@ import statistics
 import warnings
 from pathlib import Path
 
-from megatrain.bench.env import REPO_ROOT, environment
+from megatrain.bench.env import CHECKOUT, environment
 from megatrain.bench.flops import hardware_flops, matmul_params, mfu, model_flops, paper_flops
 from megatrain.config import CaseConfig
 
@@ -26,9 +26,10 @@ _SITE_PACKAGES = re.compile(r"/[^\s\"']*/(site-packages|dist-packages)/")
 
 
 def relative_paths(text: str) -> str:
-    """`text` (a traceback, a stderr tail) without this machine's paths: files in the repository
-    relative to its root, installed packages from `site-packages/`. Records are committed."""
-    return _SITE_PACKAGES.sub(r"\1/", text.replace(f"{REPO_ROOT}/", ""))
+    """`text` (a traceback, a stderr tail) without this machine's paths: files in the checkout
+    relative to its root, installed packages (this one too, when installed) from `site-packages/`. Records are
+    committed."""
+    return _SITE_PACKAGES.sub(r"\1/", text.replace(f"{CHECKOUT}/", "") if CHECKOUT else text)
 
 
 def base_record(case: CaseConfig, status: str) -> dict:

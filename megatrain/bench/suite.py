@@ -50,7 +50,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megatrain.bench.args import BenchFlags
-from megatrain.bench.env import REPO_ROOT, git_commit
+from megatrain.bench.env import CHECKOUT, WORKSPACE, git_commit
 from megatrain.bench.record import append_jsonl, base_record, read_jsonl, relative_paths, summary_line
 from megatrain.config import CaseConfig
 from megatrain.flags import flag_argv
@@ -58,7 +58,9 @@ from megatrain.hardware import actual_profile, get_profile, same_machine
 from megatrain.optim.config import OptimConfig
 from megatrain.probe import Machine, measure
 
-SUITES_DIR = REPO_ROOT / "suites"
+SUITES_DIR = WORKSPACE / "suites"
+# where the probe and every case run: a checkout's root, so that `python -m megatrain` is its code; else the workspace
+CASE_CWD = CHECKOUT or WORKSPACE
 FINAL_STATUSES = ("ok", "oom", "skipped")  # error, timeout and killed are run again on resume
 # Group keys whose values (scalar or list) span the product, and the case field each sets.
 PRODUCT_KEYS = {"systems": "system", "models": "model", "batch": "batch", "seq": "seq", "num_layers": "num_layers",
@@ -189,7 +191,7 @@ def _preflight(cases: list[SuiteCase], rates: bool) -> dict:
     payload = json.dumps({"rates": rates, "cases": {c.case_id: c.config.to_dict() for c in cases}})
     code = "from megatrain.bench.suite import preflight_child; preflight_child()"
     proc = subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True, text=True,
-                          cwd=REPO_ROOT)
+                          cwd=CASE_CWD)
     if proc.returncode != 0:
         raise RuntimeError(f"pre-flight probe failed (exit {proc.returncode}):\n{proc.stderr[-STDERR_TAIL_CHARS:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -231,7 +233,7 @@ def run_case_subprocess(case: SuiteCase, command: list[str], trace_file: Path) -
     group = watchdog.pid
     try:
         proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=env, cwd=REPO_ROOT, process_group=group)
+                                text=True, env=env, cwd=CASE_CWD, process_group=group)
         timed_out = False
         try:
             stdout, stderr = proc.communicate(timeout=case.timeout_s)

@@ -25,14 +25,14 @@ import time
 from pathlib import Path
 
 from megatrain.analysis.tables import compiled
-from megatrain.bench.env import REPO_ROOT, environment
+from megatrain.bench.env import WORKSPACE, environment
 from megatrain.config import CaseConfig
 from megatrain.engine.plan import check_fits
 from megatrain.hardware import LENT, get_profile, gpu_kind, specs
 from megatrain.memory import GIB, Budget
 from megatrain.perf_model.model import Ingredients, Machine, Model, simulate
 
-RESULTS = REPO_ROOT / "results"
+RESULTS = WORKSPACE / "results"
 SKIP_DIRS = {"dev", "gpu_checks", "smoke-local", "perf_model", "ingredients"}
 
 

@@ -206,10 +206,10 @@ def test_report_loads_in_a_headless_browser_without_errors(tmp_path):
 
 
 def test_records_keep_no_machine_paths():
-    from megatrain.bench.env import REPO_ROOT
+    from megatrain.bench.env import CHECKOUT
     from megatrain.bench.record import relative_paths
 
-    text = (f'File "{REPO_ROOT}/megatrain/bench/case.py", line 58\n'
+    text = (f'File "{CHECKOUT}/megatrain/bench/case.py", line 58\n'
             'File "/opt/venv/lib/python3.12/site-packages/torch/nn/modules/module.py", line 1'
             '\nFile "/usr/lib/python3/dist-packages/x.py"')
     assert relative_paths(text) == ('File "megatrain/bench/case.py", line 58\n'

@@ -1,7 +1,11 @@
 """Suite files, case identity, hardware profiles, the pre-flight memory fit and records files. CPU, seconds:
 pytest tests/unit/test_suite.py"""
 
+import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -36,6 +40,16 @@ def test_every_shipped_suite_loads():
         for case in suite.cases:
             assert case.hardware in PROFILES
             assert parse(BenchFlags, bench_args(case.config)).case() == case.config  # as bench reads its argv
+
+
+def test_suites_results_and_reports_follow_the_workspace_and_a_checkout_stays_its_own(tmp_path):
+    code = "from megatrain.bench import env, suite; print(env.CHECKOUT, env.WORKSPACE, suite.SUITES_DIR)"
+    checkout = Path(__file__).resolve().parents[2]
+    ran = [subprocess.run([sys.executable, "-c", code], cwd=checkout, capture_output=True, text=True, check=True,
+                          env={**os.environ, "MEGATRAIN_WORKSPACE": workspace}).stdout.split()
+           for workspace in (str(tmp_path), "")]
+    assert ran == [[str(checkout), str(tmp_path.resolve()), str(tmp_path.resolve() / "suites")],
+                   [str(checkout), str(checkout), str(checkout / "suites")]]
 
 
 def test_group_is_a_product_with_overrides(tmp_path):
