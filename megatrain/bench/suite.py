@@ -51,7 +51,7 @@ from pathlib import Path
 
 from megatrain.bench.args import BenchFlags
 from megatrain.bench.env import CHECKOUT, WORKSPACE, git_commit
-from megatrain.bench.record import append_jsonl, base_record, read_jsonl, relative_paths, summary_line
+from megatrain.bench.record import Record, append_jsonl, read_jsonl, relative_paths, summary_line
 from megatrain.config import CaseConfig
 from megatrain.flags import flag_argv
 from megatrain.hardware import actual_profile, get_profile, same_machine
@@ -254,24 +254,21 @@ def run_case_subprocess(case: SuiteCase, command: list[str], trace_file: Path) -
     if record is not None:
         return record, facts
     if timed_out:
-        record = base_record(case.config, "timeout")
-        record["error"] = f"no record after {case.timeout_s:.0f} s; killed"
+        status, error = "timeout", f"no record after {case.timeout_s:.0f} s; killed"
     elif proc.returncode == -signal.SIGKILL and (evidence := _oom_killed(oom_kills_before)):
-        record = base_record(case.config, "oom")
-        record["error"] = "killed by the kernel's OOM killer (host memory): " + evidence
+        status, error = "oom", "killed by the kernel's OOM killer (host memory): " + evidence
     elif proc.returncode == 2 and PREFLIGHT_REFUSAL in tail:
         # the case's own pre-flight refused it: the memory free when it started was less than at the suite's check
-        record = base_record(case.config, "skipped")
-        record["error"] = next(line for line in tail.splitlines() if PREFLIGHT_REFUSAL in line).removeprefix("error: ")
+        status = "skipped"
+        error = next(line for line in tail.splitlines() if PREFLIGHT_REFUSAL in line).removeprefix("error: ")
     elif proc.returncode < 0:
-        record = base_record(case.config, "killed")
-        record["error"] = f"killed by signal {signal.Signals(-proc.returncode).name} from outside the runner, not by " \
-                          "the OOM killer (the cgroup's OOM counter did not move); run again on resume"
+        status = "killed"
+        error = f"killed by signal {signal.Signals(-proc.returncode).name} from outside the runner, not by the OOM " \
+                "killer (the cgroup's OOM counter did not move); run again on resume"
     else:
-        record = base_record(case.config, "error")
-        record["error"] = f"exit code {proc.returncode} without a record: " + (tail.strip().splitlines() or [""])[-1]
-    record["stderr_tail"] = tail
-    return record, facts
+        status = "error"
+        error = f"exit code {proc.returncode} without a record: " + (tail.strip().splitlines() or [""])[-1]
+    return Record(case.config, status, error, stderr_tail=tail).to_dict(), facts
 
 
 PREFLIGHT_REFUSAL = "does not fit here"  # megatrain.preflight.preflight's refusal (exit code 2)
@@ -430,8 +427,7 @@ def _run_one(case: SuiteCase, plan: dict, machine: Machine, run_id: str, suite_n
         (out_dir / trace_rel).unlink(missing_ok=True)
         record, facts = run_case_subprocess(case, command_prefix + args, out_dir / trace_rel)
     else:
-        record, facts = base_record(case.config, "skipped"), {"exit_code": None, "wall_s": 0.0}
-        record["error"] = plan["reason"]
+        record, facts = Record(case.config, "skipped", plan["reason"]).to_dict(), {"exit_code": None, "wall_s": 0.0}
     if record.get("trace"):
         record["trace"]["path"] = str(trace_rel)  # relative to the results directory, wherever it travels
     # the profile of the machine it ran on; the suite's, when different (--any-hardware), beside it
