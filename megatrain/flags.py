@@ -57,12 +57,20 @@ class _Setting:
         return "--" + ("no-" if negated else "") + self.name.replace("_", "-")
 
 
+def _spec(cls, name: str) -> Flag | None:
+    """The Flag of field `name`: its own, or where a subclass re-declared only the default, its base's."""
+    for base in cls.__mro__:
+        f = getattr(base, "__dataclass_fields__", {}).get(name)
+        if f is not None and "flag" in f.metadata:
+            return f.metadata["flag"]
+    return None
+
+
 def _settings(cls) -> list[_Setting]:
     hints = typing.get_type_hints(cls)
     out = []
     for f in dataclasses.fields(cls):
-        spec = next((b.__dataclass_fields__[f.name].metadata["flag"] for b in cls.__mro__
-                     if "flag" in getattr(b, "__dataclass_fields__", {}).get(f.name, _NO_FIELD).metadata), None)
+        spec = _spec(cls, f.name)
         if spec is None:
             continue
         hint = hints[f.name]
@@ -73,9 +81,6 @@ def _settings(cls) -> list[_Setting]:
         item = args[0] if args and kind in (list, tuple) else (None if kind in (bool, dict, str) else kind)
         out.append(_Setting(f.name, default, kind, item, len(args), spec))
     return out
-
-
-_NO_FIELD = dataclasses.field()
 
 
 def add_flags(parser: argparse.ArgumentParser, cls) -> None:

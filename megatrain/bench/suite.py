@@ -53,7 +53,7 @@ from megatrain.bench.args import BenchFlags
 from megatrain.bench.env import CHECKOUT, WORKSPACE, git_commit
 from megatrain.bench.record import Record, append_jsonl, read_jsonl, relative_paths, summary_line
 from megatrain.config import CaseConfig
-from megatrain.flags import flag_argv
+from megatrain.flags import flag_argv, parse
 from megatrain.hardware import actual_profile, get_profile, same_machine
 from megatrain.optim.config import OptimConfig
 from megatrain.probe import Machine, measure
@@ -182,8 +182,11 @@ def load_suite(name_or_path: str) -> Suite:
 
 
 def bench_args(config: CaseConfig, gemm_peak_tflops: float | None = None) -> list[str]:
-    """`python -m megatrain bench` arguments that rebuild exactly `config` (ValueError for a case they cannot)."""
-    return flag_argv(replace(BenchFlags.of_case(config), gemm_peak_tflops=gemm_peak_tflops))
+    """`python -m megatrain bench` arguments that rebuild exactly `config`."""
+    args = flag_argv(replace(BenchFlags.of_case(config), gemm_peak_tflops=gemm_peak_tflops))
+    if parse(BenchFlags, args).case() != config:
+        raise ValueError(f"the bench CLI cannot express this case (optim betas/eps are not flags): {config}")
+    return args
 
 
 def _preflight(cases: list[SuiteCase], rates: bool) -> dict:

