@@ -157,16 +157,16 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         raise ValueError(f"bad train setting: {exc}") from None
 
 
-def _over_resumed(given: dict, run_dir: str) -> dict:
+def _over_resumed(asked: dict, run_dir: str) -> dict:
     resumed = resumed_config(Path(run_dir))
-    changed = [f"{k} {resumed.get(k)!r} -> {given[k]!r}" for k in RESUME_FIXES
-               if k in given and given[k] != resumed.get(k)]
+    changed = [f"{k} {resumed.get(k)!r} -> {asked[k]!r}" for k in RESUME_FIXES
+               if k in asked and asked[k] != resumed.get(k)]
     if changed:
         raise ValueError(f"--resume {run_dir}: {', '.join(changed)}: a resumed run keeps the settings of its data, "
                          "model and saved state; resume without these, or start a new run in another --out")
-    values = {**resumed, "out": run_dir, **given}
-    if ("steps" in given) != ("epochs" in given):  # one length given replaces the run's, whichever it had
-        values.update(steps=given.get("steps"), epochs=given.get("epochs"))
+    values = {**resumed, "out": run_dir, **asked}
+    if ("steps" in asked) != ("epochs" in asked):  # one length given replaces the run's, whichever it had
+        values.update(steps=asked.get("steps"), epochs=asked.get("epochs"))
     return values
 
 
