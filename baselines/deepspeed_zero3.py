@@ -25,7 +25,6 @@ import torch
 
 from baselines.common import COMPILED_LAYERS, evaluate_micro_batches, micro_batches
 from baselines.dist import single_process_env, warn_if_bf16_precision
-from megatrain.bench.fit import activation_bytes, estimate_plan, largest_unit_params
 from megatrain.config import CaseConfig
 from megatrain.models import Transformer
 from megatrain.models.hf import copy_named_weights
@@ -34,6 +33,7 @@ from megatrain.models.loss import valid_tokens
 from megatrain.optim.groups import adamw_param_groups
 from megatrain.optim.state_bytes import FP32_BYTES, checkpoint_bytes_per_param, state_bytes_per_param
 from megatrain.options import CommonOptions
+from megatrain.preflight import activation_bytes, estimate_plan, largest_unit_params
 from megatrain.systems import SystemSpec
 
 

@@ -23,7 +23,6 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from baselines.common import COMPILED_LAYERS, accumulate_and_step, compile_layers, evaluate_micro_batches
 from baselines.dist import single_process_env, warn_if_bf16_precision
-from megatrain.bench.fit import activation_bytes, estimate_plan, largest_unit_params
 from megatrain.config import CaseConfig
 from megatrain.models import Transformer
 from megatrain.models.hf import copy_named_weights
@@ -31,6 +30,7 @@ from megatrain.models.init import init_param
 from megatrain.optim.groups import torch_adamw
 from megatrain.optim.state_bytes import FP32_BYTES, checkpoint_bytes_per_param, state_bytes_per_param
 from megatrain.options import CommonOptions
+from megatrain.preflight import activation_bytes, estimate_plan, largest_unit_params
 from megatrain.systems import SystemSpec
 
 # torch.distributed.fsdp and torch.distributed.checkpoint take about a second to import: they are imported where

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 from baselines.common import COMPILED_LAYERS, accumulate_and_step, compile_layers, evaluate_micro_batches
-from megatrain.bench.fit import activation_bytes, estimate_plan
 from megatrain.config import CaseConfig
 from megatrain.models import Transformer
 from megatrain.models.hf import copy_named_weights
@@ -26,6 +25,7 @@ from megatrain.models.init import init_module
 from megatrain.optim.groups import torch_adamw
 from megatrain.optim.state_bytes import FP32_BYTES, checkpoint_bytes_per_param, state_bytes_per_param
 from megatrain.options import CommonOptions
+from megatrain.preflight import activation_bytes, estimate_plan
 from megatrain.systems import SystemSpec
 
 
@@ -49,7 +49,7 @@ def state_bytes(case: CaseConfig) -> dict[str, int]:
 
 def memory_bytes(case: CaseConfig) -> tuple[int, int]:
     """(host bytes beyond the process overhead, device bytes): the whole model and its state on one device
-    (state_bytes), and activations (megatrain.bench.fit.activation_bytes)."""
+    (state_bytes), and activations (megatrain.preflight.activation_bytes)."""
     return 0, case.model_config().num_params() * sum(state_bytes(case).values()) + activation_bytes(case)
 
 

@@ -9,23 +9,25 @@ import argparse
 import json
 import sys
 
-from megatrain.bench.args import add_case_arguments, case_from_args
+from megatrain.bench.args import BenchFlags
+from megatrain.flags import add_flags, given
 from megatrain.train.config import add_train_arguments
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from megatrain.bench.case import run_case
-    from megatrain.bench.fit import preflight
     from megatrain.bench.record import append_jsonl, summary_line
+    from megatrain.preflight import preflight
 
-    case = case_from_args(args)
+    flags = BenchFlags(**given(BenchFlags, args))
+    case = flags.case()
     for note in preflight(case):
         print(note, file=sys.stderr, flush=True)
-    record = run_case(case, gemm_peak_tflops=args.gemm_peak_tflops,
+    record = run_case(case, gemm_peak_tflops=flags.gemm_peak_tflops,
                       on_step=lambda i, loss, t: print(f"step {i}: loss {loss:.4f} ({t:.3f}s)", flush=True))
     print(summary_line(record))
-    if args.out:
-        append_jsonl(args.out, record)
+    if flags.out:
+        append_jsonl(flags.out, record)
     print(json.dumps(record), flush=True)
     return 0 if record["status"] == "ok" else 1
 
@@ -50,11 +52,11 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_suite(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from megatrain.bench.env import REPO_ROOT
+    from megatrain.bench.env import WORKSPACE
     from megatrain.bench.suite import load_suite, run_suite
 
     suite = load_suite(args.name)
-    out_dir = Path(args.out_dir) if args.out_dir else REPO_ROOT / "results" / suite.name
+    out_dir = Path(args.out_dir) if args.out_dir else WORKSPACE / "results" / suite.name
     try:
         run_suite(suite, out_dir, only=args.only, timeout_s=args.timeout, dry_run=args.dry_run,
                   new_run=args.new_run, any_hardware=args.any_hardware)
@@ -66,11 +68,11 @@ def cmd_suite(args: argparse.Namespace) -> int:
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
-    from megatrain.bench.probe import describe, measure
+    from megatrain.probe import measure
 
     machine = measure()
-    print(describe(machine))
-    print(json.dumps(machine), flush=True)
+    print(machine.describe())
+    print(json.dumps(machine.to_dict()), flush=True)
     return 0
 
 
@@ -90,8 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="run one benchmark case; last stdout line is its JSON record")
-    add_case_arguments(bench)
-    bench.add_argument("--out", default=None, help="append the record to this JSONL file")
+    add_flags(bench, BenchFlags)
     bench.set_defaults(func=cmd_bench)
     train = sub.add_parser("train", help="train a model: a Hugging Face checkpoint (or a registry shape) and your "
                            "data in, metrics, checkpoints and a Hugging Face checkpoint out; --resume continues",

@@ -15,6 +15,7 @@ from megatrain.systems import parse_options, system_spec
 
 DTYPES = ("float32", "bfloat16")
 PRECISIONS = ("mixed", "bf16")
+DEVICES = ("cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ class CaseConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
-        if self.device not in ("cpu", "cuda"):
+        if self.device not in DEVICES:
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if "compile" in self.options:
             raise ValueError("compile is a case setting for every system, not an option: use --compile "

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from megatrain.models.loss import IGNORE_INDEX
+from megatrain.tokenizer import Tokenizer
 
 
 def split_inputs_labels(tokens_BS1: torch.Tensor, valid_BS1: torch.Tensor | None = None):
@@ -68,26 +69,16 @@ def read_documents(path: str | Path) -> Iterator[str]:
 
 
 class TextBatches:
-    """Packs tokenized documents into [B, S+1] blocks separated by the tokenizer's EOS token.
+    """Packs tokenized documents into [B, S+1] blocks, each document ending with EOS (megatrain.tokenizer).
 
-    Uses a local `tokenizer.json` (the `tokenizers` package; nothing is downloaded). Documents are
-    concatenated and cut into full blocks; the final partial block is right-padded and masked.
+    Documents are concatenated and cut into full blocks; the final partial block is right-padded and masked.
     """
 
     def __init__(self, path: str | Path, tokenizer_dir: str | Path, batch: int, seq: int, vocab_size: int):
-        from tokenizers import Tokenizer
-
-        tok_file = Path(tokenizer_dir) / "tokenizer.json"
-        if not tok_file.exists():
-            raise ValueError(f"no tokenizer.json in {tokenizer_dir}; pass a local Hugging Face tokenizer directory")
-        tok = Tokenizer.from_file(str(tok_file))
-        eos = next((t for t in ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>") if tok.token_to_id(t) is not None),
-                   None)
+        tok = Tokenizer(tokenizer_dir)
         stream: list[int] = []
         for doc in read_documents(path):
-            stream.extend(tok.encode(doc).ids)
-            if eos is not None:
-                stream.append(tok.token_to_id(eos))
+            stream.extend(tok.document(doc))
         if not stream:
             raise ValueError(f"{path} holds no text")
         if max(stream) >= vocab_size:

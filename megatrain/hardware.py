@@ -1,4 +1,4 @@
-"""Hardware facts, in one place; measuring a machine is megatrain.bench.probe's.
+"""Hardware facts, in one place; measuring a machine is megatrain.probe's.
 
 - the kinds of machine a suite's cases expect (`PROFILES`): GPU model and memory, host memory. A case belongs to
   one profile; the suite runner runs the cases whose profile the probed machine matches;
@@ -13,6 +13,10 @@ from __future__ import annotations
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatrain.probe import Machine
 
 
 @dataclass(frozen=True)
@@ -33,24 +37,24 @@ class HardwareProfile:
     host_mem_gib: float | None
     description: str
 
-    def mismatch(self, machine: dict) -> str | None:
-        """Why `machine` (a megatrain.bench.probe.measure() result) is not this kind of machine, or None when it is.
+    def mismatch(self, machine: Machine) -> str | None:
+        """Why `machine` (the probe's) is not this kind of machine, or None when it is.
 
         GPU memory must be within 10% of nominal, host memory within 15% (reported totals sit a
         little below nominal, and a host twice as large would change which cases fit).
         """
         if self.gpu is not None:
-            if not machine.get("gpu_name"):
+            if not machine.gpu_name:
                 return f"{self.name} needs a {self.gpu} GPU; this machine has none"
-            if self.gpu.lower() not in machine["gpu_name"].lower():
-                return f"{self.name} needs a {self.gpu} GPU; this machine has {machine['gpu_name']}"
-            if abs(machine["gpu_mem_gib"] - self.gpu_mem_gib) > 0.1 * self.gpu_mem_gib:
+            if self.gpu.lower() not in machine.gpu_name.lower():
+                return f"{self.name} needs a {self.gpu} GPU; this machine has {machine.gpu_name}"
+            if abs(machine.gpu_mem_gib - self.gpu_mem_gib) > 0.1 * self.gpu_mem_gib:
                 return f"{self.name} needs ~{self.gpu_mem_gib:.0f} GiB of GPU memory; this GPU has " \
-                       f"{machine['gpu_mem_gib']:.0f}"
+                       f"{machine.gpu_mem_gib:.0f}"
         host = self.host_mem_gib
-        if host is not None and abs(machine["host_mem_gib"] - host) > 0.15 * host:
+        if host is not None and abs(machine.host_mem_gib - host) > 0.15 * host:
             return f"{self.name} needs ~{self.host_mem_gib:.0f} GiB of host memory; this machine has " \
-                   f"{machine['host_mem_gib']:.0f}"
+                   f"{machine.host_mem_gib:.0f}"
         return None
 
 
@@ -64,13 +68,13 @@ PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
 UNPROFILED = HardwareProfile("unprofiled", None, None, None, "a machine no profile describes (see 'measured')")
 
 
-def actual_profile(planned: str, machine: dict) -> str:
+def actual_profile(planned: str, machine: Machine) -> str:
     """The profile of the machine a case ran on: `planned` when the machine matches it, else the first profile that
     matches (a suite run with --any-hardware), else 'unprofiled'. Records and reports name this one."""
     if get_profile(planned).mismatch(machine) is None:
         return planned
     return next((p.name for p in PROFILES.values() if p.gpu is not None and p.mismatch(machine) is None),
-                "cpu-ci" if not machine.get("gpu_name") else "unprofiled")
+                "cpu-ci" if not machine.gpu_name else "unprofiled")
 
 
 def get_profile(name: str) -> HardwareProfile:
@@ -82,11 +86,11 @@ def get_profile(name: str) -> HardwareProfile:
     return PROFILES[name]
 
 
-def same_machine(a: dict, b: dict) -> bool:
+def same_machine(a: Machine, b: Machine) -> bool:
     """Whether two probes describe the same kind of machine (a resumed run may continue)."""
     keys = ("gpu_name", "gpu_count", "cpu", "cpu_cores")
-    return all(a.get(k) == b.get(k) for k in keys) and abs(a["host_mem_gib"] - b["host_mem_gib"]) <= \
-        0.05 * max(a["host_mem_gib"], b["host_mem_gib"])
+    return all(getattr(a, k) == getattr(b, k) for k in keys) and abs(a.host_mem_gib - b.host_mem_gib) <= \
+        0.05 * max(a.host_mem_gib, b.host_mem_gib)
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,11 @@ from pathlib import Path
 import pandas as pd
 
 from megatrain.analysis import plots, scaling_report, tables
-from megatrain.bench.env import REPO_ROOT
-from megatrain.bench.probe import describe
+from megatrain.bench.env import WORKSPACE
 from megatrain.bench.suite import read_suite_records
 from megatrain.hardware import get_profile
 from megatrain.memory import GPU_FILL
+from megatrain.probe import Machine
 
 MAX_TRACES = 6
 CSS = """
@@ -78,7 +78,7 @@ def _runs_section(records: list[dict], scope: pd.DataFrame) -> str:
         profiles = sorted({r["suite"]["hardware"] for r in rs})
         facts = {
             "hardware profile": ", ".join(f"{p}: {get_profile(p).description}" for p in profiles),
-            "measured": describe(machine),
+            "measured": Machine.from_dict(machine).describe(),
             "commits": ", ".join(commits), "started": min(r["suite"]["started_at"] or "?" for r in rs),
             "python / torch / CUDA": f"{env['python']} / {env['torch']} / {env['cuda'] or 'none'}",
             "DeepSpeed / transformers": f"{env['deepspeed'] or 'not installed'} / {env['transformers'] or '—'}",
@@ -209,7 +209,7 @@ def write_report(results_dir: Path, out_dir: Path, all_runs: bool = False) -> Pa
     suite = records[-1]["suite"]["name"]
     speedups = tables.speedups(scope)
     paper = tables.paper_comparison(scope)
-    rel = lambda p: p.resolve().relative_to(REPO_ROOT) if p.resolve().is_relative_to(REPO_ROOT) else p  # noqa: E731
+    rel = lambda p: p.resolve().relative_to(WORKSPACE) if p.resolve().is_relative_to(WORKSPACE) else p  # noqa: E731
     rerun = (f"python -m megatrain suite {suite} --out-dir {rel(results_dir)}\n"
              f"python -m megatrain report {rel(results_dir)} --out {rel(out_dir)}")
     body = [
@@ -228,7 +228,7 @@ def write_report(results_dir: Path, out_dir: Path, all_runs: bool = False) -> Pa
         "<h2>Results</h2>", html_table(tables.results_table(scope)),
         "<p class='muted'>host B/param: peak RSS of the case's process over its parameters (includes the "
         "process's fixed ~0.3-3 GiB, so it reads high for small models). plan: the pre-flight estimate "
-        "(megatrain.bench.fit).</p>",
+        "(megatrain.preflight).</p>",
         *_headroom_section(scope),
         *([] if not (scope["device"] == "cuda").any() else [
             "<h2>Speedups</h2>",
@@ -255,7 +255,7 @@ def write_report(results_dir: Path, out_dir: Path, all_runs: bool = False) -> Pa
 
 def write_reports(suites: list[str], out: str | None = None) -> list[Path]:
     """Reports for suite names or results directories; none given: every committed results/<suite>/."""
-    results_root = REPO_ROOT / "results"
+    results_root = WORKSPACE / "results"
     if suites:
         dirs = [Path(s) if Path(s).is_dir() else results_root / s for s in suites]
     else:  # *-local directories hold uncommitted local runs (nox -s smoke); others hold no suite's records
@@ -266,4 +266,4 @@ def write_reports(suites: list[str], out: str | None = None) -> list[Path]:
                   "not a suite run)")
     if out is not None and len(dirs) != 1:
         raise ValueError("--out names one report directory; give exactly one suite with it")
-    return [write_report(d, Path(out) if out else REPO_ROOT / "reports" / d.name) for d in dirs]
+    return [write_report(d, Path(out) if out else WORKSPACE / "reports" / d.name) for d in dirs]

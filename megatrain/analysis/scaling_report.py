@@ -16,9 +16,9 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from megatrain.analysis.plots import _save
-from megatrain.bench.env import REPO_ROOT
+from megatrain.bench.env import WORKSPACE
 
-PERF = REPO_ROOT / "results" / "perf_model"
+PERF = WORKSPACE / "results" / "perf_model"
 BASELINE = "deepspeed-compiled"  # the largest-model ratio is taken against it
 
 

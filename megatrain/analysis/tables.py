@@ -16,6 +16,7 @@ from megatrain.bench.flops import hardware_flops, paper_flops
 from megatrain.hardware import actual_profile
 from megatrain.memory import GPU_FILL
 from megatrain.models.registry import MODELS, get_model_config
+from megatrain.probe import Machine
 
 GIB = 2**30
 
@@ -51,10 +52,11 @@ def records_frame(records: list[dict]) -> pd.DataFrame:
         s = r["suite"]
         plan = s.get("plan") or {}
         trace = r.get("trace") or {}
+        hardware = actual_profile(s["hardware"], Machine.from_dict(s["machine"])) if s.get("machine") else s["hardware"]
         rows[(s["run_id"], s["case_id"])] = {
             "run_id": s["run_id"], "case_id": s["case_id"], "suite": s["name"], "group": s["group"],
-            "label": _label(r), "hardware": actual_profile(s["hardware"], s["machine"]) if s.get("machine")
-            else s["hardware"], "compile": compiled(r), "system": r["system"], "precision": r["precision"],
+            "label": _label(r), "hardware": hardware,
+            "compile": compiled(r), "system": r["system"], "precision": r["precision"],
             "dtype": r["dtype"], "device": r["config"]["device"], "model": model_label(r), "model_name": r["model"],
             "num_layers": r["num_layers"], "params_b": r["num_params"] / 1e9, "batch": r["batch"],
             "micro_batch": r["micro_batch"], "seq": r["seq"], "status": r["status"], "error": r.get("error"),

@@ -11,7 +11,7 @@ import traceback
 
 import torch
 
-from megatrain.bench.record import base_record, relative_paths, timing_metrics
+from megatrain.bench.record import Peaks, Record, Timing, relative_paths
 from megatrain.bench.trace import start_trace, stop_trace
 from megatrain.config import CaseConfig
 from megatrain.data import make_batches
@@ -28,13 +28,14 @@ def run_case(case: CaseConfig, gemm_peak_tflops: float | None = None, on_step=No
 
     Failures inside the run (OOM, errors) come back as records with status 'oom' or 'error';
     invalid configurations raise ValueError before anything is built (the system's constructor refuses them).
+    The record is Record.to_dict().
     """
     cuda = case.device == "cuda"
     if cuda and not torch.cuda.is_available():
         raise ValueError("device 'cuda' asked for but CUDA is not available; use --device cpu")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    record = base_record(case, "ok")
+    record = Record(case, "ok")
     system = None
     losses: list[float] = []
     step_times: list[float] = []
@@ -43,7 +44,7 @@ def run_case(case: CaseConfig, gemm_peak_tflops: float | None = None, on_step=No
     try:
         t_build = time.perf_counter()
         system = build_system(case)
-        record["build_s"] = time.perf_counter() - t_build  # model init, host state, pinning, zero.Init
+        record.build_s = time.perf_counter() - t_build
         batches = make_batches(case, case.model_config().vocab_size)
         for step in range(case.steps):
             inputs, labels = batches.batch_at(step)
@@ -57,11 +58,10 @@ def run_case(case: CaseConfig, gemm_peak_tflops: float | None = None, on_step=No
             losses.append(loss)
             if on_step:
                 on_step(step, loss, step_times[-1])
-        record["system_config"] = system.system_config()
-        record.update(timing_metrics(case, step_times, gemm_peak_tflops,
-                                     record["system_config"].get("recomputed_inputs", 0)))
-        record["skipped_steps"] = system.skipped_steps
-        record["metrics"] = system.metrics(warmup_steps=case.warmup)
+        record.system_config = system.system_config()
+        record.timing = Timing.of(case, step_times, gemm_peak_tflops, record.system_config.get("recomputed_inputs", 0))
+        record.skipped_steps = system.skipped_steps
+        record.metrics = system.metrics(warmup_steps=case.warmup)
     except ValueError as exc:
         if system is not None:
             _record_failure(record, exc)
@@ -70,22 +70,18 @@ def run_case(case: CaseConfig, gemm_peak_tflops: float | None = None, on_step=No
     except Exception as exc:  # recorded, not raised: a sweep goes on after a failed case
         _record_failure(record, exc)
     finally:
-        record["trace"] = stop_trace(sampler)
-        record["losses"] = losses
-        record["peak_host_rss_gib"] = peak_host_rss_gib()
-        if cuda:
-            record["peak_gpu_alloc_gib"] = torch.cuda.max_memory_allocated() / GIB
-            record["peak_gpu_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
-        else:
-            record["peak_gpu_alloc_gib"] = 0.0
+        trace = stop_trace(sampler)
+        record.losses = losses
+        record.peaks = Peaks(trace, peak_host_rss_gib(), torch.cuda.max_memory_allocated() / GIB if cuda else 0.0,
+                             torch.cuda.max_memory_reserved() / GIB if cuda else None)
         if system is not None:
             system.close()
     if invalid is not None:
         raise invalid
-    return record
+    return record.to_dict()
 
 
-def _record_failure(record: dict, exc: BaseException) -> None:
-    record["status"] = "oom" if _is_oom(exc) else "error"
-    record["error"] = relative_paths(f"{type(exc).__name__}: {exc}")[:4000]
-    record["traceback"] = relative_paths(traceback.format_exc())[-4000:]
+def _record_failure(record: Record, exc: BaseException) -> None:
+    record.status = "oom" if _is_oom(exc) else "error"
+    record.error = relative_paths(f"{type(exc).__name__}: {exc}")[:4000]
+    record.traceback = relative_paths(traceback.format_exc())[-4000:]

@@ -1,4 +1,5 @@
-"""The environment a record was measured in: commit, versions, devices, host."""
+"""The environment a record was measured in: commit, versions, devices, host; and where the package and its
+working files are."""
 
 from __future__ import annotations
 
@@ -12,18 +13,26 @@ from pathlib import Path
 import torch
 
 from megatrain.memory import host_memory_gib
+from megatrain.probe import cpu_name
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+_PARENT = Path(__file__).resolve().parents[2]
+# the source checkout this package runs from (pyproject.toml beside the package), None for an installed package
+CHECKOUT: Path | None = _PARENT if (_PARENT / "pyproject.toml").is_file() else None
+# where suites/, results/ and reports/ are: $MEGATRAIN_WORKSPACE, else the checkout, else the current directory
+WORKSPACE = Path(os.environ.get("MEGATRAIN_WORKSPACE") or CHECKOUT or Path.cwd()).resolve()
 
 
 def git_commit() -> tuple[str, bool | None]:
-    """(commit, dirty). MEGATRAIN_COMMIT overrides where the tree travels without .git (GPU host)."""
+    """(commit, dirty) of the checkout; ("unknown", None) for an installed package. MEGATRAIN_COMMIT overrides where
+    the tree travels without .git (GPU host)."""
     if os.environ.get("MEGATRAIN_COMMIT"):
         return os.environ["MEGATRAIN_COMMIT"], os.environ.get("MEGATRAIN_DIRTY") == "1"
+    if CHECKOUT is None:
+        return "unknown", None
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=CHECKOUT, capture_output=True, text=True,
                                 check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=CHECKOUT,
                                     capture_output=True, text=True).stdout.strip())
         return commit, dirty
     except (OSError, subprocess.CalledProcessError):
@@ -35,16 +44,6 @@ def _version(pkg: str) -> str | None:
         return metadata.version(pkg)
     except metadata.PackageNotFoundError:
         return None
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 @functools.lru_cache(maxsize=1)

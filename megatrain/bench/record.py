@@ -1,4 +1,4 @@
-"""The one benchmark record schema: build, validate, append to JSONL.
+"""The one benchmark record schema: build (Record), validate, append to JSONL.
 
 Units sit in the key names. Status is one of: ok, oom, error, timeout, skipped, killed (ended by a signal
 that was not the kernel's OOM killer: Ctrl-C, a kill from outside).
@@ -6,14 +6,16 @@ that was not the kernel's OOM killer: Ctrl-C, a kill from outside).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import statistics
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatrain.bench.env import REPO_ROOT, environment
+from megatrain.bench.env import CHECKOUT, environment
 from megatrain.bench.flops import hardware_flops, mfu, model_flops, paper_flops
 from megatrain.config import CaseConfig
 
@@ -26,63 +28,98 @@ _SITE_PACKAGES = re.compile(r"/[^\s\"']*/(site-packages|dist-packages)/")
 
 
 def relative_paths(text: str) -> str:
-    """`text` (a traceback, a stderr tail) without this machine's paths: files in the repository
-    relative to its root, installed packages from `site-packages/`. Records are committed."""
-    return _SITE_PACKAGES.sub(r"\1/", text.replace(f"{REPO_ROOT}/", ""))
+    """`text` (a traceback, a stderr tail) without this machine's paths: files in the checkout
+    relative to its root, installed packages (this one too, when installed) from `site-packages/`. Records are
+    committed."""
+    return _SITE_PACKAGES.sub(r"\1/", text.replace(f"{CHECKOUT}/", "") if CHECKOUT else text)
 
 
-def base_record(case: CaseConfig, status: str) -> dict:
-    cfg = case.model_config()
-    return {
-        "status": status,
-        "system": case.system,
-        "model": case.model,
-        "num_layers": cfg.num_layers,
-        "num_params": cfg.num_params(),
-        "batch": case.batch,
-        "micro_batch": case.micro_batch,
-        "seq": case.seq,
-        "precision": case.precision,
-        "dtype": case.dtype,
-        "tokens_per_step": case.tokens_per_step,
-        "step_time_s": None,
-        "tokens_per_s": None,
-        "tflops": None,
-        "peak_gpu_alloc_gib": None,
-        "peak_host_rss_gib": None,
-        "losses": [],
-        "skipped_steps": 0,  # steps whose gradient norm was not finite, so no update was applied
-        "error": None,
-        "config": case.to_dict(),
-        "env": environment(),
-    }
+@dataclass(frozen=True)
+class Timing:
+    """The timed steps' median and every rate derived from it."""
+
+    step_time_s: float
+    step_time_min_s: float
+    step_time_max_s: float
+    step_time_iqr_s: float
+    step_times_s: list[float]  # every step, the untimed warmup too
+    timed_steps: int
+    tokens_per_s: float
+    tflops: float  # 6NT
+    tflops_no_embed: float
+    hw_tflops: float
+    paper_tflops: float
+    gemm_peak_tflops: float | None
+    mfu: float | None
+
+    @staticmethod
+    def of(case: CaseConfig, step_times_s: list[float], gemm_peak_tflops: float | None = None,
+           extra_layer_forwards: int = 0) -> Timing:
+        """extra_layer_forwards: decoder-layer forwards the system ran beyond forward, recompute and backward, in the
+        hardware FLOPs."""
+        timed = step_times_s[case.warmup:] if len(step_times_s) > case.warmup else step_times_s
+        median = statistics.median(timed)
+        cfg = case.model_config()
+        hw = hardware_flops(cfg, case.batch, case.seq, recompute=True, extra_layer_forwards=extra_layer_forwards) \
+            / median / 1e12
+        quartiles = statistics.quantiles(timed, n=4) if len(timed) >= 2 else None
+        return Timing(
+            step_time_s=median, step_time_min_s=min(timed), step_time_max_s=max(timed),
+            step_time_iqr_s=quartiles[2] - quartiles[0] if quartiles else 0.0, step_times_s=step_times_s,
+            timed_steps=len(timed), tokens_per_s=case.tokens_per_step / median,
+            tflops=model_flops(cfg.num_params(), case.tokens_per_step) / median / 1e12,
+            tflops_no_embed=model_flops(cfg.matmul_params(), case.tokens_per_step) / median / 1e12, hw_tflops=hw,
+            paper_tflops=paper_flops(cfg, case.batch, case.seq) / median / 1e12, gemm_peak_tflops=gemm_peak_tflops,
+            mfu=mfu(hw, gemm_peak_tflops))
 
 
-def timing_metrics(case: CaseConfig, step_times_s: list[float], gemm_peak_tflops: float | None = None,
-                   extra_layer_forwards: int = 0) -> dict:
-    """Median step time over the timed steps and every rate derived from it (extra_layer_forwards: decoder-layer
-    forwards the system ran beyond forward, recompute and backward, in the hardware FLOPs)."""
-    timed = step_times_s[case.warmup:] if len(step_times_s) > case.warmup else step_times_s
-    median = statistics.median(timed)
-    cfg = case.model_config()
-    hw = hardware_flops(cfg, case.batch, case.seq, recompute=True, extra_layer_forwards=extra_layer_forwards) \
-        / median / 1e12
-    return {
-        "step_time_s": median,
-        "step_time_min_s": min(timed),
-        "step_time_max_s": max(timed),
-        "step_time_iqr_s": (statistics.quantiles(timed, n=4)[2] - statistics.quantiles(timed, n=4)[0])
-        if len(timed) >= 2 else 0.0,
-        "step_times_s": step_times_s,
-        "timed_steps": len(timed),
-        "tokens_per_s": case.tokens_per_step / median,
-        "tflops": model_flops(cfg.num_params(), case.tokens_per_step) / median / 1e12,
-        "tflops_no_embed": model_flops(cfg.matmul_params(), case.tokens_per_step) / median / 1e12,
-        "hw_tflops": hw,
-        "paper_tflops": paper_flops(cfg, case.batch, case.seq) / median / 1e12,
-        "gemm_peak_tflops": gemm_peak_tflops,
-        "mfu": mfu(hw, gemm_peak_tflops),
-    }
+@dataclass(frozen=True)
+class Peaks:
+    """What a run measured however it ended: its resource trace and memory peaks."""
+
+    trace: dict | None  # megatrain.bench.trace; None when nobody asked for one
+    peak_host_rss_gib: float
+    peak_gpu_alloc_gib: float  # 0.0 on CPU
+    peak_gpu_reserved_gib: float | None = None  # CUDA only
+
+
+@dataclass
+class Record:
+    """One case's record, by section: the case, how it ended, the system's settings and metrics, timing, peaks; a
+    section a case did not reach is None. to_dict() is the JSON, in the key order records always had; readers take
+    it as a dict."""
+
+    case: CaseConfig
+    status: str
+    error: str | None = None
+    env: dict = field(default_factory=environment)
+    build_s: float | None = None  # model init, host state, pinning, zero.Init
+    system_config: dict | None = None
+    timing: Timing | None = None
+    skipped_steps: int = 0  # steps whose gradient norm was not finite, so no update was applied
+    losses: list[float] = field(default_factory=list)
+    metrics: dict | None = None
+    traceback: str | None = None
+    peaks: Peaks | None = None
+    stderr_tail: str | None = None  # the suite runner's, for a case that wrote no record
+
+    def to_dict(self) -> dict:
+        case, cfg = self.case, self.case.model_config()
+        timing = dataclasses.asdict(self.timing) if self.timing else {}
+        peaks = dataclasses.asdict(self.peaks) if self.peaks else {}
+        head = {"status": self.status, "system": case.system, "model": case.model, "num_layers": cfg.num_layers,
+                "num_params": cfg.num_params(), "batch": case.batch, "micro_batch": case.micro_batch, "seq": case.seq,
+                "precision": case.precision, "dtype": case.dtype, "tokens_per_step": case.tokens_per_step,
+                **{k: timing.pop(k, None) for k in ("step_time_s", "tokens_per_s", "tflops")},
+                **{k: peaks.pop(k, None) for k in ("peak_gpu_alloc_gib", "peak_host_rss_gib")},
+                "losses": self.losses, "skipped_steps": self.skipped_steps, "error": self.error,
+                "config": case.to_dict(), "env": self.env}
+        if peaks.get("peak_gpu_reserved_gib") is None:
+            peaks.pop("peak_gpu_reserved_gib", None)
+        tail = {"build_s": self.build_s, "system_config": self.system_config, **timing, "metrics": self.metrics,
+                "traceback": self.traceback}
+        return {**head, **{k: v for k, v in tail.items() if k in timing or v is not None}, **peaks,
+                **({"stderr_tail": self.stderr_tail} if self.stderr_tail is not None else {})}
 
 
 def validate(record: dict) -> None:

@@ -13,7 +13,7 @@ system's largest batch" (or deepest model) is found. Cases above the stop are no
 
 The runner (`run_suite`) probes the machine once (in a subprocess, so that this process never
 holds a CUDA context), keeps the cases whose hardware profile this machine matches, asks each
-system whether the case fits (megatrain.bench.fit) and runs every case in a fresh
+system whether the case fits (megatrain.preflight) and runs every case in a fresh
 `python -m megatrain bench` subprocess under a time limit. Each case appends one record to
 `<out_dir>/records.jsonl`, with a `suite` block: run_id, case_id, group, label, hardware profile,
 the measured machine, the memory plan, the exact command, wall time.
@@ -33,7 +33,6 @@ fresh run_id and runs everything.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import itertools
@@ -47,17 +46,21 @@ import subprocess
 import sys
 import time
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from megatrain.bench.args import add_case_arguments, case_from_args
-from megatrain.bench.env import REPO_ROOT, git_commit
-from megatrain.bench.record import append_jsonl, base_record, read_jsonl, relative_paths, summary_line
+from megatrain.bench.args import BenchFlags
+from megatrain.bench.env import CHECKOUT, WORKSPACE, git_commit
+from megatrain.bench.record import Record, append_jsonl, read_jsonl, relative_paths, summary_line
 from megatrain.config import CaseConfig
+from megatrain.flags import flag_argv, parse
 from megatrain.hardware import actual_profile, get_profile, same_machine
 from megatrain.optim.config import OptimConfig
+from megatrain.probe import Machine, measure
 
-SUITES_DIR = REPO_ROOT / "suites"
+SUITES_DIR = WORKSPACE / "suites"
+# where the probe and every case run: a checkout's root, so that `python -m megatrain` is its code; else the workspace
+CASE_CWD = CHECKOUT or WORKSPACE
 FINAL_STATUSES = ("ok", "oom", "skipped")  # error, timeout and killed are run again on resume
 # Group keys whose values (scalar or list) span the product, and the case field each sets.
 PRODUCT_KEYS = {"systems": "system", "models": "model", "batch": "batch", "seq": "seq", "num_layers": "num_layers",
@@ -178,28 +181,10 @@ def load_suite(name_or_path: str) -> Suite:
     return Suite(path.stem, spec.get("description", ""), cases)
 
 
-def bench_args(config: CaseConfig) -> list[str]:
+def bench_args(config: CaseConfig, gemm_peak_tflops: float | None = None) -> list[str]:
     """`python -m megatrain bench` arguments that rebuild exactly `config`."""
-    args = ["--system", config.system, "--model", config.model, "--batch", str(config.batch),
-            "--micro-batch", str(config.micro_batch), "--seq", str(config.seq), "--steps", str(config.steps),
-            "--warmup", str(config.warmup), "--device", config.device, "--dtype", config.dtype,
-            "--precision", config.precision, "--seed", str(config.seed), "--data", config.data,
-            "--lr", repr(config.optim.lr), "--weight-decay", repr(config.optim.weight_decay),
-            "--max-grad-norm", repr(config.optim.max_grad_norm)]
-    if config.num_layers is not None:
-        args += ["--num-layers", str(config.num_layers)]
-    if config.tokenizer:
-        args += ["--tokenizer", config.tokenizer]
-    if config.repeat_batch:
-        args.append("--repeat-batch")
-    if config.compile:
-        args.append("--compile")
-    for key, value in config.options.items():
-        args += ["--option", f"{key}={json.dumps(value)}"]
-    parser = argparse.ArgumentParser()
-    add_case_arguments(parser)
-    rebuilt = case_from_args(parser.parse_args(args))
-    if rebuilt != config:
+    args = flag_argv(replace(BenchFlags.of_case(config), gemm_peak_tflops=gemm_peak_tflops))
+    if parse(BenchFlags, args).case() != config:
         raise ValueError(f"the bench CLI cannot express this case (optim betas/eps are not flags): {config}")
     return args
 
@@ -209,7 +194,7 @@ def _preflight(cases: list[SuiteCase], rates: bool) -> dict:
     payload = json.dumps({"rates": rates, "cases": {c.case_id: c.config.to_dict() for c in cases}})
     code = "from megatrain.bench.suite import preflight_child; preflight_child()"
     proc = subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True, text=True,
-                          cwd=REPO_ROOT)
+                          cwd=CASE_CWD)
     if proc.returncode != 0:
         raise RuntimeError(f"pre-flight probe failed (exit {proc.returncode}):\n{proc.stderr[-STDERR_TAIL_CHARS:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -217,13 +202,12 @@ def _preflight(cases: list[SuiteCase], rates: bool) -> dict:
 
 def preflight_child() -> None:
     """Subprocess side of _preflight: read cases from stdin, print the machine and the plans as JSON."""
-    from megatrain.bench.fit import plan_case
-    from megatrain.bench.probe import measure
+    from megatrain.preflight import plan_case
 
     request = json.loads(sys.stdin.read())
     machine = measure(rates=request["rates"])
     plans = {cid: plan_case(CaseConfig.from_dict(d), machine) for cid, d in request["cases"].items()}
-    print(json.dumps({"machine": machine, "plans": plans}))
+    print(json.dumps({"machine": machine.to_dict(), "plans": plans}))
 
 
 def _last_json_line(stdout: str) -> dict | None:
@@ -252,7 +236,7 @@ def run_case_subprocess(case: SuiteCase, command: list[str], trace_file: Path) -
     group = watchdog.pid
     try:
         proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=env, cwd=REPO_ROOT, process_group=group)
+                                text=True, env=env, cwd=CASE_CWD, process_group=group)
         timed_out = False
         try:
             stdout, stderr = proc.communicate(timeout=case.timeout_s)
@@ -273,27 +257,24 @@ def run_case_subprocess(case: SuiteCase, command: list[str], trace_file: Path) -
     if record is not None:
         return record, facts
     if timed_out:
-        record = base_record(case.config, "timeout")
-        record["error"] = f"no record after {case.timeout_s:.0f} s; killed"
+        status, error = "timeout", f"no record after {case.timeout_s:.0f} s; killed"
     elif proc.returncode == -signal.SIGKILL and (evidence := _oom_killed(oom_kills_before)):
-        record = base_record(case.config, "oom")
-        record["error"] = "killed by the kernel's OOM killer (host memory): " + evidence
+        status, error = "oom", "killed by the kernel's OOM killer (host memory): " + evidence
     elif proc.returncode == 2 and PREFLIGHT_REFUSAL in tail:
         # the case's own pre-flight refused it: the memory free when it started was less than at the suite's check
-        record = base_record(case.config, "skipped")
-        record["error"] = next(line for line in tail.splitlines() if PREFLIGHT_REFUSAL in line).removeprefix("error: ")
+        status = "skipped"
+        error = next(line for line in tail.splitlines() if PREFLIGHT_REFUSAL in line).removeprefix("error: ")
     elif proc.returncode < 0:
-        record = base_record(case.config, "killed")
-        record["error"] = f"killed by signal {signal.Signals(-proc.returncode).name} from outside the runner, not by " \
-                          "the OOM killer (the cgroup's OOM counter did not move); run again on resume"
+        status = "killed"
+        error = f"killed by signal {signal.Signals(-proc.returncode).name} from outside the runner, not by the OOM " \
+                "killer (the cgroup's OOM counter did not move); run again on resume"
     else:
-        record = base_record(case.config, "error")
-        record["error"] = f"exit code {proc.returncode} without a record: " + (tail.strip().splitlines() or [""])[-1]
-    record["stderr_tail"] = tail
-    return record, facts
+        status = "error"
+        error = f"exit code {proc.returncode} without a record: " + (tail.strip().splitlines() or [""])[-1]
+    return Record(case.config, status, error, stderr_tail=tail).to_dict(), facts
 
 
-PREFLIGHT_REFUSAL = "does not fit here"  # megatrain.bench.fit.preflight's refusal (exit code 2)
+PREFLIGHT_REFUSAL = "does not fit here"  # megatrain.preflight.preflight's refusal (exit code 2)
 
 
 def cgroup_oom_kills() -> int | None:
@@ -330,7 +311,7 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
 
 
-def _current_run(records: list[dict], machine: dict) -> str | None:
+def _current_run(records: list[dict], machine: Machine) -> str | None:
     """run_id of the latest run in these records if it ran on the same kind of machine and commit.
 
     A run is one commit: cases added to a suite after a commit (or code changed under it) start a new
@@ -339,7 +320,8 @@ def _current_run(records: list[dict], machine: dict) -> str | None:
     if not records:
         return None
     last = records[-1]
-    if same_machine(last["suite"]["machine"], machine) and last["env"].get("commit") == git_commit()[0]:
+    same_commit = last["env"].get("commit") == git_commit()[0]
+    if same_commit and same_machine(Machine.from_dict(last["suite"]["machine"]), machine):
         return last["suite"]["run_id"]
     return None
 
@@ -379,9 +361,9 @@ def run_suite(suite: Suite, out_dir: Path, only: str | None = None, timeout_s: f
     if timeout_s is not None:
         cases = [SuiteCase(c.config, c.hardware, c.group, c.label, timeout_s, c.ladder) for c in cases]
     pre = _preflight(cases, rates=not dry_run)
-    machine = pre["machine"]
-    log(f"suite {suite.name}: {len(cases)} cases; machine: {machine['gpu_name'] or 'no GPU'}, "
-        f"host {machine['host_mem_gib']:.0f} GiB")
+    machine = Machine.from_dict(pre["machine"])
+    log(f"suite {suite.name}: {len(cases)} cases; machine: {machine.gpu_name or 'no GPU'}, "
+        f"host {machine.host_mem_gib:.0f} GiB")
     mismatch = {c.case_id: get_profile(c.hardware).mismatch(machine) for c in cases}
     for profile, why in sorted({(c.hardware, mismatch[c.case_id]) for c in cases if mismatch[c.case_id]}):
         log(f"  {'running anyway' if any_hardware else 'not running'} the cases for {profile}: {why}")
@@ -437,11 +419,10 @@ def _progress(done: int, total: int, elapsed_s: float) -> str:
     return f"{done}/{total}, {elapsed_s / 60:.1f} min, ETA {eta_s / 60:.1f} min"
 
 
-def _run_one(case: SuiteCase, plan: dict, machine: dict, run_id: str, suite_name: str, out_dir: Path,
+def _run_one(case: SuiteCase, plan: dict, machine: Machine, run_id: str, suite_name: str, out_dir: Path,
              command_prefix: list[str]) -> dict:
-    args = bench_args(case.config)
-    if machine["gemm_bf16_tflops"] and case.config.device == "cuda":
-        args += ["--gemm-peak-tflops", f"{machine['gemm_bf16_tflops']:.1f}"]
+    gemm = machine.gemm_bf16_tflops if case.config.device == "cuda" else None
+    args = bench_args(case.config, round(gemm, 1) if gemm else None)
     trace_rel = Path("traces") / f"{run_id}-{case.case_id}.json"  # a rerun in a new run keeps the old trace
     started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     if plan["fits"]:
@@ -449,8 +430,7 @@ def _run_one(case: SuiteCase, plan: dict, machine: dict, run_id: str, suite_name
         (out_dir / trace_rel).unlink(missing_ok=True)
         record, facts = run_case_subprocess(case, command_prefix + args, out_dir / trace_rel)
     else:
-        record, facts = base_record(case.config, "skipped"), {"exit_code": None, "wall_s": 0.0}
-        record["error"] = plan["reason"]
+        record, facts = Record(case.config, "skipped", plan["reason"]).to_dict(), {"exit_code": None, "wall_s": 0.0}
     if record.get("trace"):
         record["trace"]["path"] = str(trace_rel)  # relative to the results directory, wherever it travels
     # the profile of the machine it ran on; the suite's, when different (--any-hardware), beside it
@@ -459,7 +439,7 @@ def _run_one(case: SuiteCase, plan: dict, machine: dict, run_id: str, suite_name
         "name": suite_name, "run_id": run_id, "case_id": case.case_id, "group": case.group, "label": case.label,
         "hardware": hardware, **({"planned_hardware": case.hardware} if hardware != case.hardware else {}),
         "ladder": case.ladder, "timeout_s": case.timeout_s, "plan": plan,
-        "machine": machine, "command": shlex.join(["python", "-m", "megatrain", "bench", *args]),
+        "machine": machine.to_dict(), "command": shlex.join(["python", "-m", "megatrain", "bench", *args]),
         "started_at": started_at, **facts,
     }
     return record

@@ -20,7 +20,7 @@ from megatrain.engine.uses import use_order
 from megatrain.memory import GIB, Budget, backward_work_bytes, budget, layer_input_bytes
 from megatrain.optim.state_bytes import FP32_BYTES, state_bytes_per_param
 
-# Fixed per-process costs beyond the training state; the pre-flight of every system (megatrain.bench.fit)
+# Fixed per-process costs beyond the training state; the pre-flight of every system (megatrain.preflight)
 # counts the same.
 PROCESS_OVERHEAD_BYTES = 3 * GIB  # python, torch, CUDA context and libraries in host RSS
 GPU_RESERVE_BYTES = 2 * GIB  # CUDA context, cuBLAS workspaces, allocator fragmentation

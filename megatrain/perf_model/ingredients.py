@@ -3,9 +3,9 @@
 python -m megatrain.perf_model.ingredients --out results/ingredients/h200-141g-128g.json
     [--models qwen2.5-0.5b,...] [--tokens 8192,32768] [--long-seqs 8192,32768,131072]
 
-- the machine probe (megatrain.bench.probe.measure: pinned PCIe each way and both, bf16 GEMM, torch's fused CPU
+- the machine probe (megatrain.probe.measure: pinned PCIe each way and both, bf16 GEMM, torch's fused CPU
   AdamW), and the host's copy rate (one 2 GiB tensor into another: GB copied per second);
-- the engine's own host AdamW kernel (megatrain.bench.probe.engine_adamw_gparams_s) in both precisions, in
+- the engine's own host AdamW kernel (megatrain.probe.engine_adamw_gparams_s) in both precisions, in
   G params/s over 128M parameters;
 - the GPU AdamW of a resident unit (the engine's torch_adamw_unit on one 7B layer's tiles on the GPU, clipped), in
   G params/s per precision, and the GPU's copy rate (GB copied per second);
@@ -32,15 +32,16 @@ import torch
 import torch.nn.functional as F
 
 from megatrain.bench.env import environment
-from megatrain.bench.probe import GIB, engine_adamw_gparams_s, measure
 from megatrain.engine.host_optimizer import torch_adamw_unit
 from megatrain.engine.layout import build_units
 from megatrain.engine.store import OPT_CHUNK
 from megatrain.engine.templates import HeadTemplate
+from megatrain.memory import GIB
 from megatrain.models import get_model_config
 from megatrain.optim.config import OptimConfig
 from megatrain.optim.host_adamw import FlatAdamW
 from megatrain.perf_model.layer_profile import bench_ms, engine_layer
+from megatrain.probe import engine_adamw_gparams_s, measure
 
 SHAPES = ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b",
           "dense-120b"]
@@ -151,7 +152,7 @@ def main() -> None:
     torch._dynamo.config.cache_size_limit = 64  # one compile per shape and token count, all of one function
     t0 = time.perf_counter()
     result = {"what": "performance model ingredients (megatrain.perf_model.ingredients)", "env": environment(),
-              "machine": measure(), "host_copy_gbs": host_copy_gbs(), "host_adamw_gparams_s": {},
+              "machine": measure().to_dict(), "host_copy_gbs": host_copy_gbs(), "host_adamw_gparams_s": {},
               "layers": [], "heads": [], "attention": []}
     result["gpu_copy_gbs"] = gpu_copy_gbs()
     for precision in ("bf16", "mixed"):

@@ -189,7 +189,7 @@ class Machine:
 
     @staticmethod
     def from_probe(ing: Ingredients, probe: dict | None, name: str) -> Machine:
-        """The machine a record ran on, from its probe (megatrain.bench.probe.measure) and the ingredients of
+        """The machine a record ran on, from its probe (megatrain.probe.measure) and the ingredients of
         its GPU kind: rates the probe lacks are the ingredients'. The host AdamW is the probe's own timing of the
         engine's kernel where it has one; older probes timed only torch's fused AdamW, and the engine's rate is
         then that times the ratio of the two in the ingredient runs (their mean: the ratio varies between VMs)."""

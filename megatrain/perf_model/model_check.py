@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from megatrain.analysis.tables import compiled
-from megatrain.bench.env import REPO_ROOT, environment
+from megatrain.bench.env import WORKSPACE, environment
 from megatrain.config import CaseConfig
 from megatrain.engine.config import EngineConfig
 from megatrain.engine.plan import check_fits
@@ -33,7 +33,7 @@ from megatrain.hardware import LENT, get_profile, gpu_kind, specs
 from megatrain.memory import GIB, Budget
 from megatrain.perf_model.model import Ingredients, Machine, Model, simulate
 
-RESULTS = REPO_ROOT / "results"
+RESULTS = WORKSPACE / "results"
 SKIP_DIRS = {"dev", "gpu_checks", "smoke-local", "perf_model", "ingredients"}
 
 
@@ -166,10 +166,11 @@ def validate(out: Path) -> dict:
 
 def predict_suite(suite: str, only: str | None, out: Path) -> list[dict]:
     """The model's numbers for a suite's engine cases on this machine, before they run."""
-    from megatrain.bench.probe import measure
     from megatrain.bench.suite import load_suite
+    from megatrain.probe import measure
 
-    probe = measure()
+    found = measure()
+    probe = found.to_dict()
     kind = gpu_kind(probe["gpu_name"])
     ing = ingredients(kind)
     machine = Machine.from_probe(ing, probe, kind)
@@ -178,7 +179,7 @@ def predict_suite(suite: str, only: str | None, out: Path) -> list[dict]:
     for case in load_suite(suite).cases:
         name = f"{case.group} {case.name} {case.case_id}"
         if case.config.system != "megatrain" or (only and not re.search(only, name)) or \
-                get_profile(case.hardware).mismatch(probe):
+                get_profile(case.hardware).mismatch(found):
             continue
         plan = check_fits(EngineConfig.from_case(case.config), limits)
         row = {"case_id": case.case_id, "name": case.name, "fits": plan.fits, "reason": plan.reason,

@@ -4,17 +4,15 @@ underscores; flags given on the command line override the file."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
-import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from megatrain.bench.args import parse_option_flags
-from megatrain.config import DTYPES, PRECISIONS
+from megatrain.config import DEVICES, DTYPES, PRECISIONS
+from megatrain.flags import CaseFlags, add_flags, file_values, flag, given
 from megatrain.models.hf import check_hf_checkpoint
 from megatrain.models.registry import get_model_config
 from megatrain.optim.config import OptimConfig
@@ -23,7 +21,6 @@ from megatrain.systems import SYSTEMS, parse_options
 from megatrain.train.data import data_files
 from megatrain.train.lr import SCHEDULES
 
-DEVICES = ("cpu", "cuda")
 # the settings a resumed run keeps, each shaping its data, model or saved state; the others may change: the optimizer's
 # and the length from the resumed step on, the device, micro-batch, compile and the system's options only in rounding
 RESUME_FIXES = ("system", "init_from", "model", "tokenizer", "data", "train_on_prompt", "shuffle", "pack", "seq",
@@ -31,45 +28,41 @@ RESUME_FIXES = ("system", "init_from", "model", "tokenizer", "data", "train_on_p
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(CaseFlags):
+    # the shared case settings (megatrain.flags.CaseFlags) with training's defaults
     system: str = "megatrain"
-    device: str = "cpu"
-    dtype: str = "float32"
-    precision: str = "mixed"
-    compile: bool = False
-    option: dict = field(default_factory=dict)
-    init_from: str | None = None
-    model: str | None = None
-    data: list[str] = field(default_factory=list)
-    tokenizer: str | None = None
-    train_on_prompt: bool = False
-    shuffle: bool = True
-    pack: bool = True
     seq: int = 2048
     batch: int = 8
-    micro_batch: int = 0
-    steps: int | None = None
-    epochs: float | None = None
     lr: float = 1e-5
-    lr_schedule: str = "cosine"
-    warmup_steps: int = 0
-    min_lr: float = 0.0
-    weight_decay: float = OptimConfig.weight_decay
-    adam_betas: tuple[float, float] = (OptimConfig.beta1, OptimConfig.beta2)
-    adam_eps: float = OptimConfig.eps
-    max_grad_norm: float = OptimConfig.max_grad_norm
-    seed: int = 0
-    out: str = "runs/train"
-    save: bool = True
-    save_every: int = 0
-    keep: int = 2
-    resume: str | None = None
-    resume_fallback: bool = False
-    overwrite: bool = False
-    max_nonfinite_steps: int = 3
-    log_every: int = 1
-    eval_data: list[str] = field(default_factory=list)
-    eval_every: int = 0
+    # training's own
+    init_from: str | None = flag(None, metavar="DIR",
+                                 help="local Hugging Face checkpoint (Qwen2 or Llama, safetensors)")
+    model: str | None = flag(None, help="registry shape trained from scratch (python -m megatrain models)")
+    data: list[str] = flag(factory=list, metavar="FILE", help=".jsonl/.txt file or folder, repeatable")
+    tokenizer: str | None = flag(None, metavar="DIR", help="local tokenizer directory (default: --init-from's)")
+    train_on_prompt: bool = flag(False, help="loss on chat prompts too")
+    shuffle: bool = flag(True, help="keep file order")
+    pack: bool = flag(True, help="one example per row, padded (default: documents packed, attention kept within each)")
+    steps: int | None = flag(None, help="optimizer steps from the run's start")
+    epochs: float | None = flag(None, help="passes over the data, instead of --steps")
+    lr_schedule: str = flag("cosine", choices=SCHEDULES, help="after warmup (default {default})")
+    warmup_steps: int = flag(0)
+    min_lr: float = flag(0.0, help="the schedule's final learning rate (default 0)")
+    adam_betas: tuple[float, float] = flag((OptimConfig.beta1, OptimConfig.beta2), metavar=("B1", "B2"))
+    adam_eps: float = flag(OptimConfig.eps)
+    out: str = flag("runs/train", metavar="DIR", help="metrics.jsonl, checkpoints/, hf/ (default {default})")
+    save_every: int = flag(0, metavar="N", help="checkpoint every N steps (and always at the end)")
+    save: bool = flag(True, help="no training-state checkpoints, not even at the end (the Hugging Face export stays)")
+    keep: int = flag(2, metavar="K", help="checkpoints kept (default {default})")
+    resume: str | None = flag(None, metavar="DIR", help="continue the run in DIR (its latest complete checkpoint)")
+    resume_fallback: bool = flag(False, help="resume from the checkpoint before when the latest fails its checksums "
+                                             "(deleting it)")
+    overwrite: bool = flag(False, help="discard the run already in --out and start a new one (default: refuse)")
+    max_nonfinite_steps: int = flag(3, metavar="K", help="stop (exit 1, no export) after K steps in a row with a "
+                                    "non-finite loss or gradient norm (default {default}, 0: never)")
+    log_every: int = flag(1, metavar="N", help="plain progress line every N steps (default {default})")
+    eval_data: list[str] = flag(factory=list, metavar="FILE", help="held-out data, as --data")
+    eval_every: int = flag(0, metavar="N", help="held-out loss every N steps (and at the end)")
 
     def __post_init__(self) -> None:
         check_field_types(self, "train setting")  # a TOML file's values reach here untyped
@@ -88,9 +81,9 @@ class TrainConfig:
         if self.dtype not in DTYPES or self.precision not in PRECISIONS or self.device not in DEVICES:
             raise ValueError(f"--dtype must be one of {DTYPES}, --precision one of {PRECISIONS} and --device one of "
                              f"{DEVICES}")
-        for holds, flag, value, must in self._ranges():
+        for holds, name, value, must in self._ranges():
             if not holds:
-                raise ValueError(f"{flag} must be {must}, got {value}")
+                raise ValueError(f"{name} must be {must}, got {value}")
         if self.resume and self.overwrite:
             raise ValueError("--resume DIR continues the run in DIR and --overwrite discards it: give one")
         if not self.save and self.save_every:
@@ -136,52 +129,10 @@ class TrainConfig:
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    """Every flag defaults to None (not given): the file's value, else TrainConfig's default, applies."""
+    """--config, then every setting's flag, each None when not given: the file's value, else TrainConfig's default,
+    applies."""
     p.add_argument("--config", default=None, help="TOML file of these settings (keys: flag names with underscores)")
-    p.add_argument("--system", help=" | ".join(SYSTEMS) + " (default megatrain)")
-    p.add_argument("--device", choices=DEVICES)
-    p.add_argument("--dtype", choices=DTYPES)
-    p.add_argument("--precision", choices=PRECISIONS)
-    p.add_argument("--compile", action="store_true", default=None, help="torch.compile each decoder layer")
-    p.add_argument("--option", action="append", metavar="KEY=VALUE", help="system option (JSON value), as in bench")
-    p.add_argument("--init-from", metavar="DIR", help="local Hugging Face checkpoint (Qwen2 or Llama, safetensors)")
-    p.add_argument("--model", help="registry shape trained from scratch (python -m megatrain models)")
-    p.add_argument("--data", action="append", metavar="FILE", help=".jsonl/.txt file or folder, repeatable")
-    p.add_argument("--tokenizer", metavar="DIR", help="local tokenizer directory (default: --init-from's)")
-    p.add_argument("--train-on-prompt", action="store_true", default=None, help="loss on chat prompts too")
-    p.add_argument("--no-shuffle", dest="shuffle", action="store_false", default=None, help="keep file order")
-    p.add_argument("--no-pack", dest="pack", action="store_false", default=None,
-                   help="one example per row, padded (default: documents packed, attention kept within each)")
-    p.add_argument("--seq", type=int, help="tokens per sequence (default 2048)")
-    p.add_argument("--batch", type=int, help="sequences per optimizer step (default 8)")
-    p.add_argument("--micro-batch", type=int, help="sequences per forward/backward (default: --batch)")
-    p.add_argument("--steps", type=int, help="optimizer steps from the run's start")
-    p.add_argument("--epochs", type=float, help="passes over the data, instead of --steps")
-    p.add_argument("--lr", type=float, help="peak learning rate (default 1e-5)")
-    p.add_argument("--lr-schedule", choices=SCHEDULES, help="after warmup (default cosine)")
-    p.add_argument("--warmup-steps", type=int)
-    p.add_argument("--min-lr", type=float, help="the schedule's final learning rate (default 0)")
-    p.add_argument("--weight-decay", type=float, help="on tensors of 2+ dimensions")
-    p.add_argument("--adam-betas", type=float, nargs=2, metavar=("B1", "B2"))
-    p.add_argument("--adam-eps", type=float)
-    p.add_argument("--max-grad-norm", type=float, help="global-norm clipping, 0 disables")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--out", metavar="DIR", help="metrics.jsonl, checkpoints/, hf/ (default runs/train)")
-    p.add_argument("--save-every", type=int, metavar="N", help="checkpoint every N steps (and always at the end)")
-    p.add_argument("--no-save", dest="save", action="store_false", default=None,
-                   help="no training-state checkpoints, not even at the end (the Hugging Face export stays)")
-    p.add_argument("--keep", type=int, metavar="K", help="checkpoints kept (default 2)")
-    p.add_argument("--resume", metavar="DIR", help="continue the run in DIR (its latest complete checkpoint)")
-    p.add_argument("--resume-fallback", action="store_true", default=None,
-                   help="resume from the checkpoint before when the latest fails its checksums (deleting it)")
-    p.add_argument("--overwrite", action="store_true", default=None,
-                   help="discard the run already in --out and start a new one (default: refuse)")
-    p.add_argument("--max-nonfinite-steps", type=int, metavar="K",
-                   help="stop (exit 1, no export) after K steps in a row with a non-finite loss or gradient norm "
-                        "(default 3, 0: never)")
-    p.add_argument("--log-every", type=int, metavar="N", help="plain progress line every N steps (default 1)")
-    p.add_argument("--eval-data", action="append", metavar="FILE", help="held-out data, as --data")
-    p.add_argument("--eval-every", type=int, metavar="N", help="held-out loss every N steps (and at the end)")
+    add_flags(p, TrainConfig)
 
 
 def resumed_config(run_dir: Path) -> dict:
@@ -194,31 +145,10 @@ def resumed_config(run_dir: Path) -> dict:
     return json.loads((found / META_FILE).read_text())["train_config"]
 
 
-def _file_values(path: str | None) -> dict:
-    if path is None:
-        return {}
-    try:
-        values = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ValueError(f"--config {path}: {exc}") from None
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    unknown = sorted(set(values) - names)
-    if unknown:
-        raise ValueError(f"--config {path}: unknown keys {unknown}; valid: {', '.join(sorted(names))}")
-    for name in ("data", "eval_data"):  # one file may be a string
-        if isinstance(values.get(name), str):
-            values[name] = [values[name]]
-    return values
-
-
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The run's settings: the --config file's, the flags' over them, and on --resume the run's own beneath both
     (refusing a change to what the run trains, RESUME_FIXES)."""
-    values = _file_values(args.config)
-    for f in dataclasses.fields(TrainConfig):
-        flag = getattr(args, f.name, None)
-        if flag is not None:
-            values[f.name] = parse_option_flags(flag) if f.name == "option" else flag
+    values = {**file_values(TrainConfig, args.config), **given(TrainConfig, args)}
     if values.get("resume"):
         values = _over_resumed(values, values["resume"])
     try:
@@ -227,16 +157,16 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         raise ValueError(f"bad train setting: {exc}") from None
 
 
-def _over_resumed(given: dict, run_dir: str) -> dict:
+def _over_resumed(asked: dict, run_dir: str) -> dict:
     resumed = resumed_config(Path(run_dir))
-    changed = [f"{k} {resumed.get(k)!r} -> {given[k]!r}" for k in RESUME_FIXES
-               if k in given and given[k] != resumed.get(k)]
+    changed = [f"{k} {resumed.get(k)!r} -> {asked[k]!r}" for k in RESUME_FIXES
+               if k in asked and asked[k] != resumed.get(k)]
     if changed:
         raise ValueError(f"--resume {run_dir}: {', '.join(changed)}: a resumed run keeps the settings of its data, "
                          "model and saved state; resume without these, or start a new run in another --out")
-    values = {**resumed, "out": run_dir, **given}
-    if ("steps" in given) != ("epochs" in given):  # one length given replaces the run's, whichever it had
-        values.update(steps=given.get("steps"), epochs=given.get("epochs"))
+    values = {**resumed, "out": run_dir, **asked}
+    if ("steps" in asked) != ("epochs" in asked):  # one length given replaces the run's, whichever it had
+        values.update(steps=asked.get("steps"), epochs=asked.get("epochs"))
     return values
 
 

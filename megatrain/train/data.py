@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from megatrain.models.loss import IGNORE_INDEX
+from megatrain.tokenizer import Tokenizer
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
@@ -44,51 +45,6 @@ def data_files(paths: list[str], flag: str = "--data") -> list[Path]:
     if not files:
         raise ValueError(f"{flag} {' '.join(paths)}: no .jsonl or .txt files")
     return files
-
-
-class Tokenizer:
-    """A local Hugging Face tokenizer directory (tokenizer.json, and tokenizer_config.json's chat template)."""
-
-    def __init__(self, path: str):
-        from transformers import AutoTokenizer
-
-        if not (Path(path) / "tokenizer.json").exists():
-            raise ValueError(f"--tokenizer {path}: no tokenizer.json there (a local Hugging Face tokenizer directory)")
-        self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        self.eos = self.tok.eos_token_id
-        self.path = path
-
-    def text(self, text: str) -> Example:
-        ids = self.tok.encode(text, add_special_tokens=False) + ([self.eos] if self.eos is not None else [])
-        return Example(ids, [True] * len(ids))
-
-    def chat(self, messages: list[dict], train_on_prompt: bool) -> Example:
-        """Render a conversation; assistant turns are targets. Each assistant turn's tokens are the difference
-        between the rendering up to it and the rendering before it with the generation prompt."""
-        if not self.tok.chat_template:
-            raise ValueError(f"{self.path}: the tokenizer has no chat template (tokenizer_config.json); "
-                             "chat data needs one")
-        ids: list[int] = []
-        target: list[bool] = []
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            prompt = self._render(messages[:i], generation_prompt=True)
-            full = self._render(messages[:i + 1], generation_prompt=False)
-            if prompt[:len(ids)] != ids or full[:len(prompt)] != prompt:
-                raise ValueError(f"{self.path}: the chat template does not render conversations prefix by prefix; "
-                                 "its assistant tokens cannot be told apart")
-            target += [train_on_prompt] * (len(prompt) - len(ids)) + [True] * (len(full) - len(prompt))
-            ids = full
-        full = self._render(messages, generation_prompt=False)
-        target += [train_on_prompt] * (len(full) - len(ids))
-        return Example(full, target)
-
-    def _render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
-        if not messages:
-            return []
-        out = self.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt)
-        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
 
 def _string(record: dict, key: str, where: str) -> str:
@@ -141,10 +97,11 @@ def _example(record, where: str, tokenizer: Tokenizer | None, train_on_prompt: b
         return Example(ids, [True] * len(ids))
     if "text" in record:
         text = _string(record, "text", where)
-        return _need(tokenizer, where).text(text)
+        return _document(_need(tokenizer, where), text)
     if "instruction" in record or "messages" in record or "conversations" in record:
         messages = _messages(record, where)
-        return _need(tokenizer, where).chat(messages, train_on_prompt)
+        ids, assistant = _need(tokenizer, where).chat(messages)
+        return Example(ids, [train_on_prompt or a for a in assistant])
     raise ValueError(f"{where}: a line needs input_ids, text, instruction/output (alpaca) or "
                      f"messages/conversations (chat); it has {sorted(record)}")
 
@@ -159,7 +116,7 @@ def read_examples(files: list[Path], tokenizer: Tokenizer | None, train_on_promp
             for doc in _utf8(path.read_bytes(), f"{flag} {path}", 1).split("\n\n"):
                 where = f"{flag} {path}:{line_no}"
                 if doc.strip():
-                    examples.append(replace(_need(tokenizer, where).text(doc), where=where))
+                    examples.append(replace(_document(_need(tokenizer, where), doc), where=where))
                 line_no += doc.count("\n") + 2
             continue
         with path.open("rb") as f:
@@ -176,6 +133,11 @@ def read_examples(files: list[Path], tokenizer: Tokenizer | None, train_on_promp
     if not examples:
         raise ValueError(f"{flag}: no examples in {', '.join(map(str, files))}")
     return examples
+
+
+def _document(tokenizer: Tokenizer, text: str) -> Example:
+    ids = tokenizer.document(text)
+    return Example(ids, [True] * len(ids))
 
 
 def _need(tokenizer: Tokenizer | None, where) -> Tokenizer:

@@ -23,10 +23,12 @@ from megatrain.memory import peak_host_rss_gib
 from megatrain.models.hf import config_from_hf, iter_hf_tensors, read_hf_config, save_hf_checkpoint
 from megatrain.models.loss import IGNORE_INDEX
 from megatrain.models.registry import get_model_config
+from megatrain.preflight import preflight
 from megatrain.systems import build_system
+from megatrain.tokenizer import Tokenizer
 from megatrain.train import checkpoint
 from megatrain.train.config import TrainConfig, check_available
-from megatrain.train.data import Rows, Tokenizer, data_files, read_examples
+from megatrain.train.data import Rows, data_files, read_examples
 from megatrain.train.lr import lr_at, schedule_notes
 from megatrain.train.rundir import RunDir, aside, recover_dir, written_aside
 
@@ -63,8 +65,6 @@ def build_case(cfg: TrainConfig, total_steps: int, label: str, shape) -> CaseCon
 def train(cfg: TrainConfig, log=print) -> int:
     """Run (or resume) training as configured; returns the exit code: 0 done, 1 diverged (non-finite for
     --max-nonfinite-steps steps), 130 after Ctrl-C and 143 after SIGTERM (each finishing its step and saving)."""
-    from megatrain.bench.fit import preflight
-
     check_available(cfg)
     out = Path(cfg.out)
     if cfg.resume and Path(cfg.resume).resolve() != out.resolve():

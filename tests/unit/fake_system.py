@@ -31,7 +31,7 @@ FAILURES = {101: "oom", 102: "crash", 103: "hang", 104: "oom_from_batch_2", 105:
 
 class FailingSystem(native.NativeSystem):
     def __init__(self, case, *args, **kwargs):
-        if FAILURES.get(case.seed) == "refused":  # as megatrain.bench.fit.preflight refuses, before allocating
+        if FAILURES.get(case.seed) == "refused":  # as megatrain.preflight.preflight refuses, before allocating
             raise ValueError("native tiny b2 s16 does not fit here: host memory: needs 9.0 GiB but 8.9 GiB is usable "
                              "here; try --micro-batch 1")
         super().__init__(case, *args, **kwargs)

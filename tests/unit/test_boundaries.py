@@ -1,5 +1,6 @@
-"""The engine is a library: it imports no benchmark harness and no baseline; running cases, suites and training
-imports neither the analysis nor the performance model (those read records and may import bench and the library);
+"""The engine is a library: it imports no benchmark harness and no baseline; `train` and `bench` both sit on the
+library and neither imports the other; running cases, suites and training imports neither the analysis nor the
+performance model (those read records and may import bench and the library);
 the package has no import cycles; every system is one SystemSpec in one registry, with typed options.
 CPU, seconds: pytest tests/unit/test_boundaries.py"""
 
@@ -11,17 +12,19 @@ from pathlib import Path
 
 import pytest
 
-from megatrain.bench import fit
+from megatrain import preflight
 from megatrain.config import CaseConfig
 from megatrain.data import make_batches
 from megatrain.engine.config import MegaTrainOptions
 from megatrain.options import CommonOptions
+from megatrain.probe import Machine
 from megatrain.systems import SYSTEMS, SystemSpec, build_system, parse_options, system_spec
 from megatrain.train.checkpoint import state_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = ("megatrain.engine", "megatrain.optim", "megatrain.models", "megatrain.memory", "megatrain.options",
-           "megatrain.config", "megatrain.data", "megatrain.systems")
+           "megatrain.config", "megatrain.data", "megatrain.systems", "megatrain.flags", "megatrain.preflight",
+           "megatrain.probe", "megatrain.tokenizer")
 HARNESS = ("megatrain.bench", "megatrain.analysis", "megatrain.perf_model", "megatrain.hardware", "megatrain.cli",
            "baselines")
 RUNNING = (*LIBRARY, "megatrain.bench", "megatrain.train", "megatrain.hardware", "baselines")
@@ -90,6 +93,15 @@ def test_the_library_modules_import_no_harness_and_no_baseline():
             assert not [d for d in deps if d.startswith(HARNESS)], name
 
 
+def test_train_and_bench_sit_on_the_library_and_neither_imports_the_other():
+    forbidden = {"megatrain.train": ("megatrain.bench",), "megatrain.bench": ("megatrain.train",),
+                 **dict.fromkeys(LIBRARY, ("megatrain.bench", "megatrain.train"))}
+    for name, deps in _import_graph().items():
+        top = next((t for t in forbidden if name == t or name.startswith(t + ".")), None)
+        if top is not None:
+            assert not [d for d in deps if d.startswith(forbidden[top])], name
+
+
 def test_running_cases_suites_and_training_imports_neither_analysis_nor_the_performance_model():
     graph = _import_graph()
     for name, deps in graph.items():
@@ -128,11 +140,12 @@ def test_planning_every_system_imports_no_deepspeed():
     """DeepSpeed loads only when a DeepSpeed system is built: its spec, options and estimates need none of it."""
     code = """
 import sys
-from megatrain.bench.fit import plan_case
 from megatrain.config import CaseConfig
+from megatrain.preflight import plan_case
+from megatrain.probe import Machine
 from megatrain.systems import SYSTEMS
 from megatrain.train.checkpoint import state_bytes
-machine = {"host_available_gib": 64.0, "gpu_mem_gib": None}
+machine = Machine(cpu="test", cpu_cores=2, host_mem_gib=64.0, host_available_gib=64.0)
 for system in SYSTEMS:
     case = CaseConfig(system=system, model="tiny")
     plan_case(case, machine), state_bytes(case)
@@ -165,8 +178,8 @@ def test_a_system_added_with_one_registry_entry_is_known_everywhere(monkeypatch)
     with pytest.raises(ValueError, match="failing has no option 'resident_layers' \\(an option of megatrain\\)"):
         CaseConfig(system="failing", options={"resident_layers": 1})
     native = CaseConfig(system="native", model="tiny", batch=2, seq=8, steps=1)
-    machine = {"host_available_gib": 64.0, "gpu_mem_gib": None}
-    assert fit.plan_case(case, machine) == fit.plan_case(native, machine)
+    machine = Machine(cpu="test", cpu_cores=2, host_mem_gib=64.0, host_available_gib=64.0)
+    assert preflight.plan_case(case, machine) == preflight.plan_case(native, machine)
     assert state_bytes(case) == state_bytes(native)
     system = build_system(case)
     assert type(system).__name__ == "FailingSystem"

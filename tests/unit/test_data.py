@@ -5,10 +5,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as TokenizerFile
+from tokenizers import models, pre_tokenizers, trainers
 
 from megatrain.data import SyntheticTokens, TextBatches, make_batches, read_documents, split_inputs_labels
 from megatrain.models.loss import IGNORE_INDEX
+from megatrain.tokenizer import Tokenizer
 
 DOCS = ["the cat sat on the mat", "a dog ran in the park today", "the end"]
 EOS = "<|endoftext|>"
@@ -17,7 +19,7 @@ EOS = "<|endoftext|>"
 @pytest.fixture
 def tokenizer_dir(tmp_path):
     """A word-level tokenizer.json trained on DOCS (ids: <unk> 0, EOS 1, then words)."""
-    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok = TokenizerFile(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.train_from_iterator(DOCS, trainers.WordLevelTrainer(special_tokens=["<unk>", EOS]))
     out = tmp_path / "tok"
@@ -27,7 +29,7 @@ def tokenizer_dir(tmp_path):
 
 
 def expected_stream(tokenizer_dir) -> list[int]:
-    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    tok = TokenizerFile.from_file(str(tokenizer_dir / "tokenizer.json"))
     stream = []
     for doc in DOCS:
         stream += tok.encode(doc).ids + [tok.token_to_id(EOS)]
@@ -144,6 +146,14 @@ def test_vocab_size_smaller_than_tokenizer_ids_is_refused(tmp_path, tokenizer_di
     TextBatches(path, tokenizer_dir, batch=1, seq=4, vocab_size=top + 1)
     with pytest.raises(ValueError, match=f"ids reach {top} but the model's vocab_size is {top}"):
         TextBatches(path, tokenizer_dir, batch=1, seq=4, vocab_size=top)
+
+
+def test_the_eos_token_is_the_tokenizer_configs_else_a_known_name(tokenizer_dir):
+    tok = Tokenizer(tokenizer_dir)
+    assert tok.token(tok.eos) == EOS
+    (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "end"}}))
+    tok = Tokenizer(tokenizer_dir)
+    assert tok.token(tok.eos) == "end" and tok.document("the end")[-1] == tok.eos
 
 
 def test_missing_tokenizer_and_empty_data_are_refused(tmp_path, tokenizer_dir):

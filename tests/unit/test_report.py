@@ -15,7 +15,7 @@ import pytest
 from megatrain.analysis import plots, tables
 from megatrain.analysis.report import write_report
 from megatrain.bench.flops import model_flops, paper_flops
-from megatrain.bench.record import append_jsonl, base_record
+from megatrain.bench.record import Record, append_jsonl
 from megatrain.config import CaseConfig
 from megatrain.models.registry import get_model_config
 
@@ -28,7 +28,7 @@ def _record(system, batch, tflops, status="ok", model="qwen2.5-14b", seq=1024, r
             precision="mixed", num_layers=None, case_id=None, **extra):
     case = CaseConfig(system=system, model=model, num_layers=num_layers, batch=batch, seq=seq, device="cuda",
                       dtype="bfloat16", precision=precision)
-    r = base_record(case, status)
+    r = Record(case, status).to_dict()
     if status == "ok":
         r.update(step_time_s=6 * r["num_params"] * r["tokens_per_step"] / tflops / 1e12, tflops=tflops,
                  peak_gpu_alloc_gib=40.0, peak_host_rss_gib=r["num_params"] * 14 / 2**30)
@@ -207,10 +207,10 @@ def test_report_loads_in_a_headless_browser_without_errors(tmp_path):
 
 
 def test_records_keep_no_machine_paths():
-    from megatrain.bench.env import REPO_ROOT
+    from megatrain.bench.env import CHECKOUT
     from megatrain.bench.record import relative_paths
 
-    text = (f'File "{REPO_ROOT}/megatrain/bench/case.py", line 58\n'
+    text = (f'File "{CHECKOUT}/megatrain/bench/case.py", line 58\n'
             'File "/opt/venv/lib/python3.12/site-packages/torch/nn/modules/module.py", line 1'
             '\nFile "/usr/lib/python3/dist-packages/x.py"')
     assert relative_paths(text) == ('File "megatrain/bench/case.py", line 58\n'

@@ -1,20 +1,31 @@
 """Suite files, case identity, hardware profiles, the pre-flight memory fit and records files. CPU, seconds:
 pytest tests/unit/test_suite.py"""
 
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 
 from baselines import deepspeed_zero3, fsdp_offload
-from megatrain.bench import fit
+from megatrain import preflight
+from megatrain.bench.args import BenchFlags
 from megatrain.bench.record import append_jsonl, read_jsonl
 from megatrain.bench.suite import SUITES_DIR, bench_args, load_suite
 from megatrain.config import CaseConfig
+from megatrain.flags import CaseFlags, add_flags
 from megatrain.hardware import PROFILES, get_profile, same_machine
+from megatrain.probe import Machine
+from megatrain.train.config import add_train_arguments
 
-H200_X2 = {"gpu_name": "NVIDIA H200", "gpu_count": 2, "gpu_mem_gib": 139.8, "host_mem_gib": 251.5,
-           "host_available_gib": 245.0, "cpu": "Intel Xeon", "cpu_cores": 32}
-H200_X4 = {**H200_X2, "gpu_count": 4, "host_mem_gib": 503.0, "host_available_gib": 495.0}
-CPU = {"gpu_name": None, "gpu_count": 0, "gpu_mem_gib": None, "host_mem_gib": 7.0, "host_available_gib": 6.0,
-       "cpu": "AMD EPYC", "cpu_cores": 2}
+H200_X2 = Machine(gpu_name="NVIDIA H200", gpu_count=2, gpu_mem_gib=139.8, host_mem_gib=251.5, host_available_gib=245.0,
+                  cpu="Intel Xeon", cpu_cores=32)
+H200_X4 = replace(H200_X2, gpu_count=4, host_mem_gib=503.0, host_available_gib=495.0)
+CPU = Machine(host_mem_gib=7.0, host_available_gib=6.0, cpu="AMD EPYC", cpu_cores=2)
 
 
 def _suite(tmp_path, text):
@@ -32,6 +43,29 @@ def test_every_shipped_suite_loads():
         for case in suite.cases:
             assert case.hardware in PROFILES
             bench_args(case.config)  # every case is expressible on the bench command line
+
+
+def test_suites_results_and_reports_follow_the_workspace_and_a_checkout_stays_its_own(tmp_path):
+    code = "from megatrain.bench import env, suite; print(env.CHECKOUT, env.WORKSPACE, suite.SUITES_DIR)"
+    checkout = Path(__file__).resolve().parents[2]
+    ran = [subprocess.run([sys.executable, "-c", code], cwd=checkout, capture_output=True, text=True, check=True,
+                          env={**os.environ, "MEGATRAIN_WORKSPACE": workspace}).stdout.split()
+           for workspace in (str(tmp_path), "")]
+    assert ran == [[str(checkout), str(tmp_path.resolve()), str(tmp_path.resolve() / "suites")],
+                   [str(checkout), str(checkout), str(checkout / "suites")]]
+
+
+def test_bench_and_train_take_the_shared_case_flags_from_one_declaration():
+    bench, train = argparse.ArgumentParser(), argparse.ArgumentParser()
+    add_flags(bench, BenchFlags)
+    add_train_arguments(train)
+    for f in dataclasses.fields(CaseFlags):
+        flag = "--" + f.name.replace("_", "-")
+        a, b = bench._option_string_actions[flag], train._option_string_actions[flag]
+        assert (a.dest, a.type, a.choices, a.metavar, a.nargs) == (b.dest, b.type, b.choices, b.metavar, b.nargs), flag
+        assert a.help is None or a.help.split(" (default")[0] == b.help.split(" (default")[0], flag
+    assert "(default native)" in bench._option_string_actions["--system"].help
+    assert "(default megatrain)" in train._option_string_actions["--system"].help
 
 
 def test_group_is_a_product_with_overrides(tmp_path):
@@ -97,7 +131,7 @@ def test_profiles_match_their_machines_only():
     assert "needs a H100" in get_profile("h100-80g").mismatch(H200_X2)
     assert "has none" in get_profile("h200-141g-512g").mismatch(CPU)
     assert get_profile("cpu-ci").mismatch(H200_X4) is None, "CPU cases run anywhere"
-    assert same_machine(H200_X2, {**H200_X2, "host_mem_gib": 251.0})
+    assert same_machine(H200_X2, replace(H200_X2, host_mem_gib=251.0))
     assert not same_machine(H200_X2, H200_X4)
 
 
@@ -108,32 +142,32 @@ def _case(system, model="qwen2.5-14b", precision="mixed", batch=16, seq=1024):
 
 def test_offload_baselines_do_not_fit_14b_on_a_256_gib_host_but_do_on_512():
     for system in ("deepspeed", "fsdp"):
-        assert not fit.plan_memory(_case(system), H200_X2)["fits"]
-        assert fit.plan_memory(_case(system), H200_X4)["fits"]
-    plan = fit.plan_memory(_case("deepspeed"), H200_X2)
+        assert not preflight.plan_memory(_case(system), H200_X2)["fits"]
+        assert preflight.plan_memory(_case(system), H200_X4)["fits"]
+    plan = preflight.plan_memory(_case("deepspeed"), H200_X2)
     assert "host memory" in plan["reason"] and plan["host_bytes"] > 20 * 14.7e9
 
 
 def test_native_needs_the_whole_model_on_the_gpu():
-    assert fit.plan_memory(_case("native", model="qwen2.5-1.5b", batch=8), H200_X2)["fits"]
-    plan = fit.plan_memory(_case("native"), H200_X2)
+    assert preflight.plan_memory(_case("native", model="qwen2.5-1.5b", batch=8), H200_X2)["fits"]
+    plan = preflight.plan_memory(_case("native"), H200_X2)
     assert not plan["fits"] and "GPU memory" in plan["reason"]
 
 
 def test_megatrain_bf16_fits_where_mixed_precision_does_not():
-    machine = {**H200_X2, "host_mem_gib": 125.0, "host_available_gib": 120.0}  # the 128 GiB hosts
-    assert fit.plan_memory(_case("megatrain", model="qwen2.5-7b", precision="bf16"), machine)["fits"]
-    assert not fit.plan_memory(_case("megatrain", model="qwen2.5-7b"), machine)["fits"]
+    machine = replace(H200_X2, host_mem_gib=125.0, host_available_gib=120.0)  # the 128 GiB hosts
+    assert preflight.plan_memory(_case("megatrain", model="qwen2.5-7b", precision="bf16"), machine)["fits"]
+    assert not preflight.plan_memory(_case("megatrain", model="qwen2.5-7b"), machine)["fits"]
 
 
 def test_cpu_cases_count_everything_as_host_memory():
-    plan = fit.plan_memory(CaseConfig(system="native", model="tiny"), CPU)
+    plan = preflight.plan_memory(CaseConfig(system="native", model="tiny"), CPU)
     assert plan["fits"] and plan["gpu_bytes"] == 0
 
 
 def test_missing_packages_and_modules_are_named():
-    assert fit.unavailable("native") is None
-    reason = fit.unavailable("deepspeed")
+    assert preflight.unavailable("native") is None
+    reason = preflight.unavailable("deepspeed")
     assert reason is None or "deepspeed" in reason
 
 

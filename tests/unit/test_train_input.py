@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import json
 import re
+import sys
 
 import pytest
 import torch
@@ -217,6 +218,23 @@ def test_held_out_data_errors_name_eval_data(tmp_path, capsys, data):
     missing.write_text('{"input_ids": [1, -1]}\n')
     with pytest.raises(ValueError, match=f"^--eval-data {re.escape(str(missing))}:1: input_ids must be"):
         read_examples([missing], None, False, flag="--eval-data")
+
+
+def test_chat_data_without_transformers_names_the_extra_and_text_data_needs_none(tmp_path, capsys, monkeypatch):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "<eos>": 1, "w": 2}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    chat, text = tmp_path / "chat.jsonl", tmp_path / "text.jsonl"
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "w"}, {"role": "assistant", "content": "w"}]}))
+    text.write_text("".join(json.dumps({"text": "w w w"}) + "\n" for _ in range(4)))
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
+    line = refused(capsys, tiny(chat, tmp_path, "--tokenizer", str(tmp_path / "tok")))
+    assert line.endswith("renders chat data with the tokenizer's chat template through transformers, which is not "
+                         "installed: pip install 'megatrain[chat]'")
+    assert main(["train", *tiny(text, tmp_path, "--tokenizer", str(tmp_path / "tok"), "--seq", "4")]) == 0
 
 
 def test_data_without_a_target_token_is_refused(tmp_path, capsys):

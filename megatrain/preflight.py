@@ -1,9 +1,9 @@
 """Pre-flight: can this system run this case here, and does it fit this machine's memory?
 
-`plan_memory(case, machine)` returns {host_bytes, gpu_bytes, fits, reason, source}. The suite
-runner asks before every case and records a case that cannot fit as `skipped` with the reason,
-instead of letting it take the host down. Each system's estimate is its SystemSpec's plan_memory
-(megatrain.systems), declared beside the system. The baselines' are deliberately simple (bytes per
+`plan_memory(case, machine)` returns {host_bytes, gpu_bytes, fits, reason, source}. `bench` and `train` refuse a
+case that cannot fit (`preflight`); the suite runner asks before every case and records one that cannot fit as
+`skipped` with the reason, instead of letting it take the host down. Each system's estimate is its SystemSpec's
+plan_memory (megatrain.systems), declared beside the system. The baselines' are deliberately simple (bytes per
 parameter for the training state, plus activations, from the helpers below, judged by estimate_plan);
 each record keeps its plan beside the measured peaks, so the estimates can be checked against measurement.
 
@@ -24,6 +24,7 @@ from collections.abc import Callable
 from megatrain.config import CaseConfig
 from megatrain.engine.plan import GPU_RESERVE_BYTES, PROCESS_OVERHEAD_BYTES
 from megatrain.memory import GIB, Budget, backward_work_bytes, host_memory_gib, layer_input_bytes
+from megatrain.probe import Machine, measure
 from megatrain.systems import system_spec
 
 
@@ -68,16 +69,16 @@ def estimate_plan(estimate: Callable[[CaseConfig], tuple[int, int]], case: CaseC
         reasons.append(f"needs ~{host / GIB:.0f} GiB host memory, {limits.host_bytes / GIB:.0f} GiB usable here")
     if case.device == "cuda" and gpu > (limits.gpu_bytes or 0):
         reasons.append(f"needs ~{gpu / GIB:.0f} GiB GPU memory, {(limits.gpu_bytes or 0) / GIB:.0f} GiB usable here")
-    return {"source": "estimate (megatrain.bench.fit)", "host_bytes": int(host), "gpu_bytes": int(gpu),
+    return {"source": "estimate (megatrain.preflight)", "host_bytes": int(host), "gpu_bytes": int(gpu),
             "fits": not reasons, "reason": "; ".join(reasons) or None}
 
 
-def plan_memory(case: CaseConfig, machine: dict) -> dict:
+def plan_memory(case: CaseConfig, machine: Machine) -> dict:
     """Estimated peak host and GPU bytes of `case`, and whether they fit `machine`.
 
     Args:
         case: the case to run.
-        machine: a megatrain.bench.probe.measure() result (host_available_gib, gpu_mem_gib); a case's
+        machine: the probe's (megatrain.probe.measure; host_available_gib, gpu_mem_gib); a case's
             option host_mem_gib replaces its host figure.
 
     Returns:
@@ -86,12 +87,12 @@ def plan_memory(case: CaseConfig, machine: dict) -> dict:
         exceeded and what to change (None when it fits).
     """
     declared = case.opts.host_mem_gib
-    available = host_memory_gib(declared)[1] if declared else machine["host_available_gib"]
-    limits = Budget.of(available, machine["gpu_mem_gib"] if case.device == "cuda" else None)
+    available = host_memory_gib(declared)[1] if declared else machine.host_available_gib
+    limits = Budget.of(available, machine.gpu_mem_gib if case.device == "cuda" else None)
     return system_spec(case.system).plan_memory(case, limits)
 
 
-def plan_case(case: CaseConfig, machine: dict) -> dict:
+def plan_case(case: CaseConfig, machine: Machine) -> dict:
     """plan_memory, or for a system this environment cannot run, a plan that does not fit and says why."""
     missing = unavailable(case.system)
     if missing:
@@ -103,8 +104,6 @@ def preflight(case: CaseConfig) -> list[str]:
     """Refuse (ValueError: exit 2) a case this system cannot run here or that does not fit this machine's memory,
     before anything is allocated; the message suggests a setting that fits, or says that none of those does.
     Returns notes to show before the run (a sequence beyond the model's published context)."""
-    from megatrain.bench.probe import measure
-
     notes = []
     cfg = case.model_config()
     if case.seq > cfg.max_seq_len:

@@ -1,8 +1,8 @@
-"""The probe: a short measurement of the machine a run is on.
+"""The probe: a short measurement of the machine a run is on, a `Machine`.
 
-The suite runner stores its measurements (`measure()`) with every record of the run, so that a number is always read
-beside the link and GEMM rates of the machine it came from; a suite's cases run where the probe matches their
-hardware profile (megatrain.hardware).
+The pre-flight (megatrain.preflight) judges a case against its memory; the suite runner stores it (`to_dict()`) with
+every record of the run, so that a number is always read beside the link and GEMM rates of the machine it came from; a
+suite's cases run where the probe matches their hardware profile (megatrain.hardware).
 
 The probe takes seconds: pinned PCIe copies (H2D, D2H, both at once), a bf16 8192^3 GEMM, host
 memory, torch's fused CPU AdamW rate and the engine's own host AdamW kernel in each precision (the performance
@@ -11,16 +11,67 @@ model's host ingredient, megatrain.perf_model). GPU numbers are None on a machin
 
 from __future__ import annotations
 
+import dataclasses
+import platform
 import statistics
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import torch
 
-from megatrain.bench.env import cpu_name
-from megatrain.memory import host_memory_gib
+from megatrain.memory import GIB, host_memory_gib
 
-GIB = 2**30
+
+@dataclass(frozen=True)
+class Machine:
+    """What the probe measured; a rate is None where the machine cannot have it (GPU ones without CUDA) or it was not
+    asked for. Records keep it as to_dict(), in these keys."""
+
+    cpu: str
+    cpu_cores: int
+    host_mem_gib: float
+    host_available_gib: float
+    host_mem_source: str | None = None  # MemTotal, or where a declared total came from (megatrain.memory)
+    gpu_name: str | None = None
+    gpu_count: int = 0
+    gpu_mem_gib: float | None = None
+    h2d_gbs: float | None = None  # pinned copies, 1e9 bytes/s
+    d2h_gbs: float | None = None
+    both_gbs: float | None = None
+    gemm_bf16_tflops: float | None = None
+    cpu_adamw_gparams_s: float | None = None  # torch's fused CPU AdamW
+    engine_adamw_gparams_s: dict[str, float] | None = None  # the engine's host AdamW kernel, by precision
+    probe_s: float | None = None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict) -> Machine:
+        """A machine a record keeps; older records lack the later keys (None here), and unknown keys are left out."""
+        return Machine(**{k: v for k, v in d.items() if k in Machine.__dataclass_fields__})
+
+    def describe(self) -> str:
+        """One line for logs and reports."""
+        def fmt(value, spec):
+            return "n/a" if value is None else format(value, spec)
+        gpu = f"{self.gpu_count}x {self.gpu_name} ({self.gpu_mem_gib:.0f} GiB)" if self.gpu_name else "no GPU"
+        return (f"{gpu}; {self.cpu} ({self.cpu_cores} cores), host {self.host_mem_gib:.0f} GiB; PCIe pinned H2D "
+                f"{fmt(self.h2d_gbs, '.1f')} / D2H {fmt(self.d2h_gbs, '.1f')} / both {fmt(self.both_gbs, '.1f')} GB/s; "
+                f"bf16 GEMM {fmt(self.gemm_bf16_tflops, '.0f')} TFLOPS; "
+                f"CPU AdamW {fmt(self.cpu_adamw_gparams_s, '.2f')} G params/s")
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _median_s(fn, repeats: int) -> float:
@@ -111,46 +162,25 @@ def engine_adamw_gparams_s(precision: str, numel: int = 2**26, repeats: int = 3)
     return numel / _median_s(step, repeats) / 1e9
 
 
-def measure(rates: bool = True) -> dict:
-    """Probe this machine: devices and memory, and (rates=True, seconds) link, GEMM and AdamW rates.
-
-    Rates a machine cannot have (GPU ones without CUDA) or that were not asked for are None.
-    """
+def measure(rates: bool = True) -> Machine:
+    """Probe this machine: devices and memory, and (rates=True, seconds) link, GEMM and AdamW rates."""
     t0 = time.perf_counter()
     host_total, host_available, host_source = host_memory_gib()
-    out = {
-        "cpu": cpu_name(), "cpu_cores": psutil.cpu_count(), "host_mem_gib": round(host_total, 1),
-        "host_available_gib": round(host_available, 1), "host_mem_source": host_source,
-        "gpu_name": None, "gpu_count": 0, "gpu_mem_gib": None,
-        "h2d_gbs": None, "d2h_gbs": None, "both_gbs": None, "gemm_bf16_tflops": None, "cpu_adamw_gparams_s": None,
-        "engine_adamw_gparams_s": None,
-    }
+    found = {"cpu": cpu_name(), "cpu_cores": psutil.cpu_count(), "host_mem_gib": round(host_total, 1),
+             "host_available_gib": round(host_available, 1), "host_mem_source": host_source}
     cuda = torch.cuda.is_available()
     if cuda:
         props = torch.cuda.get_device_properties(0)
-        out.update(gpu_name=props.name, gpu_count=torch.cuda.device_count(),
-                   gpu_mem_gib=round(props.total_memory / GIB, 1))
+        found.update(gpu_name=props.name, gpu_count=torch.cuda.device_count(),
+                     gpu_mem_gib=round(props.total_memory / GIB, 1))
     if rates and cuda:
-        out.update(_pcie_gbs())
-        out["gemm_bf16_tflops"] = _gemm_bf16_tflops()
+        found.update(_pcie_gbs())
+        found["gemm_bf16_tflops"] = _gemm_bf16_tflops()
         torch.cuda.empty_cache()
     if rates:
-        out["cpu_adamw_gparams_s"] = _cpu_adamw_gparams_s()
+        found["cpu_adamw_gparams_s"] = _cpu_adamw_gparams_s()
         try:
-            out["engine_adamw_gparams_s"] = {p: engine_adamw_gparams_s(p) for p in ("bf16", "mixed")}
+            found["engine_adamw_gparams_s"] = {p: engine_adamw_gparams_s(p) for p in ("bf16", "mixed")}
         except RuntimeError:  # no compiler for the extension: the torch rate stands in (perf_model)
             pass
-    out["probe_s"] = time.perf_counter() - t0
-    return out
-
-
-def describe(machine: dict) -> str:
-    """One line for logs and reports."""
-    def fmt(value, spec):
-        return "n/a" if value is None else format(value, spec)
-    gpu = f"{machine['gpu_count']}x {machine['gpu_name']} ({machine['gpu_mem_gib']:.0f} GiB)" \
-        if machine.get("gpu_name") else "no GPU"
-    return (f"{gpu}; {machine['cpu']} ({machine['cpu_cores']} cores), host {machine['host_mem_gib']:.0f} GiB; "
-            f"PCIe pinned H2D {fmt(machine['h2d_gbs'], '.1f')} / D2H {fmt(machine['d2h_gbs'], '.1f')} / both "
-            f"{fmt(machine['both_gbs'], '.1f')} GB/s; bf16 GEMM {fmt(machine['gemm_bf16_tflops'], '.0f')} TFLOPS; "
-            f"CPU AdamW {fmt(machine['cpu_adamw_gparams_s'], '.2f')} G params/s")
+    return Machine(**found, probe_s=time.perf_counter() - t0)

@@ -1,0 +1,84 @@
+"""The one tokenizer of `bench`'s text data and `train`'s: a local Hugging Face tokenizer directory, nothing downloaded.
+
+Text is encoded by the `tokenizers` package from tokenizer.json, without the tokenizer's own special tokens (a BOS),
+and a document ends with the EOS token: tokenizer_config.json's (or special_tokens_map.json's) `eos_token`, else the
+first of EOS_NAMES the vocabulary holds. Chat data is rendered with the tokenizer's chat template by `transformers`,
+the optional extra `chat` (pip install 'megatrain[chat]'), imported only when chat data is read: everything else
+needs no `transformers`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+
+
+class Tokenizer:
+    def __init__(self, path: str | Path):
+        from tokenizers import Tokenizer as Backend
+
+        self.path = Path(path)
+        if not (self.path / "tokenizer.json").exists():
+            raise ValueError(f"--tokenizer {path}: no tokenizer.json there (a local Hugging Face tokenizer directory)")
+        self.backend = Backend.from_file(str(self.path / "tokenizer.json"))
+        eos = self._eos_name()
+        self.eos = self.backend.token_to_id(eos) if eos else None
+        self._chat = None  # the transformers tokenizer, loaded by the first chat
+
+    def _eos_name(self) -> str | None:
+        for name in CONFIG_FILES:
+            file = self.path / name
+            eos = json.loads(file.read_text()).get("eos_token") if file.exists() else None
+            if eos:
+                return eos["content"] if isinstance(eos, dict) else eos
+        return next((t for t in EOS_NAMES if self.backend.token_to_id(t) is not None), None)
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def document(self, text: str) -> list[int]:
+        """A document's tokens: the text's, then EOS (where the tokenizer has one)."""
+        return self.encode(text) + ([self.eos] if self.eos is not None else [])
+
+    def token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def chat(self, messages: list[dict]) -> tuple[list[int], list[bool]]:
+        """A conversation's tokens and which are the assistant's: each assistant turn's tokens are the difference
+        between the rendering up to it and the rendering before it with the generation prompt."""
+        ids: list[int] = []
+        assistant: list[bool] = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt = self._render(messages[:i], generation_prompt=True)
+            full = self._render(messages[:i + 1], generation_prompt=False)
+            if prompt[:len(ids)] != ids or full[:len(prompt)] != prompt:
+                raise ValueError(f"{self.path}: the chat template does not render conversations prefix by prefix; "
+                                 "its assistant tokens cannot be told apart")
+            assistant += [False] * (len(prompt) - len(ids)) + [True] * (len(full) - len(prompt))
+            ids = full
+        full = self._render(messages, generation_prompt=False)
+        return full, assistant + [False] * (len(full) - len(ids))
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
+        if not messages:
+            return []
+        text = self._template().apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return self.encode(text)
+
+    def _template(self):
+        if self._chat is None:
+            try:
+                from transformers import AutoTokenizer
+            except ImportError:
+                raise ValueError(f"{self.path}: megatrain renders chat data with the tokenizer's chat template through "
+                                 "transformers, which is not installed: pip install 'megatrain[chat]'") from None
+            self._chat = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
+            if not self._chat.chat_template:
+                raise ValueError(f"{self.path}: the tokenizer has no chat template (tokenizer_config.json); "
+                                 "chat data needs one")
+        return self._chat
