@@ -4,7 +4,7 @@ Sources: MegaTrain (Yuan, Sun, Sun, Ye; arXiv:2604.05091), its tables as transcr
 write-ups (approximate), the public code's README (github.com/DLYuanGod/MegaTrain), and our own
 measurements of that public code recorded in docs/DESIGN.md. TFLOPS are 6 x params x tokens / step
 time, except the long-context figures: 6NT plus full-square attention, 12 x layers x hidden x seq x tokens
-(megatrain.bench.flops.paper_flops; the only convention that gives the 512k point's 407.4 TFLOPS from its 871 s
+(megatrain.models.flops.paper_flops; the only convention that gives the 512k point's 407.4 TFLOPS from its 871 s
 step). The paper's runs keep BF16 weights and gradients with FP32 Adam moments (our
 `precision = "bf16"`), checkpoint every 4 layers, and use sequence length 1024 unless noted.
 """
@@ -17,7 +17,7 @@ PAPER = "paper (arXiv:2604.05091)"
 README = "public code README"
 DESIGN = "docs/DESIGN.md (public code, our run)"
 SIX_NT = "6NT"
-WITH_ATTENTION = "6NT + 12LHST"  # megatrain.bench.flops.paper_flops
+WITH_ATTENTION = "6NT + 12LHST"  # megatrain.models.flops.paper_flops
 
 
 @dataclass(frozen=True)

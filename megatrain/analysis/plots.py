@@ -109,7 +109,7 @@ def _tflops_lines(ax, frame: pd.DataFrame, key: str, value: str = "tflops") -> N
 
 
 def tflops_vs_seq(df: pd.DataFrame, path: Path) -> Path | None:
-    """Best throughput per system and model against context length, in two FLOP counts (megatrain.bench.flops): what
+    """Best throughput per system and model against context length, in two FLOP counts (megatrain.models.flops): what
     the GPU executes (causal attention, the recompute) and the paper's long-context count (6NT plus full-square
     attention), with the paper's own long-context figures on the latter."""
     ok = _ok(df)

@@ -1,7 +1,7 @@
 """Tables from records (pandas): one row per case, speedups within a run, and the paper beside us.
 
 Every number comes from the records as written: TFLOPS is the record's `tflops` (6NT, see
-megatrain.bench.flops), never recomputed here; the other FLOP counts (hw_tflops, paper_tflops) are
+megatrain.models.flops), never recomputed here; the other FLOP counts (hw_tflops, paper_tflops) are
 the record's own, or for records older than the field, the same FLOPs over the record's own median
 step time. A case recorded more than once in a run (a retried error or time-out) counts by its
 latest record.
@@ -12,9 +12,9 @@ from __future__ import annotations
 import pandas as pd
 
 from megatrain.analysis import paper
-from megatrain.bench.flops import hardware_flops, paper_flops
 from megatrain.hardware import actual_profile
 from megatrain.memory import GPU_FILL
+from megatrain.models.flops import hardware_flops, paper_flops
 from megatrain.models.registry import MODELS, get_model_config
 from megatrain.probe import Machine
 
@@ -92,7 +92,7 @@ def _tflops_no_embed(record: dict) -> float | None:
 
 def _rate(record: dict, key: str) -> float | None:
     """The record's hw_tflops or paper_tflops; for records written before the field existed, the same FLOPs
-    (megatrain.bench.flops) over the record's own median step time (exact)."""
+    (megatrain.models.flops) over the record's own median step time (exact)."""
     if key in record or record["tflops"] is None:
         return record.get(key)
     cfg = get_model_config(record["model"], record["config"].get("num_layers"))

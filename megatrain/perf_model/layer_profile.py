@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from megatrain.bench.env import environment
-from megatrain.bench.flops import attention_flops_per_seq
 from megatrain.engine.templates import LayerTemplate
 from megatrain.models import DecoderLayer, get_model_config, rotary_tables
+from megatrain.models.flops import attention_flops_per_seq
 from megatrain.models.init import init_module
 
 

@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from megatrain.bench.flops import attention_flops_per_seq, hardware_flops, model_flops
 from megatrain.config import CaseConfig
 from megatrain.engine.layout import build_units
 from megatrain.engine.uses import use_order
 from megatrain.models import ModelConfig, get_model_config
+from megatrain.models.flops import attention_flops_per_seq, hardware_flops, model_flops
 
 BASE_SEQ = 1024  # the sequence length of the layer and head ingredients
 

@@ -252,8 +252,8 @@ def project(out: Path) -> list[dict]:
             p = simulate(case, dataclasses.asdict(plan), Model(base, projected_machine(base, spec)))
             row.update(projected_step_s=p["step_s"], projected_tflops=p["tflops"], exposed_s=p["exposed_s"],
                        host_opt_s=p["host_opt_s"])
-            if seq > 1024:  # the paper's long-context convention (megatrain.bench.flops.paper_flops)
-                from megatrain.bench.flops import paper_flops
+            if seq > 1024:  # the paper's long-context convention (megatrain.models.flops.paper_flops)
+                from megatrain.models.flops import paper_flops
                 row["projected_paper_tflops"] = paper_flops(case.model_config(), batch, seq) / p["step_s"] / 1e12
         row["paper_tflops"] = paper_tflops(model, layers, seq, profile)
         rows.append(row)

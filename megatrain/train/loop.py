@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from megatrain.bench.flops import model_flops
 from megatrain.config import CaseConfig
 from megatrain.memory import peak_host_rss_gib
+from megatrain.models.flops import model_flops
 from megatrain.models.hf import config_from_hf, iter_hf_tensors, read_hf_config, save_hf_checkpoint
 from megatrain.models.loss import IGNORE_INDEX
 from megatrain.models.registry import get_model_config

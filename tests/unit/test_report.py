@@ -14,9 +14,9 @@ import pytest
 
 from megatrain.analysis import plots, tables
 from megatrain.analysis.report import write_report
-from megatrain.bench.flops import model_flops, paper_flops
 from megatrain.bench.record import Record, append_jsonl
 from megatrain.config import CaseConfig
+from megatrain.models.flops import model_flops, paper_flops
 from megatrain.models.registry import get_model_config
 
 GPU_MACHINE = {"gpu_name": "NVIDIA H200", "gpu_count": 4, "gpu_mem_gib": 139.8, "host_mem_gib": 503.0,
