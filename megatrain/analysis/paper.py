@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatrain.models.registry import MODELS
+
 PAPER = "paper (arXiv:2604.05091)"
 README = "public code README"
 DESIGN = "docs/DESIGN.md (public code, our run)"
@@ -69,3 +71,20 @@ CLAIMS: list[Claim] = [
     Claim("public code, 3B", "megatrain", "qwen2.5-3b", 1024, 211, "H100", DESIGN, batch=128),
     Claim("whole model on GPU, HF kernels, 3B", "native", "qwen2.5-3b", 1024, 294, "H100", DESIGN),
 ]
+
+
+def mismatch(claim: Claim, model_name: str, num_layers: int, seq: int, batch: int) -> str | None:
+    """Why a case of ours (registry model, depth, sequence, batch) is not the claim's case, or None when it is: a
+    published figure stands beside ours only at the same model, depth, sequence and batch. A source that states no
+    batch matches none."""
+    depth = claim.num_layers or MODELS[claim.model].num_layers
+    if (claim.model, depth) != (model_name, num_layers):
+        return f"another model ({claim.model}, {depth} layers)"
+    if claim.seq != seq:
+        return f"another sequence length ({claim.seq})"
+    if claim.batch is None:
+        return "the source states no batch"
+    if claim.batch != batch:
+        return f"another batch ({claim.batch})"
+    return None
+

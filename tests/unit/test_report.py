@@ -235,3 +235,25 @@ def test_a_run_id_written_as_a_number_reads_as_a_string(tmp_path):
     append_jsonl(results / "records.jsonl", _record("deepspeed", 16, 140.0, run_id="20261125-000000-aaaa"))
     page = write_report(results, tmp_path / "report").read_text()
     assert "run 20261124" in page and "run 20261125-000000-aaaa" in page
+
+
+def test_a_figure_at_an_unstated_batch_is_not_the_same_case_as_ours():
+    paper = tables.paper_comparison(tables.records_frame(_records())).set_index("claim")
+    assert paper.loc["GH200 14B ZeRO-3 offload (the 1.84x)", "comparable"] == "no: the source states no batch"
+    kw = {"model": "qwen2.5-7b", "precision": "bf16"}
+    ours = [_record("megatrain", 1, 130.0, seq=1024, **kw), _record("megatrain", 1, 42.0, seq=524288, **kw)]
+    context = tables.paper_comparison(tables.records_frame(ours)).set_index("claim")
+    assert context.loc["long context 512k", "comparable"] == "yes"
+    assert context.loc["GH200 7B", "comparable"] == "no: the source states no batch", "batch 1 beside an unstated one"
+
+
+def test_a_case_its_own_preflight_refused_reads_as_skipped_in_older_records():
+    refused = _record("megatrain", 16, 0, status="error", model="qwen2.5-7b", num_layers=38)
+    refused["error"] = ("exit code 2 without a record: error: megatrain qwen2.5-7b b16 s1024 does not fit here: host "
+                        "memory: needs 114.2 GiB (12.3 B/param of state) but 114.0 GiB is usable here; no precision")
+    crashed = _record("fsdp", 16, 0, status="error", case_id="crashed")
+    crashed["error"] = "exit code 1 without a record: RuntimeError: boom"
+    df = tables.records_frame([refused, crashed]).set_index("label")
+    assert df.loc["megatrain", "status"] == "skipped"
+    assert df.loc["megatrain", "error"].startswith("megatrain qwen2.5-7b b16 s1024 does not fit here: host memory")
+    assert df.loc["fsdp", "status"] == "error"
