@@ -4,12 +4,15 @@ CPU, seconds: pytest tests/unit/test_report.py. The browser test needs Debian's 
 (apt-get install -y chromium) and skips without it.
 """
 
+import colorsys
 import html
 import json
 import re
 import shutil
 import subprocess
+import warnings
 
+import matplotlib.pyplot as plt
 import pytest
 
 from megatrain.analysis import plots, tables
@@ -257,3 +260,49 @@ def test_a_case_its_own_preflight_refused_reads_as_skipped_in_older_records():
     assert df.loc["megatrain", "status"] == "skipped"
     assert df.loc["megatrain", "error"].startswith("megatrain qwen2.5-7b b16 s1024 does not fit here: host memory")
     assert df.loc["fsdp", "status"] == "error"
+
+
+def test_one_colour_per_system_megatrain_apart_compiled_hatched():
+    style = plots.label_style
+    assert style("fsdp")["color"] == style("fsdp-compiled")["color"]
+    assert (style("fsdp")["hatch"], style("fsdp")["linestyle"]) == (None, "-")
+    assert style("fsdp-compiled")["hatch"] and style("fsdp-compiled")["linestyle"] == "--"
+    systems = {s: colorsys.rgb_to_hsv(*style(s)["color"]) for s in ("megatrain", "native", "deepspeed", "fsdp")}
+    assert len({hsv[0] for hsv in systems.values()}) == 4
+    assert systems["megatrain"][1] > max(hsv[1] for s, hsv in systems.items() if s != "megatrain"), "stands out"
+    variants = [style(label)["color"] for label in ("megatrain", "megatrain-bf16", "megatrain-streamed",
+                                                    "megatrain-bf16-streamed", "megatrain-actoffload")]
+    assert len(set(variants)) == len(variants)
+    assert all(colorsys.rgb_to_hsv(*c)[0] == pytest.approx(systems["megatrain"][0], abs=0.02) for c in variants)
+    assert plots.ordered_labels(["fsdp", "megatrain-compiled", "native-compiled", "megatrain", "native"]) == [
+        "megatrain", "megatrain-compiled", "native", "native-compiled", "fsdp"]
+
+
+def _crowded_figure(labels, width_in=3.0):
+    fig, ax = plt.subplots(figsize=(width_in, 2.5))
+    ax.bar(range(len(labels)), range(len(labels)))
+    ax.set_xticks(range(len(labels)), labels)
+    return fig
+
+
+def test_overlapping_texts_finds_crowded_tick_labels_and_annotations_past_their_axes():
+    fig = _crowded_figure([f"qwen2.5-1.5b@{n}L" for n in (28, 56, 84, 132)])
+    pairs = plots.overlapping_texts(fig)
+    assert any(b is not None for _, b in pairs), "tick labels over each other"
+    assert "qwen2.5-1.5b@28L" in " ".join(plots.describe_overlaps(pairs))
+    plt.close(fig)
+    fig = _crowded_figure(["1", "2", "3"])
+    assert plots.overlapping_texts(fig) == []
+    fig.axes[0].annotate("a note far too long for its axes", (2, 1), xytext=(4, 0), textcoords="offset points")
+    assert [b for _, b in plots.overlapping_texts(fig)] == [None], "an annotation runs past its frame"
+    plt.close(fig)
+
+
+def test_save_turns_crowded_labels_upright_and_warns_when_that_is_not_enough(tmp_path):
+    fig = _crowded_figure([f"qwen2.5-7b@{n}L" for n in range(4)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", plots.LabelOverlap)
+        plots._save(fig, tmp_path / "upright.png")
+    assert {t.get_rotation() for t in fig.axes[0].get_xticklabels()} == {90}
+    with pytest.warns(plots.LabelOverlap, match="crowded.png"):
+        plots._save(_crowded_figure([f"label {n}" for n in range(60)], width_in=2.0), tmp_path / "crowded.png")
