@@ -69,6 +69,8 @@ def records_frame(records: list[dict]) -> pd.DataFrame:
             if r["status"] == "ok" and r["peak_host_rss_gib"] else None,
             "plan_host_gib": plan["host_bytes"] / GIB if "host_bytes" in plan else None,
             "plan_gpu_gib": plan["gpu_bytes"] / GIB if "gpu_bytes" in plan else None,
+            "resident_units": len((r.get("system_config") or {}).get("resident_units") or [])
+            if r["system"] == "megatrain" and r["status"] == "ok" else None,
             "trace_path": trace.get("path"), "has_timeline": bool((r.get("metrics") or {}).get("timeline")),
             "gpu_mem_gib": r["env"].get("gpu_mem_gib"), "commit": r["env"]["commit"],
             "host_kind": r["env"].get("hostname_kind"), "gpu": r["env"]["gpu"],
@@ -90,6 +92,13 @@ def _status_and_error(record: dict) -> tuple[str, str | None]:
     if record["status"] == "error" and error and error.startswith(unrecognised) and PREFLIGHT_REFUSAL in error:
         return "skipped", error.removeprefix(unrecognised).removeprefix("error: ")
     return record["status"], error
+
+
+def short_reason(status: str, error: str | None) -> str:
+    """A case that did not run ok, in a few words: its status and the memory it lacked, where its error names one."""
+    text = (error or "").lower()
+    lacked = next((what for what in ("host memory", "GPU memory") if what.lower() in text), None)
+    return f"{status}, {lacked}" if lacked else "not available here" if "cannot run here" in text else status
 
 
 def _tflops_no_embed(record: dict) -> float | None:
