@@ -249,6 +249,19 @@ def test_report_loads_in_a_headless_browser_without_errors(tmp_path):
 COMMITTED = sorted(p.parent.name for p in (REPO_ROOT / "reports").glob("*/index.html"))
 
 
+@pytest.mark.subprocess
+@pytest.mark.skipif(_chromium() is None, reason="needs chromium (apt-get install -y chromium)")
+@pytest.mark.parametrize("suite", COMMITTED)
+def test_a_committed_report_reads_at_laptop_width(suite, tmp_path):
+    report = tmp_path / suite
+    shutil.copytree(REPO_ROOT / "reports" / suite, report)
+    result = _browse(report / "index.html", tmp_path / "profile")
+    _reads_at_laptop_width(result)
+    assert result["images"] and result["images"][0]["src"] == "headline.png", "the report opens with its answer"
+    _screenshot(report / "index.html", tmp_path / f"{suite}.png", tmp_path / "profile")
+    print(f"screenshot: {tmp_path / f'{suite}.png'}")
+
+
 def test_records_keep_no_machine_paths():
     from megatrain.bench.env import REPO_ROOT
     from megatrain.bench.record import relative_paths
