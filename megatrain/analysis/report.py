@@ -299,8 +299,8 @@ def write_report(results_dir: Path, out_dir: Path, all_runs: bool = False) -> Pa
             "system at the same model, sequence length and kernels in this run</p>"]),
         "<h2>The paper beside us</h2>",
         "<p class='muted'>Every published figure on a model shape this suite ran, beside our best case of it; "
-        "'comparable' says whether the two are the same case (model, sequence and batch) and, if not, why.</p>",
-        html_table(paper) if not paper.empty else "<p class='muted'>no case of this suite has a model shape the "
+        "'comparable' says whether the two are the same case (model, sequence and batch) and, if not, why.</p>"
+        + html_table(paper) if not paper.empty else "<p class='muted'>no case of this suite has a model shape the "
         "paper reports on</p>",
         "<h2>Figures</h2>",
         *(_figure_html(p, c) for p, c in figures),
