@@ -94,7 +94,7 @@ def _join(items: list[str]) -> str:
 def _machine(rows: pd.DataFrame) -> str:
     """Where `rows` ran, in words: its hardware profile's description ('one H200 141 GB, 128 GiB host')."""
     profile = get_profile(rows["hardware"].iloc[0])
-    return profile.description if profile.gpu else f"a CPU ({profile.name}: {profile.description})"
+    return profile.description if profile.gpu else f"a CPU (hardware profile {profile.name})"
 
 
 def _seconds(value: float) -> str:
