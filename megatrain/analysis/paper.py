@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatrain.models.flops import model_flops, paper_flops
+from megatrain.models.registry import MODELS, get_model_config
+
 PAPER = "paper (arXiv:2604.05091)"
 README = "public code README"
 DESIGN = "docs/DESIGN.md (public code, our run)"
@@ -34,6 +37,7 @@ class Claim:
     batch: int | None = None
     num_layers: int | None = None  # depth override of the registry shape
     flops: str = SIX_NT  # the FLOP count behind tflops
+    step_time_s: float | None = None  # where the source states it
 
 
 CLAIMS: list[Claim] = [
@@ -57,7 +61,7 @@ CLAIMS: list[Claim] = [
     Claim("depth scaling, 84 layers (FSDP OOM from ~84)", "fsdp", "qwen2.5-7b", 1024, None, "GH200 96 GB", PAPER,
           num_layers=84),
     *[Claim(f"long context {seq // 1024}k", "megatrain", "qwen2.5-7b", seq, tflops, "GH200 96 GB", PAPER, batch=1,
-            flops=WITH_ATTENTION)
+            flops=WITH_ATTENTION, step_time_s=871.0 if seq == 524288 else None)
       for seq, tflops in ((1024, 284.7), (8192, 294.5), (32768, 316.7), (131072, 305.3), (262144, 401.2),
                           (524288, 407.4))],
     Claim("one H100, 7B", "megatrain", "qwen2.5-7b", 1024, 272, "H100", README),
@@ -69,3 +73,29 @@ CLAIMS: list[Claim] = [
     Claim("public code, 3B", "megatrain", "qwen2.5-3b", 1024, 211, "H100", DESIGN, batch=128),
     Claim("whole model on GPU, HF kernels, 3B", "native", "qwen2.5-3b", 1024, 294, "H100", DESIGN),
 ]
+
+
+def mismatch(claim: Claim, model_name: str, num_layers: int, seq: int, batch: int) -> str | None:
+    """Why a case of ours (registry model, depth, sequence, batch) is not the claim's case, or None when it is: a
+    published figure stands beside ours only at the same model, depth, sequence and batch. A source that states no
+    batch matches none."""
+    depth = claim.num_layers or MODELS[claim.model].num_layers
+    if (claim.model, depth) != (model_name, num_layers):
+        return f"another model ({claim.model}, {depth} layers)"
+    if claim.seq != seq:
+        return f"another sequence length ({claim.seq})"
+    if claim.batch is None:
+        return "the source states no batch"
+    if claim.batch != batch:
+        return f"another batch ({claim.batch})"
+    return None
+
+
+def step_time_s(claim: Claim) -> float:
+    """The claim's step time: as its source states it, or from its TFLOPS in its own FLOP count (needs its batch)."""
+    if claim.step_time_s is not None:
+        return claim.step_time_s
+    cfg = get_model_config(claim.model, claim.num_layers)
+    flops = paper_flops(cfg, claim.batch, claim.seq) if claim.flops == WITH_ATTENTION else \
+        model_flops(cfg.num_params(), claim.batch * claim.seq)
+    return flops / (claim.tflops * 1e12)

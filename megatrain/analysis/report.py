@@ -1,4 +1,5 @@
-"""Static HTML report of a suite's records: environment, tables, the paper beside us, figures.
+"""Static HTML report of a suite's records: the suite's question answered (megatrain.analysis.headline), then the
+summary, environment, tables, the paper beside us, figures.
 
 `python -m megatrain report [SUITE|RESULTS_DIR ...]` rewrites reports/<suite>/index.html and
 the PNG figures beside it from results/<suite>/records.jsonl. The page loads nothing from
@@ -15,20 +16,27 @@ from pathlib import Path
 
 import pandas as pd
 
-from megatrain.analysis import plots, scaling_report, tables
+from megatrain.analysis import headline, plots, scaling_report, tables
 from megatrain.bench.env import WORKSPACE
 from megatrain.bench.suite import read_suite_records
+from megatrain.engine.plan import PROCESS_OVERHEAD_BYTES
 from megatrain.hardware import get_profile
-from megatrain.memory import GPU_FILL
+from megatrain.memory import GIB, GPU_FILL
 from megatrain.probe import Machine
 
 MAX_TRACES = 6
+DENSE_COLUMNS = 16  # a table with more columns is set smaller, to fit the page's width
 CSS = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1200px; padding: 0 1em; color: #222; }
 h1 { font-size: 1.6em; margin-bottom: 0.2em; } h2 { margin-top: 1.8em; border-bottom: 1px solid #ddd; }
-table { border-collapse: collapse; margin: 0.6em 0; font-size: 12.5px; }
-th, td { border: 1px solid #ddd; padding: 3px 7px; text-align: right; }
-th { background: #f4f4f4; } td.text, th.text { text-align: left; }
+p.question { font-size: 1.15em; color: #555; margin: 0.2em 0 0.6em; }
+p.answer { font-size: 1.2em; line-height: 1.5; margin: 0.6em 0; }
+.table { max-width: 100%; overflow-x: auto; }
+table { border-collapse: collapse; margin: 0.6em 0; font-size: 12px; }
+th, td { border: 1px solid #ddd; padding: 3px 6px; text-align: right; }
+th { background: #f4f4f4; font-weight: 600; } td.text, th.text { text-align: left; }
+td.text { overflow-wrap: break-word; }
+table.dense { font-size: 11px; } table.dense th, table.dense td { padding: 2px 4px; }
 tr:nth-child(even) td { background: #fafafa; }
 .ok { color: #11772d; font-weight: 600; } .oom { color: #b3261e; font-weight: 600; }
 .error, .timeout { color: #a05a00; font-weight: 600; } .skipped { color: #666; }
@@ -38,7 +46,8 @@ figure { margin: 1em 0; } figure img { max-width: 100%; border: 1px solid #eee; 
 """
 TEXT_COLUMNS = {"system", "model", "status", "run", "claim", "source", "their hardware", "vs", "at", "note",
                 "our system", "our status", "our GPU", "our run", "case", "what", "value", "error", "profile",
-                "command"}
+                "command", "comparable", "largest trained", "next larger", "why", "file", "commit", "gpu", "precision",
+                "name", "measured status", "TFLOPS count", "reason", "label"}
 
 
 def _fmt(value) -> str:
@@ -54,10 +63,12 @@ def _fmt(value) -> str:
 
 
 def html_table(df: pd.DataFrame) -> str:
-    """A plain HTML table; status cells carry a class, text columns align left."""
+    """A plain HTML table, in a box that scrolls sideways rather than the page should it not fit; status cells carry a
+    class, text columns align left, a table of many columns is set smaller."""
     if df.empty:
         return "<p class='muted'>nothing to show</p>"
-    head = "".join(f"<th class='{'text' if c in TEXT_COLUMNS else ''}'>{html.escape(str(c))}</th>" for c in df.columns)
+    head = "".join(f"<th class='{'text' if c in TEXT_COLUMNS else ''}'>{html.escape(str(c).replace('_', ' '))}</th>"
+                   for c in df.columns)
     rows = []
     for _, row in df.iterrows():
         cells = []
@@ -66,7 +77,9 @@ def html_table(df: pd.DataFrame) -> str:
             cls = ("text " if col in TEXT_COLUMNS else "") + (str(row[col]) if col in ("status", "our status") else "")
             cells.append(f"<td class='{cls.strip()}'>{text}</td>")
         rows.append("<tr>" + "".join(cells) + "</tr>")
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+    dense = " class='dense'" if len(df.columns) > DENSE_COLUMNS else ""
+    return (f"<div class='table'><table{dense}><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+            "</div>")
 
 
 def _runs_section(records: list[dict], scope: pd.DataFrame) -> str:
@@ -155,9 +168,51 @@ def _figure_html(png: Path, caption: str) -> str:
            "</figcaption></figure>"
 
 
-def _summary_section(scope: pd.DataFrame, out_dir: Path, paper: pd.DataFrame) -> list[str]:
-    """What a reader needs first: throughput and memory per system, the speedups at equal settings, and the paper's
-    figures where ours are comparable (same model, sequence and, where the paper states one, batch)."""
+def _opening(head: headline.Headline | None) -> list[str]:
+    """The suite's question, the sentence that answers it, and its figure."""
+    if head is None:
+        return ["<p class='muted'>This suite declares no question (a [report] table in its TOML: "
+                "megatrain.analysis.headline), so the report opens with its summary.</p>"]
+    parts = [f"<p class='question'>{html.escape(head.question)}</p>", f"<p class='answer'>{head.sentence}</p>"]
+    if head.figure is not None:
+        parts.append(_figure_html(head.figure, head.caption))
+    return parts
+
+
+def _tflops_caption(frame: pd.DataFrame) -> str:
+    """What the summary's TFLOPS bars show, and why plain PyTorch's can stand above MegaTrain's."""
+    caption = ("TFLOPS (6NT) per system at each model and batch, at the main sequence length; hatched: compiled; a "
+               "missing bar: not run, or not ok, there.")
+    systems = {plots.split_label(label)[0] for label in frame[frame["status"] == "ok"]["label"]}
+    if {"megatrain", "native"} <= systems and (frame["device"] == "cuda").any():
+        caption += (" Plain PyTorch keeps the whole model and its optimizer state on the GPU, so it runs only where "
+                    "they fit; MegaTrain keeps its training state in host memory and holds on the GPU what its plan "
+                    "makes resident.")
+    return caption
+
+
+def _memory_caption(frame: pd.DataFrame) -> str:
+    """What the summary's memory bars show, and why a bar that would surprise is as it is."""
+    ok = frame[frame["status"] == "ok"]
+    caption = "Peak GPU and host memory per system, at the largest batch it ran; hatched: compiled."
+    resident = ok[(ok["system"] == "megatrain") & (ok["device"] == "cuda") & (ok["resident_units"] > 0)]
+    if len(resident):
+        caption += (" MegaTrain's GPU peak is high by design: its plan keeps on the GPU whatever fits, the "
+                    f"embedding, then leading layers (here up to {int(resident['resident_units'].max())} units "
+                    f"resident), filling up to {GPU_FILL:.0%} of the GPU, and streams the rest; its training state "
+                    "stays in host memory.")
+        if ok["label"].str.contains("streamed").any():
+            caption += " '-streamed': nothing resident, every unit streamed."
+    if ((ok["system"] == "native") & (ok["device"] == "cuda")).any():
+        caption += " Plain PyTorch's host peak is its process alone: all it trains is on the GPU."
+    if not (ok["device"] == "cuda").any():
+        caption += " On a CPU all of a case's memory is host memory."
+    return caption
+
+
+def _summary_section(scope: pd.DataFrame, out_dir: Path, paper: pd.DataFrame, tflops: bool) -> list[str]:
+    """Throughput (unless the opening shows it) and memory per system, the speedups at equal settings, and the
+    paper's figures where ours are comparable (same model, sequence and batch)."""
     session = scope["session"].max()  # the latest measuring session: one machine, one commit
     scope = scope[scope["session"] == session]
     paper = paper[paper["our run"] == session] if not paper.empty else paper
@@ -171,12 +226,10 @@ def _summary_section(scope: pd.DataFrame, out_dir: Path, paper: pd.DataFrame) ->
         parts.append("<p><b>These cases ran on a CPU.</b> They check that every system's path builds, trains and "
                      "records on the same model and data; they say nothing about speed, so no speedup is taken from "
                      "them.</p>")
-    for fig, caption in ((plots.summary_tflops(scope, out_dir / "summary_tflops.png"),
-                          "TFLOPS (6NT) per system at each batch; a missing bar: not run, or not ok, at that batch."),
-                         (plots.summary_memory(scope, out_dir / "summary_memory.png"),
-                          "Peak GPU and host memory per system, at the largest batch it ran.")):
-        if fig is not None:
-            parts.append(_figure_html(fig, caption))
+    figures = [(plots.summary_tflops(scope, out_dir / "summary_tflops.png"), _tflops_caption(scope))] \
+        if tflops and not cpu_only else []
+    figures.append((plots.summary_memory(scope, out_dir / "summary_memory.png"), _memory_caption(scope)))
+    parts += [_figure_html(fig, caption) for fig, caption in figures if fig is not None]
     if not cpu_only:
         table = tables.summary_speedups(scope)
         parts += ["<h3>Speedups at equal settings</h3>",
@@ -185,13 +238,23 @@ def _summary_section(scope: pd.DataFrame, out_dir: Path, paper: pd.DataFrame) ->
                   "<p class='muted'>MegaTrain's TFLOPS over each system's, in one session, at the same model, "
                   "sequence, batch and kernel setting ('-compiled': every decoder layer through torch.compile, in "
                   "every system). Best against best, and the failures, are under Speedups below.</p>"]
-        comparable = paper[paper["our status"] == "ok"] if not paper.empty else paper
+        comparable = paper[paper["comparable"] == "yes"] if not paper.empty else paper
         if not comparable.empty:
-            parts += ["<h3>The paper beside us</h3>", html_table(comparable),
-                      "<p class='muted'>Only the published figures with a measured case of ours at the same model "
-                      "and sequence (and the same batch where the source states one). Their hardware is not ours: "
-                      "read these side by side, not as ratios.</p>"]
+            parts += ["<h3>The paper beside us</h3>",  # one session: its GPU and run are stated above
+                      html_table(comparable.drop(columns=["comparable", "our GPU", "our run"])),
+                      "<p class='muted'>Only the published figures of the same case as one of ours: model, "
+                      "sequence and batch. Their hardware is not ours: read these side by side, not as ratios.</p>"]
     return parts
+
+
+def _results_note(scope: pd.DataFrame) -> str:
+    note = ("host B/param: peak RSS of the case's process over its parameters (includes the process's fixed "
+            "~0.3-3 GiB, so it reads high for small models). plan: the pre-flight estimate (megatrain.bench.fit).")
+    if (scope["device"] == "cpu").any():
+        note += (f" The host plan counts a fixed {PROCESS_OVERHEAD_BYTES / GIB:.0f} GiB per process for python, "
+                 "torch, a CUDA context and libraries (megatrain.engine.plan); a CPU process training a small model "
+                 "measures far less, so on CPU cases the plan stands above the measured peak.")
+    return f"<p class='muted'>{note}</p>"
 
 
 def write_report(results_dir: Path, out_dir: Path, all_runs: bool = False) -> Path:
@@ -209,16 +272,18 @@ def write_report(results_dir: Path, out_dir: Path, all_runs: bool = False) -> Pa
     suite = records[-1]["suite"]["name"]
     speedups = tables.speedups(scope)
     paper = tables.paper_comparison(scope)
+    head = headline.headline(suite, scope, out_dir)
     rel = lambda p: p.resolve().relative_to(WORKSPACE) if p.resolve().is_relative_to(WORKSPACE) else p  # noqa: E731
     rerun = (f"python -m megatrain suite {suite} --out-dir {rel(results_dir)}\n"
              f"python -m megatrain report {rel(results_dir)} --out {rel(out_dir)}")
     body = [
         f"<h1>Suite <code>{html.escape(suite)}</code></h1>",
+        *_opening(head),
         f"<p class='muted'>{len(scope)} cases from <code>{html.escape(str(rel(results_dir)))}/records.jsonl</code>, "
         f"report generated {time.strftime('%Y-%m-%d %H:%M')} from the records (never edited by hand). "
         "TFLOPS = 6 x parameters x tokens / median step time; the parameters include the input embedding, which "
         "does no matmul when untied: the figure without it is beside it in the results.</p>",
-        *_summary_section(scope, out_dir, paper),
+        *_summary_section(scope, out_dir, paper, tflops=head is None or head.kind != "throughput"),
         *(scaling_report.sections(scope, out_dir, html_table, _figure_html) if suite == "scaling" else []),
         f"<h2>Rerun</h2><pre>{html.escape(rerun)}</pre>"
         "<p class='muted'>Cases run on a machine matching their hardware profile; a rerun resumes the latest run "
@@ -226,16 +291,16 @@ def write_report(results_dir: Path, out_dir: Path, all_runs: bool = False) -> Pa
         "<h2>Environment</h2>", _runs_section(records, scope),
         "<h2>Status</h2>", html_table(tables.status_counts(scope).reset_index().rename(columns={"label": "system"})),
         "<h2>Results</h2>", html_table(tables.results_table(scope)),
-        "<p class='muted'>host B/param: peak RSS of the case's process over its parameters (includes the "
-        "process's fixed ~0.3-3 GiB, so it reads high for small models). plan: the pre-flight estimate "
-        "(megatrain.preflight).</p>",
+        _results_note(scope),
         *_headroom_section(scope),
         *([] if not (scope["device"] == "cuda").any() else [
             "<h2>Speedups</h2>",
             html_table(speedups) if not speedups.empty else "<p class='muted'>no MegaTrain case beside another "
             "system at the same model, sequence length and kernels in this run</p>"]),
         "<h2>The paper beside us</h2>",
-        html_table(paper) if not paper.empty else "<p class='muted'>no case of this suite has a model shape the "
+        "<p class='muted'>Every published figure on a model shape this suite ran, beside our best case of it; "
+        "'comparable' says whether the two are the same case (model, sequence and batch) and, if not, why.</p>"
+        + html_table(paper) if not paper.empty else "<p class='muted'>no case of this suite has a model shape the "
         "paper reports on</p>",
         "<h2>Figures</h2>",
         *(_figure_html(p, c) for p, c in figures),

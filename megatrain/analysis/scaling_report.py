@@ -12,10 +12,9 @@ import html
 import json
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 import pandas as pd
 
-from megatrain.analysis.plots import _save
+from megatrain.analysis import plots
 from megatrain.bench.env import WORKSPACE
 
 PERF = WORKSPACE / "results" / "perf_model"
@@ -55,22 +54,22 @@ def depth_figure(scope: pd.DataFrame, path: Path) -> Path | None:
     ok = scope[(scope["status"] == "ok") & scope["group"].str.startswith("depth")]
     if ok.empty:
         return None
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for label, g in ok.groupby("label"):
-        g = g.sort_values("num_layers")
-        axes[0].plot(g["num_layers"], g["tflops"], marker="o", label=label)
-        axes[1].plot(g["num_layers"], g["peak_gpu_alloc_gib"], marker="o", label=label)
+    fig, axes = plots._figure(1, 2, height=4.2)
+    left, right = axes[0]
+    plots._lines(left, ok, "num_layers", "tflops", shape="model_name")
+    plots._lines(right, ok, "num_layers", "peak_gpu_alloc_gib", shape="model_name")
     width = ok["model_name"].iloc[0]
-    axes[0].set(xlabel="decoder layers", ylabel="TFLOPS (6NT)", title=f"Throughput vs depth ({width} width)")
-    axes[1].set(xlabel="decoder layers", ylabel="GiB", title="GPU peak allocated vs depth")
-    for ax in axes:
+    left.set(xlabel="decoder layers", ylabel="TFLOPS (6NT)", title=f"Throughput vs depth ({width} width)")
+    right.set(xlabel="decoder layers", ylabel="GiB", title="GPU peak allocated vs depth")
+    for ax in axes[0]:
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    return _save(fig, path)
+    plots._legend_below(fig, axes, ncols=3)
+    return plots._save(fig, path)
 
 
 def validation_figure(rows: pd.DataFrame, path: Path) -> Path:
-    fig, ax = plt.subplots(figsize=(6, 5))
+    fig, axes = plots._figure(width=plots.WIDTH_IN * 0.6, height=5.2)
+    ax = axes[0][0]
     for gpu, g in rows.groupby("gpu"):
         ax.scatter(g["measured_step_s"], g["predicted_step_s"], label=f"{gpu} (its own ingredients)", s=18)
     proj = rows[rows["projected_from_h200_s"].notna()] if "projected_from_h200_s" in rows else rows.iloc[:0]
@@ -84,7 +83,7 @@ def validation_figure(rows: pd.DataFrame, path: Path) -> Path:
            title="Performance model: predicted vs measured\n(lines: equal, +-10%, +-25%)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return plots._save(fig, path)
 
 
 def projection_figure(proj: pd.DataFrame, measured: pd.DataFrame, path: Path) -> Path | None:
@@ -94,19 +93,27 @@ def projection_figure(proj: pd.DataFrame, measured: pd.DataFrame, path: Path) ->
     if short.empty:
         return None
     profiles = list(dict.fromkeys(short["profile"]))
-    fig, axes = plt.subplots(1, len(profiles), figsize=(3.3 * len(profiles), 3.8), squeeze=False, sharey=True)
-    for ax, profile in zip(axes[0], profiles, strict=True):
+    ncols = min(3, len(profiles))
+    nrows = -(-len(profiles) // ncols)
+    fig, axes = plots._figure(nrows, ncols, height=3.6 * nrows, sharey=True)
+    color = plots.label_style("megatrain-bf16")["color"]
+    for i, (ax, profile) in enumerate(zip(axes.ravel(), profiles, strict=False)):
         g = short[short["profile"] == profile].sort_values("params_b")
-        ax.scatter(g["params_b"], g["projected_tflops"], facecolors="none", edgecolors="C0", label="projected")
+        ax.scatter(g["params_b"], g["projected_tflops"], facecolors="none", edgecolors=color,
+                   label="projected (MegaTrain, bf16)")
         paper = g[g["paper_tflops"].notna()]
-        ax.scatter(paper["params_b"], paper["paper_tflops"], marker="x", color="C3", label="paper")
-        ax.set(xscale="log", xlabel="parameters (B)", title=profile)
+        ax.scatter(paper["params_b"], paper["paper_tflops"], marker="x", color="black", label="the paper")
+        if i == 0 and len(measured):
+            ax.scatter(measured["params_b"], measured["tflops"], color=color, s=14, label="measured on the lent H200")
+        plots._params_axis(ax)
+        ax.set_title(profile)
         ax.grid(alpha=0.3)
-    if len(measured):
-        axes[0][0].scatter(measured["params_b"], measured["tflops"], color="k", s=14, label="measured, lent H200")
-    axes[0][0].set_ylabel("TFLOPS (6NT), bf16 precision")
-    axes[0][0].legend(fontsize=7)
-    return _save(fig, path)
+    for ax in axes.ravel()[len(profiles):]:
+        ax.set_visible(False)
+    for row in axes:
+        row[0].set_ylabel("TFLOPS (6NT), bf16 precision")
+    plots._legend_below(fig, axes, ncols=3)
+    return plots._save(fig, path)
 
 
 def sections(scope: pd.DataFrame, out_dir: Path, html_table, figure_html) -> list[str]:
@@ -160,16 +167,17 @@ def sections(scope: pd.DataFrame, out_dir: Path, html_table, figure_html) -> lis
         measured = scope[(scope["status"] == "ok") & (scope["label"] == "megatrain-bf16-compiled")
                          & scope["group"].str.startswith("size")]
         fig = projection_figure(proj, measured, out_dir / "projections.png")
+        precisions = sorted(proj["precision"].unique())  # one: stated here, not repeated per row
         parts += ["<h2>Projected: the paper's machines (not measured)</h2>",
                   figure_html(fig, "Projected (hollow) by the performance model from the lent H200's ingredients "
                                    "and published figures (megatrain/hardware_specs.toml); measured (solid) on "
                                    "the lent H200; the paper's own (crosses).") if fig else "",
-                  html_table(proj.round(2)),
-                  "<p class='muted'>PROJECTED, not measured. Each case planned by the engine's own plan for that "
-                  "machine's memory (placement of saved inputs, resident units, micro-batch where the GPU is the "
-                  "limit), then replayed. GPU time: matmul and attention scaled by the ratio of dense bf16 rates, "
-                  "the rest by memory bandwidth; link at the lent host's measured share of nominal PCIe; host AdamW "
-                  "memory-bound at 60% of the published host bandwidth, no faster per core than the lent host's "
-                  "(an assumption, see megatrain.perf_model.model_check). The paper's 120B is GPT-OSS-120B (a mixture "
-                  "of experts); ours is a dense 120B shape.</p>"]
+                  html_table((proj.drop(columns="precision") if len(precisions) == 1 else proj).round(2)),
+                  f"<p class='muted'>PROJECTED, not measured, {' and '.join(precisions)} precision. Each case planned "
+                  "by the engine's own plan for that machine's memory (placement of saved inputs, resident units, "
+                  "micro-batch where the GPU is the limit), then replayed. GPU time: matmul and attention scaled by "
+                  "the ratio of dense bf16 rates, the rest by memory bandwidth; link at the lent host's measured "
+                  "share of nominal PCIe; host AdamW memory-bound at 60% of the published host bandwidth, no faster "
+                  "per core than the lent host's (an assumption, see megatrain.perf_model.model_check). The paper's "
+                  "120B is GPT-OSS-120B (a mixture of experts); ours is a dense 120B shape.</p>"]
     return parts

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pandas as pd
 
 from megatrain.analysis import paper
+from megatrain.bench.suite import PREFLIGHT_REFUSAL
 from megatrain.hardware import actual_profile
 from megatrain.memory import GPU_FILL
 from megatrain.models.flops import hardware_flops, paper_flops
@@ -53,13 +54,14 @@ def records_frame(records: list[dict]) -> pd.DataFrame:
         plan = s.get("plan") or {}
         trace = r.get("trace") or {}
         hardware = actual_profile(s["hardware"], Machine.from_dict(s["machine"])) if s.get("machine") else s["hardware"]
+        status, error = _status_and_error(r)
         rows[(s["run_id"], s["case_id"])] = {
             "run_id": s["run_id"], "case_id": s["case_id"], "suite": s["name"], "group": s["group"],
             "label": _label(r), "hardware": hardware,
             "compile": compiled(r), "system": r["system"], "precision": r["precision"],
             "dtype": r["dtype"], "device": r["config"]["device"], "model": model_label(r), "model_name": r["model"],
             "num_layers": r["num_layers"], "params_b": r["num_params"] / 1e9, "batch": r["batch"],
-            "micro_batch": r["micro_batch"], "seq": r["seq"], "status": r["status"], "error": r.get("error"),
+            "micro_batch": r["micro_batch"], "seq": r["seq"], "status": status, "error": error,
             "tflops": r["tflops"], "tflops_no_embed": _tflops_no_embed(r), "mfu": r.get("mfu"),
             "hw_tflops": _rate(r, "hw_tflops"), "paper_tflops": _rate(r, "paper_tflops"),
             "tokens_per_s": r["tokens_per_s"],
@@ -69,6 +71,8 @@ def records_frame(records: list[dict]) -> pd.DataFrame:
             if r["status"] == "ok" and r["peak_host_rss_gib"] else None,
             "plan_host_gib": plan["host_bytes"] / GIB if "host_bytes" in plan else None,
             "plan_gpu_gib": plan["gpu_bytes"] / GIB if "gpu_bytes" in plan else None,
+            "resident_units": len((r.get("system_config") or {}).get("resident_units") or [])
+            if r["system"] == "megatrain" and r["status"] == "ok" else None,
             "trace_path": trace.get("path"), "has_timeline": bool((r.get("metrics") or {}).get("timeline")),
             "gpu_mem_gib": r["env"].get("gpu_mem_gib"), "commit": r["env"]["commit"],
             "host_kind": r["env"].get("hostname_kind"), "gpu": r["env"]["gpu"],
@@ -79,6 +83,24 @@ def records_frame(records: list[dict]) -> pd.DataFrame:
     if len(df):
         df["session"] = _sessions(df)
     return df
+
+
+def _status_and_error(record: dict) -> tuple[str, str | None]:
+    """The record's status and error. A case its own pre-flight refused (exit code 2 with the refusal) reads as the
+    suite runner records it now, skipped with the refusal, also in records written before the runner recognised it
+    (they say error, 'exit code 2 without a record: error: ... does not fit here: ...')."""
+    error = record.get("error")
+    unrecognised = "exit code 2 without a record: "
+    if record["status"] == "error" and error and error.startswith(unrecognised) and PREFLIGHT_REFUSAL in error:
+        return "skipped", error.removeprefix(unrecognised).removeprefix("error: ")
+    return record["status"], error
+
+
+def short_reason(status: str, error: str | None) -> str:
+    """A case that did not run ok, in a few words: its status and the memory it lacked, where its error names one."""
+    text = (error or "").lower()
+    lacked = next((what for what in ("host memory", "GPU memory") if what.lower() in text), None)
+    return f"{status}, {lacked}" if lacked else "not available here" if "cannot run here" in text else status
 
 
 def _tflops_no_embed(record: dict) -> float | None:
@@ -192,7 +214,9 @@ def _speedup_row(run_id, model, seq, at, ref, ref_batch, ref_tflops, other, othe
 
 
 def paper_comparison(df: pd.DataFrame) -> pd.DataFrame:
-    """The paper's claims on the model shapes this suite measured, beside our best measurement of each."""
+    """The paper's claims on the model shapes this suite measured, beside our best measurement of each, and whether
+    the two are the same case (paper.mismatch: model, depth, sequence and batch; a source that states no batch is
+    compared at our best batch, and marked not comparable)."""
     rows = []
     for claim in paper.CLAIMS:
         depth = claim.num_layers or MODELS[claim.model].num_layers
@@ -205,6 +229,8 @@ def paper_comparison(df: pd.DataFrame) -> pd.DataFrame:
         ok = mine[mine["status"] == "ok"]
         column = "paper_tflops" if claim.flops == paper.WITH_ATTENTION else "tflops"
         best = ok.loc[ok[column].idxmax()] if len(ok) else None
+        differs = None if best is None else paper.mismatch(claim, best["model_name"], best["num_layers"], best["seq"],
+                                                             best["batch"])
         rows.append({
             "claim": claim.what, "source": claim.source, "their hardware": claim.hardware, "system": claim.system,
             "model": shape["model"].iloc[0], "seq": claim.seq, "their batch": claim.batch,
@@ -217,6 +243,7 @@ def paper_comparison(df: pd.DataFrame) -> pd.DataFrame:
             ("not run" if claim.batch is None else f"not run at batch {claim.batch}"),
             "our GPU": None if best is None else best["gpu"],
             "our run": None if best is None else best["session"],
+            "comparable": None if best is None else "yes" if differs is None else f"no: {differs}",
         })
     out = pd.DataFrame(rows)
     return out.astype({"their batch": "Int64", "our batch": "Int64"}) if len(out) else out

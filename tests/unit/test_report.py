@@ -1,20 +1,27 @@
-"""Tables, figures and the HTML report from records, and the report in a headless browser.
+"""Tables, figures and the HTML report from records, and the reports in a headless browser.
 
-CPU, seconds: pytest tests/unit/test_report.py. The browser test needs Debian's `chromium`
-(apt-get install -y chromium) and skips without it.
+CPU, seconds: pytest tests/unit/test_report.py (the tests that regenerate every committed report or open a browser
+run in the subprocess/slow session, about a minute). The browser tests need Debian's `chromium`
+(apt-get install -y chromium) and skip without it; they leave screenshots of each report in pytest's temporary
+directory (the path is in their output with -s).
 """
 
+import colorsys
 import html
 import json
 import re
 import shutil
 import subprocess
+import warnings
 
+import matplotlib.pyplot as plt
 import pytest
 
-from megatrain.analysis import plots, tables
+from megatrain.analysis import headline, plots, tables
 from megatrain.analysis.report import write_report
+from megatrain.bench.env import WORKSPACE
 from megatrain.bench.record import Record, append_jsonl
+from megatrain.bench.suite import SUITES_DIR
 from megatrain.config import CaseConfig
 from megatrain.models.flops import model_flops, paper_flops
 from megatrain.models.registry import get_model_config
@@ -24,10 +31,15 @@ GPU_MACHINE = {"gpu_name": "NVIDIA H200", "gpu_count": 4, "gpu_mem_gib": 139.8, 
                "both_gbs": 90.2, "gemm_bf16_tflops": 780.0, "cpu_adamw_gparams_s": 5.9, "probe_s": 6.0}
 
 
+CPU_MACHINE = {"gpu_name": None, "gpu_count": 0, "gpu_mem_gib": None, "host_mem_gib": 7.0, "host_available_gib": 6.0,
+               "cpu": "AMD EPYC", "cpu_cores": 2, "h2d_gbs": None, "d2h_gbs": None, "both_gbs": None,
+               "gemm_bf16_tflops": None, "cpu_adamw_gparams_s": 0.7, "probe_s": 1.0}
+
+
 def _record(system, batch, tflops, status="ok", model="qwen2.5-14b", seq=1024, run_id="20260101-000000-aaaa",
-            precision="mixed", num_layers=None, case_id=None, **extra):
-    case = CaseConfig(system=system, model=model, num_layers=num_layers, batch=batch, seq=seq, device="cuda",
-                      dtype="bfloat16", precision=precision)
+            precision="mixed", num_layers=None, case_id=None, device="cuda", suite="reproduce_14b", **extra):
+    case = CaseConfig(system=system, model=model, num_layers=num_layers, batch=batch, seq=seq, device=device,
+                      dtype="bfloat16" if device == "cuda" else "float32", precision=precision)
     r = Record(case, status).to_dict()
     if status == "ok":
         r.update(step_time_s=6 * r["num_params"] * r["tokens_per_step"] / tflops / 1e12, tflops=tflops,
@@ -36,10 +48,12 @@ def _record(system, batch, tflops, status="ok", model="qwen2.5-14b", seq=1024, r
     else:
         r["error"] = "CUDA out of memory (test)" if status == "oom" else "needs ~300 GiB host memory"
     label = system if precision == "mixed" else f"{system}-{precision}"
-    r["suite"] = {"name": "reproduce_14b", "run_id": run_id, "case_id": case_id or f"{label}-{model}-{batch}-{seq}",
-                  "group": "g", "label": label, "hardware": "h200-141g-512g", "ladder": None, "timeout_s": 60,
+    r["suite"] = {"name": suite, "run_id": run_id, "case_id": case_id or f"{label}-{model}-{batch}-{seq}",
+                  "group": "g", "label": label, "hardware": "h200-141g-512g" if device == "cuda" else "cpu-ci",
+                  "ladder": None, "timeout_s": 60,
                   "plan": {"host_bytes": 2**38, "gpu_bytes": 2**35, "fits": True, "reason": None},
-                  "machine": GPU_MACHINE, "command": f"python -m megatrain bench --system {system}",
+                  "machine": GPU_MACHINE if device == "cuda" else CPU_MACHINE,
+                  "command": f"python -m megatrain bench --system {system}",
                   "started_at": "2026-01-01T00:00:00+0000", "exit_code": 0, "wall_s": 100.0}
     r.update(extra)
     return r
@@ -178,32 +192,74 @@ const origError = console.error;
 console.error = (...a) => { window.__errors.push(a.join(' ')); origError(...a); };
 window.addEventListener('load', () => {
   const images = [...document.images].map(i => ({src: i.getAttribute('src'), width: i.naturalWidth}));
+  const page = document.documentElement;
+  const wider = [...document.querySelectorAll('body *')].filter(e => e.getBoundingClientRect().right > page.clientWidth)
+    .map(e => e.tagName + ': ' + (e.textContent || '').slice(0, 60));
+  const scrolled = [...document.querySelectorAll('div.table')].filter(e => e.scrollWidth > e.clientWidth)
+    .map(e => (e.textContent || '').slice(0, 60));
   const pre = document.createElement('pre');
   pre.id = 'browser-check';
-  pre.textContent = JSON.stringify({errors: window.__errors, images: images});
+  pre.textContent = JSON.stringify({errors: window.__errors, images: images, scrollWidth: page.scrollWidth,
+                                    clientWidth: page.clientWidth, wider: wider.slice(0, 5), scrolled: scrolled});
   document.body.appendChild(pre);
 });
 </script>"""
+BROWSER = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--hide-scrollbars",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           "--virtual-time-budget=10000"]
+WIDTH_PX = 1280  # a laptop's window: no report may scroll sideways in it
+
+
+def _browse(page_path, profile):
+    """What CHECK_SCRIPT finds in the page, opened at WIDTH_PX in headless chromium (a copy of the page beside it
+    carries the script)."""
+    check = page_path.with_name("check.html")
+    check.write_text(page_path.read_text().replace("<head>", "<head>" + CHECK_SCRIPT, 1))
+    proc = subprocess.run([_chromium(), *BROWSER, f"--user-data-dir={profile}", "--enable-logging=stderr",
+                           f"--window-size={WIDTH_PX},900", "--dump-dom", check.as_uri()],
+                          capture_output=True, text=True, timeout=120)
+    check.unlink()
+    found = re.search(r"<pre id=\"browser-check\">(.*?)</pre>", proc.stdout, re.S)
+    assert found, f"the check script did not run:\n{proc.stderr[-2000:]}"
+    assert "Uncaught" not in proc.stderr
+    return json.loads(html.unescape(found.group(1)))
+
+
+def _screenshot(page_path, png, profile, height=6000):
+    subprocess.run([_chromium(), *BROWSER, f"--user-data-dir={profile}", f"--window-size={WIDTH_PX},{height}",
+                    f"--screenshot={png}", page_path.as_uri()], capture_output=True, timeout=120, check=True)
+    assert png.stat().st_size > 0
+
+
+def _reads_at_laptop_width(result):
+    assert result["errors"] == []
+    assert all(img["width"] > 0 for img in result["images"]), result["images"]
+    assert result["scrollWidth"] <= result["clientWidth"] <= WIDTH_PX, result["wider"]
+    assert result["scrolled"] == [], "a table wider than the page"
 
 
 @pytest.mark.subprocess
 @pytest.mark.skipif(_chromium() is None, reason="needs chromium (apt-get install -y chromium)")
 def test_report_loads_in_a_headless_browser_without_errors(tmp_path):
-    page_path = _write(tmp_path)
-    check = page_path.with_name("check.html")
-    check.write_text(page_path.read_text().replace("<head>", "<head>" + CHECK_SCRIPT, 1))
-    proc = subprocess.run(
-        [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--virtual-time-budget=10000",
-         "--dump-dom", check.as_uri()], capture_output=True, text=True, timeout=120)
-    found = re.search(r"<pre id=\"browser-check\">(.*?)</pre>", proc.stdout, re.S)
-    assert found, f"the check script did not run:\n{proc.stderr[-2000:]}"
-    result = json.loads(html.unescape(found.group(1)))
-    assert result["errors"] == []
-    assert "Uncaught" not in proc.stderr
+    result = _browse(_write(tmp_path), tmp_path / "profile")
+    _reads_at_laptop_width(result)
     assert len(result["images"]) >= 5
-    assert all(img["width"] > 0 for img in result["images"]), result["images"]
+
+
+COMMITTED = sorted(p.parent.name for p in (WORKSPACE / "reports").glob("*/index.html"))
+
+
+@pytest.mark.subprocess
+@pytest.mark.skipif(_chromium() is None, reason="needs chromium (apt-get install -y chromium)")
+@pytest.mark.parametrize("suite", COMMITTED)
+def test_a_committed_report_reads_at_laptop_width(suite, tmp_path):
+    report = tmp_path / suite
+    shutil.copytree(WORKSPACE / "reports" / suite, report)
+    result = _browse(report / "index.html", tmp_path / "profile")
+    _reads_at_laptop_width(result)
+    assert result["images"] and result["images"][0]["src"] == "headline.png", "the report opens with its answer"
+    _screenshot(report / "index.html", tmp_path / f"{suite}.png", tmp_path / "profile")
+    print(f"screenshot: {tmp_path / f'{suite}.png'}")
 
 
 def test_records_keep_no_machine_paths():
@@ -235,3 +291,159 @@ def test_a_run_id_written_as_a_number_reads_as_a_string(tmp_path):
     append_jsonl(results / "records.jsonl", _record("deepspeed", 16, 140.0, run_id="20261125-000000-aaaa"))
     page = write_report(results, tmp_path / "report").read_text()
     assert "run 20261124" in page and "run 20261125-000000-aaaa" in page
+
+
+def test_every_shipped_suite_asks_its_question():
+    for path in sorted(SUITES_DIR.glob("*.toml")):
+        spec = headline.report_spec(path.stem)  # a [report] table that is there is checked whole
+        assert spec is not None and spec.question.strip(), f"{path.name}: no [report] question"
+
+
+@pytest.mark.parametrize(("table", "match"), [
+    ('question = "q"\nheadline = "speed"', "headline 'speed' is none of"),
+    ('question = "q"\nheadline = "paths"\npaper = ["the 2x"]', "names no claim"),
+    ('headline = "paths"', "takes question, headline"),
+])
+def test_a_report_table_that_cannot_be_read_says_what_to_change(tmp_path, monkeypatch, table, match):
+    monkeypatch.setattr(headline, "SUITES_DIR", tmp_path)
+    (tmp_path / "s.toml").write_text(f"[report]\n{table}\n")
+    with pytest.raises(ValueError, match=match):
+        headline.report_spec("s")
+
+
+def test_one_colour_per_system_megatrain_apart_compiled_hatched():
+    style = plots.label_style
+    assert style("fsdp")["color"] == style("fsdp-compiled")["color"]
+    assert (style("fsdp")["hatch"], style("fsdp")["linestyle"]) == (None, "-")
+    assert style("fsdp-compiled")["hatch"] and style("fsdp-compiled")["linestyle"] == "--"
+    systems = {s: colorsys.rgb_to_hsv(*style(s)["color"]) for s in ("megatrain", "native", "deepspeed", "fsdp")}
+    assert len({hsv[0] for hsv in systems.values()}) == 4
+    assert systems["megatrain"][1] > max(hsv[1] for s, hsv in systems.items() if s != "megatrain"), "stands out"
+    variants = [style(label)["color"] for label in ("megatrain", "megatrain-bf16", "megatrain-streamed",
+                                                    "megatrain-bf16-streamed", "megatrain-actoffload")]
+    assert len(set(variants)) == len(variants)
+    assert all(colorsys.rgb_to_hsv(*c)[0] == pytest.approx(systems["megatrain"][0], abs=0.02) for c in variants)
+    assert plots.ordered_labels(["fsdp", "megatrain-compiled", "native-compiled", "megatrain", "native"]) == [
+        "megatrain", "megatrain-compiled", "native", "native-compiled", "fsdp"]
+
+
+def _crowded_figure(labels, width_in=3.0):
+    fig, ax = plt.subplots(figsize=(width_in, 2.5))
+    ax.bar(range(len(labels)), range(len(labels)))
+    ax.set_xticks(range(len(labels)), labels)
+    return fig
+
+
+def test_overlapping_texts_finds_crowded_tick_labels_and_annotations_past_their_axes():
+    fig = _crowded_figure([f"qwen2.5-1.5b@{n}L" for n in (28, 56, 84, 132)])
+    pairs = plots.overlapping_texts(fig)
+    assert any(b is not None for _, b in pairs), "tick labels over each other"
+    assert "qwen2.5-1.5b@28L" in " ".join(plots.describe_overlaps(pairs))
+    plt.close(fig)
+    fig = _crowded_figure(["1", "2", "3"])
+    assert plots.overlapping_texts(fig) == []
+    fig.axes[0].annotate("a note far too long for its axes", (2, 1), xytext=(4, 0), textcoords="offset points")
+    assert [b for _, b in plots.overlapping_texts(fig)] == [None], "an annotation runs past its frame"
+    plt.close(fig)
+
+
+def test_save_turns_crowded_labels_upright_and_warns_when_that_is_not_enough(tmp_path):
+    fig = _crowded_figure([f"qwen2.5-7b@{n}L" for n in range(4)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", plots.LabelOverlap)
+        plots._save(fig, tmp_path / "upright.png")
+    assert {t.get_rotation() for t in fig.axes[0].get_xticklabels()} == {90}
+    with pytest.warns(plots.LabelOverlap, match="crowded.png"):
+        plots._save(_crowded_figure([f"label {n}" for n in range(60)], width_in=2.0), tmp_path / "crowded.png")
+
+
+def _cpu_records():
+    """A smoke run on a CPU: tiny models, every system ok but DeepSpeed, which this environment lacks."""
+    out = [_record(system, batch, 0.001, model="tiny", seq=64, device="cpu", suite="smoke",
+                   peak_host_rss_gib=0.3)
+           for system in ("native", "megatrain", "fsdp") for batch in (2, 4)]
+    out.append(_record("megatrain", 4, 0.001, model="tiny", seq=64, device="cpu", suite="smoke", num_layers=6,
+                       peak_host_rss_gib=0.3, case_id="depth"))
+    out.append(_record("deepspeed", 2, 0, status="skipped", model="tiny", seq=64, device="cpu", suite="smoke",
+                       error="deepspeed cannot run here: not installed"))
+    return out
+
+
+def test_every_figure_the_reports_make_has_no_overlapping_text(tmp_path):
+    """The figures of a GPU and a CPU report of made-up records (the smoke suite's report is not committed) are
+    checked as they are drawn (plots._save): a warning is an error here. The slow test below does the same for every
+    committed report."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", plots.LabelOverlap)
+        gpu = _write(tmp_path / "gpu")
+        results = tmp_path / "cpu" / "results"
+        for r in _cpu_records():
+            append_jsonl(results / "records.jsonl", r)
+        cpu = write_report(results, tmp_path / "cpu" / "report")
+    assert (gpu.parent / "headline.png").exists() and (cpu.parent / "headline.png").exists()
+    page = cpu.read_text()
+    assert "<b>7 of 8 cases ran ok</b>: MegaTrain, plain PyTorch and FSDP2 offload each built" in page
+    assert "not ok: DeepSpeed ZeRO-3 offload, 1 not available here" in page
+    assert "the plan stands above the measured peak" in page, "a CPU report says why planned host memory is higher"
+    assert "summary_tflops.png" not in page, "no speed is read from a CPU run"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("suite", COMMITTED)
+def test_a_committed_report_regenerates_without_overlapping_text(suite, tmp_path):
+    """Every figure of a committed report, drawn again from its committed records (as `nox -s report` does, here into
+    a temporary directory), opening with the answer to its suite's question."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", plots.LabelOverlap)
+        page = write_report(WORKSPACE / "results" / suite, tmp_path / suite)
+    assert re.search(r"<p class='answer'>.+?</p><figure><img src='headline.png'", page.read_text())
+
+
+def _context_records(run_id="20260101-000000-aaaa"):
+    kw = {"model": "qwen2.5-7b", "precision": "bf16", "suite": "context", "run_id": run_id}
+    return [*(_record("megatrain", 1, t, seq=seq, **kw) for seq, t in ((1024, 130.0), (524288, 42.0))),
+            _record("native", 1, 240.0, seq=1024, **kw),
+            _record("native", 1, 0, status="skipped", seq=524288, error="needs ~900 GiB GPU memory, 140 usable", **kw),
+            _record("deepspeed", 1, 0, status="skipped", seq=1024, error="needs ~145 GiB host memory, 115 usable",
+                    **{**kw, "precision": "mixed"})]
+
+
+def test_context_opens_with_the_longest_sequence_beside_the_papers_step_time(tmp_path):
+    scope = tables.latest_records(tables.records_frame(_context_records()))
+    head = headline.headline("context", scope, tmp_path)
+    ours = scope[(scope["seq"] == 524288) & (scope["status"] == "ok")]["step_time_s"].item()
+    assert "MegaTrain (bf16) trains the qwen2.5-7b shape at 512k tokens" in head.sentence
+    assert f"{ours:,.0f} s a step, against the paper's 871 s" in head.sentence
+    assert "plain PyTorch (bf16) stops at 1k (512k: skipped, GPU memory)" in head.sentence
+    assert "DeepSpeed ZeRO-3 offload train no length here (skipped, host memory)" in head.sentence
+    assert head.figure.exists()
+
+
+def test_the_paper_opens_beside_ours_only_at_its_own_batch(tmp_path):
+    scope = tables.latest_records(tables.records_frame(_records()))
+    head = headline.headline("reproduce_14b", scope, tmp_path)
+    assert "the paper's 1.84x (MegaTrain 264 against DeepSpeed ZeRO-3 offload 143.6 TFLOPS, GH200 96 GB) is not " \
+           "comparable: the source states no batch" in head.sentence
+    assert "MegaTrain trains 1.79x as fast as DeepSpeed ZeRO-3 offload" in head.sentence  # 250 / 140 at batch 16
+
+
+def test_a_figure_at_an_unstated_batch_is_not_the_same_case_as_ours():
+    paper = tables.paper_comparison(tables.records_frame(_records())).set_index("claim")
+    assert paper.loc["GH200 14B ZeRO-3 offload (the 1.84x)", "comparable"] == "no: the source states no batch"
+    kw = {"model": "qwen2.5-7b", "precision": "bf16"}
+    ours = [_record("megatrain", 1, 130.0, seq=1024, **kw), _record("megatrain", 1, 42.0, seq=524288, **kw)]
+    context = tables.paper_comparison(tables.records_frame(ours)).set_index("claim")
+    assert context.loc["long context 512k", "comparable"] == "yes"
+    assert context.loc["GH200 7B", "comparable"] == "no: the source states no batch", "batch 1 beside an unstated one"
+
+
+def test_a_case_its_own_preflight_refused_reads_as_skipped_in_older_records():
+    refused = _record("megatrain", 16, 0, status="error", model="qwen2.5-7b", num_layers=38)
+    refused["error"] = ("exit code 2 without a record: error: megatrain qwen2.5-7b b16 s1024 does not fit here: host "
+                        "memory: needs 114.2 GiB (12.3 B/param of state) but 114.0 GiB is usable here; no precision")
+    crashed = _record("fsdp", 16, 0, status="error", case_id="crashed")
+    crashed["error"] = "exit code 1 without a record: RuntimeError: boom"
+    df = tables.records_frame([refused, crashed]).set_index("label")
+    assert df.loc["megatrain", "status"] == "skipped"
+    assert df.loc["megatrain", "error"].startswith("megatrain qwen2.5-7b b16 s1024 does not fit here: host memory")
+    assert df.loc["fsdp", "status"] == "error"

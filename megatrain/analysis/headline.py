@@ -1,0 +1,418 @@
+"""What a suite's report opens with: its question, then one figure and one sentence that answer it from the latest
+records, with the paper's figure beside ours only where its case is ours (model, depth, sequence and batch:
+megatrain.analysis.paper.mismatch), otherwise named as not comparable, with why.
+
+Each suite declares its question in its TOML, suites/<suite>.toml (the one home of a suite's question):
+
+    [report]
+    question = "The longest sequence each system trains on one GPU, and its step time against the paper's."
+    headline = "longest_seq"          # the kind of answer: a key of HEADLINES
+    paper = ["long context 512k"]     # optional: the paper's figures the question is about (paper.CLAIMS' `what`)
+"""
+
+from __future__ import annotations
+
+import html
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from megatrain.analysis import paper, plots, scaling_report, tables
+from megatrain.bench.suite import SUITES_DIR
+from megatrain.hardware import get_profile
+from megatrain.models.registry import MODELS
+
+# Systems as a sentence names them; figures and tables use the labels.
+SYSTEM_NAMES = {"megatrain": "MegaTrain", "native": "plain PyTorch", "deepspeed": "DeepSpeed ZeRO-3 offload",
+                "fsdp": "FSDP2 offload"}
+
+
+@dataclass(frozen=True)
+class Headline:
+    kind: str  # a key of HEADLINES
+    question: str
+    sentence: str  # HTML: the answer
+    figure: Path | None
+    caption: str
+
+
+@dataclass(frozen=True)
+class ReportSpec:
+    """A suite's [report] table."""
+
+    question: str
+    headline: str
+    paper: tuple[paper.Claim, ...]
+
+
+def report_spec(suite: str) -> ReportSpec | None:
+    """The [report] table of suites/<suite>.toml; None for a suite without one (or not in suites/). ValueError names
+    what to change in a table that is there."""
+    path = SUITES_DIR / f"{suite}.toml"
+    table = tomllib.loads(path.read_text()).get("report") if path.exists() else None
+    if table is None:
+        return None
+    unknown = set(table) - {"question", "headline", "paper"}
+    if unknown or not {"question", "headline"} <= set(table):
+        raise ValueError(f"{path}: [report] takes question, headline and optionally paper; got {sorted(table)}")
+    if table["headline"] not in HEADLINES:
+        raise ValueError(f"{path}: [report] headline {table['headline']!r} is none of {sorted(HEADLINES)}")
+    claims = {c.what: c for c in paper.CLAIMS}
+    missing = [what for what in table.get("paper", []) if what not in claims]
+    if missing:
+        raise ValueError(f"{path}: [report] paper names no claim of megatrain.analysis.paper: {missing}")
+    return ReportSpec(table["question"], table["headline"], tuple(claims[w] for w in table.get("paper", [])))
+
+
+def headline(suite: str, scope: pd.DataFrame, out_dir: Path) -> Headline | None:
+    """The suite's question and its answer from `scope` (the report's latest records); None when the suite declares
+    no question."""
+    spec = report_spec(suite)
+    if spec is None:
+        return None
+    sentence, figure, caption = HEADLINES[spec.headline](scope, spec.paper, out_dir / "headline.png")
+    return Headline(spec.headline, spec.question, sentence, figure, caption)
+
+
+def prose(label: str) -> str:
+    """A label as a sentence names it: 'megatrain-bf16-compiled' -> 'MegaTrain (bf16, compiled)'."""
+    system, variant, compiled = plots.split_label(label)
+    if system is None:
+        return html.escape(label)
+    notes = ", ".join(v for v in (variant, "compiled" if compiled else "") if v)
+    return f"{SYSTEM_NAMES[system]} ({notes})" if notes else SYSTEM_NAMES[system]
+
+
+def _join(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+def _machine(rows: pd.DataFrame) -> str:
+    """Where `rows` ran, in words: its hardware profile's description ('one H200 141 GB, 128 GiB host')."""
+    profile = get_profile(rows["hardware"].iloc[0])
+    return profile.description if profile.gpu else f"a CPU (hardware profile {profile.name})"
+
+
+def _seconds(value: float) -> str:
+    return f"{value:,.0f} s" if value >= 10 else f"{value:.2g} s"
+
+
+def _claim_mismatch(claim: paper.Claim, scope: pd.DataFrame) -> str | None:
+    """Why our ok case of the claim's system nearest to its case (the same model and sequence, else the same model)
+    is not the claim's case; None when it is."""
+    ok = scope[(scope["status"] == "ok") & (scope["system"] == claim.system) & (scope["model_name"] == claim.model)]
+    depth = claim.num_layers or MODELS[claim.model].num_layers
+    ok = ok[ok["num_layers"] == depth]
+    if ok.empty:
+        return f"we ran no {claim.system} case of {claim.model} at {depth} layers"
+    same_seq = ok[ok["seq"] == claim.seq]
+    candidates = same_seq if len(same_seq) else ok
+    same_batch = candidates[candidates["batch"] == claim.batch]
+    row = (same_batch if len(same_batch) else candidates).sort_values("tflops").iloc[-1]
+    return paper.mismatch(claim, row["model_name"], row["num_layers"], row["seq"], row["batch"])
+
+
+# ---- longest_seq: the longest sequence each system trains ----
+
+@dataclass(frozen=True)
+class Longest:
+    """One label's longest sequence: the case (None: no length ran ok) and the first longer length that did not run
+    ok, with why."""
+
+    label: str
+    case: pd.Series | None
+    next_seq: int | None
+    why: str | None
+
+
+def _longest(scope: pd.DataFrame) -> list[Longest]:
+    out = []
+    for label, g in plots._by_label(scope):
+        ok = g[g["status"] == "ok"]
+        case = ok.loc[ok["seq"].idxmax()] if len(ok) else None
+        above = g[(g["status"] != "ok") & (g["seq"] > (case["seq"] if case is not None else 0))]
+        fail = above.loc[above["seq"].idxmin()] if len(above) else None
+        out.append(Longest(label, case, None if fail is None else int(fail["seq"]),
+                           None if fail is None else tables.short_reason(fail["status"], fail["error"])))
+    return out
+
+
+def longest_seq(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path):
+    table = _longest(scope)
+    trained = sorted((t for t in table if t.case is not None), key=lambda t: (-t.case["seq"], t.case["step_time_s"]))
+    if not trained:
+        return "<b>No system trained any sequence length here.</b>", None, ""
+    best = trained[0]
+    case = best.case
+    parts = [f"On {_machine(scope)}, <b>{prose(best.label)} trains the {case['model']} shape at "
+             f"{plots.seq_tick(case['seq'])} tokens</b> (batch {case['batch']}), {_seconds(case['step_time_s'])} "
+             "a step"]
+    for claim in claims:
+        differs = _claim_mismatch(claim, scope)
+        if differs is None:
+            parts[-1] += (f", against the paper's {_seconds(paper.step_time_s(claim))} on a {claim.hardware} at the "
+                          "same model, sequence and batch")
+        else:
+            parts.append(f"the paper's {html.escape(claim.what)} ({_seconds(paper.step_time_s(claim))} on a "
+                         f"{claim.hardware}) is not comparable: {differs}")
+    for other in trained[1:]:
+        stop = f" ({plots.seq_tick(other.next_seq)}: {other.why})" if other.next_seq else ""
+        parts.append(f"{prose(other.label)} stops at {plots.seq_tick(other.case['seq'])}{stop}")
+    none = [t for t in table if t.case is None]
+    if none:
+        whys = sorted({t.why for t in none if t.why})
+        parts.append(f"{_join([prose(t.label) for t in none])} train no length here"
+                     f"{f' ({_join(whys)})' if whys else ''}")
+    return "; ".join(parts) + ".", _longest_figure(table, best, scope, path), (
+        "Left: the longest sequence each system trained, and the first longer one it could not run, with why. "
+        "Right: step time against sequence length, log-log; hatched bars and dashed lines: compiled. The paper's "
+        "points (triangles) where its case is ours but for the length: its step time as stated at 512k, derived "
+        "from its TFLOPS in its own FLOP count elsewhere (megatrain.models.flops.paper_flops).")
+
+
+def _longest_figure(table: list[Longest], best: Longest, scope: pd.DataFrame, path: Path) -> Path:
+    fig, axes = plots._figure(1, 2, height=4.2, width_ratios=(1.6, 1))
+    left, right = axes[0]
+    floor = 2 ** 9
+    top = int(np.log2(max([t.case["seq"] for t in table if t.case is not None] +
+                          [t.next_seq for t in table if t.next_seq])))
+    left.set_xscale("log", base=2)
+    left.set_xlim(floor, 2 ** (top + 4))
+    for y, t in enumerate(table):
+        failed = f"{plots.seq_tick(t.next_seq)}: {t.why}" if t.next_seq else ""
+        if t.case is None:
+            end, note = floor, f"none ({failed})" if failed else "none"
+        else:
+            left.barh(y, t.case["seq"] - floor, left=floor, height=0.6, **plots._bar_style(t.label))
+            end, note = t.case["seq"], plots.seq_tick(t.case["seq"]) + (f"\nthen {failed}" if failed else "")
+        left.annotate(note, (end, y), xytext=(4, 0), textcoords="offset points", va="center", fontsize=8)
+    left.set_yticks(range(len(table)), [t.label for t in table])
+    left.set_ylim(len(table) - 0.4, -0.6)
+    ticks = [2 ** p for p in range(10, top + 1, 3 if top > 15 else 1)]
+    left.set_xticks(ticks, [plots.seq_tick(t) for t in ticks])
+    left.xaxis.set_minor_locator(plots.NullLocator())
+    left.set(xlabel="sequence length (tokens)", title="The longest sequence each system trained")
+    left.grid(axis="x", alpha=0.3)
+    ok = scope[scope["status"] == "ok"]
+    plots._lines(right, ok.loc[ok.groupby(["label", "seq"])["step_time_s"].idxmin()], "seq", "step_time_s")
+    claims = plots.sequence_claims(ok)
+    if claims:
+        right.plot([c.seq for c in claims], [paper.step_time_s(c) for c in claims], "k^", linestyle="none",
+                   label=f"the paper: {claims[0].model}, batch {claims[0].batch}, {claims[0].hardware}")
+        last = max(claims, key=lambda c: c.seq)
+        right.annotate(f"paper {_seconds(paper.step_time_s(last))}", (last.seq, paper.step_time_s(last)),
+                       xytext=(-8, 0), textcoords="offset points", ha="right", va="center", fontsize=8)
+    right.annotate(_seconds(best.case["step_time_s"]), (best.case["seq"], best.case["step_time_s"]),
+                   xytext=(-8, -2), textcoords="offset points", ha="right", va="top", fontsize=8)
+    right.set_yscale("log")
+    plots._seq_axis(right)
+    right.set(xlabel="sequence length (tokens)", ylabel="seconds per step", title="Step time")
+    right.grid(alpha=0.3)
+    plots._legend_below(fig, axes, ncols=3)
+    return plots._save(fig, path)
+
+
+# ---- largest_model: the largest model each system trains on the host ----
+
+def largest_model(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path):
+    table = scaling_report.largest_models(scope)
+    trained = table[table["params (B)"].notna()] if len(table) else table
+    if trained.empty:
+        return "<b>No size ladder trained a model here.</b>", None, ""
+    order = {label: i for i, label in enumerate(plots.ordered_labels(table["system"]))}
+    table = table.sort_values(["profile", "system"], key=lambda c: c.map(order) if c.name == "system" else c)
+    parts = []
+    for profile, g in table.groupby("profile", sort=False):
+        ok = g[g["params (B)"].notna()]
+        best = ok.loc[ok["params (B)"].idxmax()]
+        same_kernels = ok["system"].map(lambda label: plots.split_label(label)[2]).nunique() == 1
+        name = (lambda label: prose(label.removesuffix(plots.COMPILED_SUFFIX))) if same_kernels else prose
+        others = [f"{best['params (B)'] / r['params (B)']:.2f}x {name(r['system'])}'s ({r['params (B)']:.1f}B)"
+                  for _, r in ok.iterrows() if plots.split_label(r["system"])[0] != "megatrain"]
+        stops = sorted({tables.short_reason(r["status"], r["why"]) for _, r in g.iterrows() if r["status"]})
+        parts.append(f"on {get_profile(profile).description}, <b>{name(best['system'])} trains up to "
+                     f"{best['params (B)']:.1f}B parameters</b> ({best['largest trained']})"
+                     + (f": the largest model, {_join(others)}" if others else "")
+                     + (f", every system {_kernels(best['system'])}" if same_kernels else "")
+                     + (f"; the next larger rung of each: {_join(stops)}" if stops else ""))
+    ran_out = [c for c in paper.CLAIMS if c.source == paper.PAPER and c.tflops is None]
+    if ran_out:
+        named = _join([f"{SYSTEM_NAMES[c.system]} at {c.model}{f'@{c.num_layers}L' if c.num_layers else ''} on "
+                       f"{c.hardware}" for c in ran_out])
+        parts.append(f"the paper's limits (out of memory: {named}) are on other machines' memory: not comparable")
+    sentence = "; ".join(parts)
+    return sentence[0].upper() + sentence[1:] + ".", _largest_figure(table, path), (
+        "Each system's size ladder on this host: the largest model that trained (filled, its shape inside the "
+        "bar; hatched: compiled), and the next larger rung (outlined) with why it did not run. A pre-flight "
+        "refusal states the memory it needed: see the tables below.")
+
+
+def _largest_figure(table: pd.DataFrame, path: Path) -> Path:
+    several = table["profile"].nunique() > 1
+    fig, axes = plots._figure(height=0.55 * len(table) + 1.6)
+    ax = axes[0][0]
+    ticks = []
+    for y, (_, r) in enumerate(table.iterrows()):
+        style = plots._bar_style(r["system"])
+        ticks.append(f"{r['system']}\n{r['profile']}" if several else r["system"])
+        if not pd.isna(r["its params (B)"]):
+            ax.barh(y, r["its params (B)"], height=0.6, fill=False, edgecolor=style["color"], linestyle="--")
+            ax.annotate(f"next: {r['its params (B)']:.1f}B ({r['next larger']}), "
+                        f"{tables.short_reason(r['status'], r['why'])}", (r["its params (B)"], y), xytext=(4, 0),
+                        textcoords="offset points", va="center", fontsize=8)
+        if not pd.isna(r["params (B)"]):
+            ax.barh(y, r["params (B)"], height=0.6, **style)
+            ax.annotate(f"{r['params (B)']:.1f}B {r['largest trained']}", (r["params (B)"], y), xytext=(-6, 0),
+                        textcoords="offset points", ha="right", va="center", fontsize=8, color="white",
+                        fontweight="bold", bbox={"facecolor": style["color"], "edgecolor": "none", "pad": 1.5})
+    ax.set_yticks(range(len(table)), ticks)
+    ax.invert_yaxis()
+    ax.set_xlim(0, table["its params (B)"].fillna(table["params (B)"]).max() * 1.8)
+    ax.set(xlabel="parameters (B)", title="The largest model each system trained on this host")
+    ax.grid(axis="x", alpha=0.3)
+    return plots._save(fig, path)
+
+
+# ---- throughput: TFLOPS against the other systems, at equal settings ----
+
+def _ratios(rows: pd.DataFrame) -> pd.DataFrame:
+    """MegaTrain's default label (no precision or option variant) over every other label's TFLOPS at each model,
+    sequence and batch of one session: at equal kernels (both eager or both compiled), or, where MegaTrain ran no
+    case with the other's kernel setting, across them ('equal kernels' False)."""
+    ok = rows[rows["status"] == "ok"]
+    out = []
+    for (_, model, _, batch), g in ok.groupby(["session", "model", "seq", "batch"]):
+        tflops = g.groupby("label")["tflops"].max()
+        parts = {label: plots.split_label(label) for label in tflops.index}
+        mine = {compiled: label for label, (system, variant, compiled) in parts.items()
+                if (system, variant) == ("megatrain", "")}
+        for label, (system, _, compiled) in parts.items():
+            if system == "megatrain":
+                continue
+            for ref in [mine[compiled]] if compiled in mine else mine.values():
+                out.append({"model": model, "batch": batch, "mine": ref, "other label": label,
+                            "other": label.removesuffix(plots.COMPILED_SUFFIX), "equal kernels": compiled in mine,
+                            "ratio": tflops[ref] / tflops[label], "tflops": tflops[ref]})
+    return pd.DataFrame(out)
+
+
+def _kernels(label: str) -> str:
+    return "compiled" if plots.split_label(label)[2] else "eager"
+
+
+def _kernel_terms(ratios: pd.DataFrame) -> str:
+    """On what terms the ratios compare: equal batch, and equal kernels or which differ."""
+    if ratios["equal kernels"].all():
+        settings = sorted({_kernels(label) for label in ratios["mine"]})
+        return f"TFLOPS at equal batch and kernels, {' and '.join(settings)}"
+    unequal = ratios[~ratios["equal kernels"]]
+    pairs = sorted({(_kernels(m), _kernels(o)) for m, o in zip(unequal["mine"], unequal["other label"], strict=True)})
+    them = "they" if unequal["other"].nunique() > 1 else "it"
+    terms = "; ".join(f"MegaTrain {mine}, {them} {other}" for mine, other in pairs)
+    names = _join([prose(o) for o in plots.ordered_labels(unequal["other"])])
+    scope = "" if unequal["other"].nunique() == ratios["other"].nunique() else f" against {names}"
+    return f"TFLOPS at equal batch{scope}; {terms}: part of each ratio is kernels"
+
+
+def throughput(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path):
+    session = scope[scope["session"] == scope["session"].max()]
+    ok = session[session["status"] == "ok"]
+    figure = plots.summary_tflops(session, path)
+    if ok.empty:
+        return "<b>No case ran ok in the latest session.</b>", figure, ""
+    seq = plots._main_seq(ok)
+    ratios = _ratios(session[session["seq"] == seq])
+    models = sorted(ok["model"].unique(), key=lambda m: ok[ok["model"] == m]["params_b"].iloc[0])
+    batches = sorted(ok[ok["seq"] == seq]["batch"].unique())
+    where = (f"{_join(models)}, seq {seq}, batch " +
+             (str(batches[0]) if len(batches) == 1 else f"{batches[0]} to {batches[-1]}"))
+    if ratios.empty:
+        top = ok.loc[ok["tflops"].idxmax()]
+        parts = [f"On {_machine(session)}, at {where}, <b>{prose(top['label'])} runs {top['tflops']:.0f} TFLOPS</b>"]
+    else:
+        said = []
+        for other in plots.ordered_labels(ratios["other"]):
+            g = ratios[ratios["other"] == other]
+            lo, hi = g["ratio"].min(), g["ratio"].max()
+            span = f"{lo:.2f}x" if np.isclose(lo, hi, rtol=5e-3) else f"{lo:.2f}-{hi:.2f}x"
+            said.append(f"{span} as fast as {prose(other)}")
+        parts = [f"On {_machine(session)}, at {where}, <b>MegaTrain trains {_join(said)}</b> "
+                 f"({_kernel_terms(ratios)})"]
+        cases = ratios.drop_duplicates(["model", "batch", "mine"])
+        if len(cases) > 1:
+            top = cases.loc[cases["tflops"].idxmax()]
+            parts[-1] += f"; its best, {top['tflops']:.0f} TFLOPS ({top['model']}, batch {top['batch']}, " \
+                         f"{_kernels(top['mine'])})"
+        failed = session[(session["seq"] == seq) & (session["status"] != "ok") & (session["system"] != "megatrain")]
+        for (label, model, batch), g in failed.groupby(["label", "model", "batch"]):
+            if plots.split_label(label)[2] and label.removesuffix(plots.COMPILED_SUFFIX) in set(failed["label"]):
+                continue  # said once for its eager and compiled cases
+            parts.append(f"{prose(label.removesuffix(plots.COMPILED_SUFFIX))} did not run {model} at batch {batch} "
+                         f"({tables.short_reason(g['status'].iloc[0], g['error'].iloc[0])})")
+    for claim in claims:
+        differs = _claim_mismatch(claim, scope)
+        counterpart = next((c for c in paper.CLAIMS if c.system == "megatrain" and c.source == claim.source and
+                            (c.model, c.seq, c.hardware, c.batch) == (claim.model, claim.seq, claim.hardware,
+                                                                      claim.batch)), None)
+        theirs = f"{SYSTEM_NAMES[claim.system]} " + (f"{claim.tflops:g} TFLOPS" if claim.tflops else "out of memory")
+        figure_of = (f"{counterpart.tflops / claim.tflops:.2f}x (MegaTrain {counterpart.tflops:g} against {theirs}, "
+                     f"{claim.hardware})" if counterpart and counterpart.tflops and claim.tflops else
+                     f"{theirs} ({claim.hardware})")
+        verdict = "the same case as ours" if differs is None else f"not comparable: {differs}"
+        parts.append(f"the paper's {figure_of} is {verdict}")
+    comparable = plots.summary_claims(ok[ok["seq"] == seq])
+    caption = ("TFLOPS (6NT) of each system at each model and batch in the latest session; hatched: compiled. "
+               + ("The paper's own figure (dotted white) stands beside ours where its case is ours: same model, "
+                  "sequence and batch, on its hardware." if comparable else
+                  "No figure of the paper is of the same model, sequence and batch as these cases."))
+    return "; ".join(parts) + ".", figure, caption
+
+
+# ---- paths: every system's path, on CPU ----
+
+def paths(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path):
+    counts = scope.groupby(["label", "status"]).size().unstack(fill_value=0)
+    labels = plots.ordered_labels(counts.index)
+    counts = counts.loc[labels]
+    statuses = ["ok", *sorted(s for s in counts.columns if s != "ok")] if "ok" in counts else sorted(counts.columns)
+    fig, axes = plots._figure(width=plots.WIDTH_IN * 0.75, height=0.45 * len(labels) + 1.6)
+    ax = axes[0][0]
+    left = np.zeros(len(labels))
+    for status in statuses:
+        values = counts[status].to_numpy()
+        bars = ax.barh(range(len(labels)), values, left=left, height=0.6, label=status,
+                       color=plots.STATUS_COLORS.get(status, "#a05a00"))
+        ax.bar_label(bars, labels=[str(v) if v else "" for v in values], label_type="center", color="white",
+                     fontsize=8, fontweight="bold")
+        left += values
+    ax.set_yticks(range(len(labels)), labels)
+    for tick, label in zip(ax.get_yticklabels(), labels, strict=True):
+        tick.set_color(plots.label_style(label)["color"])
+    ax.invert_yaxis()
+    ax.set(xlabel="cases", title="Cases per system and status")
+    ax.grid(axis="x", alpha=0.3)
+    plots._legend_below(fig, axes)
+    figure = plots._save(fig, path)
+    n, n_ok = int(counts.to_numpy().sum()), int(counts.get("ok", pd.Series(dtype=int)).sum())
+    gpu = (scope["device"] == "cuda").any()
+    where = _machine(scope)
+    clean = [prose(label) for label in labels if counts.loc[label].drop("ok", errors="ignore").sum() == 0]
+    failed = scope[scope["status"] != "ok"]
+    bad = [f"{prose(label)}, {len(g)} {tables.short_reason(status, g['error'].iloc[0])}"
+           for label in labels for status, g in failed[failed["label"] == label].groupby("status")]
+    sentence = f"On {where}, <b>{n_ok} of {n} cases ran ok</b>"
+    if clean:
+        sentence += f": {_join(clean)} each built, trained and recorded, each case in a process of its own"
+    if bad:
+        sentence += f"; not ok: {_join(bad)} (the errors: Failures and skips, below)"
+    if not gpu:
+        sentence += "; a check of the path, not of speed: no speed is read from these CPU cases"
+    return sentence + ".", figure, "Every case of the latest records by system and status (ok, skipped, failed)."
+
+
+HEADLINES: dict[str, Callable] = {"longest_seq": longest_seq, "largest_model": largest_model,
+                                  "throughput": throughput, "paths": paths}
