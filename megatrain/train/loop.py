@@ -106,7 +106,7 @@ def _train(cfg: TrainConfig, run: RunDir, case, rows, eval_rows, total: int, exp
         raise ValueError(f"nothing to train: {resume_from} is at step {start} and the run ends at step {total}; "
                          f"pass --steps N with N above {start} to train on")
     saves = cfg.save * (1 + (len(range(cfg.save_every, total, cfg.save_every)) if cfg.save_every else 0))
-    export_bytes = case.model_config().num_params() * (2 if cfg.dtype == "bfloat16" else 4)
+    export_bytes = case.model_config().num_params() * case.dtype_bytes  # the export keeps the compute dtype
     # The old export is deleted only once the new one is complete.
     checkpoint.check_disk(case, out, saves, cfg.keep, export_bytes * (1 + (out / "hf").exists()))
     run_id = run.start(_settings(cfg))
@@ -273,7 +273,7 @@ def _exported_step(out: Path) -> int | None:
 def _export(system, case: CaseConfig, hf_dir: Path, export: tuple, provenance: dict) -> None:
     """The weights as a Hugging Face checkpoint with the tokenizer files, written aside and swapped in whole."""
     model_type, tokenizer_dir = export
-    dtype = torch.bfloat16 if case.dtype == "bfloat16" else torch.float32
+    dtype = case.torch_dtype
     with written_aside(hf_dir) as tmp:
         save_hf_checkpoint(system.export_weights(), case.model_config(), tmp, model_type=model_type,
                            max_shard_bytes=EXPORT_SHARD_BYTES, dtype=dtype)
