@@ -216,12 +216,19 @@ def test_chat_and_alpaca_data_train_only_on_the_assistant_tokens(tmp_path):
     assert (labels != IGNORE_INDEX).sum() == 3 and inputs.shape == (1, 32) and segments is None
 
 
-def test_a_packed_row_trains_as_its_documents_apart():
+@pytest.mark.parametrize("window", [0, 4])
+def test_a_packed_row_trains_as_its_documents_apart(window):
+    """Document masks alone, and with sliding-window layers (a window shorter than two of the documents)."""
+    import dataclasses
+
     from megatrain.models import Transformer, get_model_config
     from megatrain.models.init import init_module
     from megatrain.train.data import Example
 
     cfg = get_model_config("tiny")
+    if window:
+        cfg = dataclasses.replace(cfg, sliding_window=window,
+                                  layer_types=("sliding_attention", "full_attention", "sliding_attention"))
     gen = torch.Generator().manual_seed(0)
     docs = [Example(ids, [True] * len(ids)) for ids in
             (torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (7, 9, 3))]
@@ -242,10 +249,11 @@ def test_a_packed_row_trains_as_its_documents_apart():
         torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("system, pack", [("megatrain", True), ("megatrain", False), ("fsdp", True),
-                                          pytest.param("deepspeed", True, marks=needs_deepspeed)])
-def test_each_system_matches_native_on_documents_of_varied_length(tmp_path, system, pack):
-    init = hf_model("llama", tmp_path / "init")
+@pytest.mark.parametrize("system, pack, kind", [
+    ("megatrain", True, "llama"), ("megatrain", False, "llama"), ("megatrain", True, "qwen3-yarn-sliding"),
+    ("fsdp", True, "llama"), pytest.param("deepspeed", True, "llama", marks=needs_deepspeed)])
+def test_each_system_matches_native_on_documents_of_varied_length(tmp_path, system, pack, kind):
+    init = hf_model(kind, tmp_path / "init")
     data = pretokenized(tmp_path / "docs.jsonl", rows=30, varied=True)
     extra = [] if pack else ["--no-pack"]
     assert run_train(init, data, tmp_path / "native", system="native", steps=6, extra=extra) == 0
