@@ -121,12 +121,14 @@ static void compact_kernel(P* __restrict p, const G* __restrict g, void* m_state
     float m[kQBlock], v[kQBlock];
     if (int8) {
       const float sm = m_scale[blk] / 127.0f, sv = v_scale[blk] / 256.0f;
+#pragma omp simd
       for (int64_t j = 0; j < len; ++j) {
         m[j] = static_cast<float>(mq[lo + j]) * sm;
         const float root = (static_cast<float>(vq[lo + j]) + 1.0f) * sv;
         v[j] = root * root;
       }
     } else {
+#pragma omp simd
       for (int64_t j = 0; j < len; ++j) {
         m[j] = bf16_to_f32(mb[lo + j]);
         v[j] = bf16_to_f32(vb[lo + j]);
@@ -146,19 +148,22 @@ static void compact_kernel(P* __restrict p, const G* __restrict g, void* m_state
     }
     if (int8) {
       float m_max = 0.0f, v_max = 0.0f;
+#pragma omp simd reduction(max : m_max, v_max)
       for (int64_t j = 0; j < len; ++j) {
-        m_max = std::max(m_max, std::fabs(m[j]));
+        m_max = std::fmax(m_max, std::fabs(m[j]));
         v[j] = std::sqrt(v[j]);
-        v_max = std::max(v_max, v[j]);
+        v_max = std::fmax(v_max, v[j]);
       }
       m_scale[blk] = m_max;
       v_scale[blk] = v_max;
       const float im = m_max > 0.0f ? 127.0f / m_max : 0.0f, iv = v_max > 0.0f ? 256.0f / v_max : 0.0f;
+#pragma omp simd
       for (int64_t j = 0; j < len; ++j) {
         mq[lo + j] = static_cast<int8_t>(std::clamp(std::nearbyint(m[j] * im), -127.0f, 127.0f));
         vq[lo + j] = static_cast<uint8_t>(std::clamp(std::nearbyint(v[j] * iv) - 1.0f, 0.0f, 255.0f));
       }
     } else {
+#pragma omp simd
       for (int64_t j = 0; j < len; ++j) {
         mb[lo + j] = f32_to_bf16_stochastic(m[j], random_bits16(index0 + lo + j, step, 0));
         vb[lo + j] = f32_to_bf16_stochastic(v[j], random_bits16(index0 + lo + j, step, 1));
