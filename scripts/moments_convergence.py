@@ -1,4 +1,4 @@
-"""Compact AdamW moments against fp32 on a real fine-tune: the finetune demo's data and model (scripts/finetune_demo.py),
+"""Compact AdamW moments against fp32 on a real fine-tune: the finetune demo's data and model (finetune_demo.py),
 trained three times (--moments fp32, bf16, int8) with the held-out loss at every eval; one JSON record per run.
 
     python scripts/moments_convergence.py OUT [--steps 100] [--eval-every 20] [--shape 0.5b] [--device cuda]
