@@ -17,20 +17,23 @@ import torch
 from megatrain.engine.layout import Unit
 from megatrain.engine.store import OPT_CHUNK, HostStore
 from megatrain.optim import fused
+from megatrain.optim.compact import Moments
 from megatrain.optim.config import OptimConfig
 from megatrain.optim.host_adamw import FlatAdamW
 
 
 def torch_adamw_unit(adamw: FlatAdamW, unit: Unit, weights: torch.Tensor, grads: torch.Tensor,
-                     master: torch.Tensor | None, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, clip: float,
+                     master: torch.Tensor | None, moments: Moments, clip: float,
                      weight_decay: float, grad_scratch: torch.Tensor | None,
                      param_scratch: torch.Tensor | None, lr: float) -> None:
     """torch's AdamW over one unit's flat tensors (host tiles or resident GPU buffers), its decayed region
     then the rest, in chunks of OPT_CHUNK: gradients in fp32 (converted in grad_scratch when they are
     not) times the clip coefficient, weights updated in fp32 (the master, the weights themselves, or a
-    copy in param_scratch rounded back to bf16)."""
+    copy in param_scratch rounded back to bf16). Compact moments go chunk by chunk through the whole unit (their
+    blocks do not split at the decayed region's end), decoded and encoded around the same update."""
     d = unit.decay_numel
-    for lo, hi, wd in ((0, d, weight_decay), (d, unit.numel, 0.0)):
+    compact = moments.format != "fp32"
+    for lo, hi, wd in ((0, unit.numel, None),) if compact else ((0, d, weight_decay), (d, unit.numel, 0.0)):
         for a in range(lo, hi, OPT_CHUNK):
             b = min(a + OPT_CHUNK, hi)
             weights_chunk = weights[a:b]
@@ -43,9 +46,23 @@ def torch_adamw_unit(adamw: FlatAdamW, unit: Unit, weights: torch.Tensor, grads:
             g32 = grads[a:b] if grads.dtype == torch.float32 else grad_scratch[:b - a].copy_(grads[a:b])
             if clip != 1.0:  # torch's clip_grad_norm_ multiplies by the clamped coefficient; x1.0 is exact
                 g32.mul_(clip)
-            adamw.update((unit.index, a), p32, g32, exp_avg[a:b], exp_avg_sq[a:b], wd, lr)
+            if compact:
+                update_compact(adamw, unit, a, p32, g32, moments.slice(a, b), weight_decay, lr)
+            else:
+                adamw.update((unit.index, a), p32, g32, moments.exp_avg[a:b], moments.exp_avg_sq[a:b], wd, lr)
             if p32 is not weights_chunk:
                 weights_chunk.copy_(p32)  # the bf16 weights the next step streams
+
+
+def update_compact(adamw: FlatAdamW, unit: Unit, a: int, p32: torch.Tensor, g32: torch.Tensor, moments: Moments,
+                   weight_decay: float, lr: float) -> None:
+    """AdamW of unit elements a.. (fp32 weights p32 and gradients g32) with compact moments: decoded to fp32, updated
+    by FlatAdamW (the decayed part, then the rest), encoded back with the random bits of their store indices."""
+    m32, v32 = moments.decode()
+    split = min(max(unit.decay_numel - a, 0), p32.numel())
+    for lo, hi, wd in ((0, split, weight_decay), (split, p32.numel(), 0.0)):
+        adamw.update((unit.index, a + lo), p32[lo:hi], g32[lo:hi], m32[lo:hi], v32[lo:hi], wd, lr)
+    moments.encode_(m32, v32, unit.offset + a, adamw.steps[(unit.index, a + (0 if split else split))])
 
 
 class HostOptimizer:
@@ -72,6 +89,7 @@ class HostOptimizer:
             ev.set()
         # (unit, host start s, host end s) of the updates finished: the worker appends, the training thread takes
         self._spans: list[tuple[int, float, float]] = []
+        self.busy_s, self.updated_params = 0.0, 0  # the worker's totals: its achieved rate (metrics)
         self._spans_lock = threading.Lock()
         self._jobs: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
@@ -128,8 +146,11 @@ class HostOptimizer:
                     grad_ready[unit.index].synchronize()
                     t0 = time.perf_counter()
                     self._update(unit, clip_coef, step, lr)
+                    t1 = time.perf_counter()
                     with self._spans_lock:
-                        self._spans.append((unit.index, t0, time.perf_counter()))
+                        self._spans.append((unit.index, t0, t1))
+                    self.busy_s += t1 - t0
+                    self.updated_params += unit.numel
                     done[unit.index].set()
             except BaseException as exc:  # surfaced to the training thread by wait()
                 self._error = exc
@@ -140,11 +161,20 @@ class HostOptimizer:
         s, o = self.store, self.optim
         grads, weights = s.tile(s.grads, unit), s.tile(s.weights, unit)
         master = s.tile(s.master, unit) if s.master is not None else None
-        m, v = s.tile(s.exp_avg, unit), s.tile(s.exp_avg_sq, unit)
+        moments = s.moment_tiles(unit)
         if self.kernel == "torch":
-            torch_adamw_unit(self.adamw, unit, weights, grads, master, m, v, clip_coef, self.weight_decay,
+            torch_adamw_unit(self.adamw, unit, weights, grads, master, moments, clip_coef, self.weight_decay,
                              self.grad_scratch, self.param_scratch, lr)
             return
+        if moments.format != "fp32":
+            for a in range(0, unit.numel, OPT_CHUNK):
+                b = min(a + OPT_CHUNK, unit.numel)
+                p = master[a:b] if master is not None else weights[a:b]
+                fused.compact_adamw(p, grads[a:b], moments.slice(a, b), None if master is None else weights[a:b],
+                                    unit.decay_numel - a, unit.offset + a, step, clip_coef, lr, o.beta1, o.beta2,
+                                    o.eps, self.weight_decay)
+            return
+        m, v = moments.exp_avg, moments.exp_avg_sq
         d = unit.decay_numel
         for lo, hi, weight_decay in ((0, d, self.weight_decay), (d, unit.numel, 0.0)):
             for a in range(lo, hi, OPT_CHUNK):

@@ -210,9 +210,8 @@ class Schedule:
         with s.use("compute"):
             for index, r in self.resident.items():
                 start = s.record("compute")
-                torch_adamw_unit(self.resident_adamw, self.units[index], r.weights, r.grad, r.master, r.exp_avg,
-                                 r.exp_avg_sq, clip, self.config.optim.weight_decay, None, self.resident_scratch,
-                                 self.lr)
+                torch_adamw_unit(self.resident_adamw, self.units[index], r.weights, r.grad, r.master, r.moments,
+                                 clip, self.config.optim.weight_decay, None, self.resident_scratch, self.lr)
                 s.span("compute", index, "opt", start, s.record("compute"))
 
     # ---- transfers -------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from megatrain.engine.streams import StreamSet
 from megatrain.memory import GIB, Budget, peak_host_rss_gib
 from megatrain.models.hf import copy_named_weights
 from megatrain.models.loss import valid_tokens
-from megatrain.optim.state_bytes import checkpoint_bytes_per_param
+from megatrain.optim.state_bytes import adamw_traffic_bytes_per_param, checkpoint_bytes_per_param
 from megatrain.systems import SystemSpec
 
 
@@ -33,7 +33,8 @@ class StreamingSystem:
             raise ValueError(f"configuration does not fit: {self.plan.reason}; {self.plan.advice}")
         self.num_params = config.model.num_params()
         cuda = self.device.type == "cuda"
-        self.store = HostStore(config.model, config.torch_dtype, config.precision, pin=cuda)
+        self.store = HostStore(config.model, config.torch_dtype, config.precision, pin=cuda,
+                               moments=config.optim.moments)
         self.store.initialise(config.seed, self.device)
         resident = self.plan.resident_units
         self.optimizer = HostOptimizer(self.store, config.optim, kernel=config.options.optimizer_kernel,
@@ -67,6 +68,7 @@ class StreamingSystem:
             "grad_slots": 2,
             "streams": ["h2d", "compute", "d2h"] if self.streams.cuda else ["host"],
             "optimizer": f"host AdamW ({self.optimizer.kernel} kernel) on flat tiles, overlapped with the next forward",
+            "adamw_moments": self.config.optim.moments,
             "activation_checkpointing": self._checkpointing(),
             "offloaded_layers": self.schedule.acts.offloaded,
             "recomputed_inputs": self.schedule.acts.recomputed,
@@ -99,6 +101,7 @@ class StreamingSystem:
             "host_store_bytes_per_param": self.store.host_bytes() / self.num_params,
             "host_bytes_per_param": rss / self.num_params,
             "timeline": self.schedule.timeline,
+            **host_optimizer_rate(self.optimizer, host_bytes_per_param(self.config)),
         }
 
     def _checkpointing(self) -> str:
@@ -167,6 +170,17 @@ class StreamingSystem:
         del self.schedule
 
 
+def host_optimizer_rate(optimizer: HostOptimizer, per: dict[str, float]) -> dict:
+    """The host optimizer's achieved rate over the run (its busy time): G params/s and the memory traffic that
+    means in GB/s (megatrain.optim.state_bytes; megatrain.probe's host_mem_gbs is the machine's)."""
+    if not optimizer.busy_s:  # every unit resident, or no step ran
+        return {}
+    gparams_s = optimizer.updated_params / optimizer.busy_s / 1e9
+    traffic = adamw_traffic_bytes_per_param(per)
+    return {"host_optim_gparams_s": gparams_s, "host_optim_bytes_per_param": traffic,
+            "host_optim_gbs": gparams_s * traffic}
+
+
 def preflight_plan(case: CaseConfig, limits: Budget) -> dict:
     """The pre-flight plan: the engine's own (check_fits, its exact tiles and choices against `limits`), with
     host_bytes what it counts against the host (on CPU, everything) and gpu_bytes 0 on CPU."""
@@ -179,7 +193,7 @@ def preflight_plan(case: CaseConfig, limits: Budget) -> dict:
 def checkpoint_bytes(case: CaseConfig) -> int:
     """One save_state: every host tile but the gradients (megatrain.engine.state)."""
     config = EngineConfig.from_case(case)
-    return config.model.num_params() * checkpoint_bytes_per_param(host_bytes_per_param(config))
+    return int(config.model.num_params() * checkpoint_bytes_per_param(host_bytes_per_param(config)))
 
 
 SPEC = SystemSpec(factory=StreamingSystem.from_case, options=MegaTrainOptions, plan_memory=preflight_plan,

@@ -31,6 +31,7 @@ from megatrain.engine.config import EngineConfig
 from megatrain.engine.plan import check_fits
 from megatrain.hardware import LENT, get_profile, gpu_kind, specs
 from megatrain.memory import GIB, Budget
+from megatrain.optim.state_bytes import adamw_traffic_bytes_per_param, state_bytes_per_param
 from megatrain.perf_model.model import Ingredients, Machine, Model, simulate
 
 RESULTS = WORKSPACE / "results"
@@ -44,9 +45,9 @@ def ingredients(kind: str) -> Ingredients | None:
 
 # Host AdamW on a machine we cannot rent (an assumption, stated in the report): memory-bound at this share of the
 # published host memory bandwidth (a typical STREAM share), and no faster per core than the lent host's achieved
-# rate; the engine's one-pass kernel moves these bytes per parameter (docs/DESIGN.md).
+# rate; the engine's one-pass kernel moves these bytes per parameter (megatrain.optim.state_bytes: 22 and 28).
 HOST_STREAM_SHARE = 0.6
-ADAMW_BYTES_PER_PARAM = {"bf16": 22, "mixed": 28}
+ADAMW_BYTES_PER_PARAM = {p: adamw_traffic_bytes_per_param(state_bytes_per_param(2, p)) for p in ("bf16", "mixed")}
 
 
 def projected_machine(base: Ingredients, spec: dict, probe: dict | None = None) -> Machine:
