@@ -34,6 +34,14 @@ MODELS: dict[str, ModelConfig] = {
                         num_heads=4, num_kv_heads=2, qkv_bias=True, tie_embeddings=False, max_seq_len=2048),
     "tiny-tied": ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=2,
                              num_heads=4, num_kv_heads=4, qkv_bias=False, tie_embeddings=True, max_seq_len=2048),
+    # the families' additions at the tiny size: Qwen3 (q/k norms, a head wider than hidden/heads, YaRN past 64
+    # positions) and alternating sliding-window layers (a 64-token window)
+    "tiny-qwen3": ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=3, num_heads=4,
+                              num_kv_heads=2, head_dim=24, family="qwen3", qk_norm=True, max_seq_len=2048,
+                              rope_scaling=RopeScaling("yarn", 4.0, original_max_positions=64)),
+    "tiny-sliding": ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=3, num_heads=4,
+                                num_kv_heads=2, qkv_bias=True, max_seq_len=2048, sliding_window=64,
+                                layer_types=(SLIDING, "full_attention", SLIDING)),
     # ~0.1B: big enough to exercise the GPU paths, small enough for a quick check.
     "small": ModelConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12,
                          num_heads=12, num_kv_heads=4, qkv_bias=True, tie_embeddings=False),

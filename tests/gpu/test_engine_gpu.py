@@ -63,6 +63,9 @@ FP32_SETS = {
     "recompute-2-inputs": ({}, {"recompute_inputs": 2}),
     "recompute-1-offload-1-tied": ({"model": "tiny-tied", "num_layers": 3}, {"recompute_inputs": 1,
                                                                             "offload_activations": 1}),
+    # the families' additions: Qwen3's q/k norms and YaRN; sliding-window layers (FlexAttention block masks)
+    "qwen3": ({"model": "tiny-qwen3", "num_layers": 3}, {}),
+    "sliding": ({"model": "tiny-sliding", "num_layers": 3}, {}),
 }
 STRESS_SETS = ["compiled", "tied", "resident-embedding-2-layers", "offload-activations", "offload-first-2-layers",
                "offload-mlp-chunks-1-resident-eager", "recompute-2-inputs", "recompute-1-offload-1-tied"]
@@ -156,6 +159,8 @@ SANITIZER_SETS = {
     "offload-first-2-layers": ({}, {"offload_activations": 2}),
     "recompute-1-offload-1-mlp-chunks": ({}, {"recompute_inputs": 1, "offload_activations": 1, "mlp_chunk_tokens": 64}),
     "recompute-2-1-resident": ({}, {"recompute_inputs": 2, "resident_layers": 1}),
+    "qwen3": ({"model": "tiny-qwen3"}, {}),
+    "sliding": ({"model": "tiny-sliding"}, {}),
 }
 _SANITIZED_RUNS = """
 import json, sys
@@ -193,6 +198,8 @@ CURVE_SHAPES = {
     "small-b8-mb4-s512": dict(model="small", batch=8, micro_batch=4, seq=512),
     # long context: 10 steps of one 32k-token sequence
     "qwen2.5-1.5b-b1-s32768": dict(model="qwen2.5-1.5b", batch=1, seq=32768, steps=10),
+    # Llama 3.1's 8B width and llama3 RoPE scaling, 4 of its 32 layers
+    "llama3.1-8b-4l-b4-s1024": dict(model="llama3.1-8b", num_layers=4, batch=4, seq=1024),
 }
 # the long-context options together: 8 of 28 inputs recomputed, the next 8 offloaded, SwiGLU in 4k-token chunks
 LONG_CONTEXT = {"recompute_inputs": 8, "offload_activations": 8, "mlp_chunk_tokens": 4096}
@@ -219,7 +226,8 @@ CURVE_SETS = {
 CURVE_CASES = [("qwen2.5-0.5b-b8-s1024", name) for name in CURVE_SETS if "long-context" not in name] + [
     ("small-b8-mb4-s512", name) for name in ("mixed", "bf16", "mixed-offload-activations", "mixed-resident-by-plan",
                                              "bf16-offload-stress")] + [
-    ("qwen2.5-1.5b-b1-s32768", name) for name in ("mixed", "bf16", "mixed-long-context", "bf16-long-context")]
+    ("qwen2.5-1.5b-b1-s32768", name) for name in ("mixed", "bf16", "mixed-long-context", "bf16-long-context")] + [
+    ("llama3.1-8b-4l-b4-s1024", name) for name in ("mixed", "bf16", "bf16-offload-stress")]
 _native_curves: dict[tuple[str, str], list[list[float]]] = {}
 
 
