@@ -4,12 +4,14 @@ A layer attends either fully (causal) or through a sliding window (a token sees 
 before it, transformers' `kv > q - window`); with packed rows, also only within its own document, whose positions
 restart at 0. Without packing, full attention needs no mask (SDPA's causal kernel). On a GPU every mask is a
 FlexAttention BlockMask (only the 128x128 blocks that hold allowed pairs are computed, and it keeps block indices, not
-[S, S]); on CPU a boolean [B or 1, 1, S, S] mask for SDPA.
+[S, S]); on CPU a boolean [B or 1, 1, S, S] mask for SDPA. MEGATRAIN_DENSE_MASKS=1 takes the CPU's dense masks on the
+GPU too: PyTorch's CUDA stream sanitizer cannot dispatch FlexAttention, and the engine's streams are the same.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
@@ -42,7 +44,7 @@ def _sliding_block_mask(seq: int, window: int, device: torch.device) -> BlockMas
 def _mask(window: int, segments_BS: torch.Tensor | None, seq: int, device: torch.device) -> Mask:
     if not window and segments_BS is None:
         return None
-    if device.type == "cuda":
+    if device.type == "cuda" and os.environ.get("MEGATRAIN_DENSE_MASKS") != "1":
         if segments_BS is None:
             return _sliding_block_mask(seq, window, device)
 
