@@ -135,7 +135,12 @@ def validate(out: Path) -> dict:
             row["error"] = f"no ingredients for {kind}"
             rows.append(row)
             continue
-        p = predict_record(r, ing, Machine.from_probe(ing, probe, kind))
+        try:
+            p = predict_record(r, ing, Machine.from_probe(ing, probe, kind))
+        except KeyError as exc:  # a layer shape not profiled (a family's new width): stated, not predicted
+            row["error"] = exc.args[0]
+            rows.append(row)
+            continue
         row.update(predicted_step_s=p["step_s"], error_pct=100 * (p["step_s"] / r["step_time_s"] - 1),
                    predicted_exposed_s=p["exposed_s"], predicted_compute_s=p["compute_s"])
         if kind != "H200" and bases.get("H200"):  # the projection method: this GPU from the H200's ingredients
