@@ -353,12 +353,13 @@ class Schedule:
         """(cos, sin, {layer type: mask}) of each micro-batch: the shared tables and the model's masks, or for packed
         rows per-document positions and document masks (models.masks.rope_and_masks), on the compute stream."""
         model, mb = self.model, self.config.micro_batch
+
+        def rope(segments):
+            return rope_and_masks(self.cos, self.sin, segments, self.device, model.sliding_window, model.layer_types)
+
         if segments_BS is None:
-            return [rope_and_masks(self.cos, self.sin, None, self.device, model.sliding_window,
-                                   model.layer_types)] * micro_batches
-        return [rope_and_masks(self.cos, self.sin, segments_BS[i:i + mb].to(self.device), self.device,
-                               model.sliding_window, model.layer_types)
-                for i in range(0, segments_BS.shape[0], mb)]
+            return [rope(None)] * micro_batches
+        return [rope(segments_BS[i:i + mb].to(self.device)) for i in range(0, segments_BS.shape[0], mb)]
 
     def _attention(self, rope: tuple, unit: Unit) -> tuple:
         """(cos, sin, mask) of decoder-layer unit `unit`: the mask of its layer's attention type."""

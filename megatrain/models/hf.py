@@ -93,8 +93,7 @@ def _rope_from_hf(hf: Mapping) -> tuple[float, RopeScaling | None]:
     legacy = dict(hf.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     rope = params if params.get("rope_type", params.get("type", "default")) != "default" or not legacy else legacy
-    rope_type = rope.pop("rope_type", rope.pop("type", "default"))
-    rope.pop("type", None)
+    rope_type = rope.pop("rope_type", rope.pop("type", "default"))  # both keys popped: 4.x wrote either
     rope.pop("rope_theta", None)
     factor = rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if factor != 1.0:
