@@ -27,8 +27,8 @@ import torch
 
 _SRC = Path(__file__).parent / "csrc" / "fused_adamw.cpp"
 _NAME = "megatrain_fused_adamw"
-_CFLAGS = ["-O3", "-fopenmp", "-march=native", "-fno-math-errno"]  # errno blocks vector sqrt
-_LDFLAGS = ["-fopenmp"]
+_CFLAGS = ("-O3", "-fopenmp", "-march=native", "-fno-math-errno")  # errno blocks vector sqrt
+_LDFLAGS = ("-fopenmp",)
 THREADS_ENV = "MEGATRAIN_HOST_ADAMW_THREADS"
 
 
@@ -75,8 +75,9 @@ def _module():
             source, code = build_dir / _SRC.name, _SRC.read_bytes()
             if not source.exists() or source.read_bytes() != code:
                 source.write_bytes(code)
-            return load(name=_NAME, sources=[str(source)], build_directory=str(build_dir), extra_cflags=_CFLAGS,
-                        extra_ldflags=_LDFLAGS, verbose=False)
+            # copies: load() appends torch's libraries to the lists it is given, which would change the key above
+            return load(name=_NAME, sources=[str(source)], build_directory=str(build_dir),
+                        extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS), verbose=False)
     except Exception as exc:  # no compiler or ninja: the torch path computes the same update
         warnings.warn(f"one-pass host AdamW kernel unavailable ({exc}); using torch fused AdamW", stacklevel=2)
         return None
