@@ -161,7 +161,7 @@ def _train(cfg: TrainConfig, run: RunDir, case, rows, eval_rows, total: int, tok
 
 
 def _run_steps(cfg, system, case, rows, eval_rows, progress: Progress, total, out, run_id, log) -> None:
-    flops_per_token = model_flops(case.model_config().num_params(), tokens=1)  # the records' 6NT
+    flops_per_token = model_flops(case.model_config().active_params(), tokens=1)  # the records' 6NT
     bar = None
     if sys.stderr.isatty():
         from tqdm import tqdm
