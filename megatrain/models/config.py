@@ -176,6 +176,8 @@ class ModelConfig:
         and its shape ([out, in] for a projection)."""
         h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_size, self.kv_size
         shapes: dict[str, tuple[int, ...]] = {"input_layernorm.weight": (h,)}
+        if self.attention_sinks:  # the attention's own parameter: before its submodules'
+            shapes["self_attn.sinks"] = (self.num_heads,)
         projections = [("self_attn.q_proj", q, h, self.qkv_bias), ("self_attn.k_proj", kv, h, self.qkv_bias),
                        ("self_attn.v_proj", kv, h, self.qkv_bias), ("self_attn.o_proj", h, q, self.o_bias)]
         for name, out, inp, bias in projections:
@@ -184,8 +186,6 @@ class ModelConfig:
                 shapes[f"{name}.bias"] = (out,)
         if self.qk_norm:
             shapes.update({"self_attn.q_norm.weight": (self.head_dim,), "self_attn.k_norm.weight": (self.head_dim,)})
-        if self.attention_sinks:
-            shapes["self_attn.sinks"] = (self.num_heads,)
         shapes["post_attention_layernorm.weight"] = (h,)
         if self.is_moe:
             return {**shapes, **self.moe_shapes()}
@@ -199,11 +199,10 @@ class ModelConfig:
         """A layer's router and experts (megatrain.models.moe.MoE): each expert's gate and up rows stacked ([E, 2I,
         H], gate first) and its down projection ([E, H, I]), so one expert's weights are one contiguous slice."""
         e, h, i = self.num_experts, self.hidden_size, self.moe_intermediate_size
-        shapes = {"mlp.router.weight": (e, h), "mlp.experts.gate_up_proj": (e, 2 * i, h),
-                  "mlp.experts.down_proj": (e, h, i)}
+        shapes = {"mlp.router.weight": (e, h), **({"mlp.router.bias": (e,)} if self.moe_bias else {}),
+                  "mlp.experts.gate_up_proj": (e, 2 * i, h), "mlp.experts.down_proj": (e, h, i)}
         if self.moe_bias:
-            shapes.update({"mlp.router.bias": (e,), "mlp.experts.gate_up_proj_bias": (e, 2 * i),
-                           "mlp.experts.down_proj_bias": (e, h)})
+            shapes.update({"mlp.experts.gate_up_proj_bias": (e, 2 * i), "mlp.experts.down_proj_bias": (e, h)})
         return shapes
 
     def expert_params(self) -> int:
