@@ -49,8 +49,6 @@ class ModelConfig:
         swiglu_limit: GPT-OSS's clamped SwiGLU, (clamp(up, -l, l) + 1) * g * sigmoid(alpha * g) with
             g = clamp(gate, max=l); 0 for the plain silu(gate) * up.
         swiglu_alpha: the alpha of that SwiGLU.
-        router_aux_loss_coef: weight of the router's load-balancing loss in the training loss; 0 when the config
-            does not ask for it (transformers' output_router_logits false).
     """
 
     vocab_size: int
@@ -80,7 +78,6 @@ class ModelConfig:
     attention_sinks: bool = False
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 0.0
-    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # read back from a record or run.json
@@ -151,8 +148,6 @@ class ModelConfig:
         if (self.family == "gpt_oss") != (self.swiglu_limit > 0) or self.swiglu_limit < 0:
             raise ValueError(f"swiglu_limit={self.swiglu_limit}: GPT-OSS's clamped SwiGLU needs a limit > 0, "
                              "the other families have none")
-        if self.router_aux_loss_coef < 0 or not math.isfinite(self.router_aux_loss_coef):
-            raise ValueError(f"router_aux_loss_coef must be a finite number >= 0, got {self.router_aux_loss_coef}")
 
     @property
     def is_moe(self) -> bool:
