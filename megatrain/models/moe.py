@@ -102,7 +102,11 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """The layer's MLP: route each token to num_experts_per_tok experts, sum their outputs by the routing weights."""
+    """The layer's MLP: route each token to num_experts_per_tok experts, sum their outputs by the routing weights.
+
+    With `router_stats`, forward also returns what the load-balancing loss needs of this layer: the tokens routed to
+    each expert [E] (float, no gradient) and the sum over tokens of each expert's router probability [E] (fp32,
+    differentiable)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -110,11 +114,32 @@ class MoE(nn.Module):
         self.experts = Experts(cfg)
         self.k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
+        self.router_stats = cfg.router_stats
 
-    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSH: torch.Tensor):
         x_TH = x_BSH.flatten(0, 1)
-        weights_TK, experts_TK = route(self.router(x_TH), self.k, self.norm_topk_prob)
+        logits_TE = self.router(x_TH)
+        weights_TK, experts_TK = route(logits_TE, self.k, self.norm_topk_prob)
         ex = self.experts
-        y_TH = experts_forward(x_TH, weights_TK, experts_TK, ex.gate_up_proj, ex.down_proj, ex.gate_up_proj_bias,
-                               ex.down_proj_bias, self.limit, self.alpha)
-        return y_TH.view_as(x_BSH)
+        y_BSH = experts_forward(x_TH, weights_TK, experts_TK, ex.gate_up_proj, ex.down_proj, ex.gate_up_proj_bias,
+                                ex.down_proj_bias, self.limit, self.alpha).view_as(x_BSH)
+        if not self.router_stats:
+            return y_BSH
+        num_experts = logits_TE.shape[1]
+        routed_E = torch.zeros(num_experts, device=x_TH.device).index_add_(
+            0, experts_TK.flatten(), torch.ones(experts_TK.numel(), device=x_TH.device))
+        return y_BSH, routed_E, F.softmax(logits_TE, dim=-1, dtype=torch.float32).sum(0)
+
+
+def load_balancing_loss(routed_E: torch.Tensor, probsum_E: torch.Tensor, rows: int) -> torch.Tensor:
+    """transformers' load_balancing_loss_func (Switch Transformer's): E x sum_e (routed share of e) x (mean router
+    probability of e), from the routed tokens and probability sums of every layer added up, over `rows` (layers x
+    tokens)."""
+    return routed_E.shape[0] * torch.dot(routed_E / rows, probsum_E / rows)
+
+
+def load_balancing_grad(routed_E: torch.Tensor, rows: int, weight: float) -> torch.Tensor:
+    """d(weight x load_balancing_loss) / d(one layer's probability sums) [E]: the same for every layer, since the
+    routed shares carry no gradient. Known once every layer's forward has run, so a layer recomputed in backward adds
+    its router's share of the loss gradient without the other layers."""
+    return weight * routed_E.shape[0] * routed_E / rows**2
