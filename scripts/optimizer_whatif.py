@@ -66,8 +66,8 @@ def main() -> None:
             chosen, gpu = greedy_gpu_updated(c, model)
             resident = simulate(c, {**STREAMED, "resident_units": chosen}, model)
             numel = sum(u.numel for u in build_units(c.model_config()) if u.index in chosen)
-            row = {"host_speedup": speedup, "precision": precision, "batch": 16,
-                   "streamed_tflops": streamed["tflops"], "streamed_exposed": streamed["exposed_s"] / streamed["step_s"],
+            row = {"host_speedup": speedup, "precision": precision, "batch": 16, "streamed_tflops": streamed["tflops"],
+                   "streamed_exposed": streamed["exposed_s"] / streamed["step_s"],
                    "gpu_updated_units": chosen, "gpu_updated_params": numel, "gpu_updated_tflops": gpu["tflops"],
                    "gpu_updated_exposed": gpu["exposed_s"] / gpu["step_s"], "same_units_resident_tflops":
                    resident["tflops"], "batch64_mixed_tflops": batch64["tflops"],
