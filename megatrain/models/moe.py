@@ -4,7 +4,8 @@ Shape legend: T tokens, H hidden, E experts, K experts per token, I expert inner
 
 One module for every system. The experts are two stacked tensors ([E, 2I, H] gate-then-up rows, [E, H, I]), so
 one expert's weights are one contiguous slice; the tokens routed to each expert are gathered in expert order and
-multiplied as one grouped GEMM (torch._grouped_mm) where it runs, else expert by expert over the routed ones only.
+multiplied as one grouped GEMM (torch._grouped_mm, bf16 on Hopper) where it runs, else expert by expert over the
+routed ones only.
 """
 
 from __future__ import annotations
@@ -36,13 +37,13 @@ def _activation(gate_up_TI2: torch.Tensor, limit: float, alpha: float) -> torch.
 
 
 def grouped_mm_runs(x: torch.Tensor, *inner_sizes: int) -> bool:
-    """Whether torch._grouped_mm computes these experts: on CPU, and on CUDA in bf16 from compute capability 9.0 (its
-    kernels); every row stride a multiple of 16 bytes."""
+    """Whether torch._grouped_mm computes these experts: on CUDA in bf16 from compute capability 9.0 (its kernels),
+    every row stride a multiple of 16 bytes. Not on CPU: eager it runs, but torch.compile's trace of it takes bf16
+    only (the per-expert loop computes the same)."""
     if not hasattr(torch, "_grouped_mm") or any(n * x.element_size() % 16 for n in inner_sizes):
         return False
-    if x.device.type == "cuda":
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
-    return x.device.type == "cpu"
+    return x.device.type == "cuda" and x.dtype == torch.bfloat16 and \
+        torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 
 def experts_forward(x_TH: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor,
@@ -57,7 +58,9 @@ def experts_forward(x_TH: torch.Tensor, weights_TK: torch.Tensor, experts_TK: to
     order = flat_experts.argsort(stable=True)  # the (token, slot) pairs in expert order
     token_of = order // k
     x_sorted = x_TH[token_of]
-    counts = torch.bincount(flat_experts, minlength=num_experts)
+    # tokens per expert, a fixed-size result (bincount's size depends on the data, which a compiled graph cannot take)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=x_TH.device).index_add_(
+        0, flat_experts, torch.ones_like(flat_experts))
     if grouped is None:
         grouped = grouped_mm_runs(x_TH, x_TH.shape[1], gate_up_E2IH.shape[1], down_EHI.shape[2])
     if grouped:
