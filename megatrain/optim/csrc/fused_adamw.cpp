@@ -16,6 +16,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <map>
+#include <string>
+#include <vector>
 
 static inline float bf16_to_f32(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;
@@ -293,9 +296,15 @@ void fused_adamw(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg,
     dispatch_grad(param.data_ptr<float>(), grad, mp, vp, w_out, n, args, t);
 }
 
+// csrc/host_bandwidth.cpp: STREAM's kernels, GB/s by kind, one rate per thread count.
+std::map<std::string, std::vector<double>> host_mem_bandwidth_gbs(int64_t numel, const std::vector<int64_t>& threads,
+                                                                  int64_t repeats);
+
 // The GIL is released: the training thread keeps issuing GPU work while a tile updates.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_adamw", &fused_adamw, "one-pass host AdamW", py::call_guard<py::gil_scoped_release>());
   m.def("compact_adamw", &compact_adamw, "one-pass host AdamW, compact moments",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("host_mem_bandwidth_gbs", &host_mem_bandwidth_gbs, "STREAM's kernels per thread count",
         py::call_guard<py::gil_scoped_release>());
 }
