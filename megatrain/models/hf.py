@@ -39,9 +39,9 @@ _DEFAULTS = {"qwen2": dict(max_position_embeddings=32768, max_window_layers=28),
              "qwen3_moe": dict(max_position_embeddings=32768, num_key_value_heads=4, norm_topk_prob=False),
              "gpt_oss": dict(max_position_embeddings=131072, num_key_value_heads=8, head_dim=64, sliding_window=128,
                              num_experts_per_tok=4, swiglu_limit=7.0, swiglu_alpha=1.702,
-                             rms_norm_eps=1e-5, rope_theta=150000.0,
+                             rms_norm_eps=1e-5,
                              rope=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
-                                       original_max_position_embeddings=4096))}
+                                       original_max_position_embeddings=4096, rope_theta=150000.0))}
 # the keys each RoPE scaling reads (transformers' modeling_rope_utils); another key is refused, not ignored
 _ROPE_KEYS = {"default": set(), "linear": {"factor"}, "dynamic": {"factor"},
               "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
@@ -54,10 +54,6 @@ INDEX_FILE = "model.safetensors.index.json"
 
 def hf_name(name: str) -> str:
     return name if name == "lm_head.weight" else "model." + name
-
-
-def our_name(hf: str) -> str:
-    return hf if hf == "lm_head.weight" else hf.removeprefix("model.")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -101,7 +97,7 @@ def _rope_from_hf(hf: Mapping) -> tuple[float, RopeScaling | None]:
     """(theta, scaling) of a config: 5.x's rope_parameters or 4.x's rope_theta and rope_scaling."""
     params = dict(hf.get("rope_parameters") or {})
     if not params and not hf.get("rope_scaling") and "rope" in _DEFAULTS.get(hf.get("model_type"), {}):
-        params = {**_DEFAULTS[hf["model_type"]]["rope"], "rope_theta": hf.get("rope_theta", 150000.0)}
+        params = {**_DEFAULTS[hf["model_type"]]["rope"], **{k: hf[k] for k in ("rope_theta",) if k in hf}}
     if any(isinstance(v, Mapping) for v in params.values()):
         raise ValueError(f"per-layer rope_parameters ({sorted(params)}) are not supported; one RoPE for every layer")
     legacy = dict(hf.get("rope_scaling") or {})
@@ -543,8 +539,8 @@ def load_hf_checkpoint(path: str | Path, device: torch.device | str = "cpu",
     """
     path = Path(path)
     cfg = config_from_hf(read_hf_config(path))
+    # iter_hf_tensors reads exactly the model's parameters, refusing a missing or an extra tensor by name
     state = {name: t.to(device) for name, t in iter_hf_tensors(path, dtype)}
-    _check_names(state, _expected_shapes(cfg), f"checkpoint {path} vs its config.json")
     return cfg, state
 
 

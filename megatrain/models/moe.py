@@ -65,12 +65,13 @@ def experts_forward(x_TH: torch.Tensor, weights_TK: torch.Tensor, experts_TK: to
         grouped = grouped_mm_runs(x_TH, x_TH.shape[1], gate_up_E2IH.shape[1], down_EHI.shape[2])
     if grouped:
         ends = counts.cumsum(0).to(torch.int32)
+        expert_of = flat_experts[order]  # each sorted row's expert, for the biases
         h = torch._grouped_mm(x_sorted, gate_up_E2IH.transpose(1, 2), offs=ends)
         if gate_up_bias_E2I is not None:
-            h = h + gate_up_bias_E2I[flat_experts[order]]
+            h = h + gate_up_bias_E2I[expert_of]
         y = torch._grouped_mm(_activation(h, limit, alpha), down_EHI.transpose(1, 2), offs=ends)
         if down_bias_EH is not None:
-            y = y + down_bias_EH[flat_experts[order]]
+            y = y + down_bias_EH[expert_of]
     else:
         parts = []
         for e, rows in enumerate(x_sorted.split(counts.tolist())):
