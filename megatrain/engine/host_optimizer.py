@@ -21,16 +21,23 @@ from megatrain.optim.config import OptimConfig
 from megatrain.optim.host_adamw import FlatAdamW
 
 
+def regions(unit: Unit, weight_decay: float, shard: tuple[int, int] | None = None) -> tuple[tuple, ...]:
+    """(start, end, weight decay) of the unit's decayed region and of the rest, within `shard` [lo, hi) of its tile
+    (default all of it; a rank's share over several ranks): a region outside the shard comes out empty."""
+    lo, hi = shard or (0, unit.numel)
+    d = unit.decay_numel
+    return (lo, min(d, hi), weight_decay), (max(d, lo), hi, 0.0)
+
+
 def torch_adamw_unit(adamw: FlatAdamW, unit: Unit, weights: torch.Tensor, grads: torch.Tensor,
                      master: torch.Tensor | None, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, clip: float,
                      weight_decay: float, grad_scratch: torch.Tensor | None,
-                     param_scratch: torch.Tensor | None, lr: float) -> None:
+                     param_scratch: torch.Tensor | None, lr: float, shard: tuple[int, int] | None = None) -> None:
     """torch's AdamW over one unit's flat tensors (host tiles or resident GPU buffers), its decayed region
     then the rest, in chunks of OPT_CHUNK: gradients in fp32 (converted in grad_scratch when they are
     not) times the clip coefficient, weights updated in fp32 (the master, the weights themselves, or a
-    copy in param_scratch rounded back to bf16)."""
-    d = unit.decay_numel
-    for lo, hi, wd in ((0, d, weight_decay), (d, unit.numel, 0.0)):
+    copy in param_scratch rounded back to bf16). shard: the part of the tile updated (default all)."""
+    for lo, hi, wd in regions(unit, weight_decay, shard):
         for a in range(lo, hi, OPT_CHUNK):
             b = min(a + OPT_CHUNK, hi)
             weights_chunk = weights[a:b]
@@ -85,6 +92,10 @@ class HostOptimizer:
         self.done = done
         self.step_count += 1
         self._jobs.put((done, clip_coef, grad_ready, self.step_count, lr))
+
+    def shard(self, unit: Unit) -> tuple[int, int]:
+        """[lo, hi) of unit's tile this optimizer updates: all of it (a sharded one: its rank's shard)."""
+        return 0, unit.numel
 
     def take_spans(self) -> list[tuple[int, float, float]]:
         """(unit, host start s, host end s) of each update finished since the last call. The list is swapped under a
@@ -143,10 +154,9 @@ class HostOptimizer:
         m, v = s.tile(s.exp_avg, unit), s.tile(s.exp_avg_sq, unit)
         if self.kernel == "torch":
             torch_adamw_unit(self.adamw, unit, weights, grads, master, m, v, clip_coef, self.weight_decay,
-                             self.grad_scratch, self.param_scratch, lr)
+                             self.grad_scratch, self.param_scratch, lr, self.shard(unit))
             return
-        d = unit.decay_numel
-        for lo, hi, weight_decay in ((0, d, self.weight_decay), (d, unit.numel, 0.0)):
+        for lo, hi, weight_decay in regions(unit, self.weight_decay, self.shard(unit)):
             for a in range(lo, hi, OPT_CHUNK):
                 b = min(a + OPT_CHUNK, hi)
                 weights_chunk = weights[a:b]

@@ -10,14 +10,17 @@ from pathlib import Path
 import torch
 
 from megatrain.config import CaseConfig
+from megatrain.engine import distributed
 from megatrain.engine.config import EngineConfig, MegaTrainOptions
+from megatrain.engine.distributed import Ranks
 from megatrain.engine.host_optimizer import HostOptimizer
 from megatrain.engine.plan import check_fits, host_bytes_per_param
 from megatrain.engine.schedule import Schedule
+from megatrain.engine.shared_store import ShardedHostOptimizer, SharedHostStore
 from megatrain.engine.state import load_engine_state, save_engine_state, steps_from_json, steps_to_json
 from megatrain.engine.store import HostStore
 from megatrain.engine.streams import StreamSet
-from megatrain.memory import GIB, Budget, peak_host_rss_gib
+from megatrain.memory import GIB, Budget, host_pss_bytes, peak_host_rss_gib
 from megatrain.models.hf import copy_named_weights
 from megatrain.models.loss import valid_tokens
 from megatrain.optim.state_bytes import checkpoint_bytes_per_param
@@ -25,31 +28,39 @@ from megatrain.systems import SystemSpec
 
 
 class StreamingSystem:
-    def __init__(self, config: EngineConfig):
-        self.config = config
-        self.device = torch.device(config.device)
+    def __init__(self, config: EngineConfig, ranks: Ranks | None = None):
+        """config: this process's share of the work (with several ranks, Ranks.per_rank's)."""
+        self.config, self.ranks = config, ranks
+        self.device = torch.device(config.device) if ranks is None else ranks.device
         self.plan = check_fits(config)
         if not self.plan.fits:
             raise ValueError(f"configuration does not fit: {self.plan.reason}; {self.plan.advice}")
         self.num_params = config.model.num_params()
         cuda = self.device.type == "cuda"
-        self.store = HostStore(config.model, config.torch_dtype, config.precision, pin=cuda)
+        self.store = HostStore(config.model, config.torch_dtype, config.precision, pin=cuda) if ranks is None else \
+            SharedHostStore(config.model, config.torch_dtype, config.precision, pin=cuda, ranks=ranks)
         self.store.initialise(config.seed, self.device)
         resident = self.plan.resident_units
-        self.optimizer = HostOptimizer(self.store, config.optim, kernel=config.options.optimizer_kernel,
-                                       skip=frozenset(resident))
+        self.optimizer = (HostOptimizer if ranks is None else ShardedHostOptimizer)(
+            self.store, config.optim, kernel=config.options.optimizer_kernel, skip=frozenset(resident))
         self.streams = StreamSet(self.device, timeline=config.options.timeline,
                                  stress_seed=config.options.stream_stress)
         self.schedule = Schedule(config, self.store, self.optimizer, self.streams, self.device, resident,
-                                 self.plan.offloaded_layers, self.plan.recomputed_inputs)
+                                 self.plan.offloaded_layers, self.plan.recomputed_inputs, ranks)
 
     @staticmethod
     def from_case(case: CaseConfig) -> StreamingSystem:
-        """The engine for a benchmark or training case (its SystemSpec factory)."""
-        return StreamingSystem(EngineConfig.from_case(case))
+        """The engine for a benchmark or training case (its SystemSpec factory); under torchrun, this rank's."""
+        ranks = distributed.current(case.device)
+        config = EngineConfig.from_case(case)
+        return StreamingSystem(config if ranks is None else ranks.per_rank(config), ranks)
 
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, segments_BS: torch.Tensor | None = None) -> float:
-        return self.schedule.step(inputs_BS, labels_BS, valid_tokens(labels_BS), segments_BS)
+        """One step over the global batch (with several ranks, each trains its rows of it)."""
+        normalizer = valid_tokens(labels_BS)  # the global batch's, so N ranks' losses and gradients sum to one's
+        if self.ranks is not None:
+            inputs_BS, labels_BS, segments_BS = self.ranks.split_rows(inputs_BS, labels_BS, segments_BS)
+        return self.schedule.step(inputs_BS, labels_BS, normalizer, segments_BS)
 
     @property
     def last_grad_norm(self) -> float:
@@ -74,6 +85,12 @@ class StreamingSystem:
             "compile": self.schedule.layer_template.compiled,
             "resident_units": sorted(self.schedule.resident),
             "plan": {k: v for k, v in dataclasses.asdict(self.plan).items() if k != "host_tiles_bytes_per_param"},
+            **({} if self.ranks is None else {
+                "ranks": self.ranks.world, "host_state": "one copy in shared memory (/dev/shm), every rank maps it",
+                "gradient_reduction": "fp32 on the device before the offload: reduce-scatter of whole shards in "
+                                      "place (the remainder all-reduced); resident units all-reduced whole",
+                "optimizer_sharding": "each rank updates its shard of every streamed unit; resident units "
+                                      "replicated"}),
         }
 
     def metrics(self, warmup_steps: int = 0) -> dict:
@@ -99,7 +116,15 @@ class StreamingSystem:
             "host_store_bytes_per_param": self.store.host_bytes() / self.num_params,
             "host_bytes_per_param": rss / self.num_params,
             "timeline": self.schedule.timeline,
+            **({} if self.ranks is None else self._shared_memory_metrics()),
         }
+
+    def _shared_memory_metrics(self) -> dict:
+        """With several ranks: each maps the whole shared state (its RSS counts every page it touched); PSS
+        splits shared pages between the processes that map them, so summed over the ranks it counts them once."""
+        pss = host_pss_bytes()
+        return {"ranks": self.ranks.world, "host_pss_bytes": pss,
+                "host_pss_bytes_all_ranks": sum(self.ranks.gather(pss))}
 
     def _checkpointing(self) -> str:
         acts, layers = self.schedule.acts, self.config.model.num_layers
@@ -118,11 +143,15 @@ class StreamingSystem:
         self.schedule.lr = lr
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace the weights (before training), one tensor at a time, by our parameter names."""
+        """Replace the weights (before training), one tensor at a time, by our parameter names (with several
+        ranks, every rank calls it and rank 0 reads `named` into the one copy)."""
         self.optimizer.flush()
-        copy_named_weights(self._weight_views(), named)
-        if self.store.master is not None:
-            self.store.weights.copy_(self.store.master)
+        if self._first:
+            copy_named_weights(self._weight_views(), named)
+            if self.store.master is not None:
+                self.store.weights.copy_(self.store.master)
+        if self.ranks is not None:
+            self.ranks.barrier()
         self.schedule.load_resident_from_host()
 
     def export_weights(self) -> dict[str, torch.Tensor]:
@@ -137,18 +166,31 @@ class StreamingSystem:
         src = store.master if store.master is not None else store.weights
         return {slot.name: unit.view(store.tile(src, unit), slot) for unit in store.units for slot in unit.params}
 
-    def save_state(self, out_dir: Path) -> None:
-        """The full training state (weights, master, moments, step counts), streamed tile by tile."""
+    def save_state(self, out_dir: Path | None) -> None:
+        """The full training state (weights, master, moments, step counts), streamed tile by tile. With several
+        ranks every rank calls it (out_dir None but on rank 0), once every shard's update has landed rank 0 writes."""
         self.optimizer.flush()
         self.schedule.sync_resident_to_host()
-        save_engine_state(Path(out_dir), self.store, {
-            "step_count": self.optimizer.step_count, "skipped_steps": self.schedule.skipped_steps,
-            "adamw_steps": steps_to_json(self.optimizer.adamw.steps),
-            "resident_adamw_steps": steps_to_json(self.schedule.resident_adamw.steps)})
+        counters = {"step_count": self.optimizer.step_count, "skipped_steps": self.schedule.skipped_steps,
+                    "adamw_steps": steps_to_json(self.optimizer.adamw.steps),
+                    "resident_adamw_steps": steps_to_json(self.schedule.resident_adamw.steps)}
+        if self.ranks is not None:  # the torch kernel counts steps per chunk of each rank's shards: all of them
+            counters.update(ranks=self.ranks.world, adamw_steps=[s for steps in self.ranks.gather(
+                counters["adamw_steps"]) for s in steps])
+        if self._first:
+            save_engine_state(Path(out_dir), self.store, counters)
 
-    def load_state(self, in_dir: Path) -> None:
+    def load_state(self, in_dir: Path | None) -> None:
+        """Continue from a save_state directory (with several ranks, every rank calls it; rank 0 reads in_dir)."""
         self.optimizer.flush()
-        meta = load_engine_state(Path(in_dir), self.store)
+        meta = load_engine_state(Path(in_dir), self.store) if self._first else None
+        if self.ranks is not None:
+            meta = self.ranks.from_first(meta)
+        saved_by, world = meta.get("ranks", 1), 1 if self.ranks is None else self.ranks.world
+        if saved_by != world and self.optimizer.kernel == "torch":
+            raise ValueError(f"{in_dir} was saved by {saved_by} rank(s) and the torch optimizer kernel counts steps "
+                             "per chunk of each rank's shard: resume it on as many, or with "
+                             "--option optimizer_kernel=fused")
         self.optimizer.step_count = meta["step_count"]
         self.schedule.skipped_steps = meta["skipped_steps"]
         self.optimizer.adamw.steps = steps_from_json(meta["adamw_steps"], torch.device("cpu"))
@@ -159,6 +201,11 @@ class StreamingSystem:
         self.optimizer.flush()
         self.schedule.sync_resident_to_host()
         return self.store.named_parameters_fp32()
+
+    @property
+    def _first(self) -> bool:
+        """Whether this process reads and writes the one host copy's files: one process, or rank 0."""
+        return self.ranks is None or self.ranks.first
 
     def close(self) -> None:
         self.optimizer.close()
