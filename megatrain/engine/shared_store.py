@@ -52,6 +52,21 @@ class SharedHostStore(HostStore):
         self._paths.append(path)
         return torch.from_file(path, shared=True, size=numel, dtype=dtype)
 
+    def mapped_bytes(self) -> tuple[int, int]:
+        """(RSS, PSS) of this rank's mappings of the store: the pages it touched, and those divided by the number of
+        ranks mapping each (summed over the ranks, PSS counts every page of the one copy once)."""
+        rss = pss = 0
+        with open("/proc/self/smaps") as f:
+            mine = False
+            for line in f:
+                fields = line.split()
+                if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header line: address range first
+                    mine = len(fields) >= 6 and fields[5].startswith(self._prefix)
+                elif mine and fields[0] in ("Rss:", "Pss:"):
+                    kib = int(fields[1]) * 1024
+                    rss, pss = (rss + kib, pss) if fields[0] == "Rss:" else (rss, pss + kib)
+        return rss, pss
+
     def initialise(self, seed: int, device: torch.device) -> None:
         """Rank 0 initialises the one copy; every rank returns once it is done."""
         if self.ranks.first:

@@ -20,7 +20,7 @@ from megatrain.engine.shared_store import ShardedHostOptimizer, SharedHostStore
 from megatrain.engine.state import load_engine_state, save_engine_state, steps_from_json, steps_to_json
 from megatrain.engine.store import HostStore
 from megatrain.engine.streams import StreamSet
-from megatrain.memory import GIB, Budget, host_pss_bytes, peak_host_rss_gib
+from megatrain.memory import GIB, Budget, peak_host_rss_gib
 from megatrain.models.hf import copy_named_weights
 from megatrain.models.loss import valid_tokens
 from megatrain.optim.state_bytes import checkpoint_bytes_per_param
@@ -120,11 +120,11 @@ class StreamingSystem:
         }
 
     def _shared_memory_metrics(self) -> dict:
-        """With several ranks: each maps the whole shared state (its RSS counts every page it touched); PSS
-        splits shared pages between the processes that map them, so summed over the ranks it counts them once."""
-        pss = host_pss_bytes()
-        return {"ranks": self.ranks.world, "host_pss_bytes": pss,
-                "host_pss_bytes_all_ranks": sum(self.ranks.gather(pss))}
+        """With several ranks: each maps the one shared state, and its RSS counts every page of it that it touched;
+        PSS splits a shared page between the ranks that map it, so summed over the ranks it counts each once."""
+        rss, pss = self.store.mapped_bytes()
+        return {"ranks": self.ranks.world, "host_state_rss_bytes": rss,
+                "host_state_pss_bytes_all_ranks": sum(self.ranks.gather(pss))}
 
     def _checkpointing(self) -> str:
         acts, layers = self.schedule.acts, self.config.model.num_layers
