@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -24,6 +25,22 @@ import torch.distributed as dist
 
 from megatrain.engine.config import EngineConfig
 from megatrain.engine.layout import ALIGN
+
+
+class RankLost(RuntimeError):
+    """Another rank ended mid-run (a collective's connection closed, or its share of an update never came)."""
+
+
+def _collective(method: Callable) -> Callable:
+    """A Ranks method whose backend error, when a peer has gone, becomes RankLost with its first line."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except RuntimeError as exc:
+            raise RankLost(f"rank {self.rank} of {self.world} lost another rank mid-step: "
+                           f"{str(exc).splitlines()[0]}") from None
+    return call
 
 
 def launched() -> bool:
@@ -62,6 +79,7 @@ class Ranks:
             return t[self.rank * share:(self.rank + 1) * share]
         return [None if t is None else mine(t) for t in batches]
 
+    @_collective
     def sum_gradient(self, grad: torch.Tensor, replicated: bool) -> torch.Tensor:
         """Sum the flat gradient `grad` across the ranks in place; returns this rank's shard of the sum (with
         replicated=True every element is summed, for a resident unit; else only this shard is valid)."""
@@ -77,28 +95,33 @@ class Ranks:
             self.sum_(grad[whole * self.world:])
         return grad[lo:hi]
 
+    @_collective
     def sum_(self, t: torch.Tensor) -> None:
         """All-reduce t in place (a sum), over the gradients' group."""
         dist.all_reduce(t)
 
+    @_collective
     def from_first(self, obj):
         """Rank 0's obj, on every rank (others pass anything)."""
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
+    @_collective
     def agree(self, value: int) -> int:
         """The largest of every rank's value (a stop signal that reached any rank stops all at the same step)."""
         t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
         return int(t)
 
+    @_collective
     def gather(self, obj) -> list:
         """Every rank's obj, in rank order, on every rank."""
         out = [None] * self.world
         dist.all_gather_object(out, obj, group=self.control)
         return out
 
+    @_collective
     def barrier(self) -> None:
         dist.barrier(group=self.control)
 

@@ -120,9 +120,10 @@ class HostOptimizer:
             self.wait(i)
 
     def close(self) -> None:
-        self.flush()
+        """End the worker once it has run every update queued (this process's own: not another rank's)."""
         self._jobs.put(None)
         self._thread.join()
+        self._raise()
 
     def _raise(self) -> None:
         if self._error is not None:

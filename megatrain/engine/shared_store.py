@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from megatrain.engine.distributed import Ranks
+from megatrain.engine.distributed import RankLost, Ranks
 from megatrain.engine.host_optimizer import HostOptimizer
 from megatrain.engine.layout import Unit
 from megatrain.engine.store import HostStore
@@ -115,8 +115,7 @@ class ShardedHostOptimizer(HostOptimizer):
             rank = int(behind[0])
             pid = int(self.store.pids[rank])
             if not _alive(pid):
-                raise RuntimeError(f"rank {rank} (pid {pid}) ended before its share of unit {unit_index}'s update: "
-                                   "the run cannot go on without it")
+                raise RankLost(f"rank {rank} (pid {pid}) ended before its share of unit {unit_index}'s update")
             time.sleep(pause)
             pause = min(2 * pause, 1e-3)
         return waited + time.perf_counter() - t0
