@@ -1,0 +1,114 @@
+"""Data parallel over torchrun ranks on CPU (gloo): N ranks train as one process does, keep one host copy of the
+state, and a rank that dies leaves the last checkpoint to resume from. CPU only; the subprocess ones start torchrun
+(~10 s each on two cores): pytest tests/unit/test_distributed.py"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from train_helpers import ROOT, hf_model, metrics, pretokenized, run_train, train_args
+
+from megatrain.engine.config import EngineConfig
+from megatrain.engine.distributed import Ranks
+from megatrain.models import get_model_config
+
+SAVES = ["--save-every", "2", "--batch", "6", "--micro-batch", "1"]  # 6 rows: whole micro-batches on 1, 2 or 3 ranks
+
+
+def torchrun(nproc: int, args: list[str], fault: str | None = None) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node nproc -m megatrain ARGS` from the repository root, one thread per rank."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("MEGATRAIN_FAULT", None)
+    if fault:
+        env["MEGATRAIN_FAULT"] = fault
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m",
+                           "megatrain", *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """A tiny model, 12 rows of data, and its 6-step run in this process (no torchrun): the reference."""
+    root = tmp_path_factory.mktemp("dp")
+    init, data = hf_model("qwen2", root / "init"), pretokenized(root / "data.jsonl", rows=12)
+    assert run_train(init, data, root / "one", steps=6, extra=SAVES) == 0
+    return init, data, root
+
+
+def _weights(out):
+    return load_file(out / "hf" / "model.safetensors")
+
+
+def _assert_close_runs(out, ref):
+    torch.testing.assert_close(torch.tensor([m["loss"] for m in metrics(out)]),
+                               torch.tensor([m["loss"] for m in metrics(ref)]), rtol=1e-6, atol=0)
+    a, b = _weights(out), _weights(ref)
+    assert a.keys() == b.keys()
+    for name in a:  # as the engine against native (test_engine): Adam turns the k bias's ~0 gradient's noise into steps
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("nproc, options", [(2, []), (3, ["--option", "resident_embedding=true", "--option",
+                                                          "resident_layers=1"])], ids=["2-ranks", "3-ranks-resident"])
+def test_n_ranks_train_as_one_process_at_the_same_global_batch(one_process, nproc, options):
+    init, data, root = one_process
+    out = root / f"ranks-{nproc}"
+    _ok(torchrun(nproc, train_args(init, data, out, steps=6, extra=SAVES + options)))
+    _assert_close_runs(out, root / "one")
+
+
+@pytest.mark.subprocess
+def test_the_state_is_in_host_memory_once_whatever_the_ranks():
+    proc = _ok(torchrun(3, ["bench", "--system", "megatrain", "--model", "tiny", "--batch", "3", "--micro-batch", "1",
+                            "--seq", "8", "--steps", "2"]))
+    metrics = json.loads(proc.stdout.strip().splitlines()[-1])["metrics"]
+    store = metrics["host_store_bytes"]
+    assert metrics["ranks"] == 3
+    # summed over the ranks, the pages of the shared state count once (4 KiB pages, and the update counts beside)
+    assert store <= metrics["host_state_pss_bytes_all_ranks"] <= store * 1.01
+    assert metrics["host_state_rss_bytes"] > store / 3  # rank 0 maps it all, touching more than its shard
+
+
+@pytest.mark.subprocess
+def test_a_dead_rank_stops_the_run_and_its_resume_is_bitwise_the_uninterrupted_one(one_process):
+    init, data, root = one_process
+    straight, cut = root / "straight", root / "cut"
+    _ok(torchrun(2, train_args(init, data, straight, steps=6, extra=SAVES)))
+    killed = torchrun(2, train_args(init, data, cut, steps=6, extra=SAVES), fault="rank-1-step-3")
+    assert killed.returncode != 0
+    assert f"its last complete checkpoint {cut / 'checkpoints' / 'step-2'} is intact" in killed.stderr
+    assert sorted(p.name for p in (cut / "checkpoints").iterdir()) == ["step-2"]
+    other_n = root / "cut-resumed-on-3"
+    shutil.copytree(cut, other_n)
+    _ok(torchrun(2, ["train", "--resume", cut]))
+    assert [m["loss"] for m in metrics(cut)] == [m["loss"] for m in metrics(straight)]
+    assert all(torch.equal(a, b) for a, b in zip(_weights(cut).values(), _weights(straight).values(), strict=True))
+    _ok(torchrun(3, ["train", "--resume", other_n]))  # one copy of the state: any number of ranks resumes it
+    _assert_close_runs(other_n, straight)
+
+
+def test_shards_tile_each_unit_in_aligned_pieces_and_the_last_rank_takes_the_rest():
+    for world in (1, 2, 3, 7):
+        for numel in (1, 64, 16448, 43264, 10**6 + 3):
+            spans = [Ranks(r, world, torch.device("cpu"), None).shard(numel) for r in range(world)]
+            assert spans[0][0] == 0 and spans[-1][1] == numel
+            assert all(lo % 128 == 0 for lo, _ in spans)
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))  # back to back
+
+
+def test_a_batch_the_ranks_cannot_share_in_whole_micro_batches_is_refused():
+    config = EngineConfig(model=get_model_config("tiny"), batch=4, micro_batch=1, seq=8)
+    assert Ranks(0, 2, torch.device("cpu"), None).per_rank(config).batch == 2
+    with pytest.raises(ValueError, match="multiple of the 3 ranks x --micro-batch 1"):
+        Ranks(0, 3, torch.device("cpu"), None).per_rank(config)
