@@ -127,10 +127,21 @@ class Ranks:
 
     def per_rank(self, config: EngineConfig) -> EngineConfig:
         """The engine's config for this rank: its share of the global batch."""
-        if config.batch % (self.world * config.micro_batch):
-            raise ValueError(f"--batch {config.batch} must be a multiple of the {self.world} ranks x --micro-batch "
-                             f"{config.micro_batch}: each rank trains whole micro-batches, as many as the others")
-        return replace(config, batch=config.batch // self.world)
+        return per_rank(config, self.world)
+
+
+def per_rank(config: EngineConfig, world: int) -> EngineConfig:
+    """The engine's config for one of `world` ranks: its share of the global batch, the host copy shared."""
+    if config.batch % (world * config.micro_batch):
+        raise ValueError(f"--batch {config.batch} must be a multiple of the {world} ranks x --micro-batch "
+                         f"{config.micro_batch}: each rank trains whole micro-batches, as many as the others")
+    return replace(config, batch=config.batch // world, ranks=world)
+
+
+def planned(config: EngineConfig) -> EngineConfig:
+    """config as one rank of this launch runs it (unchanged for one process): for the memory plan, before any
+    process group exists."""
+    return per_rank(config, int(os.environ["WORLD_SIZE"])) if launched() else config
 
 
 @functools.cache

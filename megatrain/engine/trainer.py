@@ -216,8 +216,10 @@ class StreamingSystem:
 
 def preflight_plan(case: CaseConfig, limits: Budget) -> dict:
     """The pre-flight plan: the engine's own (check_fits, its exact tiles and choices against `limits`), with
-    host_bytes what it counts against the host (on CPU, everything) and gpu_bytes 0 on CPU."""
-    plan = dict(dataclasses.asdict(check_fits(EngineConfig.from_case(case), limits)), source="megatrain.engine.plan")
+    host_bytes what it counts against the host (on CPU, everything) and gpu_bytes 0 on CPU. Under torchrun: one
+    rank's, with the host state counted once and each rank's process beside it."""
+    plan = dict(dataclasses.asdict(check_fits(distributed.planned(EngineConfig.from_case(case)), limits)),
+                source="megatrain.engine.plan")
     host, gpu = plan["host_need_bytes"], plan["gpu_bytes"] if case.device == "cuda" else 0
     plan.update(host_bytes=int(host), gpu_bytes=int(gpu))
     return plan

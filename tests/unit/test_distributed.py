@@ -14,7 +14,9 @@ from safetensors.torch import load_file
 from train_helpers import ROOT, hf_model, metrics, pretokenized, run_train, train_args
 
 from megatrain.engine.config import EngineConfig
-from megatrain.engine.distributed import Ranks
+from megatrain.engine.distributed import Ranks, per_rank
+from megatrain.engine.plan import GPU_RESERVE_BYTES, PROCESS_OVERHEAD_BYTES, check_fits, plan_memory
+from megatrain.memory import GIB, Budget
 from megatrain.models import get_model_config
 
 SAVES = ["--save-every", "2", "--batch", "6", "--micro-batch", "1"]  # 6 rows: whole micro-batches on 1, 2 or 3 ranks
@@ -105,6 +107,17 @@ def test_shards_tile_each_unit_in_aligned_pieces_and_the_last_rank_takes_the_res
             assert spans[0][0] == 0 and spans[-1][1] == numel
             assert all(lo % 128 == 0 for lo, _ in spans)
             assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))  # back to back
+
+
+def test_the_plan_counts_the_host_state_once_and_each_ranks_process_and_share_of_the_batch():
+    config = EngineConfig(model=get_model_config("tiny"), batch=4, micro_batch=1, seq=8)
+    one, two = plan_memory(config), plan_memory(per_rank(config, 2))
+    assert two.host_state_bytes == one.host_state_bytes
+    assert two.host_bytes == one.host_bytes + PROCESS_OVERHEAD_BYTES
+    assert two.gpu_checkpoint_bytes * 2 == one.gpu_checkpoint_bytes  # each rank saves its half of the batch's inputs
+    cpu = Budget(100 * GIB, None, "test")  # on CPU each rank's device share is host memory too
+    assert check_fits(per_rank(config, 2), cpu).host_need_bytes == two.host_bytes + 2 * (
+        two.gpu_bytes - GPU_RESERVE_BYTES)
 
 
 def test_a_batch_the_ranks_cannot_share_in_whole_micro_batches_is_refused():
