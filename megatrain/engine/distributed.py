@@ -37,6 +37,8 @@ def _collective(method: Callable) -> Callable:
     def call(self, *args, **kwargs):
         try:
             return method(self, *args, **kwargs)
+        except torch.OutOfMemoryError:
+            raise
         except RuntimeError as exc:
             raise RankLost(f"rank {self.rank} of {self.world} lost another rank mid-step: "
                            f"{str(exc).splitlines()[0]}") from None
