@@ -50,6 +50,13 @@ def launched() -> bool:
     return dist.is_torchelastic_launched()
 
 
+def check_system(system: str) -> None:
+    """Refuse a system other than megatrain under torchrun: the baselines run one process each so far."""
+    if launched() and system != "megatrain":
+        raise ValueError(f"--system {system} runs in one process: start it without torchrun (under torchrun only "
+                         "megatrain runs, data parallel over the ranks)")
+
+
 @dataclass(frozen=True)
 class Ranks:
     """This process's place among the ranks of one host, and the collectives the engine uses."""

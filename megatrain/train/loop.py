@@ -84,10 +84,8 @@ def train(cfg: TrainConfig, log=print) -> int:
         if cfg.eval_data else None
     total = cfg.steps if cfg.steps is not None else math.ceil(cfg.epochs * len(rows) / cfg.batch)
     case = build_case(cfg, total, label, shape)
+    distributed.check_system(cfg.system)
     ranks = distributed.current(cfg.device)  # under torchrun: rank 0 owns --out, every rank trains
-    if ranks is not None and cfg.system != "megatrain":
-        raise ValueError(f"--system {cfg.system} trains in one process; under torchrun only megatrain trains (on N "
-                         "ranks)")
     for note in preflight(case):
         (log if ranks is None or ranks.first else _silent)(note)
     run = RunDir(out, cfg.resume is not None, cfg.overwrite) if ranks is None or ranks.first else None
