@@ -11,6 +11,11 @@ own copy (each counts its shard's slice of it in the norm).
 Process groups: the default one carries gradients (NCCL on GPUs, gloo on CPU); a gloo group carries the control
 traffic (objects from rank 0, the agreed stop signal). Launched without torchrun, nothing here runs: one process
 trains exactly as before.
+
+Several nodes (hybrid, FSDP2's HSDP): each node holds one copy of the state, shared by its ranks and sharded among
+them as above; a shard's gradient is summed within the node first, then across the nodes by the ranks of the same
+local rank, so every node applies the same update to its copy. Rank 0 writes the files; each node's local rank 0
+fills its copy (init, weights, a saved state) from the same files.
 """
 
 from __future__ import annotations
@@ -59,27 +64,44 @@ def check_system(system: str) -> None:
 
 @dataclass(frozen=True)
 class Ranks:
-    """This process's place among the ranks of one host, and the collectives the engine uses."""
+    """This process's place among the ranks (of one host, or of several nodes: one copy of the state per node),
+    and the collectives the engine uses. Groups None stand for the whole world."""
 
     rank: int
     world: int
     device: torch.device
     control: dist.ProcessGroup | None  # gloo, for objects and flags (None: the default group is gloo already)
+    local_rank: int = 0  # within the node
+    local_world: int = 0  # ranks of a node, sharing its copy of the state (0: all, one node)
+    node: dist.ProcessGroup | None = None  # the node's ranks, for gradients (several nodes only)
+    node_control: dist.ProcessGroup | None = None  # the node's ranks, gloo
+    peers: dist.ProcessGroup | None = None  # this local rank on every node: shards summed across nodes
+
+    def __post_init__(self) -> None:
+        if not self.local_world:  # one node: the world
+            object.__setattr__(self, "local_world", self.world)
+            object.__setattr__(self, "local_rank", self.rank)
+            object.__setattr__(self, "node_control", self.control)
 
     @property
     def first(self) -> bool:
-        """Rank 0: the one that reads and writes files for the run."""
+        """Rank 0: the one that writes files for the run."""
         return self.rank == 0
 
-    def shard(self, numel: int, rank: int | None = None) -> tuple[int, int]:
-        """[lo, hi) of a unit's numel elements that `rank` (default this one) reduces, offloads and updates: equal
-        ALIGN-multiple shards, the last rank also taking what is left over (fewer than world * ALIGN elements)."""
-        rank = self.rank if rank is None else rank
+    @property
+    def node_first(self) -> bool:
+        """Local rank 0: the one that fills its node's copy of the state (initialises, reads weights and states)."""
+        return self.local_rank == 0
+
+    def shard(self, numel: int, local_rank: int | None = None) -> tuple[int, int]:
+        """[lo, hi) of a unit's numel elements that `local_rank` (default this one) of a node reduces, offloads and
+        updates: equal ALIGN-multiple shards, the last also taking what is left over (< local_world x ALIGN)."""
+        r = self.local_rank if local_rank is None else local_rank
         whole = self._whole_shard(numel)
-        return rank * whole, numel if rank == self.world - 1 else (rank + 1) * whole
+        return r * whole, numel if r == self.local_world - 1 else (r + 1) * whole
 
     def _whole_shard(self, numel: int) -> int:
-        return numel // (self.world * ALIGN) * ALIGN
+        return numel // (self.local_world * ALIGN) * ALIGN
 
     def split_rows(self, *batches: torch.Tensor | None) -> list[torch.Tensor | None]:
         """This rank's contiguous share of each [B, ...] batch (its micro-batches, in order)."""
@@ -95,19 +117,26 @@ class Ranks:
         numel = grad.numel()
         lo, hi = self.shard(numel)
         if replicated:
-            self.sum_(grad)
+            dist.all_reduce(grad)
             return grad[lo:hi]
-        whole = self._whole_shard(numel)
-        if whole:  # in place: this rank's shard of the sum lands where its shard of the input was
-            dist.reduce_scatter_single(grad[lo:lo + whole], grad[:whole * self.world])
-        if whole * self.world < numel:  # the last rank's remainder
-            self.sum_(grad[whole * self.world:])
+        whole, n = self._whole_shard(numel), self.local_world
+        if whole:  # in place: this rank's shard of the node's sum lands where its shard of the input was
+            dist.reduce_scatter_single(grad[lo:lo + whole], grad[:whole * n], group=self.node)
+        if whole * n < numel:  # the last local rank's remainder
+            dist.all_reduce(grad[whole * n:], group=self.node)
+        if self.peers is not None:  # then across the nodes: every node's copy takes the same update
+            dist.all_reduce(grad[lo:hi], group=self.peers)
         return grad[lo:hi]
 
     @_collective
-    def sum_(self, t: torch.Tensor) -> None:
-        """All-reduce t in place (a sum), over the gradients' group."""
-        dist.all_reduce(t)
+    def sum_norm_and_loss(self, norm_sq_and_loss: torch.Tensor) -> None:
+        """Sum [squared norm of this rank's shards, its micro-batches' loss] in place: the norm over a node's ranks
+        (their shards make every unit once; each node holds the same sums), the loss over all."""
+        if self.peers is None:
+            dist.all_reduce(norm_sq_and_loss)
+            return
+        dist.all_reduce(norm_sq_and_loss[:1], group=self.node)
+        dist.all_reduce(norm_sq_and_loss[1:])
 
     @_collective
     def from_first(self, obj):
@@ -134,23 +163,44 @@ class Ranks:
     def barrier(self) -> None:
         dist.barrier(group=self.control)
 
+    @_collective
+    def from_node_first(self, obj):
+        """The node's local rank 0's obj, on every rank of the node."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.rank - self.local_rank, group=self.node_control)
+        return box[0]
+
+    @_collective
+    def node_gather(self, obj) -> list:
+        """Every rank's obj of this node, in local rank order."""
+        out = [None] * self.local_world
+        dist.all_gather_object(out, obj, group=self.node_control)
+        return out
+
+    @_collective
+    def node_barrier(self) -> None:
+        dist.barrier(group=self.node_control)
+
     def per_rank(self, config: EngineConfig) -> EngineConfig:
         """The engine's config for this rank: its share of the global batch."""
-        return per_rank(config, self.world)
+        return per_rank(config, self.world, self.local_world)
 
 
-def per_rank(config: EngineConfig, world: int) -> EngineConfig:
-    """The engine's config for one of `world` ranks: its share of the global batch, the host copy shared."""
+def per_rank(config: EngineConfig, world: int, local_world: int) -> EngineConfig:
+    """The engine's config for one of `world` ranks: its share of the global batch, the host copy shared by the
+    `local_world` ranks of its node."""
     if config.batch % (world * config.micro_batch):
         raise ValueError(f"--batch {config.batch} must be a multiple of the {world} ranks x --micro-batch "
                          f"{config.micro_batch}: each rank trains whole micro-batches, as many as the others")
-    return replace(config, batch=config.batch // world, ranks=world)
+    return replace(config, batch=config.batch // world, ranks=local_world)
 
 
 def planned(config: EngineConfig) -> EngineConfig:
     """config as one rank of this launch runs it (unchanged for one process): for the memory plan, before any
     process group exists."""
-    return per_rank(config, int(os.environ["WORLD_SIZE"])) if launched() else config
+    if not launched():
+        return config
+    return per_rank(config, int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"]))
 
 
 @functools.cache
@@ -164,12 +214,18 @@ def current(device: str) -> Ranks | None:
     if cuda:
         torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl" if cuda else "gloo", device_id=torch.device("cuda", local_rank) if cuda else None)
-    if int(os.environ["LOCAL_WORLD_SIZE"]) != dist.get_world_size():
-        raise ValueError("megatrain runs data parallel over the GPUs of one host: launch it with torchrun "
-                         "--nproc-per-node N (one node)")
+    rank, world, local_world = dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     control = dist.new_group(backend="gloo") if cuda else None
-    return Ranks(dist.get_rank(), dist.get_world_size(), torch.device("cuda", local_rank) if cuda else
-                 torch.device("cpu"), control)
+    if local_world == world:
+        return Ranks(rank, world, device, control)
+    if world % local_world or rank != int(os.environ["GROUP_RANK"]) * local_world + local_rank:
+        raise ValueError("several nodes need the same --nproc-per-node on each, and ranks numbered node by node")
+    nodes = [list(range(n, n + local_world)) for n in range(0, world, local_world)]
+    node, _ = dist.new_subgroups_by_enumeration(nodes)
+    node_control = dist.new_subgroups_by_enumeration(nodes, backend="gloo")[0] if cuda else node
+    peers, _ = dist.new_subgroups_by_enumeration([list(range(r, world, local_world)) for r in range(local_world)])
+    return Ranks(rank, world, device, control, local_rank, local_world, node, node_control, peers)
 
 
 def first_rank(device: str) -> bool:

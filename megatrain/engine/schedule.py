@@ -205,7 +205,7 @@ class Schedule:
         with self.streams.use("compute"):
             norm_sq_and_loss = torch.stack([step.grad_sumsq, step.loss_sum])
             if self.ranks is not None:  # each rank's shards of the norm, and its micro-batches' loss
-                self.ranks.sum_(norm_sq_and_loss)
+                self.ranks.sum_norm_and_loss(norm_sq_and_loss)
             norm_sq, loss = norm_sq_and_loss.tolist()
         return math.sqrt(norm_sq), loss
 

@@ -30,19 +30,20 @@ SHM_DIR = Path("/dev/shm")
 
 
 class SharedHostStore(HostStore):
-    """A HostStore whose tensors are shared by the ranks of one host; `updates` [ranks, units] counts each rank's
-    finished updates of each unit, `pids` [ranks] says who they are (to notice a rank that ended)."""
+    """A HostStore whose tensors are shared by the ranks of one host (node); `updates` [local ranks, units] counts
+    each rank's finished updates of each unit, `pids` [local ranks] says who they are (to notice one that ended)."""
 
     def __init__(self, cfg: ModelConfig, compute_dtype: torch.dtype, precision: str, pin: bool, ranks: Ranks):
         self.ranks = ranks
-        self._prefix = ranks.from_first(str(SHM_DIR / f"megatrain-{os.getpid()}-{uuid.uuid4().hex[:12]}"))
+        self._prefix = ranks.from_node_first(str(SHM_DIR / f"megatrain-{os.getpid()}-{uuid.uuid4().hex[:12]}"))
         self._paths: list[str] = []
         super().__init__(cfg, compute_dtype, precision, pin)
-        self.updates = self._allocate("updates", ranks.world * len(self.units), torch.int64).view(ranks.world, -1)
-        self.pids = self._allocate("pids", ranks.world, torch.int64)
-        self.pids[ranks.rank] = os.getpid()
-        ranks.barrier()  # every rank has mapped every file: their names can go
-        if ranks.first:
+        n = ranks.local_world
+        self.updates = self._allocate("updates", n * len(self.units), torch.int64).view(n, -1)
+        self.pids = self._allocate("pids", n, torch.int64)
+        self.pids[ranks.local_rank] = os.getpid()
+        ranks.node_barrier()  # every rank of the node has mapped every file: their names can go
+        if ranks.node_first:
             for path in self._paths:
                 os.unlink(path)
 
@@ -68,10 +69,10 @@ class SharedHostStore(HostStore):
         return rss, pss
 
     def initialise(self, seed: int, device: torch.device) -> None:
-        """Rank 0 initialises the one copy; every rank returns once it is done."""
-        if self.ranks.first:
+        """The node's local rank 0 initialises its copy; every rank of the node returns once it is done."""
+        if self.ranks.node_first:
             super().initialise(seed, device)
-        self.ranks.barrier()
+        self.ranks.node_barrier()
 
 
 def _alive(pid: int) -> bool:
@@ -103,7 +104,7 @@ class ShardedHostOptimizer(HostOptimizer):
 
     def _update(self, unit, clip_coef: float, step: int, lr: float) -> None:
         super()._update(unit, clip_coef, step, lr)
-        self.store.updates[self.ranks.rank, unit.index] += 1  # after the shard's writes: the others may read it
+        self.store.updates[self.ranks.local_rank, unit.index] += 1  # after the shard's writes: the others may read it
 
     def wait(self, unit_index: int) -> float:
         waited = super().wait(unit_index)

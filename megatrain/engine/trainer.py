@@ -120,11 +120,12 @@ class StreamingSystem:
         }
 
     def _shared_memory_metrics(self) -> dict:
-        """With several ranks: each maps the one shared state, and its RSS counts every page of it that it touched;
-        PSS splits a shared page between the ranks that map it, so summed over the ranks it counts each once."""
+        """With several ranks: each maps its node's one shared state, and its RSS counts every page of it that it
+        touched; PSS splits a shared page between the ranks that map it, so summed over a node's ranks it counts each
+        page once."""
         rss, pss = self.store.mapped_bytes()
-        return {"ranks": self.ranks.world, "host_state_rss_bytes": rss,
-                "host_state_pss_bytes_all_ranks": sum(self.ranks.gather(pss))}
+        return {"ranks": self.ranks.world, "ranks_per_node": self.ranks.local_world, "host_state_rss_bytes": rss,
+                "host_state_pss_bytes_node": sum(self.ranks.node_gather(pss))}
 
     def _checkpointing(self) -> str:
         acts, layers = self.schedule.acts, self.config.model.num_layers
@@ -144,9 +145,9 @@ class StreamingSystem:
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the weights (before training), one tensor at a time, by our parameter names (with several
-        ranks, every rank calls it and rank 0 reads `named` into the one copy)."""
+        ranks, every rank calls it and each node's local rank 0 reads `named` into the node's copy)."""
         self.optimizer.flush()
-        if self._first:
+        if self._fills:
             copy_named_weights(self._weight_views(), named)
             if self.store.master is not None:
                 self.store.weights.copy_(self.store.master)
@@ -175,21 +176,22 @@ class StreamingSystem:
                     "adamw_steps": steps_to_json(self.optimizer.adamw.steps),
                     "resident_adamw_steps": steps_to_json(self.schedule.resident_adamw.steps)}
         if self.ranks is not None:  # the torch kernel counts steps per chunk of each rank's shards: all of them
-            counters.update(ranks=self.ranks.world, adamw_steps=[s for steps in self.ranks.gather(
+            counters.update(shards=self.ranks.local_world, adamw_steps=[s for steps in self.ranks.gather(
                 counters["adamw_steps"]) for s in steps])
         if self._first:
             save_engine_state(Path(out_dir), self.store, counters)
 
     def load_state(self, in_dir: Path | None) -> None:
-        """Continue from a save_state directory (with several ranks, every rank calls it; rank 0 reads in_dir)."""
+        """Continue from a save_state directory (with several ranks, every rank calls it; each node's local rank 0
+        reads in_dir into the node's copy)."""
         self.optimizer.flush()
-        meta = load_engine_state(Path(in_dir), self.store) if self._first else None
+        meta = load_engine_state(Path(in_dir), self.store) if self._fills else None
         if self.ranks is not None:
             meta = self.ranks.from_first(meta)
-        saved_by, world = meta.get("ranks", 1), 1 if self.ranks is None else self.ranks.world
-        if saved_by != world and self.optimizer.kernel == "torch":
-            raise ValueError(f"{in_dir} was saved by {saved_by} rank(s) and the torch optimizer kernel counts steps "
-                             "per chunk of each rank's shard: resume it on as many, or with "
+        saved, shards = meta.get("shards", 1), 1 if self.ranks is None else self.ranks.local_world
+        if saved != shards and self.optimizer.kernel == "torch":
+            raise ValueError(f"{in_dir} was saved by {saved} rank(s) a node and the torch optimizer kernel counts "
+                             "steps per chunk of each rank's shard: resume it on as many, or with "
                              "--option optimizer_kernel=fused")
         self.optimizer.step_count = meta["step_count"]
         self.schedule.skipped_steps = meta["skipped_steps"]
@@ -204,8 +206,13 @@ class StreamingSystem:
 
     @property
     def _first(self) -> bool:
-        """Whether this process reads and writes the one host copy's files: one process, or rank 0."""
+        """Whether this process writes the state's files: one process, or rank 0."""
         return self.ranks is None or self.ranks.first
+
+    @property
+    def _fills(self) -> bool:
+        """Whether this process fills its node's host copy (weights, a saved state): one process, or local rank 0."""
+        return self.ranks is None or self.ranks.node_first
 
     def close(self) -> None:
         self.optimizer.close()
