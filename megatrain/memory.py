@@ -47,13 +47,6 @@ def peak_host_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
 
 
-def host_pss_bytes() -> int:
-    """This process's proportional set size now: its private pages, and each shared page divided by the number of
-    processes mapping it (summed over processes that share memory, every page counts once)."""
-    with open("/proc/self/smaps_rollup") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("Pss:")) * 1024
-
-
 @dataclass(frozen=True)
 class Budget:
     """Bytes a case may use: host_bytes (HOST_USABLE already applied) and gpu_bytes (the whole device; None
