@@ -139,10 +139,10 @@ class Ranks:
         dist.all_reduce(norm_sq_and_loss[1:])
 
     @_collective
-    def from_first(self, obj):
-        """Rank 0's obj, on every rank (others pass anything)."""
+    def from_first(self, obj, node: bool = False):
+        """Rank 0's obj, on every rank (others pass anything); node=True: the node's local rank 0's, on its ranks."""
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.control)
+        dist.broadcast_object_list(box, src=self.rank - self.local_rank if node else 0, group=self._control(node))
         return box[0]
 
     @_collective
@@ -153,33 +153,19 @@ class Ranks:
         return int(t)
 
     @_collective
-    def gather(self, obj) -> list:
-        """Every rank's obj, in rank order, on every rank."""
-        out = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.control)
+    def gather(self, obj, node: bool = False) -> list:
+        """Every rank's obj (node=True: of this node's ranks), in rank order, on each of them."""
+        out = [None] * (self.local_world if node else self.world)
+        dist.all_gather_object(out, obj, group=self._control(node))
         return out
 
     @_collective
-    def barrier(self) -> None:
-        dist.barrier(group=self.control)
+    def barrier(self, node: bool = False) -> None:
+        """Every rank (node=True: of this node) has come here."""
+        dist.barrier(group=self._control(node))
 
-    @_collective
-    def from_node_first(self, obj):
-        """The node's local rank 0's obj, on every rank of the node."""
-        box = [obj]
-        dist.broadcast_object_list(box, src=self.rank - self.local_rank, group=self.node_control)
-        return box[0]
-
-    @_collective
-    def node_gather(self, obj) -> list:
-        """Every rank's obj of this node, in local rank order."""
-        out = [None] * self.local_world
-        dist.all_gather_object(out, obj, group=self.node_control)
-        return out
-
-    @_collective
-    def node_barrier(self) -> None:
-        dist.barrier(group=self.node_control)
+    def _control(self, node: bool) -> dist.ProcessGroup | None:
+        return self.node_control if node else self.control
 
     def per_rank(self, config: EngineConfig) -> EngineConfig:
         """The engine's config for this rank: its share of the global batch."""

@@ -35,14 +35,14 @@ class SharedHostStore(HostStore):
 
     def __init__(self, cfg: ModelConfig, compute_dtype: torch.dtype, precision: str, pin: bool, ranks: Ranks):
         self.ranks = ranks
-        self._prefix = ranks.from_node_first(str(SHM_DIR / f"megatrain-{os.getpid()}-{uuid.uuid4().hex[:12]}"))
+        self._prefix = ranks.from_first(str(SHM_DIR / f"megatrain-{os.getpid()}-{uuid.uuid4().hex[:12]}"), node=True)
         self._paths: list[str] = []
         super().__init__(cfg, compute_dtype, precision, pin)
         n = ranks.local_world
         self.updates = self._allocate("updates", n * len(self.units), torch.int64).view(n, -1)
         self.pids = self._allocate("pids", n, torch.int64)
         self.pids[ranks.local_rank] = os.getpid()
-        ranks.node_barrier()  # every rank of the node has mapped every file: their names can go
+        ranks.barrier(node=True)  # every rank of the node has mapped every file: their names can go
         if ranks.node_first:
             for path in self._paths:
                 os.unlink(path)
@@ -72,7 +72,7 @@ class SharedHostStore(HostStore):
         """The node's local rank 0 initialises its copy; every rank of the node returns once it is done."""
         if self.ranks.node_first:
             super().initialise(seed, device)
-        self.ranks.node_barrier()
+        self.ranks.barrier(node=True)
 
 
 def _alive(pid: int) -> bool:

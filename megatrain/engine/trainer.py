@@ -125,7 +125,7 @@ class StreamingSystem:
         page once."""
         rss, pss = self.store.mapped_bytes()
         return {"ranks": self.ranks.world, "ranks_per_node": self.ranks.local_world, "host_state_rss_bytes": rss,
-                "host_state_pss_bytes_node": sum(self.ranks.node_gather(pss))}
+                "host_state_pss_bytes_node": sum(self.ranks.gather(pss, node=True))}
 
     def _checkpointing(self) -> str:
         acts, layers = self.schedule.acts, self.config.model.num_layers
