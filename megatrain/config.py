@@ -86,6 +86,9 @@ class CaseConfig:
             raise ValueError("compile is a case setting for every system, not an option: use --compile "
                              "(in a suite: compile = true)")
         parse_options(self.system, self.options)  # refuses unknown keys and bad values
+        if self.optim.moments != "fp32" and self.system != "megatrain":
+            raise ValueError(f"--moments {self.optim.moments} is the megatrain engine's: {self.system} keeps fp32 "
+                             "moments; use --moments fp32")
         if self.data != "synthetic" and not self.tokenizer:
             raise ValueError("text data needs --tokenizer DIR (a local Hugging Face tokenizer directory)")
 

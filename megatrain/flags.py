@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatrain.config import DEVICES, DTYPES, PRECISIONS, CaseConfig
-from megatrain.optim.config import OptimConfig
+from megatrain.optim.config import MOMENTS, OptimConfig
 from megatrain.systems import SYSTEMS
 
 
@@ -179,4 +179,6 @@ class CaseFlags:
     lr: float = flag(OptimConfig.lr, help="peak learning rate (default {default})")
     weight_decay: float = flag(OptimConfig.weight_decay, help="on tensors of 2+ dimensions")
     max_grad_norm: float = flag(OptimConfig.max_grad_norm, help="global-norm clipping, 0 disables")
+    moments: str = flag(OptimConfig.moments, choices=MOMENTS, help="AdamW's moments: fp32 (exact), bf16 (stochastic "
+                        "rounding) or int8 (blocks with an absmax); megatrain engine only (default {default})")
     seed: int = flag(CaseConfig.seed)

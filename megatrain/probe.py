@@ -5,8 +5,9 @@ every record of the run, so that a number is always read beside the link and GEM
 suite's cases run where the probe matches their hardware profile (megatrain.hardware).
 
 The probe takes seconds: pinned PCIe copies (H2D, D2H, both at once), a bf16 8192^3 GEMM, host
-memory, torch's fused CPU AdamW rate and the engine's own host AdamW kernel in each precision (the performance
-model's host ingredient, megatrain.perf_model). GPU numbers are None on a machine without CUDA.
+memory, its bandwidth (STREAM's read, write, copy and triad per thread count), torch's fused CPU AdamW rate and the
+engine's own host AdamW kernel in each precision (the performance model's host ingredient, megatrain.perf_model). GPU
+numbers are None on a machine without CUDA.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ class Machine:
     gemm_bf16_tflops: float | None = None
     cpu_adamw_gparams_s: float | None = None  # torch's fused CPU AdamW
     engine_adamw_gparams_s: dict[str, float] | None = None  # the engine's host AdamW kernel, by precision
+    # STREAM-style host memory bandwidth, 1e9 bytes/s: {"threads": [1, 2, 4, ...], "read": [...], "write": [...],
+    # "copy": [...], "triad": [...]}, one rate per thread count (host_mem_bandwidth_gbs)
+    host_mem_gbs: dict[str, list] | None = None
     probe_s: float | None = None
 
     def to_dict(self) -> dict:
@@ -53,6 +57,10 @@ class Machine:
         """A machine a record keeps; older records lack the later keys (None here), and unknown keys are left out."""
         return Machine(**{k: v for k, v in d.items() if k in Machine.__dataclass_fields__})
 
+    def host_mem_peak_gbs(self, kind: str = "triad") -> float | None:
+        """The best rate of one STREAM kernel over the thread counts probed (None where not probed)."""
+        return max(self.host_mem_gbs[kind]) if self.host_mem_gbs else None
+
     def describe(self) -> str:
         """One line for logs and reports."""
         def fmt(value, spec):
@@ -61,6 +69,7 @@ class Machine:
         return (f"{gpu}; {self.cpu} ({self.cpu_cores} cores), host {self.host_mem_gib:.0f} GiB; PCIe pinned H2D "
                 f"{fmt(self.h2d_gbs, '.1f')} / D2H {fmt(self.d2h_gbs, '.1f')} / both {fmt(self.both_gbs, '.1f')} GB/s; "
                 f"bf16 GEMM {fmt(self.gemm_bf16_tflops, '.0f')} TFLOPS; "
+                f"host memory triad {fmt(self.host_mem_peak_gbs(), '.0f')} GB/s; "
                 f"CPU AdamW {fmt(self.cpu_adamw_gparams_s, '.2f')} G params/s")
 
 
@@ -135,6 +144,29 @@ def _cpu_adamw_gparams_s(numel: int = 64 * 2**20, repeats: int = 3) -> float:
     return numel / _median_s(opt.step, repeats) / 1e9
 
 
+def host_mem_bandwidth_gbs(numel: int = 64 * 2**20, repeats: int = 3, max_threads: int | None = None) -> dict:
+    """STREAM's kernels on fp32 arrays of `numel` (256 MiB each: larger than any last-level cache) at 1, 2, 4, ...
+    threads up to the cores, best of `repeats`, in GB/s counted as STREAM counts (read a: 4 B/element, write a: 4,
+    copy a to b: 8, triad a = b + s c: 12; no write-allocate traffic)."""
+    a, b, c = torch.ones(numel), torch.ones(numel), torch.ones(numel)
+    kernels = {"read": (lambda: a.sum(), 4), "write": (lambda: a.fill_(2.0), 4), "copy": (lambda: b.copy_(a), 8),
+               "triad": (lambda: torch.add(b, c, alpha=3.0, out=a), 12)}
+    cores = max_threads or psutil.cpu_count()
+    counts = sorted({min(2**k, cores) for k in range(cores.bit_length() + 1)})
+    result: dict[str, list] = {"threads": counts, **{kind: [] for kind in kernels}}
+    before = torch.get_num_threads()
+    try:
+        for t in counts:
+            torch.set_num_threads(t)
+            for kind, (fn, bytes_per_element) in kernels.items():
+                fn()
+                best = min(_median_s(fn, 1) for _ in range(repeats))
+                result[kind].append(round(numel * bytes_per_element / best / 1e9, 2))
+    finally:
+        torch.set_num_threads(before)
+    return result
+
+
 def engine_adamw_gparams_s(precision: str, numel: int = 2**26, repeats: int = 3) -> float:
     """The engine's one-pass host AdamW kernel (megatrain.optim.fused, as HostOptimizer runs it in chunks) over
     `numel` parameters of host tiles in the store's layout, in G params/s."""
@@ -178,6 +210,7 @@ def measure(rates: bool = True) -> Machine:
         found["gemm_bf16_tflops"] = _gemm_bf16_tflops()
         torch.cuda.empty_cache()
     if rates:
+        found["host_mem_gbs"] = host_mem_bandwidth_gbs()
         found["cpu_adamw_gparams_s"] = _cpu_adamw_gparams_s()
         try:
             found["engine_adamw_gparams_s"] = {p: engine_adamw_gparams_s(p) for p in ("bf16", "mixed")}

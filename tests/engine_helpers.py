@@ -42,7 +42,8 @@ def _state(trainer) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         s = trainer.store
         steps = [t.float().flatten().cpu() for t in trainer.optimizer.adamw.steps.values()]
         steps += [t.float().flatten().cpu() for t in trainer.schedule.resident_adamw.steps.values()]
-        return params, torch.cat([s.exp_avg, s.exp_avg_sq, *steps, torch.tensor([trainer.optimizer.step_count])])
+        moments = [t.float() for t in s.moments.tensors().values()]
+        return params, torch.cat([*moments, *steps, torch.tensor([trainer.optimizer.step_count])])
     state = trainer.optimizer.state.values()
     return params, torch.cat([t.detach().float().flatten().cpu() for st in state for t in st.values()])
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from families import family_config
 
 from megatrain.cli import main
 
@@ -21,11 +22,9 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden
 
 
 def hf_model(kind: str, path):
+    """A tiny random transformers model of `kind` (families.KINDS) saved in `path`."""
     torch.manual_seed(0)
-    if kind == "qwen2":
-        config = transformers.Qwen2Config(**SHAPE, rope_theta=10000.0)
-    else:
-        config = transformers.LlamaConfig(**SHAPE, rope_theta=10000.0)
+    config = family_config(kind, **SHAPE)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
     model.save_pretrained(path, safe_serialization=True)
     return path

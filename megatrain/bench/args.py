@@ -10,7 +10,8 @@ from megatrain.config import CaseConfig
 from megatrain.flags import CaseFlags, flag
 from megatrain.optim.config import OptimConfig
 
-OPTIM_FLAGS = ("lr", "weight_decay", "max_grad_norm")  # the OptimConfig fields that are flags; betas and eps are not
+# the OptimConfig fields that are flags; betas and eps are not
+OPTIM_FLAGS = ("lr", "weight_decay", "max_grad_norm", "moments")
 
 
 @dataclass

@@ -95,7 +95,8 @@ class Ranks:
 
     def shard(self, numel: int, local_rank: int | None = None) -> tuple[int, int]:
         """[lo, hi) of a unit's numel elements that `local_rank` (default this one) of a node reduces, offloads and
-        updates: equal ALIGN-multiple shards, the last also taking what is left over (< local_world x ALIGN)."""
+        updates: equal ALIGN-multiple shards (whole int8 moment blocks: QBLOCK divides ALIGN), the last also taking
+        what is left over (< local_world x ALIGN)."""
         r = self.local_rank if local_rank is None else local_rank
         whole = self._whole_shard(numel)
         return r * whole, numel if r == self.local_world - 1 else (r + 1) * whole

@@ -17,27 +17,34 @@ import torch
 from megatrain.engine.layout import Unit
 from megatrain.engine.store import OPT_CHUNK, HostStore
 from megatrain.optim import fused
+from megatrain.optim.compact import Moments
 from megatrain.optim.config import OptimConfig
 from megatrain.optim.host_adamw import FlatAdamW
 
 
-def regions(unit: Unit, weight_decay: float, shard: tuple[int, int] | None = None) -> tuple[tuple, ...]:
+def regions(unit: Unit, weight_decay: float, shard: tuple[int, int] | None = None,
+            moments: str = "fp32") -> tuple[tuple, ...]:
     """(start, end, weight decay) of the unit's decayed region and of the rest, within `shard` [lo, hi) of its tile
-    (default all of it; a rank's share over several ranks): a region outside the shard comes out empty."""
+    (default all of it; a rank's share over several ranks): a region outside the shard comes out empty. Compact
+    moments: the shard as one region, weight decay None (their int8 blocks do not split at the decayed region's
+    end; the update splits it)."""
     lo, hi = shard or (0, unit.numel)
+    if moments != "fp32":
+        return ((lo, hi, None),)
     d = unit.decay_numel
     return (lo, min(d, hi), weight_decay), (max(d, lo), hi, 0.0)
 
 
 def torch_adamw_unit(adamw: FlatAdamW, unit: Unit, weights: torch.Tensor, grads: torch.Tensor,
-                     master: torch.Tensor | None, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, clip: float,
+                     master: torch.Tensor | None, moments: Moments, clip: float,
                      weight_decay: float, grad_scratch: torch.Tensor | None,
                      param_scratch: torch.Tensor | None, lr: float, shard: tuple[int, int] | None = None) -> None:
     """torch's AdamW over one unit's flat tensors (host tiles or resident GPU buffers), its decayed region
     then the rest, in chunks of OPT_CHUNK: gradients in fp32 (converted in grad_scratch when they are
     not) times the clip coefficient, weights updated in fp32 (the master, the weights themselves, or a
-    copy in param_scratch rounded back to bf16). shard: the part of the tile updated (default all)."""
-    for lo, hi, wd in regions(unit, weight_decay, shard):
+    copy in param_scratch rounded back to bf16). shard: the part of the tile updated (default all). Compact moments
+    go chunk by chunk through the whole shard, decoded and encoded around the same update."""
+    for lo, hi, wd in regions(unit, weight_decay, shard, moments.format):
         for a in range(lo, hi, OPT_CHUNK):
             b = min(a + OPT_CHUNK, hi)
             weights_chunk = weights[a:b]
@@ -50,9 +57,23 @@ def torch_adamw_unit(adamw: FlatAdamW, unit: Unit, weights: torch.Tensor, grads:
             g32 = grads[a:b] if grads.dtype == torch.float32 else grad_scratch[:b - a].copy_(grads[a:b])
             if clip != 1.0:  # torch's clip_grad_norm_ multiplies by the clamped coefficient; x1.0 is exact
                 g32.mul_(clip)
-            adamw.update((unit.index, a), p32, g32, exp_avg[a:b], exp_avg_sq[a:b], wd, lr)
+            if wd is None:  # compact moments
+                update_compact(adamw, unit, a, p32, g32, moments.slice(a, b), weight_decay, lr)
+            else:
+                adamw.update((unit.index, a), p32, g32, moments.exp_avg[a:b], moments.exp_avg_sq[a:b], wd, lr)
             if p32 is not weights_chunk:
                 weights_chunk.copy_(p32)  # the bf16 weights the next step streams
+
+
+def update_compact(adamw: FlatAdamW, unit: Unit, a: int, p32: torch.Tensor, g32: torch.Tensor, moments: Moments,
+                   weight_decay: float, lr: float) -> None:
+    """AdamW of unit elements a.. (fp32 weights p32 and gradients g32) with compact moments: decoded to fp32, updated
+    by FlatAdamW (the decayed part, then the rest), encoded back with the random bits of their store indices."""
+    m32, v32 = moments.decode()
+    split = min(max(unit.decay_numel - a, 0), p32.numel())
+    for lo, hi, wd in ((0, split, weight_decay), (split, p32.numel(), 0.0)):
+        adamw.update((unit.index, a + lo), p32[lo:hi], g32[lo:hi], m32[lo:hi], v32[lo:hi], wd, lr)
+    moments.encode_(m32, v32, unit.offset + a, adamw.steps[(unit.index, a + (0 if split else split))])
 
 
 class HostOptimizer:
@@ -79,6 +100,7 @@ class HostOptimizer:
             ev.set()
         # (unit, host start s, host end s) of the updates finished: the worker appends, the training thread takes
         self._spans: list[tuple[int, float, float]] = []
+        self.busy_s, self.updated_params = 0.0, 0  # the worker's totals (its shards'): its achieved rate (metrics)
         self._spans_lock = threading.Lock()
         self._jobs: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
@@ -140,8 +162,12 @@ class HostOptimizer:
                     grad_ready[unit.index].synchronize()
                     t0 = time.perf_counter()
                     self._update(unit, clip_coef, step, lr)
+                    t1 = time.perf_counter()
                     with self._spans_lock:
-                        self._spans.append((unit.index, t0, time.perf_counter()))
+                        self._spans.append((unit.index, t0, t1))
+                    self.busy_s += t1 - t0
+                    lo, hi = self.shard(unit)
+                    self.updated_params += hi - lo
                     done[unit.index].set()
             except BaseException as exc:  # surfaced to the training thread by wait()
                 self._error = exc
@@ -152,17 +178,22 @@ class HostOptimizer:
         s, o = self.store, self.optim
         grads, weights = s.tile(s.grads, unit), s.tile(s.weights, unit)
         master = s.tile(s.master, unit) if s.master is not None else None
-        m, v = s.tile(s.exp_avg, unit), s.tile(s.exp_avg_sq, unit)
+        moments = s.moment_tiles(unit)
         if self.kernel == "torch":
-            torch_adamw_unit(self.adamw, unit, weights, grads, master, m, v, clip_coef, self.weight_decay,
+            torch_adamw_unit(self.adamw, unit, weights, grads, master, moments, clip_coef, self.weight_decay,
                              self.grad_scratch, self.param_scratch, lr, self.shard(unit))
             return
-        for lo, hi, weight_decay in regions(unit, self.weight_decay, self.shard(unit)):
+        for lo, hi, weight_decay in regions(unit, self.weight_decay, self.shard(unit), moments.format):
             for a in range(lo, hi, OPT_CHUNK):
                 b = min(a + OPT_CHUNK, hi)
                 weights_chunk = weights[a:b]
                 # mixed: the fp32 master updated, a bf16 copy out; bf16: the weights updated in place
                 p = master[a:b] if master is not None else weights_chunk
                 copy_out = None if p is weights_chunk else weights_chunk
-                fused.fused_adamw(p, grads[a:b], m[a:b], v[a:b], copy_out, step, clip_coef, lr, o.beta1, o.beta2,
-                                  o.eps, weight_decay)
+                if weight_decay is None:  # compact moments: decay on the unit's first decay_numel elements
+                    fused.compact_adamw(p, grads[a:b], moments.slice(a, b), copy_out, unit.decay_numel - a,
+                                        unit.offset + a, step, clip_coef, lr, o.beta1, o.beta2, o.eps,
+                                        self.weight_decay)
+                else:
+                    fused.fused_adamw(p, grads[a:b], moments.exp_avg[a:b], moments.exp_avg_sq[a:b], copy_out, step,
+                                      clip_coef, lr, o.beta1, o.beta2, o.eps, weight_decay)

@@ -18,7 +18,7 @@ from megatrain.engine.layout import Unit, build_units, total_numel
 from megatrain.engine.store import OPT_CHUNK
 from megatrain.engine.uses import use_order
 from megatrain.memory import GIB, Budget, backward_work_bytes, budget, layer_input_bytes
-from megatrain.optim.state_bytes import FP32_BYTES, state_bytes_per_param
+from megatrain.optim.state_bytes import FP32_BYTES, MOMENT_BYTES, state_bytes_per_param
 
 # Fixed per-process costs beyond the training state; the pre-flight of every system (megatrain.preflight)
 # counts the same.
@@ -86,7 +86,7 @@ class CheckedPlan(MemoryPlan):
 def host_bytes_per_param(config: EngineConfig) -> dict[str, int]:
     """Bytes per parameter of each persistent host tile (megatrain.optim.state_bytes: the streamed weights and
     gradients in the compute dtype)."""
-    return state_bytes_per_param(config.dtype_bytes, config.precision)
+    return state_bytes_per_param(config.dtype_bytes, config.precision, MOMENT_BYTES[config.optim.moments])
 
 
 def resident_bytes(config: EngineConfig, unit: Unit) -> int:
@@ -97,7 +97,7 @@ def resident_bytes(config: EngineConfig, unit: Unit) -> int:
     on_gpu = per["exp_avg"] + per["exp_avg_sq"] + per.get("master", 0)
     if unit.index != 0:
         on_gpu += per["weights"] + FP32_BYTES
-    return unit.numel * on_gpu
+    return int(unit.numel * on_gpu)
 
 
 def resident_unit_indices(config: EngineConfig, limits: Budget | None = None) -> list[int]:
@@ -199,7 +199,7 @@ def plan_memory(config: EngineConfig, limits: Budget | None = None) -> MemoryPla
     torch_kernel = config.options.optimizer_kernel == "torch"
     scratch = min(OPT_CHUNK, max(u.numel for u in units)) * FP32_BYTES * torch_kernel * (
         (dtype_bytes == 2) + (config.precision == "bf16"))
-    host_state = total_numel(units) * sum(per.values())
+    host_state = int(total_numel(units) * sum(per.values()))
 
     tokens_mb = config.micro_batch * config.seq
     offloaded, recomputed = activation_placement(config, limits)
@@ -211,6 +211,9 @@ def plan_memory(config: EngineConfig, limits: Budget | None = None) -> MemoryPla
     buffers += sum(resident_bytes(config, units[u]) for u in resident)
     if resident and config.precision == "bf16":  # the fp32 chunk resident bf16 weights are updated in
         buffers += min(OPT_CHUNK, max(units[u].numel for u in resident)) * FP32_BYTES
+    if resident and config.optim.moments != "fp32":  # compact moments: one chunk decoded to fp32 (and its int64
+        # random bits or block temporaries) beside the update
+        buffers += min(OPT_CHUNK, max(units[u].numel for u in resident)) * 4 * FP32_BYTES
     activation = _step_input_bytes(config)
     # the kept inputs (and the head's: the early layers' dropped or offloaded ones have left before the later kept
     # ones exist); with any offloaded, at least an offloaded layer's input and output and the next input streaming

@@ -10,6 +10,7 @@ import torch
 
 from megatrain.engine.layout import Unit
 from megatrain.engine.store import HostStore
+from megatrain.optim.compact import Moments
 
 
 @dataclass
@@ -17,14 +18,13 @@ class ResidentUnit:
     weights: torch.Tensor  # compute dtype (the embedding's: its streaming buffer)
     grad: torch.Tensor  # fp32 accumulator (the embedding's: its streaming one)
     master: torch.Tensor | None  # fp32, mixed precision with bf16 weights only
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    moments: Moments  # in the store's format
 
     @staticmethod
     def from_host(store: HostStore, unit: Unit, device: torch.device, weights: torch.Tensor | None = None,
                   grad: torch.Tensor | None = None) -> ResidentUnit:
         """The unit's state moved to `device`: its weights (into `weights` when given), an fp32 gradient buffer
-        (`grad` when given), the fp32 master (mixed precision) and moments."""
+        (`grad` when given), the fp32 master (mixed precision) and moments (in their format)."""
         if weights is None:
             weights = torch.empty(unit.numel, dtype=store.compute_dtype, device=device)
             grad = torch.empty(unit.numel, dtype=torch.float32, device=device)
@@ -32,21 +32,18 @@ class ResidentUnit:
         return ResidentUnit(
             weights=weights, grad=grad,
             master=store.tile(store.master, unit).to(device, copy=True) if store.master is not None else None,
-            exp_avg=store.tile(store.exp_avg, unit).to(device, copy=True),
-            exp_avg_sq=store.tile(store.exp_avg_sq, unit).to(device, copy=True))
+            moments=store.moment_tiles(unit).to(device))
 
     def load_from_host(self, store: HostStore, unit: Unit) -> None:
         """Refresh the GPU state from the unit's host tiles."""
         self.weights.copy_(store.tile(store.weights, unit))
         if self.master is not None:
             self.master.copy_(store.tile(store.master, unit))
-        self.exp_avg.copy_(store.tile(store.exp_avg, unit))
-        self.exp_avg_sq.copy_(store.tile(store.exp_avg_sq, unit))
+        self.moments.copy_(store.moment_tiles(unit))
 
     def sync_to_host(self, store: HostStore, unit: Unit) -> None:
         """Write the GPU state back to the unit's host tiles."""
         store.tile(store.weights, unit).copy_(self.weights)
         if self.master is not None:
             store.tile(store.master, unit).copy_(self.master)
-        store.tile(store.exp_avg, unit).copy_(self.exp_avg)
-        store.tile(store.exp_avg_sq, unit).copy_(self.exp_avg_sq)
+        store.moment_tiles(unit).copy_(self.moments)

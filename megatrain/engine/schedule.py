@@ -42,7 +42,7 @@ from megatrain.engine.streams import StreamSet
 from megatrain.engine.templates import HeadTemplate, LayerTemplate, bind
 from megatrain.engine.uses import Use, use_order
 from megatrain.models import rotary_tables
-from megatrain.models.transformer import packed_rope_and_mask
+from megatrain.models.masks import rope_and_masks
 from megatrain.optim.host_adamw import FlatAdamW
 
 
@@ -53,7 +53,7 @@ class StepState:
     stats: dict  # h2d_bytes, d2h_bytes, optim_wait_s of the step (the activation store adds its transfers)
     tokens: list[torch.Tensor]  # per micro-batch, on the device
     labels: list[torch.Tensor]
-    rope: list[tuple]  # (cos, sin, mask) per micro-batch
+    rope: list[tuple]  # (cos, sin, {layer type: mask}) per micro-batch
     embed_weight: torch.Tensor  # [V, H] view of the embedding's buffer (the tied head reads it too)
     grad_ready: list  # per unit: the D2H event after which its gradient is on the host
     weights_ready: dict = field(default_factory=dict)  # use index -> H2D event: its weights are in its slot
@@ -215,9 +215,8 @@ class Schedule:
         with s.use("compute"):
             for index, r in self.resident.items():
                 start = s.record("compute")
-                torch_adamw_unit(self.resident_adamw, self.units[index], r.weights, r.grad, r.master, r.exp_avg,
-                                 r.exp_avg_sq, clip, self.config.optim.weight_decay, None, self.resident_scratch,
-                                 self.lr)
+                torch_adamw_unit(self.resident_adamw, self.units[index], r.weights, r.grad, r.master, r.moments,
+                                 clip, self.config.optim.weight_decay, None, self.resident_scratch, self.lr)
                 s.span("compute", index, "opt", start, s.record("compute"))
 
     # ---- transfers -------------------------------------------------------------------------------
@@ -267,7 +266,8 @@ class Schedule:
         params = bind(unit, weights, requires_grad=False)
         layer = unit.index
         with torch.no_grad():
-            outputs = [self.layer_template(params, x, *step.rope[m]) for m, x in enumerate(self.acts.gpu[layer - 1])]
+            outputs = [self.layer_template(params, x, *self._attention(step.rope[m], unit))
+                       for m, x in enumerate(self.acts.gpu[layer - 1])]
         self.acts.put(layer, outputs)
         if not regenerate:
             self.acts.consumed(layer - 1)
@@ -317,7 +317,7 @@ class Schedule:
         for m, x in enumerate(inputs):
             x = x.detach().requires_grad_()
             with torch.enable_grad():
-                y = self.layer_template(params, x, *step.rope[m])
+                y = self.layer_template(params, x, *self._attention(step.rope[m], unit))
                 grads = torch.autograd.grad(y, [x, *tensors], step.output_grads[m])
             step.output_grads[m] = grads[0]
             self._accumulate(grad_acc, unit, names, grads[1:])
@@ -367,13 +367,21 @@ class Schedule:
             s.span("compute", 0, "bwd", start, s.record("compute"))
 
     def _rope(self, segments_BS: torch.Tensor | None, micro_batches: int) -> list[tuple]:
-        """(cos, sin, mask) of each micro-batch: the shared tables, or for packed rows per-document positions and
-        a document mask (models.transformer.packed_rope_and_mask), on the compute stream."""
+        """(cos, sin, {layer type: mask}) of each micro-batch: the shared tables and the model's masks, or for packed
+        rows per-document positions and document masks (models.masks.rope_and_masks), on the compute stream."""
+        model, mb = self.model, self.config.micro_batch
+
+        def rope(segments):
+            return rope_and_masks(self.cos, self.sin, segments, self.device, model.sliding_window, model.layer_types)
+
         if segments_BS is None:
-            return [(self.cos, self.sin, None)] * micro_batches
-        mb = self.config.micro_batch
-        return [packed_rope_and_mask(self.cos, self.sin, segments_BS[i:i + mb].to(self.device))
-                for i in range(0, segments_BS.shape[0], mb)]
+            return [rope(None)] * micro_batches
+        return [rope(segments_BS[i:i + mb].to(self.device)) for i in range(0, segments_BS.shape[0], mb)]
+
+    def _attention(self, rope: tuple, unit: Unit) -> tuple:
+        """(cos, sin, mask) of decoder-layer unit `unit`: the mask of its layer's attention type."""
+        cos, sin, masks = rope
+        return cos, sin, masks[self.model.layer_type(unit.index - 1)]
 
     @torch.no_grad()
     def evaluate(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, normalizer: int,
@@ -394,7 +402,7 @@ class Schedule:
             xs = [F.embedding(inputs_BS[i:i + mb].to(dev), embed_w) for i in range(0, inputs_BS.shape[0], mb)]
             for unit in units[1:-1]:
                 params = bind(unit, weights(unit), requires_grad=False)
-                xs = [self.layer_template(params, x, *rope[m]) for m, x in enumerate(xs)]
+                xs = [self.layer_template(params, x, *self._attention(rope[m], unit)) for m, x in enumerate(xs)]
             head = units[-1]
             params = bind(head, weights(head), requires_grad=False)
             head_w = params.get("lm_head.weight", embed_w)

@@ -20,8 +20,7 @@ TILES_FILE, STATE_FILE = "tiles.bin", "state.json"
 
 
 def state_tiles(store: HostStore) -> dict[str, torch.Tensor]:
-    tiles = {"weights": store.weights, "master": store.master, "exp_avg": store.exp_avg,
-             "exp_avg_sq": store.exp_avg_sq}
+    tiles = {"weights": store.weights, "master": store.master, **store.moments.tensors()}
     return {name: t for name, t in tiles.items() if t is not None}
 
 

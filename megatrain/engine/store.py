@@ -5,19 +5,23 @@ Per parameter, by precision mode (compute dtype bf16; megatrain.optim.state_byte
   2 B, fp32 master weights 4 B, fp32 Adam moments 8 B: 16 B/param.
 - bf16: bf16 weights 2 B, bf16 gradients 2 B, fp32 Adam moments 8 B: 12 B/param (the paper's
   layout; updates run in fp32 and are rounded back to bf16).
-With compute dtype fp32 (CPU parity runs) weights are the master weights and gradients are fp32.
+With compute dtype fp32 (CPU parity runs) weights are the master weights and gradients are fp32. Compact moments
+(OptimConfig.moments, megatrain.optim.compact) take 4 (bf16) or 2.06 (int8) B/param instead of 8.
 Only tiles that DMA reads or writes are pinned (page-locked in place with cudaHostRegister, which
 does not round sizes up the way the caching pinned allocator does).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from megatrain.engine.layout import Unit, build_units, total_numel
 from megatrain.models import ModelConfig
 from megatrain.models.init import init_param
-from megatrain.optim.state_bytes import state_bytes_per_param
+from megatrain.optim.compact import Moments
+from megatrain.optim.state_bytes import QBLOCK, state_bytes_per_param
 
 OPT_CHUNK = 2**25  # elements the optimizer updates at a time: bounds its fp32 scratch to 128 MiB
 
@@ -36,7 +40,8 @@ def unpin_tensor(t: torch.Tensor) -> None:
 
 
 class HostStore:
-    def __init__(self, cfg: ModelConfig, compute_dtype: torch.dtype, precision: str, pin: bool):
+    def __init__(self, cfg: ModelConfig, compute_dtype: torch.dtype, precision: str, pin: bool,
+                 moments: str = "fp32"):
         if precision == "bf16" and compute_dtype != torch.bfloat16:
             raise ValueError("--precision bf16 stores bf16 weights: it needs --dtype bfloat16")
         self.cfg = cfg
@@ -50,8 +55,8 @@ class HostStore:
         # an fp32 master copy only where mixed precision streams weights narrower than fp32
         tiles = state_bytes_per_param(compute_dtype.itemsize, precision)
         self.master = self._allocate("master", n, torch.float32) if "master" in tiles else None
-        self.exp_avg = self._allocate("exp_avg", n, torch.float32, zeroed=True)
-        self.exp_avg_sq = self._allocate("exp_avg_sq", n, torch.float32, zeroed=True)
+        # int8: its blocks start on unit tiles (QBLOCK divides ALIGN)
+        self.moments = Moments.zeros(n, moments, allocate=functools.partial(self._allocate, zeroed=True))
         self._pinned: list[torch.Tensor] = []
         self.pinned_bytes = 0
         if pin:
@@ -66,6 +71,10 @@ class HostStore:
     def tile(self, flat: torch.Tensor, unit: Unit) -> torch.Tensor:
         return flat[unit.offset:unit.offset + unit.numel]
 
+    def moment_tiles(self, unit: Unit) -> Moments:
+        assert unit.offset % QBLOCK == 0
+        return self.moments.slice(unit.offset, unit.offset + unit.numel)
+
     @torch.no_grad()
     def initialise(self, seed: int, device: torch.device) -> None:
         """Deterministic init by parameter name (values equal a model initialised on `device`)."""
@@ -77,7 +86,7 @@ class HostStore:
                 self.tile(self.weights, unit).copy_(dst)
 
     def host_bytes(self) -> int:
-        tensors = [self.weights, self.grads, self.master, self.exp_avg, self.exp_avg_sq]
+        tensors = [self.weights, self.grads, self.master, *self.moments.tensors().values()]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def named_parameters_fp32(self) -> dict[str, torch.Tensor]:

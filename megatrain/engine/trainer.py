@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 from collections.abc import Iterable
 from pathlib import Path
@@ -23,7 +24,7 @@ from megatrain.engine.streams import StreamSet
 from megatrain.memory import GIB, Budget, peak_host_rss_gib
 from megatrain.models.hf import copy_named_weights
 from megatrain.models.loss import valid_tokens
-from megatrain.optim.state_bytes import checkpoint_bytes_per_param
+from megatrain.optim.state_bytes import adamw_traffic_bytes_per_param, checkpoint_bytes_per_param
 from megatrain.systems import SystemSpec
 
 
@@ -37,8 +38,8 @@ class StreamingSystem:
             raise ValueError(f"configuration does not fit: {self.plan.reason}; {self.plan.advice}")
         self.num_params = config.model.num_params()
         cuda = self.device.type == "cuda"
-        self.store = HostStore(config.model, config.torch_dtype, config.precision, pin=cuda) if ranks is None else \
-            SharedHostStore(config.model, config.torch_dtype, config.precision, pin=cuda, ranks=ranks)
+        store = HostStore if ranks is None else functools.partial(SharedHostStore, ranks=ranks)
+        self.store = store(config.model, config.torch_dtype, config.precision, pin=cuda, moments=config.optim.moments)
         self.store.initialise(config.seed, self.device)
         resident = self.plan.resident_units
         self.optimizer = (HostOptimizer if ranks is None else ShardedHostOptimizer)(
@@ -78,6 +79,7 @@ class StreamingSystem:
             "grad_slots": 2,
             "streams": ["h2d", "compute", "d2h"] if self.streams.cuda else ["host"],
             "optimizer": f"host AdamW ({self.optimizer.kernel} kernel) on flat tiles, overlapped with the next forward",
+            "adamw_moments": self.config.optim.moments,
             "activation_checkpointing": self._checkpointing(),
             "offloaded_layers": self.schedule.acts.offloaded,
             "recomputed_inputs": self.schedule.acts.recomputed,
@@ -116,6 +118,7 @@ class StreamingSystem:
             "host_store_bytes_per_param": self.store.host_bytes() / self.num_params,
             "host_bytes_per_param": rss / self.num_params,
             "timeline": self.schedule.timeline,
+            **host_optimizer_rate(self.optimizer, host_bytes_per_param(self.config)),
             **({} if self.ranks is None else self._shared_memory_metrics()),
         }
 
@@ -221,6 +224,17 @@ class StreamingSystem:
         del self.schedule
 
 
+def host_optimizer_rate(optimizer: HostOptimizer, per: dict[str, float]) -> dict:
+    """The host optimizer's achieved rate over the run (its busy time): G params/s and the memory traffic that
+    means in GB/s (megatrain.optim.state_bytes; megatrain.probe's host_mem_gbs is the machine's)."""
+    if not optimizer.busy_s:  # every unit resident, or no step ran
+        return {}
+    gparams_s = optimizer.updated_params / optimizer.busy_s / 1e9
+    traffic = adamw_traffic_bytes_per_param(per)
+    return {"host_optim_gparams_s": gparams_s, "host_optim_bytes_per_param": traffic,
+            "host_optim_gbs": gparams_s * traffic}
+
+
 def preflight_plan(case: CaseConfig, limits: Budget) -> dict:
     """The pre-flight plan: the engine's own (check_fits, its exact tiles and choices against `limits`), with
     host_bytes what it counts against the host (on CPU, everything) and gpu_bytes 0 on CPU. Under torchrun: one
@@ -235,7 +249,7 @@ def preflight_plan(case: CaseConfig, limits: Budget) -> dict:
 def checkpoint_bytes(case: CaseConfig) -> int:
     """One save_state: every host tile but the gradients (megatrain.engine.state)."""
     config = EngineConfig.from_case(case)
-    return config.model.num_params() * checkpoint_bytes_per_param(host_bytes_per_param(config))
+    return int(config.model.num_params() * checkpoint_bytes_per_param(host_bytes_per_param(config)))
 
 
 SPEC = SystemSpec(factory=StreamingSystem.from_case, options=MegaTrainOptions, plan_memory=preflight_plan,

@@ -2,6 +2,7 @@
 
 from megatrain.models.config import ModelConfig
 from megatrain.models.registry import MODELS, get_model_config
-from megatrain.models.transformer import DecoderLayer, RMSNorm, Transformer, rotary_tables
+from megatrain.models.rope import rotary_tables
+from megatrain.models.transformer import DecoderLayer, RMSNorm, Transformer
 
 __all__ = ["MODELS", "DecoderLayer", "ModelConfig", "RMSNorm", "Transformer", "get_model_config", "rotary_tables"]

@@ -5,12 +5,19 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
+from megatrain.models.masks import FULL, LAYER_TYPES, SLIDING
+from megatrain.models.rope import RopeScaling
+
+# The Hugging Face architectures the one model definition covers, and what each fixes of the flags below.
+FAMILIES = ("qwen2", "llama", "qwen3", "mistral")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a LLaMA/Qwen2-style decoder.
+    """Shape of a Llama/Qwen2/Qwen3/Mistral-style decoder.
 
     Attributes:
+        family: the Hugging Face model_type the shape loads from and exports to (FAMILIES).
         vocab_size: tokens in the embedding table.
         hidden_size: residual stream width H.
         intermediate_size: SwiGLU inner width I.
@@ -18,11 +25,18 @@ class ModelConfig:
         num_heads: query heads; head_dim = H / num_heads unless head_dim is given.
         num_kv_heads: key/value heads (GQA); must divide num_heads.
         head_dim: per-head width; 0 means hidden_size // num_heads.
-        qkv_bias: bias on q/k/v projections (Qwen2 has it, Llama does not).
+        qkv_bias: bias on q/k/v projections (Qwen2 always; Llama and Qwen3 with attention_bias).
+        o_bias: bias on the attention output projection (Llama and Qwen3 with attention_bias).
+        mlp_bias: biases on the SwiGLU projections (Llama's mlp_bias).
+        qk_norm: RMSNorm over each head's queries and keys before RoPE (Qwen3).
         tie_embeddings: the LM head reuses the input embedding matrix.
         rope_theta: RoPE base frequency.
+        rope_scaling: the checkpoint's RoPE scaling (models.rope), None for plain RoPE.
         rms_norm_eps: RMSNorm epsilon.
-        max_seq_len: longest context the shape is published for (informational).
+        max_seq_len: the config's max_position_embeddings: the context the shape is published for (dynamic RoPE
+            scales beyond it).
+        sliding_window: window of sliding-attention layers in tokens; 0 when no layer slides.
+        layer_types: per layer 'full_attention' or 'sliding_attention'; empty means every layer full.
     """
 
     vocab_size: int
@@ -37,8 +51,22 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     max_seq_len: int = 32768
+    family: str = ""
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: RopeScaling | None = None
+    sliding_window: int = 0
+    layer_types: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, dict):  # read back from a record or run.json
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if not self.family:  # shapes written before families were named: what their flags say
+            object.__setattr__(self, "family", "qwen2" if self.qkv_bias else "llama")
+        self._check_family()
+        self._check_attention_layers()
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model {name} must be >= 1, got {getattr(self, name)}")
@@ -56,6 +84,37 @@ class ModelConfig:
                 f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads} (grouped-query attention)"
             )
 
+    def _check_family(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"model family {self.family!r} is not supported; supported: {', '.join(FAMILIES)}")
+        # what each family's modeling code builds: a shape that no checkpoint of the family can hold is refused
+        rules = {
+            "qwen2": dict(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False),
+            "llama": dict(qkv_bias=self.o_bias, qk_norm=False),
+            "qwen3": dict(qkv_bias=self.o_bias, mlp_bias=False, qk_norm=True),
+            "mistral": dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False),
+        }[self.family]
+        wrong = {k: getattr(self, k) for k, v in rules.items() if getattr(self, k) != v}
+        if wrong:
+            raise ValueError(f"a {self.family} model cannot have {wrong} (its architecture fixes {rules})")
+
+    def _check_attention_layers(self) -> None:
+        if self.sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0 (0: no sliding layers), got {self.sliding_window}")
+        if unknown := sorted(set(self.layer_types) - set(LAYER_TYPES)):
+            raise ValueError(f"layer_types {unknown} are not supported; supported: {', '.join(LAYER_TYPES)}")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for num_layers={self.num_layers}")
+        if (SLIDING in self.layer_types) != (self.sliding_window > 0):
+            raise ValueError(f"sliding_window={self.sliding_window} with layer_types {sorted(set(self.layer_types))}: "
+                             "sliding layers need a window > 0, and a window needs sliding layers")
+        if self.family == "llama" and self.sliding_window:
+            raise ValueError("llama models have no sliding-window attention")
+
+    def layer_type(self, layer: int) -> str:
+        """The attention of decoder layer `layer` (0-based): 'full_attention' or 'sliding_attention'."""
+        return self.layer_types[layer] if self.layer_types else FULL
+
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
@@ -70,13 +129,19 @@ class ModelConfig:
         and its shape ([out, in] for a projection)."""
         h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_size, self.kv_size
         shapes: dict[str, tuple[int, ...]] = {"input_layernorm.weight": (h,)}
-        for proj, out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-            shapes[f"self_attn.{proj}.weight"] = (out, h)
-            if self.qkv_bias:
-                shapes[f"self_attn.{proj}.bias"] = (out,)
-        shapes["self_attn.o_proj.weight"] = (h, q)
+        projections = [("self_attn.q_proj", q, h, self.qkv_bias), ("self_attn.k_proj", kv, h, self.qkv_bias),
+                       ("self_attn.v_proj", kv, h, self.qkv_bias), ("self_attn.o_proj", h, q, self.o_bias)]
+        for name, out, inp, bias in projections:
+            shapes[f"{name}.weight"] = (out, inp)
+            if bias:
+                shapes[f"{name}.bias"] = (out,)
+        if self.qk_norm:
+            shapes.update({"self_attn.q_norm.weight": (self.head_dim,), "self_attn.k_norm.weight": (self.head_dim,)})
         shapes["post_attention_layernorm.weight"] = (h,)
-        shapes.update({"mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)})
+        for name, out, inp in (("mlp.gate_proj", i, h), ("mlp.up_proj", i, h), ("mlp.down_proj", h, i)):
+            shapes[f"{name}.weight"] = (out, inp)
+            if self.mlp_bias:
+                shapes[f"{name}.bias"] = (out,)
         return shapes
 
     def embedding_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -128,7 +193,11 @@ class ModelConfig:
         return self.num_layers * self.layer_matmul_params() + self.head_matmul_params()
 
     def with_layers(self, num_layers: int) -> ModelConfig:
-        return replace(self, num_layers=num_layers)
+        """The shape at another depth; a per-layer attention pattern is cut, or repeated from its start."""
+        types = tuple(self.layer_types[n % len(self.layer_types)] for n in range(num_layers)) \
+            if self.layer_types else ()
+        sliding = self.sliding_window if SLIDING in types else 0
+        return replace(self, num_layers=num_layers, layer_types=types, sliding_window=sliding)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -25,9 +25,18 @@ def model_flops(num_params: int, tokens: int) -> float:
     return 6.0 * num_params * tokens
 
 
+def attended_pairs(seq: int, window: int = 0) -> float:
+    """(query, key) pairs one causal sequence computes: half the square (with the diagonal, as the kernels' count
+    goes), or with a sliding window the pairs within it (each query sees at most `window` keys)."""
+    if not window or window >= seq:
+        return seq * seq / 2
+    return window * seq - window * (window - 1) / 2
+
+
 def attention_flops_per_seq(cfg: ModelConfig, seq: int) -> float:
-    """Forward attention FLOPs of one sequence over all layers: QK^T and PV, causal (half the square)."""
-    return cfg.num_layers * 2 * (2.0 * seq * seq * cfg.num_heads * cfg.head_dim) / 2
+    """Forward attention FLOPs of one sequence over all layers: QK^T and PV over the pairs each layer attends."""
+    return sum(2 * 2.0 * attended_pairs(seq, cfg.sliding_window if cfg.layer_type(n) != "full_attention" else 0)
+               * cfg.num_heads * cfg.head_dim for n in range(cfg.num_layers))
 
 
 def hardware_flops(cfg: ModelConfig, batch: int, seq: int, recompute: bool = True, extra_layer_forwards: int = 0

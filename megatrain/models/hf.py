@@ -1,8 +1,9 @@
-"""Hugging Face Qwen2/Llama checkpoints: config translation, sharded safetensors save and lazy load.
+"""Hugging Face Qwen2/Llama/Qwen3/Mistral checkpoints: config translation, sharded safetensors save and lazy load.
 
 Our parameter names are HF's without the `model.` prefix (`lm_head.weight` is the same in both), so
-translation is a prefix. Configs that need code we do not have (RoPE scaling, sliding-window
-attention, MLP or output-projection biases, other activations) are refused, never approximated.
+translation is a prefix. Configs are read in both the transformers 4.x layout (rope_theta, rope_scaling) and the 5.x
+one (rope_parameters) and written in both; a setting that needs code we do not have (another activation, partial or
+per-layer RoPE, longrope, ...) is refused by name, never approximated.
 """
 
 from __future__ import annotations
@@ -16,12 +17,24 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megatrain.models.config import ModelConfig
+from megatrain.models.config import FAMILIES, ModelConfig
+from megatrain.models.masks import FULL, SLIDING
+from megatrain.models.rope import RopeScaling
 from megatrain.models.transformer import Transformer
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
-_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
-_DEFAULT_MAX_POSITIONS = {"qwen2": 32768, "llama": 2048}
+SUPPORTED_MODEL_TYPES = FAMILIES
+_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "mistral": "MistralForCausalLM"}
+# transformers' defaults for keys a config.json may leave out (its config classes)
+_DEFAULTS = {"qwen2": dict(max_position_embeddings=32768, max_window_layers=28),
+             "llama": dict(max_position_embeddings=2048),
+             "qwen3": dict(max_position_embeddings=32768, max_window_layers=28, head_dim=128),
+             "mistral": dict(max_position_embeddings=131072, num_key_value_heads=8, sliding_window=4096)}
+# the keys each RoPE scaling reads (transformers' modeling_rope_utils); another key is refused, not ignored
+_ROPE_KEYS = {"default": set(), "linear": {"factor"}, "dynamic": {"factor"},
+              "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+              "yarn": {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
+                       "mscale", "mscale_all_dim", "truncate"}}
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -72,73 +85,146 @@ def check_hf_checkpoint(path: str | Path) -> ModelConfig:
     return cfg
 
 
+def _rope_from_hf(hf: Mapping) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) of a config: 5.x's rope_parameters or 4.x's rope_theta and rope_scaling."""
+    params = dict(hf.get("rope_parameters") or {})
+    if any(isinstance(v, Mapping) for v in params.values()):
+        raise ValueError(f"per-layer rope_parameters ({sorted(params)}) are not supported; one RoPE for every layer")
+    legacy = dict(hf.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope = params if params.get("rope_type", params.get("type", "default")) != "default" or not legacy else legacy
+    rope_type = rope.pop("rope_type", rope.pop("type", "default"))  # both keys popped: 4.x wrote either
+    rope.pop("rope_theta", None)
+    factor = rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if factor != 1.0:
+        raise ValueError(f"partial_rotary_factor={factor} is not supported; our RoPE rotates the whole head")
+    if rope_type not in _ROPE_KEYS:
+        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(_ROPE_KEYS)}")
+    if unknown := sorted(set(rope) - _ROPE_KEYS[rope_type]):
+        raise ValueError(f"RoPE setting(s) {unknown} are not used by rope_type {rope_type!r}; remove them")
+    if rope_type == "default":
+        return theta, None
+    max_positions = hf.get("max_position_embeddings")
+    if rope_type in ("llama3", "yarn"):  # transformers prefers a top-level original_max_position_embeddings
+        rope["original_max_position_embeddings"] = hf.get("original_max_position_embeddings",
+                                                          rope.get("original_max_position_embeddings", max_positions))
+    if rope.get("factor") is None and rope_type == "yarn" and max_positions:
+        rope["factor"] = max_positions / rope["original_max_position_embeddings"]
+    if rope.get("factor") is None:
+        raise ValueError(f"rope_type {rope_type!r} needs a factor")
+    rope["original_max_positions"] = rope.pop("original_max_position_embeddings", 0) or 0
+    for key in ("beta_fast", "beta_slow"):  # transformers: None means the paper's 32 and 1
+        if key in rope and rope[key] is None:
+            del rope[key]
+    return theta, RopeScaling(rope_type, **rope)
+
+
+def _attention_layers(hf: Mapping, family: str, num_layers: int) -> tuple[int, tuple[str, ...]]:
+    """(sliding window, per-layer types) as transformers builds them for the family."""
+    defaults = _DEFAULTS[family]
+    types = tuple(hf.get("layer_types") or ())
+    if unknown := sorted(set(types) - {FULL, SLIDING}):
+        raise ValueError(f"layer_types {unknown} are not supported; only {FULL!r} and {SLIDING!r} are")
+    if family == "llama":
+        if SLIDING in types:  # transformers' Llama would ignore them: refused rather than trained differently
+            raise ValueError("llama models have no sliding-window attention; the config's layer_types ask for it")
+        window, types = 0, ()
+    elif family == "mistral":
+        if any(t != FULL for t in types):
+            raise ValueError(f"mistral with layer_types {sorted(set(types))} is not supported (transformers builds it "
+                             "as Ministral)")
+        window = hf.get("sliding_window", defaults["sliding_window"]) or 0
+        types = (SLIDING,) * num_layers if window else ()
+    else:  # qwen2, qwen3: the layers from max_window_layers on slide when use_sliding_window
+        window = (hf.get("sliding_window") or 0) if hf.get("use_sliding_window") else 0
+        if not types:
+            first = hf.get("max_window_layers", defaults["max_window_layers"])
+            types = tuple(SLIDING if window and n >= first else FULL for n in range(num_layers))
+    if types and SLIDING not in types:
+        types, window = (), 0
+    if SLIDING in types and not window:
+        raise ValueError("layer_types has sliding_attention layers but the config has no sliding_window "
+                         f"(use_sliding_window={hf.get('use_sliding_window')}, "
+                         f"sliding_window={hf.get('sliding_window')})")
+    return window, types
+
+
 def config_from_hf(hf: Mapping) -> ModelConfig:
-    """Our ModelConfig from a Hugging Face config.json dict (model_type 'qwen2' or 'llama').
+    """Our ModelConfig from a Hugging Face config.json dict (model_type 'qwen2', 'llama', 'qwen3' or 'mistral').
 
     Reads both the transformers 4.x layout (top-level rope_theta, rope_scaling) and the 5.x one
     (rope_parameters). Raises ValueError for any setting our model does not implement.
     """
-    model_type = hf.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    family = hf.get("model_type")
+    if family not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {family!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported; our MLP is SwiGLU with silu")
-    if hf.get("rope_scaling") is not None:
-        raise ValueError(f"rope_scaling={hf['rope_scaling']} is not supported; only plain RoPE is implemented")
-    rope = hf.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"rope_parameters with rope_type {rope_type!r} are not supported; "
-                         "only plain RoPE (rope_type 'default') is implemented")
-    if hf.get("use_sliding_window"):
-        raise ValueError("use_sliding_window=true is not supported; our attention is full causal attention")
-    sliding = [t for t in hf.get("layer_types") or [] if t != "full_attention"]
-    if sliding:
-        raise ValueError(f"layer_types {sorted(set(sliding))} are not supported; only 'full_attention' is")
-    if hf.get("mlp_bias"):
-        raise ValueError("mlp_bias=true is not supported; our MLP projections have no bias")
-    if model_type == "llama" and hf.get("attention_bias"):
-        # Llama's attention_bias also puts a bias on o_proj, which our attention does not have.
-        raise ValueError("llama attention_bias=true is not supported: it adds an o_proj bias our model lacks")
+    if hf.get("mlp_bias") and family != "llama":
+        raise ValueError(f"mlp_bias=true is not part of {family}")
+    if hf.get("attention_bias") and family in ("qwen2", "mistral"):
+        raise ValueError(f"attention_bias=true is not part of {family}")
     if hf.get("attention_dropout", 0.0):
         warnings.warn(f"attention_dropout={hf['attention_dropout']} is ignored: our attention has no dropout",
                       stacklevel=2)
     missing = [k for k in REQUIRED_KEYS if k not in hf]
     if missing:
         raise ValueError(f"config.json lacks {', '.join(missing)}")
+    theta, scaling = _rope_from_hf(hf)
+    defaults = _DEFAULTS[family]
+    window, types = _attention_layers(hf, family, hf["num_hidden_layers"])
+    attention_bias = bool(hf.get("attention_bias", False))
     return ModelConfig(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
         intermediate_size=hf["intermediate_size"],
         num_layers=hf["num_hidden_layers"],
         num_heads=hf["num_attention_heads"],
-        num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        head_dim=hf.get("head_dim") or 0,
-        qkv_bias=model_type == "qwen2",
+        num_kv_heads=hf.get("num_key_value_heads") or defaults.get("num_key_value_heads", hf["num_attention_heads"]),
+        head_dim=hf.get("head_dim") or defaults.get("head_dim", 0),
+        qkv_bias=family == "qwen2" or attention_bias,
+        o_bias=attention_bias,
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        qk_norm=family == "qwen3",
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rope_theta=theta,
+        rope_scaling=scaling,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        max_seq_len=hf.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[model_type]),
+        max_seq_len=hf.get("max_position_embeddings", defaults["max_position_embeddings"]),
+        family=family,
+        sliding_window=window,
+        layer_types=types,
     )
 
 
-def config_to_hf(cfg: ModelConfig, model_type: str = "qwen2", dtype: torch.dtype = torch.float32) -> dict:
-    """A config.json dict that transformers (4.x and 5.x) loads into the same architecture.
+def _rope_to_hf(cfg: ModelConfig) -> dict:
+    """rope_parameters (5.x) of a shape; without rope_theta it is also 4.x's rope_scaling."""
+    s = cfg.rope_scaling
+    if s is None:
+        return {"rope_type": "default"}
+    rope = {"rope_type": s.rope_type, "factor": s.factor}
+    if s.rope_type == "llama3":
+        rope.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor)
+    if s.rope_type == "yarn":
+        rope.update(beta_fast=s.beta_fast, beta_slow=s.beta_slow, truncate=s.truncate)
+        rope.update({k: getattr(s, k) for k in ("attention_factor", "mscale", "mscale_all_dim")
+                     if getattr(s, k) is not None})
+    if s.rope_type in ("llama3", "yarn"):
+        rope["original_max_position_embeddings"] = s.original_max_positions
+    return rope
+
+
+def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
+    """A config.json dict that transformers (4.x and 5.x) loads into the same architecture (cfg.family).
 
     Args:
         cfg: our model shape.
-        model_type: 'qwen2' (q/k/v biases) or 'llama' (no biases); must agree with cfg.qkv_bias.
         dtype: the dtype the weights are stored in (config's torch_dtype / dtype field).
     """
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    if model_type == "qwen2" and not cfg.qkv_bias:
-        raise ValueError("Qwen2 always has q/k/v biases but cfg.qkv_bias is False; save with model_type='llama'")
-    if model_type == "llama" and cfg.qkv_bias:
-        raise ValueError("Llama's attention_bias would add an o_proj bias; a model with qkv_bias saves as 'qwen2'")
+    rope = _rope_to_hf(cfg)
     hf = {
-        "architectures": [_ARCHITECTURES[model_type]],
-        "model_type": model_type,
+        "architectures": [_ARCHITECTURES[cfg.family]],
+        "model_type": cfg.family,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -149,10 +235,10 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "qwen2", dtype: torch.dtype
         "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.rms_norm_eps,
-        # 4.x reads the top-level rope_theta, 5.x rope_parameters; both say the same.
+        # 4.x reads the top-level rope_theta and rope_scaling, 5.x rope_parameters; both say the same.
         "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "rope_scaling": None,
+        "rope_parameters": {**rope, "rope_theta": cfg.rope_theta},
+        "rope_scaling": rope if cfg.rope_scaling else None,
         "tie_word_embeddings": cfg.tie_embeddings,
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
@@ -161,10 +247,19 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "qwen2", dtype: torch.dtype
         "torch_dtype": _dtype_name(dtype),
         "dtype": _dtype_name(dtype),
     }
-    if model_type == "qwen2":
-        hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
-    else:
-        hf.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    window = cfg.sliding_window or None
+    if cfg.family in ("qwen2", "qwen3"):
+        # 5.x reads layer_types; 4.x slides the layers from max_window_layers on (a suffix, as every release has)
+        types = [cfg.layer_type(n) for n in range(cfg.num_layers)]
+        first = types.index(SLIDING) if SLIDING in types else cfg.num_layers
+        hf.update(use_sliding_window=window is not None, sliding_window=window, max_window_layers=first,
+                  layer_types=types)
+    if cfg.family == "mistral":
+        hf["sliding_window"] = window
+    if cfg.family in ("llama", "qwen3"):
+        hf["attention_bias"] = cfg.o_bias
+    if cfg.family == "llama":
+        hf.update(mlp_bias=cfg.mlp_bias, pretraining_tp=1)
     return hf
 
 
@@ -196,7 +291,7 @@ def _plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]
 
 @torch.no_grad()
 def save_hf_checkpoint(model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor], cfg: ModelConfig,
-                       out_dir: str | Path, model_type: str = "qwen2", max_shard_bytes: int = 5 * 2**30,
+                       out_dir: str | Path, max_shard_bytes: int = 5 * 2**30,
                        dtype: torch.dtype | None = None) -> list[Path]:
     """Write a Hugging Face checkpoint: config.json and safetensors shards (plus an index if several).
 
@@ -207,7 +302,6 @@ def save_hf_checkpoint(model_or_state_dict: torch.nn.Module | Mapping[str, torch
         model_or_state_dict: our Transformer, or a mapping of our parameter names to tensors.
         cfg: the model's shape; names and shapes are checked against it.
         out_dir: directory to create or overwrite files in.
-        model_type: 'qwen2' or 'llama' (see config_to_hf).
         max_shard_bytes: largest shard file in bytes (a single larger tensor gets a shard of its own).
         dtype: dtype to store; None keeps each tensor's dtype.
 
@@ -230,7 +324,7 @@ def save_hf_checkpoint(model_or_state_dict: torch.nn.Module | Mapping[str, torch
     shards = _plan_shards(sizes, max_shard_bytes)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    config = config_to_hf(cfg, model_type, dtype or state["embed_tokens.weight"].dtype)
+    config = config_to_hf(cfg, dtype or state["embed_tokens.weight"].dtype)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
     files = [SINGLE_FILE] if len(shards) == 1 else [
@@ -292,7 +386,7 @@ def copy_named_weights(targets: Mapping[str, torch.Tensor], named: Iterable[tupl
 @torch.no_grad()
 def load_hf_checkpoint(path: str | Path, device: torch.device | str = "cpu",
                        dtype: torch.dtype | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read a Hugging Face Qwen2/Llama checkpoint directory into our config and parameter names.
+    """Read a Hugging Face checkpoint directory (SUPPORTED_MODEL_TYPES) into our config and parameter names.
 
     Args:
         path: directory with config.json and model.safetensors or model.safetensors.index.json + shards.

@@ -1,23 +1,47 @@
 """Named model sizes with their published shapes.
 
-Qwen2.5 shapes follow the config.json files of the Qwen2.5 releases, Llama-3 shapes those of
-Meta-Llama-3-8B/70B. `dense-120b` is our own documented ~120B dense shape (Qwen2.5-72B's
-vocabulary and head size, widened and deepened): it stands in for the paper's GPT-OSS-120B, which
-is a mixture of experts and so not a dense-layer workload. `tiny*` are for CPU tests and smoke runs.
+Each shape follows its release's config.json (Qwen2.5, Qwen3, Meta-Llama-3, Llama-3.1/3.2 with their llama3
+RoPE scaling, Mistral-7B v0.1 with its 4096-token sliding window and v0.3 without). `dense-120b` is our own
+documented ~120B dense shape (Qwen2.5-72B's vocabulary and head size, widened and deepened): it stands in for the
+paper's GPT-OSS-120B, which is a mixture of experts and so not a dense-layer workload. `tiny*` are for CPU
+tests and smoke runs.
 """
 
 from __future__ import annotations
 
 from megatrain.models.config import ModelConfig
+from megatrain.models.masks import SLIDING
+from megatrain.models.rope import RopeScaling
 
 _QWEN = dict(qkv_bias=True, rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_seq_len=32768)
-_LLAMA3 = dict(qkv_bias=False, rms_norm_eps=1e-5, rope_theta=500_000.0, max_seq_len=8192, vocab_size=128256)
+_LLAMA3 = dict(family="llama", qkv_bias=False, rms_norm_eps=1e-5, rope_theta=500_000.0, max_seq_len=8192,
+               vocab_size=128256)
+
+
+def _llama31(factor: float) -> dict:
+    """Llama 3.1/3.2: 3's shape with the llama3 RoPE scaling to 128k."""
+    return {**_LLAMA3, "max_seq_len": 131072, "rope_scaling": RopeScaling(
+        "llama3", factor, original_max_positions=8192, low_freq_factor=1.0, high_freq_factor=4.0)}
+
+
+_QWEN3 = dict(family="qwen3", qk_norm=True, head_dim=128, vocab_size=151936, num_kv_heads=8, rms_norm_eps=1e-6,
+              rope_theta=1_000_000.0, max_seq_len=40960)
+_MISTRAL = dict(family="mistral", hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                num_kv_heads=8, rms_norm_eps=1e-5, max_seq_len=32768, tie_embeddings=False)
 
 MODELS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=3,
                         num_heads=4, num_kv_heads=2, qkv_bias=True, tie_embeddings=False, max_seq_len=2048),
     "tiny-tied": ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=2,
                              num_heads=4, num_kv_heads=4, qkv_bias=False, tie_embeddings=True, max_seq_len=2048),
+    # the families' additions at the tiny size: Qwen3 (q/k norms, a head wider than hidden/heads, YaRN past 64
+    # positions) and alternating sliding-window layers (a 64-token window)
+    "tiny-qwen3": ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=3, num_heads=4,
+                              num_kv_heads=2, head_dim=24, family="qwen3", qk_norm=True, max_seq_len=2048,
+                              rope_scaling=RopeScaling("yarn", 4.0, original_max_positions=64)),
+    "tiny-sliding": ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=3, num_heads=4,
+                                num_kv_heads=2, qkv_bias=True, max_seq_len=2048, sliding_window=64,
+                                layer_types=(SLIDING, "full_attention", SLIDING)),
     # ~0.1B: big enough to exercise the GPU paths, small enough for a quick check.
     "small": ModelConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12,
                          num_heads=12, num_kv_heads=4, qkv_bias=True, tie_embeddings=False),
@@ -39,6 +63,25 @@ MODELS: dict[str, ModelConfig] = {
                              num_heads=32, num_kv_heads=8, tie_embeddings=False, **_LLAMA3),
     "llama3-70b": ModelConfig(hidden_size=8192, intermediate_size=28672, num_layers=80,
                               num_heads=64, num_kv_heads=8, tie_embeddings=False, **_LLAMA3),
+    "llama3.1-8b": ModelConfig(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                               tie_embeddings=False, **_llama31(8.0)),
+    "llama3.1-70b": ModelConfig(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
+                                num_kv_heads=8, tie_embeddings=False, **_llama31(8.0)),
+    "llama3.2-1b": ModelConfig(hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
+                               head_dim=64, tie_embeddings=True, **_llama31(32.0)),
+    "llama3.2-3b": ModelConfig(hidden_size=3072, intermediate_size=8192, num_layers=28, num_heads=24, num_kv_heads=8,
+                               head_dim=128, tie_embeddings=True, **_llama31(32.0)),
+    "qwen3-0.6b": ModelConfig(hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
+                              tie_embeddings=True, **_QWEN3),
+    "qwen3-8b": ModelConfig(hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
+                            tie_embeddings=False, **_QWEN3),
+    "qwen3-14b": ModelConfig(hidden_size=5120, intermediate_size=17408, num_layers=40, num_heads=40,
+                             tie_embeddings=False, **_QWEN3),
+    "qwen3-32b": ModelConfig(hidden_size=5120, intermediate_size=25600, num_layers=64, num_heads=64,
+                             tie_embeddings=False, **_QWEN3),
+    "mistral-7b-v0.1": ModelConfig(vocab_size=32000, rope_theta=10000.0, sliding_window=4096,
+                                   layer_types=(SLIDING,) * 32, **_MISTRAL),
+    "mistral-7b-v0.3": ModelConfig(vocab_size=32768, rope_theta=1_000_000.0, **_MISTRAL),
     # 12288 wide, 76 layers, 96 query heads of 128, 8 KV heads, 32768 SwiGLU: 120.4B parameters.
     "dense-120b": ModelConfig(vocab_size=152064, hidden_size=12288, intermediate_size=32768, num_layers=76,
                               num_heads=96, num_kv_heads=8, tie_embeddings=False, **_QWEN),

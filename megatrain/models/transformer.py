@@ -1,4 +1,4 @@
-"""LLaMA/Qwen2-style decoder as plain nn.Modules: the one model every system trains.
+"""Llama/Qwen2/Qwen3/Mistral-style decoder as plain nn.Modules: the one model every system trains.
 
 Shape legend: B batch, S sequence, H hidden, N query heads, K kv heads, D head dim, V vocab, T tokens.
 The model knows nothing about offloading; each system applies its memory policy to it.
@@ -11,10 +11,12 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from megatrain.models.config import ModelConfig
 from megatrain.models.loss import IGNORE_INDEX, linear_cross_entropy
+from megatrain.models.masks import Mask, rope_and_masks
+from megatrain.models.rope import apply_rotary, rotary_tables
 
 
 class RMSNorm(nn.Module):
@@ -31,53 +33,10 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x_BSH.dtype)
 
 
-def rotary_tables(cfg: ModelConfig, seq_len: int, device: torch.device, dtype: torch.dtype):
-    """cos, sin tables [S, D] for positions 0..seq_len-1 (computed in fp32, cast to dtype)."""
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, device=device, dtype=torch.float32)
-                                         / cfg.head_dim))
-    freqs = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def packed_rope_and_mask(cos_SD: torch.Tensor, sin_SD: torch.Tensor, segments_BS: torch.Tensor | None):
-    """(cos, sin, attention mask) of a micro-batch. Without segments (or with one document per row): the tables as
-    they are and no mask (causal attention). With packed rows, segments_BS[b, t] the document of token t: positions
-    restart at each document (cos/sin [B, 1, S, D]) and a token attends only to the earlier tokens of its own
-    document. On a GPU the mask is a FlexAttention BlockMask (only the 128x128 blocks that hold same-document pairs
-    are computed, and it keeps block indices, not [S, S]); on CPU a boolean [B, 1, S, S] mask for SDPA."""
-    if segments_BS is None or bool((segments_BS == segments_BS[:, :1]).all()):
-        return cos_SD, sin_SD, None
-    b, s = segments_BS.shape
-    index = torch.arange(s, device=segments_BS.device).expand(b, s)
-    starts = torch.ones_like(segments_BS, dtype=torch.bool)
-    starts[:, 1:] = segments_BS[:, 1:] != segments_BS[:, :-1]
-    first = torch.cummax(torch.where(starts, index, 0), dim=1).values  # index of each token's document start
-    positions = index - first
-    if segments_BS.device.type == "cuda":
-        def document_causal(b, h, q, kv):
-            return (segments_BS[b, q] == segments_BS[b, kv]) & (q >= kv)
-
-        mask = create_block_mask(document_causal, b, None, s, s, device=segments_BS.device)
-    else:
-        same = segments_BS[:, :, None] == segments_BS[:, None, :]
-        mask = (same & torch.ones(s, s, dtype=torch.bool, device=segments_BS.device).tril())[:, None]
-    return cos_SD[positions][:, None], sin_SD[positions][:, None], mask
-
-
 @functools.cache
 def compiled_flex_attention():
     """FlexAttention runs as fused kernels only compiled (eager, it materialises the scores)."""
     return torch.compile(flex_attention, dynamic=False)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x_BNSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
-    return x_BNSD * cos_SD + _rotate_half(x_BNSD) * sin_SD
 
 
 class Attention(nn.Module):
@@ -87,13 +46,19 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.q_size, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        # Qwen3: each head's queries and keys normalised over the head dimension, before RoPE
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor,
-                mask_B1SS: torch.Tensor | BlockMask | None = None) -> torch.Tensor:
+                mask_B1SS: Mask = None) -> torch.Tensor:
         b, s, _ = x_BSH.shape
-        q = self.q_proj(x_BSH).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x_BSH).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x_BSH).view(b, s, self.num_heads, self.head_dim)
+        k = self.k_proj(x_BSH).view(b, s, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x_BSH).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos_SD, sin_SD), apply_rotary(k, cos_SD, sin_SD)
         gqa = self.num_kv_heads != self.num_heads
@@ -105,8 +70,8 @@ class Attention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
 
-def _swiglu(x_BSH, w_gate, w_up, w_down):
-    return F.linear(F.silu(F.linear(x_BSH, w_gate)) * F.linear(x_BSH, w_up), w_down)
+def _swiglu(x_BSH, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None):
+    return F.linear(F.silu(F.linear(x_BSH, w_gate, b_gate)) * F.linear(x_BSH, w_up, b_up), w_down, b_down)
 
 
 class MLP(nn.Module):
@@ -115,13 +80,16 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.chunk_tokens = 0
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
-        weights = (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        projections = (self.gate_proj, self.up_proj, self.down_proj)
+        weights = tuple(p.weight for p in projections)
+        if projections[0].bias is not None:
+            weights += tuple(p.bias for p in projections)
         b, s, _ = x_BSH.shape
         if not self.chunk_tokens or b * s <= self.chunk_tokens:
             return _swiglu(x_BSH, *weights)
@@ -140,7 +108,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor,
-                mask_B1SS: torch.Tensor | None = None) -> torch.Tensor:
+                mask_B1SS: Mask = None) -> torch.Tensor:
         h = x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos_SD, sin_SD, mask_B1SS)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -170,9 +138,11 @@ class Transformer(nn.Module):
     def forward(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor | None = None,
                 normalizer: float | None = None, segments_BS: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embed_tokens(tokens_BS)
-        cos, sin, mask = packed_rope_and_mask(*rotary_tables(self.cfg, tokens_BS.shape[1], h.device, h.dtype),
-                                              segments_BS)
-        for layer in self.layers:
+        cfg = self.cfg
+        cos, sin, masks = rope_and_masks(*rotary_tables(cfg, tokens_BS.shape[1], h.device, h.dtype), segments_BS,
+                                         h.device, cfg.sliding_window, cfg.layer_types)
+        for n, layer in enumerate(self.layers):
+            mask = masks[cfg.layer_type(n)]
             if self.activation_checkpointing and torch.is_grad_enabled():
                 h = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, mask, use_reentrant=False)
             else:

@@ -7,6 +7,9 @@ dies: a builder killed mid-build cannot leave the next one waiting forever on to
 
 Falls back to torch's fused AdamW (more passes over memory, same result) where no C++ compiler
 is available; `available()` says which one runs.
+
+MEGATRAIN_HOST_ADAMW_THREADS sets the kernel's OpenMP threads (default: all cores but one, left to the thread that
+feeds the GPU); scripts/host_optim_bench.py measures the choices.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ import torch
 
 _SRC = Path(__file__).parent / "csrc" / "fused_adamw.cpp"
 _NAME = "megatrain_fused_adamw"
-_CFLAGS = ["-O3", "-fopenmp", "-march=native", "-fno-math-errno"]  # errno blocks vector sqrt
-_LDFLAGS = ["-fopenmp"]
+_CFLAGS = ("-O3", "-fopenmp", "-march=native", "-fno-math-errno")  # errno blocks vector sqrt
+_LDFLAGS = ("-fopenmp",)
+THREADS_ENV = "MEGATRAIN_HOST_ADAMW_THREADS"
 
 
 def build_directory() -> Path:
@@ -71,8 +75,9 @@ def _module():
             source, code = build_dir / _SRC.name, _SRC.read_bytes()
             if not source.exists() or source.read_bytes() != code:
                 source.write_bytes(code)
-            return load(name=_NAME, sources=[str(source)], build_directory=str(build_dir), extra_cflags=_CFLAGS,
-                        extra_ldflags=_LDFLAGS, verbose=False)
+            # copies: load() appends torch's libraries to the lists it is given, which would change the key above
+            return load(name=_NAME, sources=[str(source)], build_directory=str(build_dir),
+                        extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS), verbose=False)
     except Exception as exc:  # no compiler or ninja: the torch path computes the same update
         warnings.warn(f"one-pass host AdamW kernel unavailable ({exc}); using torch fused AdamW", stacklevel=2)
         return None
@@ -83,8 +88,33 @@ def available() -> bool:
     return _module() is not None
 
 
+def threads() -> int:
+    """The kernel's OpenMP threads: MEGATRAIN_HOST_ADAMW_THREADS, or 0 (all cores but one)."""
+    value = os.environ.get(THREADS_ENV, "0")
+    if not value.isdigit():
+        raise ValueError(f"{THREADS_ENV} must be a thread count (0: all cores but one), got {value!r}")
+    return int(value)
+
+
+def _out(weight_out: torch.Tensor | None) -> torch.Tensor:
+    return weight_out if weight_out is not None else torch.empty(0, dtype=torch.bfloat16)
+
+
 def fused_adamw(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                 weight_out: torch.Tensor | None, step: int, clip: float, lr: float, beta1: float, beta2: float,
                 eps: float, weight_decay: float) -> None:
-    out = weight_out if weight_out is not None else torch.empty(0, dtype=torch.bfloat16)
-    _module().fused_adamw(param, grad, exp_avg, exp_avg_sq, out, step, clip, lr, beta1, beta2, eps, weight_decay)
+    """One AdamW step of `param` (fp32, or bf16 rounded back) with fp32 moments; a bf16 copy into weight_out."""
+    _module().fused_adamw(param, grad, exp_avg, exp_avg_sq, _out(weight_out), step, clip, lr, beta1, beta2, eps,
+                          weight_decay, threads())
+
+
+def compact_adamw(param: torch.Tensor, grad: torch.Tensor, moments, weight_out: torch.Tensor | None,
+                  decay_numel: int, index0: int, step: int, clip: float, lr: float, beta1: float, beta2: float,
+                  eps: float, weight_decay: float) -> None:
+    """fused_adamw with compact moments (megatrain.optim.compact.Moments, bf16 or int8; int8 starting on a block):
+    weight decay on the first decay_numel elements, index0 the first element's index in the store."""
+    none = torch.empty(0)
+    _module().compact_adamw(param, grad, moments.exp_avg, moments.exp_avg_sq,
+                            none if moments.exp_avg_scale is None else moments.exp_avg_scale,
+                            none if moments.exp_avg_sq_scale is None else moments.exp_avg_sq_scale, _out(weight_out),
+                            decay_numel, index0, step, clip, lr, beta1, beta2, eps, weight_decay, threads())

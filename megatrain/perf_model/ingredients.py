@@ -38,6 +38,7 @@ from megatrain.engine.store import OPT_CHUNK
 from megatrain.engine.templates import HeadTemplate
 from megatrain.memory import GIB
 from megatrain.models import get_model_config
+from megatrain.optim.compact import Moments
 from megatrain.optim.config import OptimConfig
 from megatrain.optim.host_adamw import FlatAdamW
 from megatrain.perf_model.layer_profile import bench_ms, engine_layer
@@ -65,12 +66,12 @@ def gpu_adamw_gparams_s(precision: str, model: str = "qwen2.5-7b") -> float:
     w = torch.zeros(unit.numel, dtype=torch.bfloat16, device=dev)
     g = torch.full((unit.numel,), 1e-3, dtype=torch.float32, device=dev)
     master = torch.zeros(unit.numel, dtype=torch.float32, device=dev) if precision == "mixed" else None
-    m, v = torch.zeros(unit.numel, device=dev), torch.zeros(unit.numel, device=dev)
+    moments = Moments(torch.zeros(unit.numel, device=dev), torch.zeros(unit.numel, device=dev))
     scratch = torch.empty(min(OPT_CHUNK, unit.numel), dtype=torch.float32, device=dev) if master is None else None
     adamw = FlatAdamW(OptimConfig())
 
     def step():
-        torch_adamw_unit(adamw, unit, w, g, master, m, v, 0.5, 0.1, None, scratch, 1e-4)
+        torch_adamw_unit(adamw, unit, w, g, master, moments, 0.5, 0.1, None, scratch, 1e-4)
 
     return unit.numel / (bench_ms(step, warmup=2, iters=5) / 1e3) / 1e9
 

@@ -40,7 +40,8 @@ BASE_SEQ = 1024  # the sequence length of the layer and head ingredients
 
 
 def layer_key(cfg: ModelConfig) -> tuple:
-    return (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.qkv_bias)
+    return (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.qkv_bias,
+            cfg.o_bias, cfg.mlp_bias, cfg.qk_norm)
 
 
 def head_key(cfg: ModelConfig) -> tuple:

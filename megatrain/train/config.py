@@ -24,7 +24,7 @@ from megatrain.train.lr import SCHEDULES
 # the settings a resumed run keeps, each shaping its data, model or saved state; the others may change: the optimizer's
 # and the length from the resumed step on, the device, micro-batch, compile and the system's options only in rounding
 RESUME_FIXES = ("system", "init_from", "model", "tokenizer", "data", "train_on_prompt", "shuffle", "pack", "seq",
-                "batch", "seed", "dtype", "precision")
+                "batch", "seed", "dtype", "precision", "moments")
 
 
 @dataclass
@@ -125,7 +125,7 @@ class TrainConfig(CaseFlags):
 
     def optim(self) -> OptimConfig:
         return OptimConfig(lr=self.lr, beta1=self.adam_betas[0], beta2=self.adam_betas[1], eps=self.adam_eps,
-                           weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm)
+                           weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm, moments=self.moments)
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:

@@ -171,7 +171,7 @@ def _pack(examples: list[Example], width: int) -> list[tuple[list[int], list[boo
 class Rows:
     """Examples as [N, seq+1] token rows with a target mask. Packed (the default): whole documents side by side in
     each row, with their segment ids, so attention and positions stay within a document
-    (models.transformer.packed_rope_and_mask); or one example per row (pack=False), truncated or right-padded. Pad
+    (models.masks.rope_and_masks); or one example per row (pack=False), truncated or right-padded. Pad
     tokens are never targets, nor is a document's first token (it would be predicted from the previous document).
     Row order per epoch: file order, or a permutation seeded by (seed, epoch). A token id outside the vocabulary,
     and data with no target token at all, are refused (flag names the data in messages)."""

@@ -50,12 +50,11 @@ class Progress:
     nonfinite_steps: int = 0  # consecutive steps, up to this one, whose loss or gradient norm was not finite
 
 
-def _model(cfg: TrainConfig) -> tuple[str, object, str]:
-    """(label, shape or None for a registry name, Hugging Face model_type for the export)."""
+def _model(cfg: TrainConfig) -> tuple[str, object]:
+    """(label, shape or None for a registry name); the shape's family is the Hugging Face model_type of the export."""
     if cfg.init_from:
-        hf = read_hf_config(cfg.init_from)
-        return Path(cfg.init_from).name, config_from_hf(hf), hf["model_type"]
-    return cfg.model, None, "llama" if not get_model_config(cfg.model).qkv_bias else "qwen2"
+        return Path(cfg.init_from).name, config_from_hf(read_hf_config(cfg.init_from))
+    return cfg.model, None
 
 
 def build_case(cfg: TrainConfig, total_steps: int, label: str, shape) -> CaseConfig:
@@ -75,7 +74,7 @@ def train(cfg: TrainConfig, log=print) -> int:
     tokenizer_dir = cfg.tokenizer or (cfg.init_from if cfg.init_from and
                                       (Path(cfg.init_from) / "tokenizer.json").exists() else None)
     tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
-    label, shape, model_type = _model(cfg)
+    label, shape = _model(cfg)
     vocab = (shape or get_model_config(cfg.model)).vocab_size
     rows = Rows(read_examples(data_files(cfg.data), tokenizer, cfg.train_on_prompt), cfg.seq, vocab, cfg.shuffle,
                 cfg.seed, cfg.pack)
@@ -90,7 +89,7 @@ def train(cfg: TrainConfig, log=print) -> int:
         (log if ranks is None or ranks.first else _silent)(note)
     run = RunDir(out, cfg.resume is not None, cfg.overwrite) if ranks is None or ranks.first else None
     try:
-        return _train(cfg, run, case, rows, eval_rows, total, (model_type, tokenizer_dir), log, ranks)
+        return _train(cfg, run, case, rows, eval_rows, total, tokenizer_dir, log, ranks)
     finally:
         if run is not None:
             run.close()
@@ -125,7 +124,7 @@ def _silent(line: str) -> None:
     """The log of a rank other than 0: rank 0 speaks for the run."""
 
 
-def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: int, export: tuple, log,
+def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: int, tokenizer_dir: str | None, log,
            ranks: Ranks | None) -> int:
     """The run in --out (run None: a rank other than 0, which takes rank 0's decisions and writes nothing)."""
     out, report = Path(cfg.out), log
@@ -178,7 +177,7 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
             return 0
         t0 = time.perf_counter()
         with _writing(out / "hf", progress, out):
-            _export(system, case, out / "hf", export, {"step": progress.step, "run_id": run_id})
+            _export(system, case, out / "hf", tokenizer_dir, {"step": progress.step, "run_id": run_id})
         memory.update(export_s=time.perf_counter() - t0, host_peak_gib_exported=peak_host_rss_gib())
         with _writing(out / "memory.json", progress, out):
             (out / "memory.json").write_text(json.dumps(memory, indent=1) + "\n")
@@ -315,12 +314,11 @@ def _exported_step(out: Path) -> int | None:
     return json.loads(path.read_text())["step"] if path.exists() else None
 
 
-def _export(system, case: CaseConfig, hf_dir: Path, export: tuple, provenance: dict) -> None:
+def _export(system, case: CaseConfig, hf_dir: Path, tokenizer_dir: str | None, provenance: dict) -> None:
     """The weights as a Hugging Face checkpoint with the tokenizer files, written aside and swapped in whole."""
-    model_type, tokenizer_dir = export
     dtype = case.torch_dtype
     with written_aside(hf_dir) as tmp:
-        save_hf_checkpoint(system.export_weights(), case.model_config(), tmp, model_type=model_type,
+        save_hf_checkpoint(system.export_weights(), case.model_config(), tmp,
                            max_shard_bytes=EXPORT_SHARD_BYTES, dtype=dtype)
         for name in TOKENIZER_FILES if tokenizer_dir else ():
             if (Path(tokenizer_dir) / name).exists():

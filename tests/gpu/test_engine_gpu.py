@@ -11,9 +11,11 @@ Needs CUDA; about 8 minutes on one H100 or H200, every check recorded where MEGA
    (option stream_stress=SEED), several seeds, and the same result as without the delays: a missing cross-stream
    wait then breaks parity every time (before the fixes: 5e-3 to 0.6 of a tensor's largest magnitude).
 3. PyTorch's CUDA stream sanitizer (TORCH_CUDA_SANITIZER=1, in a subprocess) over a few steps of every option, bf16,
-   both precisions, eager (it sees only kernels launched through the dispatcher, not Inductor's).
-4. bf16 loss curves on a repeated batch, two shapes: per step within 3x native's own run-to-run spread plus 1% of
-   the loss, in both precisions and every option; the loss never rises where native's falls.
+   both precisions, eager (it sees only kernels launched through the dispatcher, not Inductor's; sliding windows
+   through dense masks, as it cannot dispatch FlexAttention).
+4. bf16 loss curves on a repeated batch, four shapes: per step within 3x native's own run-to-run spread plus 1% of
+   the loss (and 1e-4: a batch learnt by heart), in both precisions and every option; the loss never rises where
+   native's falls.
 5. A NaN gradient skips the update on the GPU too: weights, moments and step counts untouched.
 """
 
@@ -63,6 +65,9 @@ FP32_SETS = {
     "recompute-2-inputs": ({}, {"recompute_inputs": 2}),
     "recompute-1-offload-1-tied": ({"model": "tiny-tied", "num_layers": 3}, {"recompute_inputs": 1,
                                                                             "offload_activations": 1}),
+    # the families' additions: Qwen3's q/k norms and YaRN; sliding-window layers (FlexAttention block masks)
+    "qwen3": ({"model": "tiny-qwen3", "num_layers": 3}, {}),
+    "sliding": ({"model": "tiny-sliding", "num_layers": 3}, {}),
 }
 STRESS_SETS = ["compiled", "tied", "resident-embedding-2-layers", "offload-activations", "offload-first-2-layers",
                "offload-mlp-chunks-1-resident-eager", "recompute-2-inputs", "recompute-1-offload-1-tied"]
@@ -156,6 +161,8 @@ SANITIZER_SETS = {
     "offload-first-2-layers": ({}, {"offload_activations": 2}),
     "recompute-1-offload-1-mlp-chunks": ({}, {"recompute_inputs": 1, "offload_activations": 1, "mlp_chunk_tokens": 64}),
     "recompute-2-1-resident": ({}, {"recompute_inputs": 2, "resident_layers": 1}),
+    "qwen3": ({"model": "tiny-qwen3"}, {}),
+    "sliding": ({"model": "tiny-sliding"}, {}),
 }
 _SANITIZED_RUNS = """
 import json, sys
@@ -175,7 +182,9 @@ def test_cuda_stream_sanitizer_finds_no_unsynchronised_access(precision, check):
         cases[name] = {**SANITIZER_BASE, **fields, "system": "megatrain", "precision": precision,
                        "options": {**STREAMED, **options}}
     proc = subprocess.run([sys.executable, "-c", _SANITIZED_RUNS, json.dumps(cases)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "TORCH_CUDA_SANITIZER": "1"})
+                          text=True, timeout=600,
+                          # the sanitizer has no rule for FlexAttention: sliding layers take the dense masks
+                          env={**os.environ, "TORCH_CUDA_SANITIZER": "1", "MEGATRAIN_DENSE_MASKS": "1"})
     runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     check.update(precision=precision, sets=cases, runs=runs, returncode=proc.returncode,
                  stderr_tail=proc.stderr[-3000:])
@@ -188,11 +197,14 @@ def test_cuda_stream_sanitizer_finds_no_unsynchronised_access(precision, check):
 
 # ---- 4: bf16 loss curves ------------------------------------------------------------------------------------------
 CURVE_STEPS = 16
+LOSS_FLOOR = 1e-4
 CURVE_SHAPES = {
     "qwen2.5-0.5b-b8-s1024": dict(model="qwen2.5-0.5b", batch=8, seq=1024),
     "small-b8-mb4-s512": dict(model="small", batch=8, micro_batch=4, seq=512),
     # long context: 10 steps of one 32k-token sequence
     "qwen2.5-1.5b-b1-s32768": dict(model="qwen2.5-1.5b", batch=1, seq=32768, steps=10),
+    # Llama 3.1's 8B width and llama3 RoPE scaling, 4 of its 32 layers
+    "llama3.1-8b-4l-b4-s1024": dict(model="llama3.1-8b", num_layers=4, batch=4, seq=1024),
 }
 # the long-context options together: 8 of 28 inputs recomputed, the next 8 offloaded, SwiGLU in 4k-token chunks
 LONG_CONTEXT = {"recompute_inputs": 8, "offload_activations": 8, "mlp_chunk_tokens": 4096}
@@ -219,7 +231,8 @@ CURVE_SETS = {
 CURVE_CASES = [("qwen2.5-0.5b-b8-s1024", name) for name in CURVE_SETS if "long-context" not in name] + [
     ("small-b8-mb4-s512", name) for name in ("mixed", "bf16", "mixed-offload-activations", "mixed-resident-by-plan",
                                              "bf16-offload-stress")] + [
-    ("qwen2.5-1.5b-b1-s32768", name) for name in ("mixed", "bf16", "mixed-long-context", "bf16-long-context")]
+    ("qwen2.5-1.5b-b1-s32768", name) for name in ("mixed", "bf16", "mixed-long-context", "bf16-long-context")] + [
+    ("llama3.1-8b-4l-b4-s1024", name) for name in ("mixed", "bf16", "bf16-offload-stress")]
 _native_curves: dict[tuple[str, str], list[list[float]]] = {}
 
 
@@ -241,7 +254,9 @@ def test_bf16_loss_curve_tracks_native(shape, name, check):
     ref, again = (torch.tensor(c, dtype=torch.float64) for c in _native_curves[shape, precision])
     ours = torch.tensor(_curve("megatrain", shape, precision, fields, options), dtype=torch.float64)
     spread = (again - ref).abs()
-    tol = 3 * spread + 0.01 * ref.abs()
+    # a batch learnt by heart (the 8B width does it in 3 steps) has losses of 1e-5 whose bf16 logits give them no
+    # relative precision: 1e-4 absolute is their floor
+    tol = 3 * spread + 0.01 * ref.abs() + LOSS_FLOOR
     excess = ((ours - ref).abs() - tol).max().item()
     native_falls = (ref[1:] < ref[:-1]) & (again[1:] < again[:-1])
     rises = [i + 1 for i in range(len(ours) - 1)

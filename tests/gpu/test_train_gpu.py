@@ -8,8 +8,8 @@ about a minute: pytest tests/gpu/test_train_gpu.py -m gpu (records as tests/gpu/
    restarting per document), eager and with the engine's compiled layer template.
 2. bf16, both precisions, plan-chosen residency under stream delays: Ctrl-C at step 5, resume, and the run is bitwise
    the uninterrupted one (losses and exported weights).
-3. The GPU's sparse document mask (a FlexAttention BlockMask) against the CPU's dense boolean mask through SDPA: one
-   attention block, fp32, forward and backward, to 1e-5 of the largest magnitude.
+3. The GPU's sparse document mask (a FlexAttention BlockMask) against the CPU's dense boolean mask through SDPA, alone
+   and under a sliding window: one attention block, fp32, forward and backward, to 1e-5 of the largest magnitude.
 4. DeepSpeed ZeRO-3 and FSDP2 offload under `train` (fp32, each in a fresh process): losses and held-out losses
    against native (1e-4, as tests/gpu/test_baselines_gpu.py), and Ctrl-C at step 5 then resume through the system's own
    checkpoint API continues the uninterrupted run (losses to 1e-6; whether bitwise is recorded).
@@ -20,8 +20,10 @@ import torch
 from train_helpers import hf_model, interrupt_at_step, metrics, pretokenized, run_train, train_any
 
 from megatrain.cli import main
+from megatrain.models.masks import FULL, SLIDING, rope_and_masks
 from megatrain.models.registry import get_model_config
-from megatrain.models.transformer import Attention, packed_rope_and_mask, rotary_tables
+from megatrain.models.rope import rotary_tables
+from megatrain.models.transformer import Attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
 transformers = pytest.importorskip("transformers")
@@ -31,13 +33,17 @@ FP32_SETS = {"streamed-stress": ["--option", "resident_embedding=false", "--opti
              "resident-stress": ["--option", "resident_embedding=true", "--option", "resident_layers=1",
                                  "--option", "stream_stress=4"],
              "packed-stress": ["--option", "resident_layers=0", "--option", "stream_stress=6"],
-             "packed-compiled-stress": ["--compile", "--option", "resident_layers=0", "--option", "stream_stress=7"]}
-VARIED = {"packed-stress", "packed-compiled-stress"}  # documents of varied length, packed with document masks
+             "packed-compiled-stress": ["--compile", "--option", "resident_layers=0", "--option", "stream_stress=7"],
+             "packed-qwen3-yarn-sliding-stress": ["--option", "resident_layers=0", "--option", "stream_stress=8"]}
+VARIED = {"packed-stress", "packed-compiled-stress", "packed-qwen3-yarn-sliding-stress"}  # documents of varied
+# length, packed with document masks
+KINDS = {"packed-qwen3-yarn-sliding-stress": "qwen3-yarn-sliding"}  # the model family of a set (default qwen2)
 
 
 @pytest.mark.parametrize("name", FP32_SETS)
 def test_scheduled_training_matches_native_on_gpu(tmp_path, name, check):
-    init, data = hf_model("qwen2", tmp_path / "init"), pretokenized(tmp_path / "data.jsonl", varied=name in VARIED)
+    init = hf_model(KINDS.get(name, "qwen2"), tmp_path / "init")
+    data = pretokenized(tmp_path / "data.jsonl", varied=name in VARIED)
     held_out = ["--eval-data", str(pretokenized(tmp_path / "eval.jsonl", rows=6, seed=2)), "--eval-every", "3"]
     assert run_train(init, data, tmp_path / "native", system="native", device="cuda", extra=held_out) == 0
     assert run_train(init, data, tmp_path / "ours", device="cuda", extra=FP32_SETS[name] + held_out) == 0
@@ -94,16 +100,20 @@ def test_offload_baselines_train_and_resume_through_their_own_checkpoints_on_gpu
     assert vs_native <= 1e-4 and resumed <= 1e-6 and weights <= 1e-6
 
 
-def test_the_sparse_document_mask_equals_the_dense_one_on_gpu(check):
+@pytest.mark.parametrize("window", [0, 96])
+def test_the_sparse_document_mask_equals_the_dense_one_on_gpu(window, check):
+    """Documents alone, and documents under a sliding window (both longer and shorter than the window)."""
     cfg = get_model_config("tiny")
+    kind, types = (SLIDING, (SLIDING,)) if window else (FULL, ())
     torch.manual_seed(0)
     attn = Attention(cfg).cuda()
     b, s = 2, 700  # not a multiple of the 128-token block
     segments = torch.zeros(b, s, dtype=torch.long)
     segments[0, 100:], segments[0, 250:], segments[0, 600:], segments[1, 37:] = 1, 2, 3, 1
     cos, sin = rotary_tables(cfg, s, torch.device("cuda"), torch.float32)
-    cos_f, sin_f, sparse = packed_rope_and_mask(cos, sin, segments.cuda())
-    cos_d, sin_d, dense = packed_rope_and_mask(cos.cpu(), sin.cpu(), segments)
+    cos_f, sin_f, sparse = rope_and_masks(cos, sin, segments.cuda(), torch.device("cuda"), window, types)
+    cos_d, sin_d, dense = rope_and_masks(cos.cpu(), sin.cpu(), segments, torch.device("cpu"), window, types)
+    sparse, dense = sparse[kind], dense[kind]
     assert type(sparse).__name__ == "BlockMask" and dense.dtype == torch.bool
     x = torch.randn(b, s, cfg.hidden_size, device="cuda")
     grad_out = torch.randn_like(x)
@@ -114,6 +124,7 @@ def test_the_sparse_document_mask_equals_the_dense_one_on_gpu(check):
         grads = torch.autograd.grad(out, (xi, attn.q_proj.weight, attn.v_proj.weight), grad_out)
         results.append((out.detach(), *grads))
     rel = [float((a - d).abs().max() / d.abs().max()) for a, d in zip(*results, strict=True)]
-    check.update(names=["output", "grad_x", "grad_q_proj", "grad_v_proj"], worst_rel_to_max=rel, tolerance=1e-5,
+    check.update(window=window, names=["output", "grad_x", "grad_q_proj", "grad_v_proj"], worst_rel_to_max=rel,
+                 tolerance=1e-5,
                  sparsity_pct=float(sparse.sparsity()))
     assert max(rel) <= 1e-5

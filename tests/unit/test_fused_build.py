@@ -47,3 +47,24 @@ def test_a_builder_killed_mid_build_does_not_hang_the_next_load(tmp_path, monkey
     (build_dir / "lock").touch()  # a builder killed after the build: the next load neither hangs nor rebuilds
     again = _load(timeout_s=60)
     assert (again.returncode, again.stderr) == (0, "")
+
+
+def test_loading_leaves_the_build_directory_where_it_was(tmp_path, monkeypatch):
+    """torch's load() appends its libraries to the flag lists it is given; the key must not follow them (it did,
+    and a process that had loaded the kernel looked for it in another directory than a fresh one)."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    def load(name, sources, build_directory, extra_cflags, extra_ldflags, verbose):
+        extra_cflags.append("-fPIC")
+        extra_ldflags += ["-ltorch"]  # as torch does
+        return object()
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", load)
+    fused._module.cache_clear()
+    try:
+        before = fused.build_directory()
+        assert fused.available()
+        assert fused.build_directory() == before
+    finally:
+        fused._module.cache_clear()

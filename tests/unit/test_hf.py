@@ -1,4 +1,5 @@
-"""HF checkpoint load/save vs transformers' own Qwen2/Llama. CPU only, seconds: pytest tests/unit/test_hf.py"""
+"""HF checkpoint load/save vs transformers' own model of every family and RoPE scaling. CPU only, seconds:
+pytest tests/unit/test_hf.py"""
 
 import json
 
@@ -6,6 +7,8 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+
+from families import KINDS, ORIGINAL, family_config  # noqa: E402
 
 from megatrain.models import Transformer, get_model_config  # noqa: E402
 from megatrain.models.hf import (  # noqa: E402
@@ -18,6 +21,7 @@ from megatrain.models.hf import (  # noqa: E402
     save_hf_checkpoint,
 )
 from megatrain.models.init import init_module  # noqa: E402
+from megatrain.models.rope import RopeScaling  # noqa: E402
 
 VOCAB, SEQ = 128, 32
 SMALL_SHARD_BYTES = 20_000  # the 32 KiB embedding alone exceeds it: many shards
@@ -41,18 +45,13 @@ LLAMA3_8B = {
 }
 
 
-def hf_model(model_type: str, tied: bool, seed: int = 0):
-    """A tiny random fp32 transformers model whose norms and biases are random too (no identity maps)."""
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
-                  num_key_value_heads=2, tie_word_embeddings=tied, attn_implementation="eager")
-    if model_type == "qwen2":
-        config = transformers.Qwen2Config(num_hidden_layers=2, rms_norm_eps=1e-6,
-                                          rope_parameters={"rope_type": "default", "rope_theta": 1e6}, **common)
-        model = transformers.Qwen2ForCausalLM(config)
-    else:
-        config = transformers.LlamaConfig(num_hidden_layers=3, rms_norm_eps=1e-5,
-                                          rope_parameters={"rope_type": "default", "rope_theta": 5e5}, **common)
-        model = transformers.LlamaForCausalLM(config)
+def hf_model(kind: str, tied: bool, seed: int = 0, layers: int = 3):
+    """A tiny random fp32 transformers model of `kind` (families.KINDS) whose norms and biases are random too (no
+    identity maps)."""
+    config = family_config(kind, vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                           num_key_value_heads=2, num_hidden_layers=layers, tie_word_embeddings=tied,
+                           max_position_embeddings=4 * SEQ, rms_norm_eps=1e-5)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -61,35 +60,40 @@ def hf_model(model_type: str, tied: bool, seed: int = 0):
     return model.eval()
 
 
-def assert_same_logits(hf, ours, vocab_size: int) -> None:
-    tokens = torch.randint(0, vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(1))
+def assert_same_logits(hf, ours, vocab_size: int, seq: int = SEQ) -> None:
+    tokens = torch.randint(0, vocab_size, (2, seq), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         diff = (hf(input_ids=tokens).logits - ours(tokens)).abs().max().item()
     assert diff < 1e-5
 
 
-@pytest.mark.parametrize("model_type,tied,sharded", [
-    ("qwen2", False, False), ("qwen2", True, True), ("llama", False, True), ("llama", True, False)])
-def test_load_transformers_checkpoint(tmp_path, model_type, tied, sharded):
-    hf = hf_model(model_type, tied)
+@pytest.mark.parametrize("kind,tied,sharded", [
+    ("qwen2", False, False), ("qwen2", True, True), ("llama", False, True), ("llama", True, False),
+    *[(kind, False, False) for kind in KINDS[2:]]])
+def test_load_transformers_checkpoint(tmp_path, kind, tied, sharded):
+    """Logits at 4x the original context of the scaled kinds (and past every sliding window) equal transformers'."""
+    hf = hf_model(kind, tied)
     hf.save_pretrained(tmp_path, max_shard_size=SMALL_SHARD_BYTES if sharded else "1GB")
     assert (tmp_path / (INDEX_FILE if sharded else SINGLE_FILE)).exists()
 
     cfg, state = load_hf_checkpoint(tmp_path)
-    assert cfg.tie_embeddings == tied and cfg.qkv_bias == (model_type == "qwen2")
+    assert cfg.family == hf.config.model_type and cfg.tie_embeddings == tied
     assert ("lm_head.weight" in state) == (not tied)
     ours = Transformer(cfg).eval()
     load_into_model(ours, state)
-    assert_same_logits(hf, ours, VOCAB)
+    assert_same_logits(hf, ours, VOCAB, seq=4 * ORIGINAL)
 
 
-@pytest.mark.parametrize("name,model_type,max_shard_bytes", [
-    ("tiny", "qwen2", 5 * 2**30), ("tiny", "qwen2", SMALL_SHARD_BYTES), ("tiny-tied", "llama", SMALL_SHARD_BYTES)])
-def test_transformers_loads_our_checkpoint(tmp_path, name, model_type, max_shard_bytes):
-    cfg = get_model_config(name)
+@pytest.mark.parametrize("name,max_shard_bytes", [
+    ("tiny", 5 * 2**30), ("tiny", SMALL_SHARD_BYTES), ("tiny-tied", SMALL_SHARD_BYTES),
+    *[(kind, 5 * 2**30) for kind in KINDS]])
+def test_transformers_loads_our_checkpoint(tmp_path, name, max_shard_bytes):
+    """Our export of a registry shape or of each family's config loads in transformers as the same architecture,
+    every parameter and the logits the same."""
+    cfg = config_from_hf(hf_model(name, tied=False).config.to_dict()) if name in KINDS else get_model_config(name)
     ours = Transformer(cfg).eval()
     init_module(ours, seed=3)
-    files = save_hf_checkpoint(ours, cfg, tmp_path, model_type, max_shard_bytes=max_shard_bytes)
+    files = save_hf_checkpoint(ours, cfg, tmp_path, max_shard_bytes=max_shard_bytes)
     if len(files) > 1:
         assert files[0].name == f"model-00001-of-{len(files):05d}.safetensors"
         index = json.loads((tmp_path / INDEX_FILE).read_text())
@@ -99,9 +103,9 @@ def test_transformers_loads_our_checkpoint(tmp_path, name, model_type, max_shard
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
                                                            attn_implementation="eager").eval()
-    assert type(hf).__name__ == {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[model_type]
+    assert hf.config.model_type == cfg.family and config_from_hf(hf.config.to_dict()) == cfg
     assert sum(p.numel() for p in hf.parameters()) == cfg.num_params()
-    assert_same_logits(hf, ours, cfg.vocab_size)
+    assert_same_logits(hf, ours, cfg.vocab_size, seq=4 * ORIGINAL)
 
 
 def test_save_from_plain_dict_in_bf16_round_trips(tmp_path):
@@ -114,7 +118,7 @@ def test_save_from_plain_dict_in_bf16_round_trips(tmp_path):
     for name, p in model.named_parameters():
         host_tiles[name] = flat[offset:offset + p.numel()].view(p.shape)
         offset += p.numel()
-    save_hf_checkpoint(host_tiles, cfg, tmp_path, "qwen2", max_shard_bytes=SMALL_SHARD_BYTES, dtype=torch.bfloat16)
+    save_hf_checkpoint(host_tiles, cfg, tmp_path, max_shard_bytes=SMALL_SHARD_BYTES, dtype=torch.bfloat16)
     assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
     loaded_cfg, state = load_hf_checkpoint(tmp_path)
@@ -132,7 +136,7 @@ def test_saving_over_an_old_checkpoint_leaves_no_stale_weights(tmp_path):
     for seed, max_shard_bytes in [(0, SMALL_SHARD_BYTES), (1, 5 * 2**30), (2, SMALL_SHARD_BYTES)]:
         model = Transformer(cfg)
         init_module(model, seed=seed)
-        save_hf_checkpoint(model, cfg, tmp_path, "qwen2", max_shard_bytes=max_shard_bytes)
+        save_hf_checkpoint(model, cfg, tmp_path, max_shard_bytes=max_shard_bytes)
         sharded = max_shard_bytes == SMALL_SHARD_BYTES
         assert (tmp_path / SINGLE_FILE).exists() != sharded and (tmp_path / INDEX_FILE).exists() == sharded
         _, state = load_hf_checkpoint(tmp_path)
@@ -153,7 +157,7 @@ def test_tied_checkpoint_that_stores_the_head_and_untied_one_without_it(tmp_path
     cfg = get_model_config("tiny-tied")
     model = Transformer(cfg)
     init_module(model, seed=0)
-    save_hf_checkpoint(model, cfg, tmp_path, "llama")
+    save_hf_checkpoint(model, cfg, tmp_path)
     # A tied checkpoint that also stores lm_head.weight: the head is ignored, as transformers does.
     from safetensors.torch import load_file, save_file
     tensors = load_file(tmp_path / SINGLE_FILE)
@@ -179,48 +183,91 @@ def test_load_into_model_is_strict():
         load_into_model(model, state)
 
 
-@pytest.mark.parametrize("hf_config,name", [(QWEN25_05B, "qwen2.5-0.5b"), (LLAMA3_8B, "llama3-8b")])
+LLAMA31_8B = LLAMA3_8B | {"max_position_embeddings": 131072, "rope_scaling": {
+    "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+    "rope_type": "llama3"}}
+QWEN3_8B = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 12288, "max_position_embeddings": 40960, "max_window_layers": 36, "model_type": "qwen3",
+    "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+MISTRAL_7B_V01 = {
+    "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 32768,
+    "model_type": "mistral", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "transformers_version": "4.34.0.dev0", "use_cache": True, "vocab_size": 32000,
+}
+
+
+@pytest.mark.parametrize("hf_config,name", [(QWEN25_05B, "qwen2.5-0.5b"), (LLAMA3_8B, "llama3-8b"),
+                                            (LLAMA31_8B, "llama3.1-8b"), (QWEN3_8B, "qwen3-8b"),
+                                            (MISTRAL_7B_V01, "mistral-7b-v0.1")])
 def test_published_configs_map_to_registry(hf_config, name):
     assert config_from_hf(hf_config) == get_model_config(name)
 
 
-@pytest.mark.parametrize("name,model_type", [("tiny", "qwen2"), ("tiny-tied", "llama"), ("qwen2.5-7b", "qwen2"),
-                                             ("llama3-70b", "llama")])
-def test_config_round_trips_through_transformers(name, model_type):
+@pytest.mark.parametrize("name", ["tiny", "tiny-tied", "qwen2.5-7b", "llama3-70b", "llama3.1-8b", "llama3.2-1b",
+                                  "qwen3-8b", "mistral-7b-v0.1", "mistral-7b-v0.3"])
+def test_config_round_trips_through_transformers(name):
     cfg = get_model_config(name)
-    hf = transformers.AutoConfig.for_model(**config_to_hf(cfg, model_type, torch.bfloat16))
+    hf = transformers.AutoConfig.for_model(**config_to_hf(cfg, torch.bfloat16))
     assert hf.dtype == torch.bfloat16
     assert config_from_hf(hf.to_dict()) == cfg
 
 
+def test_transformers_4_layouts_read_as_5():
+    """4.x's rope_scaling with `type`, and a top-level original_max_position_embeddings, mean what 5.x reads."""
+    yarn4 = QWEN25_05B | {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    assert config_from_hf(yarn4).rope_scaling == RopeScaling("yarn", 4.0, original_max_positions=32768)
+    top = LLAMA31_8B | {"original_max_position_embeddings": 4096}
+    assert config_from_hf(top).rope_scaling.original_max_positions == 4096
+    sliding = QWEN25_05B | {"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 20}
+    cfg = config_from_hf(sliding)
+    assert cfg.sliding_window == 4096 and [cfg.layer_type(n) for n in (19, 20)] == ["full_attention",
+                                                                                     "sliding_attention"]
+    assert config_from_hf(QWEN25_05B | {"sliding_window": 4096}).sliding_window == 0  # not used: not sliding
+
+
 @pytest.mark.parametrize("change,message", [
-    ({"model_type": "mistral"}, "model_type 'mistral' is not supported"),
+    ({"model_type": "gemma"}, "model_type 'gemma' is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling=.* is not supported"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "rope_type 'yarn'"),
-    ({"use_sliding_window": True}, "use_sliding_window=true is not supported"),
-    ({"layer_types": ["full_attention", "sliding_attention"]}, r"layer_types \['sliding_attention'\]"),
+    ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "rope_type 'longrope' is not supported"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6, "beta_fast": 8}},
+     r"\['beta_fast'\] are not used by rope_type 'linear'"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor=0.5"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6}},
+      "layer_types": ["full_attention"] * 2}, "per-layer rope_parameters"),
+    ({"layer_types": ["full_attention", "chunked_attention"]}, r"layer_types \['chunked_attention'\]"),
+    ({"mlp_bias": True}, "mlp_bias=true is not part of qwen2"),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e6}}, "needs a factor"),
 ])
-def test_unsupported_qwen2_configs_are_refused(change, message):
+def test_unsupported_configs_are_refused_by_name(change, message):
     hf = transformers.Qwen2Config(num_hidden_layers=2).to_dict() | change
     with pytest.raises(ValueError, match=message):
         config_from_hf(hf)
 
 
-@pytest.mark.parametrize("change,message", [
-    ({"mlp_bias": True}, "mlp_bias=true is not supported"),
-    ({"attention_bias": True}, "o_proj bias"),
-    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}}, "rope_type 'llama3'"),
+@pytest.mark.parametrize("config,change,message", [
+    (transformers.LlamaConfig, {"layer_types": ["sliding_attention"] * 2, "sliding_window": 4}, "no sliding-window"),
+    (transformers.MistralConfig, {"layer_types": ["full_attention", "sliding_attention"]}, "as Ministral"),
+    (transformers.MistralConfig, {"attention_bias": True}, "attention_bias=true is not part of mistral"),
+    (transformers.Qwen3Config, {"use_sliding_window": True, "sliding_window": None,
+                                "layer_types": ["sliding_attention"] * 2}, "has no sliding_window"),
 ])
-def test_unsupported_llama_configs_are_refused(change, message):
+def test_unsupported_family_settings_are_refused(config, change, message):
     with pytest.raises(ValueError, match=message):
-        config_from_hf(transformers.LlamaConfig(num_hidden_layers=2).to_dict() | change)
+        config_from_hf(config(num_hidden_layers=2).to_dict() | change)
 
 
-def test_config_to_hf_refuses_bias_mismatch():
-    with pytest.raises(ValueError, match="model_type='llama'"):
-        config_to_hf(get_model_config("tiny-tied"), "qwen2")
-    with pytest.raises(ValueError, match="saves as 'qwen2'"):
-        config_to_hf(get_model_config("tiny"), "llama")
-    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
-        config_to_hf(get_model_config("tiny"), "gpt2")
+def test_a_shape_its_family_cannot_hold_is_refused():
+    with pytest.raises(ValueError, match="a qwen2 model cannot have {'qkv_bias': False}"):
+        get_model_config("tiny").__class__(**{**get_model_config("tiny").to_dict(), "qkv_bias": False,
+                                              "family": "qwen2"})
+    with pytest.raises(ValueError, match="model family 'gpt2' is not supported"):
+        get_model_config("tiny").__class__(**{**get_model_config("tiny").to_dict(), "family": "gpt2"})
