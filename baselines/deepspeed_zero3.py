@@ -118,7 +118,7 @@ def _init_units(model: Transformer):
 def _zero3_param_groups(model: Transformer, optim) -> list[dict]:
     """Our AdamW decay groups, decided on the full shapes: a ZeRO-3 parameter's own tensor is an empty 1-D stub,
     so grouping by p.ndim would put every matrix in the no-decay group."""
-    return adamw_param_groups(model.parameters(), optim, shape_of=lambda p: p.ds_shape)
+    return adamw_param_groups(model.named_parameters(), optim, shape_of=lambda p: p.ds_shape)
 
 
 def _compile_layers_under_zero3(model: Transformer) -> None:

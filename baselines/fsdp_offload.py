@@ -108,7 +108,7 @@ class FSDPSystem:
         self.model.to_empty(device="cpu")
         for name, p in self.model.named_parameters():
             init_param(name, p.to_local(), case.seed, device=self.device)
-        self.optimizer = torch_adamw(self.model.parameters(), case.optim, fused=True)
+        self.optimizer = torch_adamw(self.model.named_parameters(), case.optim, fused=True)
         self.skipped_steps = 0
         self.last_grad_norm = float("nan")
 

@@ -74,7 +74,7 @@ class NativeSystem:
         if case.compile:
             compile_layers(self.model)
         self.autocast = case.precision == "mixed" and self.dtype != torch.float32
-        self.optimizer = torch_adamw(self.model.parameters(), case.optim, fused=True)
+        self.optimizer = torch_adamw(self.model.named_parameters(), case.optim, fused=True)
         self.ckpt = ckpt
         self.skipped_steps = 0
         self.last_grad_norm = float("nan")

@@ -7,7 +7,9 @@ original contexts of 8 positions, so 16- and 32-token sequences run past both.
 import transformers
 
 KINDS = ("qwen2", "llama", "llama3.1", "llama-bias-linear", "llama-dynamic", "qwen2-yarn", "qwen2-sliding", "qwen3",
-         "qwen3-yarn-sliding", "mistral")
+         "qwen3-yarn-sliding", "mistral", "qwen3-moe", "gpt-oss")
+MOE_KINDS = ("qwen3-moe", "gpt-oss")
+EXPERTS, TOP_K = 4, 2
 WINDOW, ORIGINAL = 5, 8
 
 
@@ -46,4 +48,14 @@ def family_config(kind: str, **shape) -> transformers.PretrainedConfig:
     if kind == "mistral":
         return transformers.MistralConfig(**shape, sliding_window=WINDOW,
                                           rope_parameters={"rope_type": "default", **theta})
+    if kind == "qwen3-moe":  # softmax over every expert, then the top-k unnormalised
+        return transformers.Qwen3MoeConfig(**shape, head_dim=16, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                                           moe_intermediate_size=32, norm_topk_prob=False,
+                                           rope_parameters={"rope_type": "default", **theta})
+    if kind == "gpt-oss":  # sinks, alternating windows, YaRN, router and expert biases, the clamped SwiGLU
+        return transformers.GptOssConfig(**shape, head_dim=16, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                                         sliding_window=WINDOW, rope_parameters={
+                                             "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                             "truncate": False, "original_max_position_embeddings": ORIGINAL,
+                                             **theta})
     raise AssertionError(kind)

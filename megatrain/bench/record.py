@@ -45,12 +45,13 @@ class Timing:
     step_times_s: list[float]  # every step, the untimed warmup too
     timed_steps: int
     tokens_per_s: float
-    tflops: float  # 6NT
+    tflops: float  # 6NT, N the parameters a token uses (a mixture of experts' routed ones: ModelConfig.active_params)
     tflops_no_embed: float
     hw_tflops: float
     paper_tflops: float
     gemm_peak_tflops: float | None
     mfu: float | None
+    tflops_all_experts: float | None = None  # a mixture of experts' 6NT with every expert in N, as some sources count
 
     @staticmethod
     def of(case: CaseConfig, step_times_s: list[float], gemm_peak_tflops: float | None = None,
@@ -67,10 +68,12 @@ class Timing:
             step_time_s=median, step_time_min_s=min(timed), step_time_max_s=max(timed),
             step_time_iqr_s=quartiles[2] - quartiles[0] if quartiles else 0.0, step_times_s=step_times_s,
             timed_steps=len(timed), tokens_per_s=case.tokens_per_step / median,
-            tflops=model_flops(cfg.num_params(), case.tokens_per_step) / median / 1e12,
+            tflops=model_flops(cfg.active_params(), case.tokens_per_step) / median / 1e12,
             tflops_no_embed=model_flops(cfg.matmul_params(), case.tokens_per_step) / median / 1e12, hw_tflops=hw,
             paper_tflops=paper_flops(cfg, case.batch, case.seq) / median / 1e12, gemm_peak_tflops=gemm_peak_tflops,
-            mfu=mfu(hw, gemm_peak_tflops))
+            mfu=mfu(hw, gemm_peak_tflops),
+            tflops_all_experts=model_flops(cfg.num_params(), case.tokens_per_step) / median / 1e12 if cfg.is_moe
+            else None)
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,8 @@ class Record:
         timing = dataclasses.asdict(self.timing) if self.timing else {}
         peaks = dataclasses.asdict(self.peaks) if self.peaks else {}
         head = {"status": self.status, "system": case.system, "model": case.model, "num_layers": cfg.num_layers,
-                "num_params": cfg.num_params(), "batch": case.batch, "micro_batch": case.micro_batch, "seq": case.seq,
+                "num_params": cfg.num_params(), "active_params": cfg.active_params(), "batch": case.batch,
+                "micro_batch": case.micro_batch, "seq": case.seq,
                 "precision": case.precision, "dtype": case.dtype, "tokens_per_step": case.tokens_per_step,
                 **{k: timing.pop(k, None) for k in ("step_time_s", "tokens_per_s", "tflops")},
                 **{k: peaks.pop(k, None) for k in ("peak_gpu_alloc_gib", "peak_host_rss_gib")},

@@ -49,10 +49,10 @@ class Unit:
 
 def _unit_params(prefix: str, named_shapes: list[tuple[str, tuple[int, ...]]]):
     """(slots with decayed matrices first, unit numel, decayed numel)."""
-    ordered = [p for p in named_shapes if decays(p[1])] + [p for p in named_shapes if not decays(p[1])]
+    ordered = [p for p in named_shapes if decays(*p)] + [p for p in named_shapes if not decays(*p)]
     slots, off, decay = [], 0, 0
     for local, shape in ordered:
-        slot = ParamSlot(prefix + local, local, shape, off, decays(shape))
+        slot = ParamSlot(prefix + local, local, shape, off, decays(local, shape))
         slots.append(slot)
         off += slot.numel
         if slot.decays:

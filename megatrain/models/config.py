@@ -9,12 +9,13 @@ from megatrain.models.masks import FULL, LAYER_TYPES, SLIDING
 from megatrain.models.rope import RopeScaling
 
 # The Hugging Face architectures the one model definition covers, and what each fixes of the flags below.
-FAMILIES = ("qwen2", "llama", "qwen3", "mistral")
+FAMILIES = ("qwen2", "llama", "qwen3", "mistral", "qwen3_moe", "gpt_oss")
+MOE_FAMILIES = ("qwen3_moe", "gpt_oss")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama/Qwen2/Qwen3/Mistral-style decoder.
+    """Shape of a Llama/Qwen2/Qwen3/Mistral-style decoder, or of a Qwen3-MoE/GPT-OSS mixture of experts.
 
     Attributes:
         family: the Hugging Face model_type the shape loads from and exports to (FAMILIES).
@@ -37,6 +38,19 @@ class ModelConfig:
             scales beyond it).
         sliding_window: window of sliding-attention layers in tokens; 0 when no layer slides.
         layer_types: per layer 'full_attention' or 'sliding_attention'; empty means every layer full.
+        num_experts: experts of each layer's mixture of experts (every layer's MLP is one); 0 for a dense model.
+        num_experts_per_tok: experts each token is routed to (top-k).
+        moe_intermediate_size: each expert's SwiGLU inner width (intermediate_size stays the config's dense width).
+        norm_topk_prob: the top-k routing weights are renormalised to sum to 1 (GPT-OSS always: its softmax is over
+            the top-k logits).
+        moe_bias: the router and the experts' projections have biases (GPT-OSS).
+        attention_sinks: a learned logit per head joins each query's softmax and takes its share of the weight, with
+            no value (GPT-OSS).
+        swiglu_limit: GPT-OSS's clamped SwiGLU, (clamp(up, -l, l) + 1) * g * sigmoid(alpha * g) with
+            g = clamp(gate, max=l); 0 for the plain silu(gate) * up.
+        swiglu_alpha: the alpha of that SwiGLU.
+        router_aux_loss_coef: weight of the router's load-balancing loss in the training loss; 0 when the config
+            does not ask for it (transformers' output_router_logits false).
     """
 
     vocab_size: int
@@ -58,6 +72,15 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     sliding_window: int = 0
     layer_types: tuple[str, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_bias: bool = False
+    attention_sinks: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 0.0
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # read back from a record or run.json
@@ -67,6 +90,7 @@ class ModelConfig:
             object.__setattr__(self, "family", "qwen2" if self.qkv_bias else "llama")
         self._check_family()
         self._check_attention_layers()
+        self._check_experts()
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model {name} must be >= 1, got {getattr(self, name)}")
@@ -88,11 +112,16 @@ class ModelConfig:
         if self.family not in FAMILIES:
             raise ValueError(f"model family {self.family!r} is not supported; supported: {', '.join(FAMILIES)}")
         # what each family's modeling code builds: a shape that no checkpoint of the family can hold is refused
+        dense = dict(num_experts=0, moe_bias=False, attention_sinks=False, swiglu_limit=0.0)
         rules = {
-            "qwen2": dict(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False),
-            "llama": dict(qkv_bias=self.o_bias, qk_norm=False),
-            "qwen3": dict(qkv_bias=self.o_bias, mlp_bias=False, qk_norm=True),
-            "mistral": dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False),
+            "qwen2": dict(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False, **dense),
+            "llama": dict(qkv_bias=self.o_bias, qk_norm=False, **dense),
+            "qwen3": dict(qkv_bias=self.o_bias, mlp_bias=False, qk_norm=True, **dense),
+            "mistral": dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False, **dense),
+            "qwen3_moe": dict(qkv_bias=self.o_bias, mlp_bias=False, qk_norm=True, moe_bias=False,
+                              attention_sinks=False, swiglu_limit=0.0),
+            "gpt_oss": dict(qkv_bias=True, o_bias=True, mlp_bias=False, qk_norm=False, moe_bias=True,
+                            attention_sinks=True, norm_topk_prob=True),
         }[self.family]
         wrong = {k: getattr(self, k) for k, v in rules.items() if getattr(self, k) != v}
         if wrong:
@@ -110,6 +139,24 @@ class ModelConfig:
                              "sliding layers need a window > 0, and a window needs sliding layers")
         if self.family == "llama" and self.sliding_window:
             raise ValueError("llama models have no sliding-window attention")
+
+    def _check_experts(self) -> None:
+        if self.family not in MOE_FAMILIES:
+            return
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"a {self.family} model routes each token to 1..num_experts experts; got "
+                             f"num_experts={self.num_experts}, num_experts_per_tok={self.num_experts_per_tok}")
+        if self.moe_intermediate_size < 1:
+            raise ValueError(f"moe_intermediate_size must be >= 1, got {self.moe_intermediate_size}")
+        if (self.family == "gpt_oss") != (self.swiglu_limit > 0) or self.swiglu_limit < 0:
+            raise ValueError(f"swiglu_limit={self.swiglu_limit}: GPT-OSS's clamped SwiGLU needs a limit > 0, "
+                             "the other families have none")
+        if self.router_aux_loss_coef < 0 or not math.isfinite(self.router_aux_loss_coef):
+            raise ValueError(f"router_aux_loss_coef must be a finite number >= 0, got {self.router_aux_loss_coef}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     def layer_type(self, layer: int) -> str:
         """The attention of decoder layer `layer` (0-based): 'full_attention' or 'sliding_attention'."""
@@ -137,12 +184,34 @@ class ModelConfig:
                 shapes[f"{name}.bias"] = (out,)
         if self.qk_norm:
             shapes.update({"self_attn.q_norm.weight": (self.head_dim,), "self_attn.k_norm.weight": (self.head_dim,)})
+        if self.attention_sinks:
+            shapes["self_attn.sinks"] = (self.num_heads,)
         shapes["post_attention_layernorm.weight"] = (h,)
+        if self.is_moe:
+            return {**shapes, **self.moe_shapes()}
         for name, out, inp in (("mlp.gate_proj", i, h), ("mlp.up_proj", i, h), ("mlp.down_proj", h, i)):
             shapes[f"{name}.weight"] = (out, inp)
             if self.mlp_bias:
                 shapes[f"{name}.bias"] = (out,)
         return shapes
+
+    def moe_shapes(self) -> dict[str, tuple[int, ...]]:
+        """A layer's router and experts (megatrain.models.moe.MoE): each expert's gate and up rows stacked ([E, 2I,
+        H], gate first) and its down projection ([E, H, I]), so one expert's weights are one contiguous slice."""
+        e, h, i = self.num_experts, self.hidden_size, self.moe_intermediate_size
+        shapes = {"mlp.router.weight": (e, h), "mlp.experts.gate_up_proj": (e, 2 * i, h),
+                  "mlp.experts.down_proj": (e, h, i)}
+        if self.moe_bias:
+            shapes.update({"mlp.router.bias": (e,), "mlp.experts.gate_up_proj_bias": (e, 2 * i),
+                           "mlp.experts.down_proj_bias": (e, h)})
+        return shapes
+
+    def expert_params(self) -> int:
+        """Parameters of one expert of one layer (its projections and their biases)."""
+        if not self.is_moe:
+            return 0
+        h, i = self.hidden_size, self.moe_intermediate_size
+        return 3 * i * h + (2 * i + h if self.moe_bias else 0)
 
     def embedding_shapes(self) -> dict[str, tuple[int, ...]]:
         return {"embed_tokens.weight": (self.vocab_size, self.hidden_size)}
@@ -170,18 +239,32 @@ class ModelConfig:
         return _numel(self.head_shapes())
 
     def num_params(self) -> int:
-        """Total parameters (tied embeddings counted once): what the training state holds. What a token computes
-        with is matmul_params."""
+        """Total parameters (tied embeddings counted once), every expert included: what the training state holds.
+        What a token computes with is active_params and matmul_params."""
         return self.embedding_params() + self.num_layers * self.layer_params() + self.head_params()
+
+    def unrouted_params(self) -> int:
+        """Per token, the parameters of the experts it is not routed to (0 for a dense model)."""
+        return self.num_layers * (self.num_experts - self.num_experts_per_tok) * self.expert_params()
+
+    def active_params(self) -> int:
+        """The parameters one token uses: all but the experts it is not routed to (num_params for a dense model;
+        GPT-OSS-120B: 5.1B of 117B). The records' TFLOPS count 6 x active_params x tokens."""
+        return self.num_params() - self.unrouted_params()
 
     def param_numels(self) -> list[int]:
         """Element counts of every parameter tensor of the model (tied embeddings once)."""
         return [math.prod(shape) for shape in self.param_shapes().values()]
 
     def layer_matmul_params(self) -> int:
-        """The matrices of one decoder layer: the parameters a token multiplies through (norms and biases do no
-        matmul)."""
-        return sum(math.prod(shape) for shape in self.layer_shapes().values() if len(shape) == 2)
+        """The matrices of one decoder layer a token multiplies through: attention, the dense MLP or the router and
+        the num_experts_per_tok experts it is routed to (norms, biases and sinks do no matmul)."""
+        if not self.is_moe:
+            return sum(math.prod(shape) for shape in self.layer_shapes().values() if len(shape) == 2)
+        attention = sum(math.prod(shape) for name, shape in self.layer_shapes().items()
+                        if name.startswith("self_attn.") and len(shape) == 2)
+        return attention + self.num_experts * self.hidden_size + \
+            self.num_experts_per_tok * 3 * self.moe_intermediate_size * self.hidden_size
 
     def head_matmul_params(self) -> int:
         """The LM head's matrix (the embedding's when tied)."""

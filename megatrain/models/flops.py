@@ -1,8 +1,10 @@
 """FLOP accounting, in one place for every system, table and report.
 
 - `model_flops`: 6 * num_params * tokens, the convention of the paper and its peers (the
-  headline 'TFLOPS' of every record). It counts the input embedding, which does no matmul when
-  untied (a lookup), and the norms and biases; the figure beside it ('tflops_no_embed') counts
+  headline 'TFLOPS' of every record), N the parameters a token uses (ModelConfig.active_params: a mixture of
+  experts counts the experts each token is routed to, not all of them; records put the all-experts figure beside).
+  It counts the input embedding, which does no matmul when untied (a lookup), and the norms and biases; the figure
+  beside it ('tflops_no_embed') counts
   6 * ModelConfig.matmul_params * tokens: the layers' matrices and the LM head.
 - `hardware_flops`: what the GPU actually executes: matmuls of the layers and the LM head (2 FLOPs
   per multiply-add), causal attention scores and weighted sums, backward at twice the forward, and

@@ -1,13 +1,19 @@
-"""Hugging Face Qwen2/Llama/Qwen3/Mistral checkpoints: config translation, sharded safetensors save and lazy load.
+"""Hugging Face Qwen2/Llama/Qwen3/Mistral/Qwen3-MoE/GPT-OSS checkpoints: config translation, sharded safetensors save
+and lazy load.
 
-Our parameter names are HF's without the `model.` prefix (`lm_head.weight` is the same in both), so
-translation is a prefix. Configs are read in both the transformers 4.x layout (rope_theta, rope_scaling) and the 5.x
+Our parameter names are HF's without the `model.` prefix (`lm_head.weight` is the same in both), so translation is a
+prefix, except for the experts: a layer's experts are two stacked tensors of ours ([E, 2I, H] gate rows then up rows,
+[E, H, I]), which Qwen3-MoE stores expert by expert (`experts.{e}.gate_proj.weight`, 5.x's fused [E, 2I, H] also
+read) under a router named `gate`, and GPT-OSS as [E, H, 2I] with gate and up columns interleaved and [E, I, H], in
+bf16 or as MXFP4 blocks (dequantized on load); exports are written in each family's published layout, bf16 experts
+for GPT-OSS. Configs are read in both the transformers 4.x layout (rope_theta, rope_scaling) and the 5.x
 one (rope_parameters) and written in both; a setting that needs code we do not have (another activation, partial or
 per-layer RoPE, longrope, ...) is refused by name, never approximated.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
@@ -17,19 +23,26 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megatrain.models.config import FAMILIES, ModelConfig
+from megatrain.models.config import FAMILIES, MOE_FAMILIES, ModelConfig
 from megatrain.models.masks import FULL, SLIDING
 from megatrain.models.rope import RopeScaling
 from megatrain.models.transformer import Transformer
 
 SUPPORTED_MODEL_TYPES = FAMILIES
 _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "mistral": "MistralForCausalLM"}
+                  "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 # transformers' defaults for keys a config.json may leave out (its config classes)
 _DEFAULTS = {"qwen2": dict(max_position_embeddings=32768, max_window_layers=28),
              "llama": dict(max_position_embeddings=2048),
              "qwen3": dict(max_position_embeddings=32768, max_window_layers=28, head_dim=128),
-             "mistral": dict(max_position_embeddings=131072, num_key_value_heads=8, sliding_window=4096)}
+             "mistral": dict(max_position_embeddings=131072, num_key_value_heads=8, sliding_window=4096),
+             "qwen3_moe": dict(max_position_embeddings=32768, num_key_value_heads=4, norm_topk_prob=False,
+                               router_aux_loss_coef=0.001),
+             "gpt_oss": dict(max_position_embeddings=131072, num_key_value_heads=8, head_dim=64, sliding_window=128,
+                             num_experts_per_tok=4, swiglu_limit=7.0, swiglu_alpha=1.702, router_aux_loss_coef=0.001,
+                             rms_norm_eps=1e-5, rope_theta=150000.0,
+                             rope=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                       original_max_position_embeddings=4096))}
 # the keys each RoPE scaling reads (transformers' modeling_rope_utils); another key is refused, not ignored
 _ROPE_KEYS = {"default": set(), "linear": {"factor"}, "dynamic": {"factor"},
               "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
@@ -88,6 +101,8 @@ def check_hf_checkpoint(path: str | Path) -> ModelConfig:
 def _rope_from_hf(hf: Mapping) -> tuple[float, RopeScaling | None]:
     """(theta, scaling) of a config: 5.x's rope_parameters or 4.x's rope_theta and rope_scaling."""
     params = dict(hf.get("rope_parameters") or {})
+    if not params and not hf.get("rope_scaling") and "rope" in _DEFAULTS.get(hf.get("model_type"), {}):
+        params = {**_DEFAULTS[hf["model_type"]]["rope"], "rope_theta": hf.get("rope_theta", 150000.0)}
     if any(isinstance(v, Mapping) for v in params.values()):
         raise ValueError(f"per-layer rope_parameters ({sorted(params)}) are not supported; one RoPE for every layer")
     legacy = dict(hf.get("rope_scaling") or {})
@@ -128,6 +143,14 @@ def _attention_layers(hf: Mapping, family: str, num_layers: int) -> tuple[int, t
     if family == "llama":
         if SLIDING in types:  # transformers' Llama would ignore them: refused rather than trained differently
             raise ValueError("llama models have no sliding-window attention; the config's layer_types ask for it")
+        window, types = 0, ()
+    elif family == "gpt_oss":  # transformers' default: even layers slide, odd ones attend fully
+        window = hf.get("sliding_window", defaults["sliding_window"]) or 0
+        types = types or tuple(SLIDING if n % 2 == 0 else FULL for n in range(num_layers))
+    elif family == "qwen3_moe":
+        if hf.get("use_sliding_window"):
+            raise ValueError("qwen3_moe with use_sliding_window=true is not supported (no released checkpoint uses "
+                             "it); set it false")
         window, types = 0, ()
     elif family == "mistral":
         if any(t != FULL for t in types):
@@ -173,7 +196,9 @@ def config_from_hf(hf: Mapping) -> ModelConfig:
     theta, scaling = _rope_from_hf(hf)
     defaults = _DEFAULTS[family]
     window, types = _attention_layers(hf, family, hf["num_hidden_layers"])
-    attention_bias = bool(hf.get("attention_bias", False))
+    attention_bias = bool(hf.get("attention_bias", family == "gpt_oss"))
+    if family == "gpt_oss" and not attention_bias:
+        raise ValueError("gpt_oss with attention_bias=false is not supported (every release has the biases)")
     return ModelConfig(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -185,16 +210,45 @@ def config_from_hf(hf: Mapping) -> ModelConfig:
         qkv_bias=family == "qwen2" or attention_bias,
         o_bias=attention_bias,
         mlp_bias=bool(hf.get("mlp_bias", False)),
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         rope_theta=theta,
         rope_scaling=scaling,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=float(hf.get("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6))),
         max_seq_len=hf.get("max_position_embeddings", defaults["max_position_embeddings"]),
         family=family,
         sliding_window=window,
         layer_types=types,
+        **(_experts_from_hf(hf, family) if family in MOE_FAMILIES else {}),
     )
+
+
+def _experts_from_hf(hf: Mapping, family: str) -> dict:
+    """The ModelConfig fields of a mixture of experts; layouts we do not build are refused by name."""
+    defaults = _DEFAULTS[family]
+    quant = hf.get("quantization_config") or {}
+    if quant and quant.get("quant_method") != "mxfp4":
+        raise ValueError(f"quantization_config {quant.get('quant_method')!r} is not supported; only GPT-OSS's mxfp4 "
+                         "experts (dequantized on load) or unquantized weights")
+    coef = float(hf.get("router_aux_loss_coef", defaults["router_aux_loss_coef"]))
+    fields = dict(num_experts_per_tok=hf.get("num_experts_per_tok", defaults.get("num_experts_per_tok", 0)),
+                  router_aux_loss_coef=coef if hf.get("output_router_logits") else 0.0)
+    if family == "gpt_oss":
+        return dict(fields, num_experts=hf.get("num_local_experts", 128), moe_intermediate_size=hf["intermediate_size"],
+                    norm_topk_prob=True, moe_bias=True, attention_sinks=True,
+                    swiglu_limit=float(hf.get("swiglu_limit", defaults["swiglu_limit"])),
+                    swiglu_alpha=float(hf.get("swiglu_alpha", defaults["swiglu_alpha"])))
+    if quant:
+        raise ValueError(f"{family} checkpoints with a quantization_config are not supported")
+    if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+        raise ValueError(f"dense MLP layers among the experts (mlp_only_layers={hf.get('mlp_only_layers')}, "
+                         f"decoder_sparse_step={hf.get('decoder_sparse_step')}) are not supported; every layer must "
+                         "be a mixture of experts")
+    experts = hf.get("num_experts", hf.get("num_local_experts", 128))
+    if not experts:
+        raise ValueError("qwen3_moe with num_experts=0 is a dense model: load it as model_type qwen3")
+    return dict(fields, num_experts=experts, moe_intermediate_size=hf.get("moe_intermediate_size", 768),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", defaults["norm_topk_prob"])))
 
 
 def _rope_to_hf(cfg: ModelConfig) -> dict:
@@ -256,8 +310,19 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
                   layer_types=types)
     if cfg.family == "mistral":
         hf["sliding_window"] = window
-    if cfg.family in ("llama", "qwen3"):
+    if cfg.family in ("llama", "qwen3", "qwen3_moe", "gpt_oss"):
         hf["attention_bias"] = cfg.o_bias
+    if cfg.is_moe:
+        hf.update(num_experts_per_tok=cfg.num_experts_per_tok, output_router_logits=cfg.router_aux_loss_coef > 0,
+                  router_aux_loss_coef=cfg.router_aux_loss_coef or 0.001)
+    if cfg.family == "qwen3_moe":
+        hf.update(num_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_intermediate_size,
+                  norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[],
+                  use_sliding_window=False, sliding_window=None)
+    if cfg.family == "gpt_oss":
+        hf.update(num_local_experts=cfg.num_experts, swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha,
+                  sliding_window=cfg.sliding_window or None,
+                  layer_types=[cfg.layer_type(n) for n in range(cfg.num_layers)])
     if cfg.family == "llama":
         hf.update(mlp_bias=cfg.mlp_bias, pretraining_tp=1)
     return hf
@@ -331,7 +396,8 @@ def save_hf_checkpoint(model_or_state_dict: torch.nn.Module | Mapping[str, torch
         f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     weight_map = {}
     for file, names in zip(files, shards, strict=True):
-        tensors = {hf_name(n): state[n].detach().to("cpu", dtype or state[n].dtype).contiguous() for n in names}
+        tensors = {key: t.detach().to("cpu", dtype or t.dtype).contiguous() for n in names
+                   for key, t in to_hf_tensors(cfg, n, state[n])}
         save_file(tensors, out_dir / file, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, file))
         del tensors
@@ -353,18 +419,101 @@ def _weight_files(path: Path) -> list[Path]:
     raise ValueError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}; only safetensors checkpoints are read")
 
 
+def _interleaved(gate_up: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's gate/up rows interleaved (gate at even indices of dim 1) from ours stacked (gate half first)."""
+    gate, up = gate_up.chunk(2, dim=1)
+    return torch.stack([gate, up], dim=2).flatten(1, 2)
+
+
+def _stacked(gate_up: torch.Tensor) -> torch.Tensor:
+    """Ours stacked (gate half first) from GPT-OSS's interleaved rows (dim 1)."""
+    return torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1)
+
+
+def to_hf_tensors(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The checkpoint tensors (HF key, tensor) that hold our parameter `name` in cfg.family's published layout."""
+    key = hf_name(name)
+    if not cfg.is_moe or ".mlp." not in key:
+        return [(key, tensor)]
+    layer, leaf = key.split(".mlp.")
+    if cfg.family == "qwen3_moe":
+        if leaf == "router.weight":
+            return [(f"{layer}.mlp.gate.weight", tensor)]
+        if leaf == "experts.gate_up_proj":
+            return [(f"{layer}.mlp.experts.{e}.{proj}.weight", part) for e in range(cfg.num_experts)
+                    for proj, part in zip(("gate_proj", "up_proj"), tensor[e].chunk(2), strict=True)]
+        assert leaf == "experts.down_proj", leaf
+        return [(f"{layer}.mlp.experts.{e}.down_proj.weight", tensor[e]) for e in range(cfg.num_experts)]
+    if leaf.startswith("experts.gate_up_proj"):
+        tensor = _interleaved(tensor)
+    if leaf in ("experts.gate_up_proj", "experts.down_proj"):
+        tensor = tensor.transpose(1, 2)  # theirs is [E, in, out]
+    return [(key, tensor)]
+
+
+class _Checkpoint:
+    """The tensors of a checkpoint's safetensors files by key, each file opened once; counts the keys read."""
+
+    def __init__(self, files: list[Path], stack: contextlib.ExitStack):
+        self.file_of = {}
+        for file in files:
+            handle = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+            self.file_of.update(dict.fromkeys(handle.keys(), handle))
+        self.read_keys: set[str] = set()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.file_of
+
+    def __call__(self, key: str) -> torch.Tensor:
+        if key not in self.file_of:
+            raise ValueError(f"the checkpoint has no tensor {key!r}")
+        self.read_keys.add(key)
+        return self.file_of[key].get_tensor(key)
+
+
+def _from_checkpoint(cfg: ModelConfig, name: str, read: _Checkpoint) -> torch.Tensor:
+    """Our parameter `name` read from a checkpoint in any layout its family is published in."""
+    key = hf_name(name)
+    if not cfg.is_moe or ".mlp." not in key or key in read and cfg.family == "qwen3_moe":
+        return read(key)  # qwen3_moe: 5.x's fused experts are ours
+    layer, leaf = key.split(".mlp.")
+    if cfg.family == "qwen3_moe":
+        if leaf == "router.weight":
+            return read(f"{layer}.mlp.gate.weight")
+        projections = ("gate_proj", "up_proj") if leaf == "experts.gate_up_proj" else ("down_proj",)
+        return torch.stack([torch.cat([read(f"{layer}.mlp.experts.{e}.{proj}.weight") for proj in projections])
+                            for e in range(cfg.num_experts)])
+    if leaf in ("experts.gate_up_proj", "experts.down_proj"):
+        if key in read:
+            tensor = read(key)
+        else:  # the published MXFP4 blocks
+            from megatrain.models.mxfp4 import dequantize
+
+            tensor = dequantize(read(key + "_blocks"), read(key + "_scales"))
+        tensor = tensor.transpose(1, 2)
+    else:
+        tensor = read(key)
+    if leaf.startswith("experts.gate_up_proj"):
+        tensor = _stacked(tensor)
+    return tensor.contiguous()
+
+
 def iter_hf_tensors(path: str | Path, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(our name, tensor) of a checkpoint directory, read one tensor at a time from its safetensors files (a
-    stored buffer such as rotary_emb.inv_freq and a tied model's stored head are left out, as transformers does)."""
+    """(our name, tensor) of a checkpoint directory in the model's order, read one parameter at a time from its
+    safetensors files. A stored buffer such as rotary_emb.inv_freq and a tied model's stored head are left out, as
+    transformers does; any other tensor the model does not read is refused by name once all are read."""
     path = Path(path)
-    tied = config_from_hf(read_hf_config(path)).tie_embeddings
-    for file in _weight_files(path):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for key in f.keys():
-                if key.endswith("rotary_emb.inv_freq") or (tied and key == "lm_head.weight"):
-                    continue
-                tensor = f.get_tensor(key)
-                yield our_name(key), tensor if dtype is None else tensor.to(dtype)
+    cfg = config_from_hf(read_hf_config(path))
+    with contextlib.ExitStack() as stack:
+        read = _Checkpoint(_weight_files(path), stack)
+        for name in _expected_shapes(cfg):
+            tensor = _from_checkpoint(cfg, name, read)
+            yield name, tensor if dtype is None else tensor.to(dtype)
+        ignored = {k for k in read.file_of if k.endswith("rotary_emb.inv_freq")}
+        ignored |= {"lm_head.weight"} if cfg.tie_embeddings else set()
+        if unexpected := sorted(set(read.file_of) - read.read_keys - ignored):
+            raise ValueError(f"checkpoint {path} holds tensors this model does not have: {unexpected[:8]}"
+                             f"{' ...' if len(unexpected) > 8 else ''}")
 
 
 @torch.no_grad()

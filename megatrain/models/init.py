@@ -3,7 +3,7 @@
 Each parameter draws from its own generator seeded by (seed, parameter name), so a system that
 materialises the model layer by layer (the streaming engine), sharded (DeepSpeed, FSDP2) or whole
 (native) gets bit-identical initial weights on the same device type. Matrices ~ N(0, 0.02),
-norm weights 1, biases 0.
+norm weights 1, biases 0 (attention sinks are drawn like matrices, as transformers does).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def init_param(name: str, out: torch.Tensor, seed: int, device: torch.device | s
     if name.endswith("norm.weight"):
         out.fill_(1.0)
         return
-    if name.endswith(".bias"):
+    if name.endswith("bias"):  # also the experts' gate_up_proj_bias and down_proj_bias
         out.zero_()
         return
     device = torch.device(device) if device is not None else out.device

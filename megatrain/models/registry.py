@@ -1,10 +1,10 @@
 """Named model sizes with their published shapes.
 
 Each shape follows its release's config.json (Qwen2.5, Qwen3, Meta-Llama-3, Llama-3.1/3.2 with their llama3
-RoPE scaling, Mistral-7B v0.1 with its 4096-token sliding window and v0.3 without). `dense-120b` is our own
-documented ~120B dense shape (Qwen2.5-72B's vocabulary and head size, widened and deepened): it stands in for the
-paper's GPT-OSS-120B, which is a mixture of experts and so not a dense-layer workload. `tiny*` are for CPU
-tests and smoke runs.
+RoPE scaling, Mistral-7B v0.1 with its 4096-token sliding window and v0.3 without; the mixtures of experts
+GPT-OSS-20B/-120B, the paper's 120B, and Qwen3-30B-A3B/-235B-A22B). `dense-120b` is our own documented ~120B dense
+shape (Qwen2.5-72B's vocabulary and head size, widened and deepened), the dense stand-in the suites used for the
+paper's GPT-OSS-120B before the mixtures of experts ran. `tiny*` are for CPU tests and smoke runs.
 """
 
 from __future__ import annotations
@@ -26,6 +26,22 @@ def _llama31(factor: float) -> dict:
 
 _QWEN3 = dict(family="qwen3", qk_norm=True, head_dim=128, vocab_size=151936, num_kv_heads=8, rms_norm_eps=1e-6,
               rope_theta=1_000_000.0, max_seq_len=40960)
+_QWEN3_MOE = dict(family="qwen3_moe", qk_norm=True, head_dim=128, vocab_size=151936, num_kv_heads=4, rms_norm_eps=1e-6,
+                  rope_theta=1_000_000.0, max_seq_len=40960, num_experts=128, num_experts_per_tok=8,
+                  norm_topk_prob=True, tie_embeddings=False)
+# GPT-OSS: 2880 wide, 64 query heads of 64, 8 KV heads, sinks, even layers a 128-token window, YaRN x32 of 4096
+_GPT_OSS = dict(family="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_heads=64,
+                num_kv_heads=8, head_dim=64, qkv_bias=True, o_bias=True, rms_norm_eps=1e-5, rope_theta=150000.0,
+                max_seq_len=131072, sliding_window=128, moe_intermediate_size=2880, num_experts_per_tok=4,
+                norm_topk_prob=True, moe_bias=True, attention_sinks=True, swiglu_limit=7.0, swiglu_alpha=1.702,
+                tie_embeddings=False, rope_scaling=RopeScaling("yarn", 32.0, original_max_positions=4096,
+                                                               truncate=False))
+
+
+def _alternating(num_layers: int) -> tuple[str, ...]:
+    return tuple(SLIDING if n % 2 == 0 else "full_attention" for n in range(num_layers))
+
+
 _MISTRAL = dict(family="mistral", hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                 num_kv_heads=8, rms_norm_eps=1e-5, max_seq_len=32768, tie_embeddings=False)
 
@@ -42,6 +58,15 @@ MODELS: dict[str, ModelConfig] = {
     "tiny-sliding": ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=3, num_heads=4,
                                 num_kv_heads=2, qkv_bias=True, max_seq_len=2048, sliding_window=64,
                                 layer_types=(SLIDING, "full_attention", SLIDING)),
+    # mixtures of experts at the tiny size: Qwen3-MoE's softmax-then-top-k, GPT-OSS's sinks and biases
+    "tiny-moe": ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=3, num_heads=4,
+                            num_kv_heads=2, family="qwen3_moe", qk_norm=True, max_seq_len=2048, num_experts=8,
+                            num_experts_per_tok=2, moe_intermediate_size=32),
+    "tiny-gpt-oss": ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_layers=4, num_heads=4,
+                                num_kv_heads=2, head_dim=16, family="gpt_oss", qkv_bias=True, o_bias=True,
+                                max_seq_len=2048, sliding_window=64, layer_types=_alternating(4), num_experts=8,
+                                num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True, moe_bias=True,
+                                attention_sinks=True, swiglu_limit=7.0, swiglu_alpha=1.702),
     # ~0.1B: big enough to exercise the GPU paths, small enough for a quick check.
     "small": ModelConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12,
                          num_heads=12, num_kv_heads=4, qkv_bias=True, tie_embeddings=False),
@@ -82,6 +107,12 @@ MODELS: dict[str, ModelConfig] = {
     "mistral-7b-v0.1": ModelConfig(vocab_size=32000, rope_theta=10000.0, sliding_window=4096,
                                    layer_types=(SLIDING,) * 32, **_MISTRAL),
     "mistral-7b-v0.3": ModelConfig(vocab_size=32768, rope_theta=1_000_000.0, **_MISTRAL),
+    "qwen3-30b-a3b": ModelConfig(hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32,
+                                 moe_intermediate_size=768, **_QWEN3_MOE),
+    "qwen3-235b-a22b": ModelConfig(hidden_size=4096, intermediate_size=12288, num_layers=94, num_heads=64,
+                                   moe_intermediate_size=1536, **_QWEN3_MOE),
+    "gpt-oss-20b": ModelConfig(num_layers=24, num_experts=32, layer_types=_alternating(24), **_GPT_OSS),
+    "gpt-oss-120b": ModelConfig(num_layers=36, num_experts=128, layer_types=_alternating(36), **_GPT_OSS),
     # 12288 wide, 76 layers, 96 query heads of 128, 8 KV heads, 32768 SwiGLU: 120.4B parameters.
     "dense-120b": ModelConfig(vocab_size=152064, hidden_size=12288, intermediate_size=32768, num_layers=76,
                               num_heads=96, num_kv_heads=8, tie_embeddings=False, **_QWEN),

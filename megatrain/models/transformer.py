@@ -1,4 +1,5 @@
-"""Llama/Qwen2/Qwen3/Mistral-style decoder as plain nn.Modules: the one model every system trains.
+"""Llama/Qwen2/Qwen3/Mistral-style decoder, and Qwen3-MoE/GPT-OSS (models.moe), as plain nn.Modules: the one model
+every system trains.
 
 Shape legend: B batch, S sequence, H hidden, N query heads, K kv heads, D head dim, V vocab, T tokens.
 The model knows nothing about offloading; each system applies its memory policy to it.
@@ -16,6 +17,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from megatrain.models.config import ModelConfig
 from megatrain.models.loss import IGNORE_INDEX, linear_cross_entropy
 from megatrain.models.masks import Mask, rope_and_masks
+from megatrain.models.moe import MoE
 from megatrain.models.rope import apply_rotary, rotary_tables
 
 
@@ -50,6 +52,7 @@ class Attention(nn.Module):
         # Qwen3: each head's queries and keys normalised over the head dimension, before RoPE
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.attention_sinks else None
 
     def forward(self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor,
                 mask_B1SS: Mask = None) -> torch.Tensor:
@@ -62,12 +65,39 @@ class Attention(nn.Module):
         v = self.v_proj(x_BSH).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos_SD, sin_SD), apply_rotary(k, cos_SD, sin_SD)
         gqa = self.num_kv_heads != self.num_heads
-        if isinstance(mask_B1SS, BlockMask):
+        if self.sinks is not None:
+            o = attention_with_sinks(q, k, v, mask_B1SS, self.sinks)
+        elif isinstance(mask_B1SS, BlockMask):
             o = compiled_flex_attention()(q, k, v, block_mask=mask_B1SS, enable_gqa=gqa)
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1SS, is_causal=mask_B1SS is None,
                                                enable_gqa=gqa)
         return self.o_proj(o.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+
+
+def attention_with_sinks(q_BNSD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, mask_B1SS: Mask,
+                         sinks_N: torch.Tensor, flex=None) -> torch.Tensor:
+    """Attention whose softmax has one more logit per head, sinks_N, with no value (GPT-OSS): the output without it
+    times exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink), lse each query's log-sum-exp of its scores.
+
+    A block mask runs FlexAttention (compiled unless `flex` is given), which returns the lse; a dense mask (or None:
+    causal) computes the scores, as transformers' eager GPT-OSS does."""
+    gqa = k_BKSD.shape[1] != q_BNSD.shape[1]
+    if isinstance(mask_B1SS, BlockMask):
+        o, lse_BNS = (flex or compiled_flex_attention())(q_BNSD, k_BKSD, v_BKSD, block_mask=mask_B1SS,
+                                                          enable_gqa=gqa, return_lse=True)
+        scale_BNS = torch.sigmoid(lse_BNS.float() - sinks_N.float()[:, None])
+        return (o * scale_BNS[..., None].to(o.dtype)).to(q_BNSD.dtype)
+    groups = q_BNSD.shape[1] // k_BKSD.shape[1]
+    k, v = k_BKSD.repeat_interleave(groups, dim=1), v_BKSD.repeat_interleave(groups, dim=1)
+    scores = (q_BNSD @ k.transpose(-2, -1)) * q_BNSD.shape[-1] ** -0.5
+    s = scores.shape[-1]
+    if mask_B1SS is None:
+        mask_B1SS = torch.ones(s, s, dtype=torch.bool, device=scores.device).tril()
+    scores = scores.masked_fill(~mask_B1SS, float("-inf"))
+    sink = sinks_N.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1, dtype=torch.float32)[..., :-1]
+    return probs.to(v.dtype) @ v
 
 
 def _swiglu(x_BSH, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None):
@@ -105,7 +135,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.is_moe else MLP(cfg)
 
     def forward(self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor,
                 mask_B1SS: Mask = None) -> torch.Tensor:
@@ -128,7 +158,8 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         for layer in self.layers:
-            layer.mlp.chunk_tokens = mlp_chunk_tokens
+            if isinstance(layer.mlp, MLP):
+                layer.mlp.chunk_tokens = mlp_chunk_tokens
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 

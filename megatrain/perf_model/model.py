@@ -316,7 +316,7 @@ def simulate(case: CaseConfig, plan: dict, model: Model) -> dict:
     resident_s = resident_numel / (m.gpu_adamw_gparams_s[case.precision] * 1e9) if resident_numel else 0.0
     compute += resident_s
     step = max(compute, d2h_free)
-    n = cfg.num_params()
+    n = cfg.active_params()
     return {
         "step_s": step, "tflops": model_flops(n, case.batch * case.seq) / step / 1e12,
         "hw_tflops": hardware_flops(cfg, case.batch, case.seq, extra_layer_forwards=recomputed) / step / 1e12,

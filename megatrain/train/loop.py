@@ -197,7 +197,7 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
 
 def _run_steps(cfg, system, case, rows, eval_rows, progress: Progress, total, out, run_id, log,
                ranks: Ranks | None) -> None:
-    flops_per_token = model_flops(case.model_config().num_params(), tokens=1)  # the records' 6NT
+    flops_per_token = model_flops(case.model_config().active_params(), tokens=1)  # the records' 6NT
     first = ranks is None or ranks.first
     bar = None
     if sys.stderr.isatty() and first:

@@ -28,9 +28,9 @@ def test_grad_accumulation_matches_full_batch():
     assert accum["losses"] == pytest.approx(full["losses"], rel=1e-5)
 
 
-HEAD = ["status", "system", "model", "num_layers", "num_params", "batch", "micro_batch", "seq", "precision", "dtype",
-        "tokens_per_step", "step_time_s", "tokens_per_s", "tflops", "peak_gpu_alloc_gib", "peak_host_rss_gib", "losses",
-        "skipped_steps", "error", "config", "env"]
+HEAD = ["status", "system", "model", "num_layers", "num_params", "active_params", "batch", "micro_batch", "seq",
+        "precision", "dtype", "tokens_per_step", "step_time_s", "tokens_per_s", "tflops", "peak_gpu_alloc_gib",
+        "peak_host_rss_gib", "losses", "skipped_steps", "error", "config", "env"]
 
 
 def test_a_records_keys_keep_their_order_on_every_path():
@@ -38,7 +38,7 @@ def test_a_records_keys_keep_their_order_on_every_path():
     ok = run_case(CaseConfig(system="native", model="tiny", batch=2, seq=8, steps=2), gemm_peak_tflops=1.0)
     assert list(ok) == [*HEAD, "build_s", "system_config", "step_time_min_s", "step_time_max_s", "step_time_iqr_s",
                         "step_times_s", "timed_steps", "tflops_no_embed", "hw_tflops", "paper_tflops",
-                        "gemm_peak_tflops", "mfu", "metrics", "trace"]
+                        "gemm_peak_tflops", "mfu", "tflops_all_experts", "metrics", "trace"]
     assert ok["peak_gpu_alloc_gib"] == 0.0 and ok["gemm_peak_tflops"] == 1.0 and ok["trace"] is None
     timeout = Record(CaseConfig(system="native", model="tiny"), "timeout", "killed", stderr_tail="tail").to_dict()
     assert list(timeout) == [*HEAD, "stderr_tail"] and timeout["step_time_s"] is None and timeout["error"] == "killed"

@@ -50,8 +50,9 @@ def _reference(init, data):
     """The same steps with the transformers model, torch.optim.AdamW, clip_grad_norm_ and the same schedule."""
     model = transformers.AutoModelForCausalLM.from_pretrained(init, attn_implementation="eager").float()
     params = [p for p in model.parameters()]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": WD},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    decay = [p for name, p in model.named_parameters() if p.ndim >= 2 and not name.endswith("bias")]  # experts' [E, n]
+    groups = [{"params": decay, "weight_decay": WD},
+              {"params": [p for p in params if all(p is not d for d in decay)], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
     rows = [json.loads(line)["input_ids"] for line in data.read_text().splitlines()]
     losses = []

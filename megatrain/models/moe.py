@@ -1,0 +1,127 @@
+"""Mixture-of-experts MLP (Qwen3-MoE, GPT-OSS): a top-k router and experts computed over tokens sorted by expert.
+
+Shape legend: T tokens, H hidden, E experts, K experts per token, I expert inner width.
+
+One module for every system. The experts are two stacked tensors ([E, 2I, H] gate-then-up rows, [E, H, I]), so
+one expert's weights are one contiguous slice; the tokens routed to each expert are gathered in expert order and
+multiplied as one grouped GEMM (torch._grouped_mm) where it runs, else expert by expert over the routed ones only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatrain.models.config import ModelConfig
+
+
+def route(logits_TE: torch.Tensor, k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, K] in the logits' dtype, experts [T, K]): the top-k of the softmax over all experts, or, with
+    norm_topk_prob, the softmax over the top-k logits (the same weights renormalised, as GPT-OSS computes them)."""
+    if norm_topk_prob:
+        top_TK, experts_TK = torch.topk(logits_TE, k, dim=-1)
+        return F.softmax(top_TK, dim=-1, dtype=torch.float32).to(logits_TE.dtype), experts_TK
+    probs_TE = F.softmax(logits_TE, dim=-1, dtype=torch.float32)
+    top_TK, experts_TK = torch.topk(probs_TE, k, dim=-1)
+    return top_TK.to(logits_TE.dtype), experts_TK
+
+
+def _activation(gate_up_TI2: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    gate, up = gate_up_TI2.chunk(2, dim=-1)
+    if not limit:
+        return F.silu(gate) * up
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)  # GPT-OSS's clamped SwiGLU
+    return (up + 1) * gate * torch.sigmoid(alpha * gate)
+
+
+def grouped_mm_runs(x: torch.Tensor, *inner_sizes: int) -> bool:
+    """Whether torch._grouped_mm computes these experts: on CPU, and on CUDA in bf16 from compute capability 9.0 (its
+    kernels); every row stride a multiple of 16 bytes."""
+    if not hasattr(torch, "_grouped_mm") or any(n * x.element_size() % 16 for n in inner_sizes):
+        return False
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return x.device.type == "cpu"
+
+
+def experts_forward(x_TH: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor,
+                    gate_up_E2IH: torch.Tensor, down_EHI: torch.Tensor, gate_up_bias_E2I: torch.Tensor | None = None,
+                    down_bias_EH: torch.Tensor | None = None, limit: float = 0.0, alpha: float = 0.0,
+                    grouped: bool | None = None) -> torch.Tensor:
+    """Sum over each token's K experts of weight x expert(token); `grouped` None picks torch._grouped_mm where it
+    runs (grouped_mm_runs)."""
+    t, k = experts_TK.shape
+    num_experts = gate_up_E2IH.shape[0]
+    flat_experts = experts_TK.flatten()
+    order = flat_experts.argsort(stable=True)  # the (token, slot) pairs in expert order
+    token_of = order // k
+    x_sorted = x_TH[token_of]
+    counts = torch.bincount(flat_experts, minlength=num_experts)
+    if grouped is None:
+        grouped = grouped_mm_runs(x_TH, x_TH.shape[1], gate_up_E2IH.shape[1], down_EHI.shape[2])
+    if grouped:
+        ends = counts.cumsum(0).to(torch.int32)
+        h = torch._grouped_mm(x_sorted, gate_up_E2IH.transpose(1, 2), offs=ends)
+        if gate_up_bias_E2I is not None:
+            h = h + gate_up_bias_E2I[flat_experts[order]]
+        y = torch._grouped_mm(_activation(h, limit, alpha), down_EHI.transpose(1, 2), offs=ends)
+        if down_bias_EH is not None:
+            y = y + down_bias_EH[flat_experts[order]]
+    else:
+        parts = []
+        for e, rows in enumerate(x_sorted.split(counts.tolist())):
+            if not rows.shape[0]:
+                continue  # an expert no token chose: no compute, no gradient beyond its zeros
+            h = F.linear(rows, gate_up_E2IH[e], None if gate_up_bias_E2I is None else gate_up_bias_E2I[e])
+            parts.append(F.linear(_activation(h, limit, alpha), down_EHI[e],
+                                  None if down_bias_EH is None else down_bias_EH[e]))
+        y = torch.cat(parts)
+    y = y * weights_TK.flatten()[order, None]
+    return torch.zeros_like(x_TH).index_add_(0, token_of, y.to(x_TH.dtype))
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.moe_bias else None
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        return F.linear(x_TH, self.weight, self.bias)
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i)) if cfg.moe_bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(e, h)) if cfg.moe_bias else None
+
+
+class MoE(nn.Module):
+    """The layer's MLP: route each token to num_experts_per_tok experts, sum their outputs by the routing weights.
+
+    forward(x) returns the output; with `stats` (a list) it also appends the router's (logits [T, E], experts [T, K])
+    for the load-balancing loss.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.router = Router(cfg)
+        self.experts = Experts(cfg)
+        self.k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
+
+    def forward(self, x_BSH: torch.Tensor, stats: list | None = None) -> torch.Tensor:
+        x_TH = x_BSH.flatten(0, 1)
+        logits_TE = self.router(x_TH)
+        weights_TK, experts_TK = route(logits_TE, self.k, self.norm_topk_prob)
+        if stats is not None:
+            stats.append((logits_TE, experts_TK))
+        ex = self.experts
+        y_TH = experts_forward(x_TH, weights_TK, experts_TK, ex.gate_up_proj, ex.down_proj, ex.gate_up_proj_bias,
+                               ex.down_proj_bias, self.limit, self.alpha)
+        return y_TH.view_as(x_BSH)
