@@ -30,6 +30,7 @@ from megatrain.models import Transformer
 from megatrain.models.hf import copy_named_weights
 from megatrain.models.init import init_module
 from megatrain.models.loss import valid_tokens
+from megatrain.models.moe import MoE
 from megatrain.optim.groups import adamw_param_groups
 from megatrain.optim.state_bytes import FP32_BYTES, checkpoint_bytes_per_param, state_bytes_per_param
 from megatrain.options import CommonOptions
@@ -201,6 +202,12 @@ class DeepSpeedSystem:
         ds.zero.register_external_parameter(model, model.head_weight())
         if case.compile:
             _compile_layers_under_zero3(model)
+        elif model.cfg.is_moe:
+            # what DeepSpeed tells its MoE users: the block's experts are read by its own forward, not by a submodule
+            # call ZeRO-3 could hook, so the block gathers all of them at once, as a leaf
+            from deepspeed.utils import set_z3_leaf_modules
+
+            set_z3_leaf_modules(model, [MoE])
 
         groups = _zero3_param_groups(model, case.optim)
         o = case.optim

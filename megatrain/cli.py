@@ -49,9 +49,11 @@ def cmd_models(args: argparse.Namespace) -> int:
     from megatrain.models.registry import MODELS
 
     for name, cfg in MODELS.items():
-        print(f"{name:14s} {cfg.num_params() / 1e9:8.3f}B  layers={cfg.num_layers:3d} hidden={cfg.hidden_size:5d} "
+        experts = f" experts={cfg.num_experts_per_tok}/{cfg.num_experts}x{cfg.moe_intermediate_size} " \
+            f"active={cfg.active_params() / 1e9:.3f}B" if cfg.is_moe else ""
+        print(f"{name:15s} {cfg.num_params() / 1e9:8.3f}B  layers={cfg.num_layers:3d} hidden={cfg.hidden_size:5d} "
               f"ffn={cfg.intermediate_size:5d} heads={cfg.num_heads}/{cfg.num_kv_heads} vocab={cfg.vocab_size} "
-              f"tied={cfg.tie_embeddings}")
+              f"tied={cfg.tie_embeddings}{experts}")
     return 0
 
 

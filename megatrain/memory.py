@@ -99,6 +99,13 @@ def layer_work_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int, mlp_chunk_
     with 7H, so the attention block's share was raised to 11H: 0.97x of this count."""
     mlp_tokens = min(tokens, mlp_chunk_tokens or tokens)
     attention = tokens * (11 * cfg.hidden_size + cfg.q_size + 2 * cfg.kv_size)
+    if cfg.is_moe:
+        # a mixture of experts (never chunked): each token's K copies gathered in expert order, their gate/up, its
+        # activation and the weighted outputs (K(2H + 4I)), and the router's fp32 probabilities; counted like the
+        # dense MLP's 4I, not yet calibrated on a measured MoE peak
+        k, e = cfg.num_experts_per_tok, cfg.num_experts
+        return int(dtype_bytes * (attention + tokens * k * (2 * cfg.hidden_size + 4 * cfg.moe_intermediate_size))
+                   + tokens * e * 4 * 2)
     return int(dtype_bytes * (attention + mlp_tokens * 4 * cfg.intermediate_size))
 
 

@@ -31,6 +31,9 @@ class LayerTemplate:
     norms, RoPE and SwiGLU elementwise work (one graph for forward, one for recompute+backward)."""
 
     def __init__(self, cfg: ModelConfig, compile_layer: bool = False, mlp_chunk_tokens: int = 0):
+        if mlp_chunk_tokens and cfg.is_moe:
+            raise ValueError("option mlp_chunk_tokens chunks a dense SwiGLU; a mixture of experts computes only the "
+                             "routed tokens per expert: leave it 0")
         with torch.device("meta"):
             self.module = DecoderLayer(cfg)
         self.module.mlp.chunk_tokens = mlp_chunk_tokens

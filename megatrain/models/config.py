@@ -49,8 +49,6 @@ class ModelConfig:
         swiglu_limit: GPT-OSS's clamped SwiGLU, (clamp(up, -l, l) + 1) * g * sigmoid(alpha * g) with
             g = clamp(gate, max=l); 0 for the plain silu(gate) * up.
         swiglu_alpha: the alpha of that SwiGLU.
-        router_aux_loss_coef: weight of the router's load-balancing loss in the training loss; 0 when the config
-            does not ask for it (transformers' output_router_logits false).
     """
 
     vocab_size: int
@@ -80,7 +78,6 @@ class ModelConfig:
     attention_sinks: bool = False
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 0.0
-    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # read back from a record or run.json
@@ -151,8 +148,6 @@ class ModelConfig:
         if (self.family == "gpt_oss") != (self.swiglu_limit > 0) or self.swiglu_limit < 0:
             raise ValueError(f"swiglu_limit={self.swiglu_limit}: GPT-OSS's clamped SwiGLU needs a limit > 0, "
                              "the other families have none")
-        if self.router_aux_loss_coef < 0 or not math.isfinite(self.router_aux_loss_coef):
-            raise ValueError(f"router_aux_loss_coef must be a finite number >= 0, got {self.router_aux_loss_coef}")
 
     @property
     def is_moe(self) -> bool:
@@ -176,6 +171,8 @@ class ModelConfig:
         and its shape ([out, in] for a projection)."""
         h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_size, self.kv_size
         shapes: dict[str, tuple[int, ...]] = {"input_layernorm.weight": (h,)}
+        if self.attention_sinks:  # the attention's own parameter: before its submodules'
+            shapes["self_attn.sinks"] = (self.num_heads,)
         projections = [("self_attn.q_proj", q, h, self.qkv_bias), ("self_attn.k_proj", kv, h, self.qkv_bias),
                        ("self_attn.v_proj", kv, h, self.qkv_bias), ("self_attn.o_proj", h, q, self.o_bias)]
         for name, out, inp, bias in projections:
@@ -184,8 +181,6 @@ class ModelConfig:
                 shapes[f"{name}.bias"] = (out,)
         if self.qk_norm:
             shapes.update({"self_attn.q_norm.weight": (self.head_dim,), "self_attn.k_norm.weight": (self.head_dim,)})
-        if self.attention_sinks:
-            shapes["self_attn.sinks"] = (self.num_heads,)
         shapes["post_attention_layernorm.weight"] = (h,)
         if self.is_moe:
             return {**shapes, **self.moe_shapes()}
@@ -199,11 +194,10 @@ class ModelConfig:
         """A layer's router and experts (megatrain.models.moe.MoE): each expert's gate and up rows stacked ([E, 2I,
         H], gate first) and its down projection ([E, H, I]), so one expert's weights are one contiguous slice."""
         e, h, i = self.num_experts, self.hidden_size, self.moe_intermediate_size
-        shapes = {"mlp.router.weight": (e, h), "mlp.experts.gate_up_proj": (e, 2 * i, h),
-                  "mlp.experts.down_proj": (e, h, i)}
+        shapes = {"mlp.router.weight": (e, h), **({"mlp.router.bias": (e,)} if self.moe_bias else {}),
+                  "mlp.experts.gate_up_proj": (e, 2 * i, h), "mlp.experts.down_proj": (e, h, i)}
         if self.moe_bias:
-            shapes.update({"mlp.router.bias": (e,), "mlp.experts.gate_up_proj_bias": (e, 2 * i),
-                           "mlp.experts.down_proj_bias": (e, h)})
+            shapes.update({"mlp.experts.gate_up_proj_bias": (e, 2 * i), "mlp.experts.down_proj_bias": (e, h)})
         return shapes
 
     def expert_params(self) -> int:

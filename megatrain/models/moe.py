@@ -102,11 +102,7 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """The layer's MLP: route each token to num_experts_per_tok experts, sum their outputs by the routing weights.
-
-    forward(x) returns the output; with `stats` (a list) it also appends the router's (logits [T, E], experts [T, K])
-    for the load-balancing loss.
-    """
+    """The layer's MLP: route each token to num_experts_per_tok experts, sum their outputs by the routing weights."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -115,12 +111,9 @@ class MoE(nn.Module):
         self.k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
 
-    def forward(self, x_BSH: torch.Tensor, stats: list | None = None) -> torch.Tensor:
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         x_TH = x_BSH.flatten(0, 1)
-        logits_TE = self.router(x_TH)
-        weights_TK, experts_TK = route(logits_TE, self.k, self.norm_topk_prob)
-        if stats is not None:
-            stats.append((logits_TE, experts_TK))
+        weights_TK, experts_TK = route(self.router(x_TH), self.k, self.norm_topk_prob)
         ex = self.experts
         y_TH = experts_forward(x_TH, weights_TK, experts_TK, ex.gate_up_proj, ex.down_proj, ex.gate_up_proj_bias,
                                ex.down_proj_bias, self.limit, self.alpha)

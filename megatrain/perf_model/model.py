@@ -41,7 +41,9 @@ BASE_SEQ = 1024  # the sequence length of the layer and head ingredients
 
 def layer_key(cfg: ModelConfig) -> tuple:
     return (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.qkv_bias,
-            cfg.o_bias, cfg.mlp_bias, cfg.qk_norm)
+            cfg.o_bias, cfg.mlp_bias, cfg.qk_norm) + ((cfg.num_experts, cfg.num_experts_per_tok,
+                                                      cfg.moe_intermediate_size, cfg.moe_bias, cfg.attention_sinks)
+                                                     if cfg.is_moe else ())
 
 
 def head_key(cfg: ModelConfig) -> tuple:

@@ -68,9 +68,15 @@ FP32_SETS = {
     # the families' additions: Qwen3's q/k norms and YaRN; sliding-window layers (FlexAttention block masks)
     "qwen3": ({"model": "tiny-qwen3", "num_layers": 3}, {}),
     "sliding": ({"model": "tiny-sliding", "num_layers": 3}, {}),
+    # mixtures of experts: Qwen3-MoE routing; GPT-OSS's sinks, biases and clamped SwiGLU over alternating windows
+    "moe": ({"model": "tiny-moe", "num_layers": 3}, {}),
+    "gpt-oss": ({"model": "tiny-gpt-oss", "num_layers": 4}, {}),
+    "gpt-oss-offload-recompute": ({"model": "tiny-gpt-oss", "num_layers": 4}, {"offload_activations": 1,
+                                                                              "recompute_inputs": 1}),
 }
 STRESS_SETS = ["compiled", "tied", "resident-embedding-2-layers", "offload-activations", "offload-first-2-layers",
-               "offload-mlp-chunks-1-resident-eager", "recompute-2-inputs", "recompute-1-offload-1-tied"]
+               "offload-mlp-chunks-1-resident-eager", "recompute-2-inputs", "recompute-1-offload-1-tied", "moe",
+               "gpt-oss-offload-recompute"]
 STRESS_SEEDS = [1, 2, 3]
 _runs: dict[str, tuple] = {}
 
@@ -163,6 +169,8 @@ SANITIZER_SETS = {
     "recompute-2-1-resident": ({}, {"recompute_inputs": 2, "resident_layers": 1}),
     "qwen3": ({"model": "tiny-qwen3"}, {}),
     "sliding": ({"model": "tiny-sliding"}, {}),
+    "moe": ({"model": "tiny-moe"}, {}),
+    "gpt-oss": ({"model": "tiny-gpt-oss"}, {}),
 }
 _SANITIZED_RUNS = """
 import json, sys
@@ -205,6 +213,8 @@ CURVE_SHAPES = {
     "qwen2.5-1.5b-b1-s32768": dict(model="qwen2.5-1.5b", batch=1, seq=32768, steps=10),
     # Llama 3.1's 8B width and llama3 RoPE scaling, 4 of its 32 layers
     "llama3.1-8b-4l-b4-s1024": dict(model="llama3.1-8b", num_layers=4, batch=4, seq=1024),
+    # GPT-OSS-20B's layer (32 experts, top-4, sinks, a 128-token window every other layer), 2 of its 24 layers
+    "gpt-oss-20b-2l-b4-s1024": dict(model="gpt-oss-20b", num_layers=2, batch=4, seq=1024),
 }
 # the long-context options together: 8 of 28 inputs recomputed, the next 8 offloaded, SwiGLU in 4k-token chunks
 LONG_CONTEXT = {"recompute_inputs": 8, "offload_activations": 8, "mlp_chunk_tokens": 4096}
@@ -232,7 +242,8 @@ CURVE_CASES = [("qwen2.5-0.5b-b8-s1024", name) for name in CURVE_SETS if "long-c
     ("small-b8-mb4-s512", name) for name in ("mixed", "bf16", "mixed-offload-activations", "mixed-resident-by-plan",
                                              "bf16-offload-stress")] + [
     ("qwen2.5-1.5b-b1-s32768", name) for name in ("mixed", "bf16", "mixed-long-context", "bf16-long-context")] + [
-    ("llama3.1-8b-4l-b4-s1024", name) for name in ("mixed", "bf16", "bf16-offload-stress")]
+    ("llama3.1-8b-4l-b4-s1024", name) for name in ("mixed", "bf16", "bf16-offload-stress")] + [
+    ("gpt-oss-20b-2l-b4-s1024", name) for name in ("mixed", "bf16", "bf16-offload-stress")]
 _native_curves: dict[tuple[str, str], list[list[float]]] = {}
 
 

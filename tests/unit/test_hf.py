@@ -202,17 +202,45 @@ MISTRAL_7B_V01 = {
     "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096, "tie_word_embeddings": False,
     "torch_dtype": "bfloat16", "transformers_version": "4.34.0.dev0", "use_cache": True, "vocab_size": 32000,
 }
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0, "eos_token_id": 200002,
+    "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
+    "initializer_range": 0.02, "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+    "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+    "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
+    "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                       "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+    "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                            "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                            "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+    "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0", "use_cache": True, "vocab_size": 201088,
+}
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
+    "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 151936,
+}
 
 
 @pytest.mark.parametrize("hf_config,name", [(QWEN25_05B, "qwen2.5-0.5b"), (LLAMA3_8B, "llama3-8b"),
                                             (LLAMA31_8B, "llama3.1-8b"), (QWEN3_8B, "qwen3-8b"),
-                                            (MISTRAL_7B_V01, "mistral-7b-v0.1")])
+                                            (MISTRAL_7B_V01, "mistral-7b-v0.1"), (GPT_OSS_20B, "gpt-oss-20b"),
+                                            (QWEN3_30B_A3B, "qwen3-30b-a3b")])
 def test_published_configs_map_to_registry(hf_config, name):
     assert config_from_hf(hf_config) == get_model_config(name)
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-tied", "qwen2.5-7b", "llama3-70b", "llama3.1-8b", "llama3.2-1b",
-                                  "qwen3-8b", "mistral-7b-v0.1", "mistral-7b-v0.3"])
+                                  "qwen3-8b", "mistral-7b-v0.1", "mistral-7b-v0.3", "gpt-oss-120b",
+                                  "qwen3-235b-a22b", "tiny-moe", "tiny-gpt-oss"])
 def test_config_round_trips_through_transformers(name):
     cfg = get_model_config(name)
     hf = transformers.AutoConfig.for_model(**config_to_hf(cfg, torch.bfloat16))
@@ -263,6 +291,60 @@ def test_unsupported_configs_are_refused_by_name(change, message):
 def test_unsupported_family_settings_are_refused(config, change, message):
     with pytest.raises(ValueError, match=message):
         config_from_hf(config(num_hidden_layers=2).to_dict() | change)
+
+
+@pytest.mark.parametrize("config,change,message", [
+    (QWEN3_30B_A3B, {"mlp_only_layers": [3]}, "dense MLP layers among the experts"),
+    (QWEN3_30B_A3B, {"decoder_sparse_step": 2}, "dense MLP layers among the experts"),
+    (QWEN3_30B_A3B, {"use_sliding_window": True, "sliding_window": 4096}, "qwen3_moe with use_sliding_window"),
+    (QWEN3_30B_A3B, {"num_experts": 0}, "load it as model_type qwen3"),
+    (QWEN3_30B_A3B, {"num_experts_per_tok": 129}, "routes each token to 1..num_experts"),
+    (GPT_OSS_20B, {"attention_bias": False}, "gpt_oss with attention_bias=false"),
+    (GPT_OSS_20B, {"quantization_config": {"quant_method": "bitsandbytes"}}, "'bitsandbytes' is not supported"),
+    (GPT_OSS_20B, {"output_router_logits": True}, "load-balancing loss in training, which we do not compute yet"),
+])
+def test_unsupported_expert_settings_are_refused(config, change, message):
+    with pytest.raises(ValueError, match=message):
+        config_from_hf(config | change)
+
+
+def test_a_gpt_oss_checkpoint_with_mxfp4_experts_loads_as_transformers_dequantizes_it(tmp_path):
+    """The published layout: each layer's experts as MXFP4 blocks and scales. Our load equals transformers' model
+    holding transformers' own dequantization of the same blocks."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    hf = hf_model("gpt-oss", tied=False)
+    hf.save_pretrained(tmp_path / "bf16")
+    tensors = load_file(tmp_path / "bf16" / SINGLE_FILE)
+    gen = torch.Generator().manual_seed(4)
+    for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, inp, out = tensors.pop(key).shape  # stored [E, in, out]: MXFP4 rows are the outputs
+        blocks = torch.randint(0, 256, (experts, out, inp // 32, 16), dtype=torch.uint8, generator=gen)
+        scales = torch.randint(120, 124, (experts, out, inp // 32), dtype=torch.uint8, generator=gen)
+        tensors[key + "_blocks"], tensors[key + "_scales"] = blocks, scales
+        hf.get_parameter(key).data.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    (tmp_path / "mxfp4").mkdir()
+    save_file(tensors, tmp_path / "mxfp4" / SINGLE_FILE, metadata={"format": "pt"})
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "mxfp4" / "config.json").write_text(json.dumps(config))
+
+    cfg, state = load_hf_checkpoint(tmp_path / "mxfp4", dtype=torch.float32)
+    ours = Transformer(cfg).eval()
+    load_into_model(ours, state)
+    assert_same_logits(hf, ours, VOCAB)
+
+
+def test_a_checkpoint_tensor_the_model_does_not_have_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    hf_model("qwen3-moe", tied=False).save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / SINGLE_FILE)
+    tensors["model.layers.0.mlp.experts.4.up_proj.weight"] = torch.zeros(32, 64)  # a fifth expert
+    save_file(tensors, tmp_path / SINGLE_FILE, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"tensors this model does not have: \['model.layers.0.mlp.experts.4"):
+        load_hf_checkpoint(tmp_path)
 
 
 def test_a_shape_its_family_cannot_hold_is_refused():

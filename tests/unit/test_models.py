@@ -27,13 +27,32 @@ def test_exact_counts():
     assert 115e9 < MODELS["dense-120b"].num_params() < 125e9
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-tied", "small"])
+# The mixtures of experts' model cards: total and active parameters. OpenAI's active count leaves out the input
+# embedding (a lookup): it is our matmul count; Qwen's includes it: our active_params.
+@pytest.mark.parametrize("name,total_b,active_b,active_as", [
+    ("gpt-oss-120b", "116.83", "5.13", "matmul"), ("gpt-oss-20b", "20.91", "3.61", "matmul"),
+    ("qwen3-30b-a3b", "30.5", "3.3", "active"), ("qwen3-235b-a22b", "235", "22", "active")])
+def test_expert_counts_match_the_model_cards(name, total_b, active_b, active_as):
+    """To the digits the cards publish (Qwen's cut: 3.35B activated reads 3.3B)."""
+    def published(count: int, text: str) -> bool:
+        unit = 10.0 ** -len(text.partition(".")[2])
+        return float(text) - unit / 2 <= count / 1e9 < float(text) + unit
+
+    cfg = MODELS[name]
+    assert published(cfg.num_params(), total_b)
+    assert published(cfg.matmul_params() if active_as == "matmul" else cfg.active_params(), active_b)
+    unrouted = cfg.num_layers * (cfg.num_experts - cfg.num_experts_per_tok) * cfg.expert_params()
+    assert cfg.active_params() == cfg.num_params() - unrouted
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-tied", "small", "tiny-moe", "tiny-gpt-oss"])
 def test_count_matches_module(name):
     model = Transformer(MODELS[name])
     assert sum(p.numel() for p in model.parameters()) == MODELS[name].num_params()
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-tied", "small", "qwen2.5-7b", "llama3-8b"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-tied", "small", "qwen2.5-7b", "llama3-8b", "tiny-moe", "gpt-oss-120b",
+                                  "qwen3-235b-a22b"])
 def test_named_shapes_are_the_modules(name):
     """Every count derives from ModelConfig's named shapes (and the engine lays its tiles out by them): they are the
     modules' parameters, names, order and shapes."""

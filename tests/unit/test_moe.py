@@ -1,0 +1,82 @@
+"""The mixture-of-experts pieces against their definitions: grouped GEMM against the per-expert loop, the routing of
+each family, attention sinks through FlexAttention against the dense softmax. CPU, seconds: pytest
+tests/unit/test_moe.py"""
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+from megatrain.models.moe import experts_forward, route
+from megatrain.models.transformer import attention_with_sinks
+
+
+def _experts(bias: bool, limit: float, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    t, h, i, e, k = 24, 16, 8, 5, 2
+    x = torch.randn(t, h, generator=gen)
+    logits = torch.randn(t, e, generator=gen)
+    logits[:, 4] = -30  # one expert no token chooses
+    weights, experts = route(logits, k, norm_topk_prob=True)
+    tensors = [torch.randn(e, 2 * i, h, generator=gen) / 4, torch.randn(e, h, i, generator=gen) / 3]
+    tensors += [torch.randn(e, 2 * i, generator=gen), torch.randn(e, h, generator=gen)] if bias else [None, None]
+    return x, weights, experts, tensors, limit
+
+
+@pytest.mark.parametrize("bias,limit", [(False, 0.0), (True, 0.5)])
+def test_grouped_gemm_equals_the_per_expert_loop_forward_and_backward(bias, limit):
+    results = []
+    for grouped in (True, False):
+        x, weights, experts, tensors, limit = _experts(bias, limit)
+        leaves = [t.requires_grad_() for t in (x, weights, *tensors) if t is not None]
+        y = experts_forward(x, weights, experts, *tensors, limit=limit, alpha=1.702, grouped=grouped)
+        y.backward(torch.linspace(-1, 1, y.numel()).view_as(y))
+        results.append([y.detach(), *[leaf.grad for leaf in leaves]])
+    for grouped, loop in zip(*results, strict=True):
+        torch.testing.assert_close(grouped, loop, rtol=1e-5, atol=1e-6)
+    assert results[1][3][4].abs().sum() == 0  # the unchosen expert's weights get no gradient
+
+
+def test_experts_forward_is_each_tokens_weighted_sum_of_its_experts():
+    x, weights, experts, (gate_up, down, b1, b2), _ = _experts(bias=True, limit=0.0)
+    y = experts_forward(x, weights, experts, gate_up, down, b1, b2)
+    for t in (0, 7, 23):
+        want = sum(w * (down[e] @ (torch.nn.functional.silu(g) * u) + b2[e])
+                   for w, e in zip(weights[t], experts[t].tolist(), strict=True)
+                   for g, u in [(gate_up[e] @ x[t] + b1[e]).chunk(2)])
+        torch.testing.assert_close(y[t], want, rtol=1e-5, atol=1e-6)
+
+
+def test_routing_softmax_then_top_k_or_top_k_then_softmax():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    weights, experts = route(logits, 2, norm_topk_prob=False)
+    probs = logits.softmax(-1)
+    assert experts.tolist() == [[1, 2]] and torch.allclose(weights, probs[:, [1, 2]])
+    weights, experts = route(logits, 2, norm_topk_prob=True)
+    assert experts.tolist() == [[1, 2]] and torch.allclose(weights, probs[:, [1, 2]] / probs[:, [1, 2]].sum())
+
+
+def sink_case(window: int, device: str = "cpu"):
+    """q, k, v, sinks and the (dense, block) masks of a causal attention, sliding when window > 0."""
+    gen = torch.Generator().manual_seed(1)
+    b, n, kv, s, d = 2, 4, 2, 16, 8
+    q, k, v = (torch.randn(b, heads, s, d, generator=gen).to(device) for heads in (n, kv, kv))
+    sinks = torch.randn(n, generator=gen).to(device)
+
+    def visible(b, h, qi, ki):
+        return (ki <= qi) & ((qi - ki < window) if window else True)
+
+    dense = visible(0, 0, torch.arange(s, device=device)[:, None], torch.arange(s, device=device)[None, :])
+    return (q, k, v, sinks), dense, create_block_mask(visible, None, None, s, s, device=device)
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_sinks_through_flex_attention_equal_the_dense_softmax(window):
+    """Forward only: FlexAttention has no backward on CPU (tests/gpu/test_moe_gpu.py checks the gradients)."""
+    (q, k, v, sinks), dense, block = sink_case(window)
+    with torch.no_grad():
+        flex = attention_with_sinks(q, k, v, block, sinks, flex=flex_attention)
+        plain = attention_with_sinks(q, k, v, dense, sinks)
+        torch.testing.assert_close(flex, plain, rtol=1e-5, atol=1e-5)
+        without = attention_with_sinks(q, k, v, dense, torch.full_like(sinks, -torch.inf))
+        torch.testing.assert_close(without, torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=dense, enable_gqa=True), rtol=1e-5, atol=1e-5)  # a sink at -inf takes no weight
