@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO-3 with parameter and optimizer offload to CPU, one process on one GPU.
+"""DeepSpeed ZeRO-3 with parameter and optimizer offload to CPU, one process on one GPU or, under torchrun, one per
+GPU with the partitions spread over them all (DeepSpeed's own data parallel).
 
 The recommended ZeRO-Infinity-to-host recipe: the model is built under zero.Init (partitioned as it
 is constructed, bf16 shards in pinned host memory), DeepSpeedCPUAdam steps fp32 master weights on
@@ -24,12 +25,20 @@ from typing import Literal
 import torch
 
 from baselines.common import COMPILED_LAYERS, evaluate_micro_batches, micro_batches
-from baselines.dist import single_process_env, warn_if_bf16_precision
+from baselines.dist import (
+    kept_on_first,
+    ranks_of,
+    rows_of_rank,
+    save_on_every_rank,
+    single_process_env,
+    summed_loss,
+    warn_if_bf16_precision,
+)
 from megatrain.config import CaseConfig
+from megatrain.engine.distributed import share
 from megatrain.models import Transformer
 from megatrain.models.hf import copy_named_weights
 from megatrain.models.init import init_module
-from megatrain.models.loss import valid_tokens
 from megatrain.models.moe import MoE
 from megatrain.optim.groups import adamw_param_groups
 from megatrain.optim.state_bytes import FP32_BYTES, checkpoint_bytes_per_param, state_bytes_per_param
@@ -43,18 +52,20 @@ class DeepSpeedOptions(CommonOptions):
     optimizer: Literal["cpu_adam", "torch_adamw"] | None = None  # None: DeepSpeedCPUAdam on GPU, torch AdamW on CPU
 
 
-def memory_bytes(case: CaseConfig) -> tuple[int, int]:
-    """(host bytes beyond the process overhead, device bytes) of ZeRO-3 with params and optimizer offloaded to CPU.
+def memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
+    """(host bytes of a rank beyond its process overhead, device bytes of a rank) of ZeRO-3 with params and optimizer
+    offloaded to CPU, partitioned over `world` ranks.
 
     DeepSpeed's own estimator (deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs, zero_init=True)
-    puts the host at 18 B/param: fp32 master weights, Adam m and v (12), fp32 gradient partition (4), bf16 parameter
-    partition (2). Measured peak RSS beyond the process overhead is 24.4-24.9 B/param (1.5B, 3B and 14B at batches
-    8-512, H200 and H100 hosts: results/smoke_gpu, results/reproduce_14b): its pinned swap and bucket buffers; we
-    count 25. GPU: 4 B per parameter of the largest module (bf16 params and grads, gathered), plus the prefetch
-    buffers, plus activations.
+    puts a node's host at 18 B/param whatever its GPUs: fp32 master weights, Adam m and v (12), fp32 gradient
+    partition (4), bf16 parameter partition (2), each rank holding its partition. Measured peak RSS beyond the process
+    overhead is 24.4-24.9 B/param on one GPU (1.5B, 3B and 14B at batches 8-512, H200 and H100 hosts:
+    results/smoke_gpu, results/reproduce_14b): its pinned swap and bucket buffers; we count 25, a rank 25/world. GPU:
+    4 B per parameter of the largest module (bf16 params and grads, gathered), plus the prefetch buffers, plus
+    activations.
     """
     n = case.model_config().num_params()
-    host = n * 25
+    host = -(-n * 25 // world)
     gpu = 4 * largest_unit_params(case) * 2 + activation_bytes(case)
     return host, gpu
 
@@ -64,14 +75,15 @@ def checkpoint_bytes(case: CaseConfig) -> int:
     return case.model_config().num_params() * checkpoint_bytes_per_param(state_bytes_per_param(FP32_BYTES, "mixed"))
 
 
-def zero3_config(case: CaseConfig) -> dict:
-    """The DeepSpeed config dict of a case: ZeRO-3, params and optimizer offloaded to (pinned) host memory."""
+def zero3_config(case: CaseConfig, world: int = 1) -> dict:
+    """The DeepSpeed config dict of a case on `world` ranks: ZeRO-3, params and optimizer offloaded to (pinned) host
+    memory, each rank accumulating its share of the global batch."""
     h = case.model_config().hidden_size
     pin = case.device == "cuda"
     return {
         "train_batch_size": case.batch,
         "train_micro_batch_size_per_gpu": case.micro_batch,
-        "gradient_accumulation_steps": case.grad_accum,
+        "gradient_accumulation_steps": share(case.batch, case.micro_batch, world) // case.micro_batch,
         "gradient_clipping": case.optim.max_grad_norm,
         "bf16": {"enabled": case.dtype == "bfloat16"},
         "zero_optimization": {
@@ -134,6 +146,7 @@ def _compile_layers_under_zero3(model: Transformer) -> None:
 
 
 CHECKPOINT_TAG = "deepspeed"  # the tag directory engine.save_checkpoint writes inside a train checkpoint
+SAVED_PARTITIONS = "zero_pp_rank_*_optim_states.pt"  # in it, one file of each rank's ZeRO partitions
 
 
 class _GatheredMasters(Mapping):
@@ -173,7 +186,9 @@ class _ZeroParam:
 class DeepSpeedSystem:
     def __init__(self, case: CaseConfig):
         self.case = case
-        self.device = torch.device(case.device)
+        self.ranks = ranks_of(case)  # under torchrun: the process group, which DeepSpeed takes up
+        self.world = 1 if self.ranks is None else self.ranks.world
+        self.device = torch.device(case.device) if self.ranks is None else self.ranks.device
         self.dtype = case.torch_dtype
         warn_if_bf16_precision(case, "deepspeed")
         self.optimizer_name = case.opts.optimizer or ("cpu_adam" if self.device.type == "cuda" else "torch_adamw")
@@ -182,16 +197,18 @@ class DeepSpeedSystem:
                              "drop --option optimizer=...")
         ds = self.ds = _import_deepspeed(self.device)
 
+        if self.device.type == "cpu":
+            # The CPU accelerator's shared-memory all-reduce op serves inference only (training reduces through
+            # gloo), and its C++ JIT build costs minutes on a fresh machine.
+            ds.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         self.owns_process_group = not torch.distributed.is_initialized()
         if self.owns_process_group:
-            if self.device.type == "cpu":
-                # The CPU accelerator's shared-memory all-reduce op has nothing to do in a one-process world, and its
-                # C++ JIT build costs minutes on a fresh machine.
-                ds.ops.__compatible_ops__["deepspeed_shm_comm"] = False
             single_process_env()
-            ds.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo", verbose=False)
+        # DeepSpeed's own init from the launch's environment (torchrun's, or the one-process world's); under torchrun
+        # it takes up the process group already made
+        ds.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo", verbose=False)
 
-        self.config = zero3_config(case)
+        self.config = zero3_config(case, self.world)
         with ds.zero.Init(config_dict_or_path=self.config):
             model = Transformer(case.model_config(), activation_checkpointing=True)
         for prefix, module in _init_units(model):
@@ -222,17 +239,19 @@ class DeepSpeedSystem:
         self.engine, *_ = ds.initialize(model=model, optimizer=optimizer, config=self.config)
 
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, segments_BS: torch.Tensor | None = None) -> float:
-        normalizer = valid_tokens(labels_BS)
+        """One step over the global batch (under torchrun, this rank's rows of it)."""
+        normalizer, inputs_BS, labels_BS, segments_BS = rows_of_rank(self.ranks, inputs_BS, labels_BS, segments_BS)
         total = torch.zeros((), device=self.device)
         steps_before = self.engine.global_steps
         for x, y, seg in micro_batches(self.case, self.device, inputs_BS, labels_BS, segments_BS):
             loss = self.engine(x, y, normalizer, seg)
-            # The normaliser already spans the whole step; DeepSpeed's own 1/GAS scaling would count it twice.
-            self.engine.backward(loss, scale_wrt_gas=False)
+            # The normaliser already spans the global batch: DeepSpeed's own 1/GAS scaling would count the
+            # accumulation twice, and it averages the ranks' gradients where their sum is the one-process gradient.
+            self.engine.backward(loss * self.world, scale_wrt_gas=False)
             self.engine.step()  # the optimizer steps (clipping first) only at the accumulation boundary
             total += loss.detach().float()
         assert self.engine.global_steps == steps_before + 1, "micro-batches and gradient_accumulation_steps disagree"
-        return float(total)
+        return summed_loss(self.ranks, total)
 
     @property
     def skipped_steps(self) -> int:
@@ -245,12 +264,14 @@ class DeepSpeedSystem:
         return float("nan") if norm is None else float(norm)
 
     def system_config(self) -> dict:
-        return {"deepspeed_config": self.config, "zero_init": True, "activation_checkpointing": True,
+        return {"deepspeed_config": self.config, "ranks": self.world, "zero_init": True,
+                "activation_checkpointing": True,
                 "compile": COMPILED_LAYERS + "'s forward, the layer a ZeRO-3 leaf module (gathered whole)"
                 if self.case.compile else False,
                 "checkpointing": "torch.utils.checkpoint(use_reentrant=False) per layer",
                 "optimizer": self.optimizer_desc,
-                "loss_scaling": "engine.backward(loss, scale_wrt_gas=False), loss / valid tokens of the step"}
+                "loss_scaling": "engine.backward(loss x ranks, scale_wrt_gas=False), loss / valid tokens of the "
+                                "global step (DeepSpeed divides the ranks' summed gradients by their number)"}
 
     def metrics(self, warmup_steps: int = 0) -> dict:
         return {"deepspeed_version": self.ds.__version__, "optimizer": self.optimizer_name,
@@ -275,15 +296,26 @@ class DeepSpeedSystem:
                            named)
 
     def export_weights(self) -> Mapping[str, torch.Tensor]:
-        """The fp32 master weights by name, each gathered when read (never the whole model at once)."""
-        return _GatheredMasters(dict(self.engine.module.named_parameters()))
+        """The fp32 master weights by name. One process: each gathered when read (never the whole model at once).
+        Under torchrun every rank calls it, each weight is gathered in turn and rank 0 keeps them all (4 B/param on
+        its host while it exports)."""
+        masters = _GatheredMasters(dict(self.engine.module.named_parameters()))
+        return masters if self.ranks is None else kept_on_first(self.ranks, masters.items())
 
-    def save_state(self, out_dir: Path) -> None:
+    def save_state(self, out_dir: Path | None) -> None:
         """DeepSpeed's own checkpoint (engine.save_checkpoint: module, fp32 partitions, AdamW state, step and
-        skipped-step counts)."""
-        self.engine.save_checkpoint(str(out_dir), tag=CHECKPOINT_TAG)
+        skipped-step counts); under torchrun every rank writes its partitions into rank 0's out_dir (the others pass
+        None)."""
+        save_on_every_rank(self.ranks, out_dir, lambda d: self.engine.save_checkpoint(str(d), tag=CHECKPOINT_TAG))
 
     def load_state(self, in_dir: Path) -> None:
+        """Continue from save_state's checkpoint, saved by as many ranks: ZeRO-3's partitions do not move between
+        ranks (DeepSpeed's universal checkpoint would convert them; not done here)."""
+        saved = len(list((Path(in_dir) / CHECKPOINT_TAG).glob(SAVED_PARTITIONS)))
+        if saved and saved != self.world:
+            raise ValueError(f"{in_dir} holds DeepSpeed ZeRO-3 partitions of {saved} rank(s) and this run has "
+                             f"{self.world}: resume it on {saved} (torchrun --nproc-per-node {saved}"
+                             + (", or without torchrun)" if saved == 1 else ")"))
         path, _ = self.engine.load_checkpoint(str(in_dir), tag=CHECKPOINT_TAG)
         if path is None:
             raise ValueError(f"{in_dir}: no DeepSpeed checkpoint '{CHECKPOINT_TAG}' to resume from")

@@ -17,12 +17,11 @@ from megatrain.train.config import add_train_arguments
 def cmd_bench(args: argparse.Namespace) -> int:
     from megatrain.bench.case import run_case
     from megatrain.bench.record import append_jsonl, summary_line
-    from megatrain.engine.distributed import check_system, first_rank
+    from megatrain.engine.distributed import first_rank
     from megatrain.preflight import preflight
 
     flags = BenchFlags(**given(BenchFlags, args))
     case = flags.case()
-    check_system(case.system)
     first = first_rank(case.device)  # under torchrun every rank runs the case and rank 0 reports it
     notes = preflight(case)  # on every rank: each refuses what does not fit
     for note in notes if first else []:

@@ -10,7 +10,7 @@ own copy (each counts its shard's slice of it in the norm).
 
 Process groups: the default one carries gradients (NCCL on GPUs, gloo on CPU); a gloo group carries the control
 traffic (objects from rank 0, the agreed stop signal). Launched without torchrun, nothing here runs: one process
-trains exactly as before.
+trains exactly as before. The baselines run under torchrun on the same groups (baselines/dist.py).
 
 Several nodes (hybrid, FSDP2's HSDP): each node holds one copy of the state, shared by its ranks and sharded among
 them as above; a shard's gradient is summed within the node first, then across the nodes by the ranks of the same
@@ -55,11 +55,20 @@ def launched() -> bool:
     return dist.is_torchelastic_launched()
 
 
-def check_system(system: str) -> None:
-    """Refuse a system other than megatrain under torchrun: the baselines run one process each so far."""
-    if launched() and system != "megatrain":
-        raise ValueError(f"--system {system} runs in one process: start it without torchrun (under torchrun only "
-                         "megatrain runs, data parallel over the ranks)")
+def launch_size() -> tuple[int, int]:
+    """(ranks, ranks per node) of this launch, read before any process group exists: (1, 1) without torchrun."""
+    if not launched():
+        return 1, 1
+    return int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+
+
+def share(batch: int, micro_batch: int, world: int) -> int:
+    """Rows of a global batch of `batch` that each of `world` ranks trains: whole micro-batches, as many as the
+    others (every system splits it so)."""
+    if batch % (world * micro_batch):
+        raise ValueError(f"--batch {batch} must be a multiple of the {world} ranks x --micro-batch {micro_batch}: "
+                         "each rank trains whole micro-batches, as many as the others")
+    return batch // world
 
 
 @dataclass(frozen=True)
@@ -176,10 +185,7 @@ class Ranks:
 def per_rank(config: EngineConfig, world: int, local_world: int) -> EngineConfig:
     """The engine's config for one of `world` ranks: its share of the global batch, the host copy shared by the
     `local_world` ranks of its node."""
-    if config.batch % (world * config.micro_batch):
-        raise ValueError(f"--batch {config.batch} must be a multiple of the {world} ranks x --micro-batch "
-                         f"{config.micro_batch}: each rank trains whole micro-batches, as many as the others")
-    return replace(config, batch=config.batch // world, ranks=local_world)
+    return replace(config, batch=share(config.batch, config.micro_batch, world), ranks=local_world)
 
 
 def planned(config: EngineConfig) -> EngineConfig:
@@ -187,7 +193,7 @@ def planned(config: EngineConfig) -> EngineConfig:
     process group exists."""
     if not launched():
         return config
-    return per_rank(config, int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"]))
+    return per_rank(config, *launch_size())
 
 
 @functools.cache
@@ -200,7 +206,9 @@ def current(device: str) -> Ranks | None:
     cuda = device == "cuda"
     if cuda:
         torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if cuda else "gloo", device_id=torch.device("cuda", local_rank) if cuda else None)
+    # gloo beside NCCL on CUDA for the CPU tensors of a collective: FSDP2's offloaded shards (clipping's norm)
+    dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo",
+                            device_id=torch.device("cuda", local_rank) if cuda else None)
     rank, world, local_world = dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     control = dist.new_group(backend="gloo") if cuda else None

@@ -159,7 +159,10 @@ class StreamingSystem:
         self.schedule.load_resident_from_host()
 
     def export_weights(self) -> dict[str, torch.Tensor]:
-        """The current weights by our names, as views of the host tiles (fp32 master where there is one): no copy."""
+        """The current weights by our names, as views of the host tiles (fp32 master where there is one): no copy.
+        With several ranks, rank 0's (its flush waits for every rank's updates); the others' is empty."""
+        if not self._first:
+            return {}
         self.optimizer.flush()
         self.schedule.sync_resident_to_host()
         return self._weight_views()

@@ -83,7 +83,6 @@ def train(cfg: TrainConfig, log=print) -> int:
         if cfg.eval_data else None
     total = cfg.steps if cfg.steps is not None else math.ceil(cfg.epochs * len(rows) / cfg.batch)
     case = build_case(cfg, total, label, shape)
-    distributed.check_system(cfg.system)
     ranks = distributed.current(cfg.device)  # under torchrun: rank 0 owns --out, every rank trains
     for note in preflight(case):
         (log if ranks is None or ranks.first else _silent)(note)
@@ -173,11 +172,12 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
                 f"{out / 'checkpoints'}; --resume {out} continues" if cfg.save else
                 f"interrupted at step {progress.step}; no checkpoint (--no-save)")
             return 128 + progress.signal
-        if not first:  # rank 0 exports, after every rank's last update (its flush waits for them)
-            return 0
         t0 = time.perf_counter()
+        weights = system.export_weights()  # with several ranks, every rank's part: the weights are on rank 0
+        if not first:
+            return 0
         with _writing(out / "hf", progress, out):
-            _export(system, case, out / "hf", tokenizer_dir, {"step": progress.step, "run_id": run_id})
+            _export(weights, case, out / "hf", tokenizer_dir, {"step": progress.step, "run_id": run_id})
         memory.update(export_s=time.perf_counter() - t0, host_peak_gib_exported=peak_host_rss_gib())
         with _writing(out / "memory.json", progress, out):
             (out / "memory.json").write_text(json.dumps(memory, indent=1) + "\n")
@@ -314,11 +314,12 @@ def _exported_step(out: Path) -> int | None:
     return json.loads(path.read_text())["step"] if path.exists() else None
 
 
-def _export(system, case: CaseConfig, hf_dir: Path, tokenizer_dir: str | None, provenance: dict) -> None:
-    """The weights as a Hugging Face checkpoint with the tokenizer files, written aside and swapped in whole."""
+def _export(weights, case: CaseConfig, hf_dir: Path, tokenizer_dir: str | None, provenance: dict) -> None:
+    """The weights (a system's export_weights) as a Hugging Face checkpoint with the tokenizer files, written aside
+    and swapped in whole."""
     dtype = case.torch_dtype
     with written_aside(hf_dir) as tmp:
-        save_hf_checkpoint(system.export_weights(), case.model_config(), tmp,
+        save_hf_checkpoint(weights, case.model_config(), tmp,
                            max_shard_bytes=EXPORT_SHARD_BYTES, dtype=dtype)
         for name in TOKENIZER_FILES if tokenizer_dir else ():
             if (Path(tokenizer_dir) / name).exists():

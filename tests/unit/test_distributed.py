@@ -217,12 +217,3 @@ def test_a_batch_the_ranks_cannot_share_in_whole_micro_batches_is_refused():
     with pytest.raises(ValueError, match="multiple of the 3 ranks x --micro-batch 1"):
         Ranks(0, 3, torch.device("cpu"), None).per_rank(config)
 
-
-def test_under_torchrun_a_baseline_is_refused_in_one_line(monkeypatch):
-    from megatrain.engine import distributed
-
-    distributed.check_system("native")  # one process: any system
-    monkeypatch.setattr(distributed, "launched", lambda: True)
-    distributed.check_system("megatrain")
-    with pytest.raises(ValueError, match="--system native runs in one process: start it without torchrun"):
-        distributed.check_system("native")
