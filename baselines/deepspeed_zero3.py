@@ -24,7 +24,7 @@ from typing import Literal
 
 import torch
 
-from baselines.common import COMPILED_LAYERS, evaluate_micro_batches, micro_batches
+from baselines.common import COMPILED_LAYERS, aux_weight, evaluate_micro_batches, micro_batches
 from baselines.dist import (
     kept_on_first,
     ranks_of,
@@ -240,11 +240,12 @@ class DeepSpeedSystem:
 
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, segments_BS: torch.Tensor | None = None) -> float:
         """One step over the global batch (under torchrun, this rank's rows of it)."""
+        batch_BS = inputs_BS  # the load-balancing loss weighs a micro-batch by its share of the global batch
         normalizer, inputs_BS, labels_BS, segments_BS = rows_of_rank(self.ranks, inputs_BS, labels_BS, segments_BS)
         total = torch.zeros((), device=self.device)
         steps_before = self.engine.global_steps
         for x, y, seg in micro_batches(self.case, self.device, inputs_BS, labels_BS, segments_BS):
-            loss = self.engine(x, y, normalizer, seg)
+            loss = self.engine(x, y, normalizer, seg, aux_weight(x, batch_BS))
             # The normaliser already spans the global batch: DeepSpeed's own 1/GAS scaling would count the
             # accumulation twice, and it averages the ranks' gradients where their sum is the one-process gradient.
             self.engine.backward(loss * self.world, scale_wrt_gas=False)
