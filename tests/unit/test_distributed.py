@@ -109,6 +109,19 @@ def test_two_ranks_with_compact_moments_train_as_one_process_with_them(one_proce
 
 
 @pytest.mark.subprocess
+def test_two_ranks_train_a_mixture_of_experts_with_its_load_balancing_loss_as_one_process(tmp_path):
+    """Each rank's micro-batches weigh their share of the global batch in the load-balancing loss (weighed as the
+    whole batch, the loss would differ from the first step). The weights as compact moments' are compared: an expert
+    or head row whose gradient is rounding noise takes Adam steps of either sign in another summation order."""
+    init, data = hf_model("qwen3-moe-aux", tmp_path / "init"), pretokenized(tmp_path / "data.jsonl", rows=24)
+    assert run_train(init, data, tmp_path / "one", steps=4, extra=SAVES) == 0
+    _ok(torchrun(2, train_args(init, data, tmp_path / "two", steps=4, extra=SAVES)))
+    torch.testing.assert_close(torch.tensor([m["loss"] for m in metrics(tmp_path / "two")]),
+                               torch.tensor([m["loss"] for m in metrics(tmp_path / "one")]), rtol=1e-6, atol=0)
+    _assert_near_runs(tmp_path / "two", tmp_path / "one")
+
+
+@pytest.mark.subprocess
 def test_two_simulated_nodes_of_two_ranks_train_as_one_process(one_process):
     """Hybrid: one copy of the state per node, shards summed within the node then across nodes."""
     init, data, root = one_process
