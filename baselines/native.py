@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from baselines.common import COMPILED_LAYERS, accumulate_and_step, compile_layers, evaluate_micro_batches
+from megatrain.compile_check import compile_check
 from megatrain.config import CaseConfig
 from megatrain.models import Transformer
 from megatrain.models.hf import copy_named_weights
@@ -93,6 +94,7 @@ class NativeSystem:
     def system_config(self) -> dict:
         return {"param_dtype": str(self.param_dtype), "autocast": self.autocast, "activation_checkpointing": self.ckpt,
                 "compile": COMPILED_LAYERS if self.case.compile else False,
+                "compile_check": compile_check() if self.case.compile else None,
                 "optimizer": "torch.optim.AdamW(fused=True)", "clip": "torch.nn.utils.clip_grad_norm_"}
 
     def metrics(self, warmup_steps: int = 0) -> dict:
