@@ -23,10 +23,12 @@ from typing import Literal
 
 import torch
 
-from baselines.common import COMPILED_LAYERS, evaluate_micro_batches, micro_batches
+from baselines.common import evaluate_micro_batches, micro_batches
 from baselines.dist import single_process_env, warn_if_bf16_precision
+from megatrain.compile_check import compile_check
 from megatrain.config import CaseConfig
-from megatrain.models import Transformer
+from megatrain.engine.templates import LayerTemplate
+from megatrain.models import DecoderLayer, Transformer
 from megatrain.models.hf import copy_named_weights
 from megatrain.models.init import init_module
 from megatrain.models.loss import valid_tokens
@@ -83,6 +85,9 @@ def zero3_config(case: CaseConfig) -> dict:
             "reduce_bucket_size": h * h,
             "stage3_prefetch_bucket_size": int(0.9 * h * h),
             "stage3_param_persistence_threshold": 10 * h,
+            # Its memory-efficient linear, an autograd.Function patched over F.linear, reads each weight's ds_id and
+            # ds_status, on which Dynamo then guards; DeepSpeed's own compile path restores torch's linear too.
+            "memory_efficient_linear": not case.compile,
         },
         # Allows the client torch AdamW of CPU runs; CUDA runs pass DeepSpeedCPUAdam, which this does not affect.
         "zero_force_ds_cpu_optimizer": False,
@@ -122,15 +127,26 @@ def _zero3_param_groups(model: Transformer, optim) -> list[dict]:
     return adamw_param_groups(model.named_parameters(), optim, shape_of=lambda p: p.ds_shape)
 
 
-def _compile_layers_under_zero3(model: Transformer) -> None:
-    """Compile each decoder layer's forward, as the other systems do. ZeRO-3 gathers parameters in hooks on every
+def _compile_layers_under_zero3(model: Transformer) -> LayerTemplate:
+    """Run every decoder layer through one compiled stateless layer, as the engine does (LayerTemplate: a meta-device
+    layer called with the weights as tensor arguments), and return it. ZeRO-3 gathers parameters in hooks on every
     submodule, which Dynamo cannot trace (a compiled layer fails on the empty partitioned stubs); marked a ZeRO-3
-    leaf, a layer gathers all its parameters in its own hook, which stays eager around the compiled forward."""
+    leaf, a layer gathers all its parameters in its own hook, which stays eager around the compiled call. Compiling
+    each layer's own forward instead let Dynamo guard on that layer's ZeRO-3 parameters (their ds_id): on the GPU
+    host every layer was a new compile up to Dynamo's recompile limit (8), the layers after it eager."""
     from deepspeed.utils import set_z3_leaf_modules
 
-    set_z3_leaf_modules(model, [type(model.layers[0])])
+    set_z3_leaf_modules(model, [DecoderLayer])
+    template = LayerTemplate(model.cfg, compile_layer=True)
     for layer in model.layers:
-        layer.forward = torch.compile(layer.forward, dynamic=False)
+        layer.forward = functools.partial(_forward_through, template, layer)
+    return template
+
+
+def _forward_through(template: LayerTemplate, layer: DecoderLayer, x_BSH: torch.Tensor, cos_SD: torch.Tensor,
+                     sin_SD: torch.Tensor, mask_B1SS=None) -> torch.Tensor:
+    """`layer`'s forward: the template with the layer's own gathered parameters."""
+    return template(dict(layer.named_parameters()), x_BSH, cos_SD, sin_SD, mask_B1SS)
 
 
 CHECKPOINT_TAG = "deepspeed"  # the tag directory engine.save_checkpoint writes inside a train checkpoint
@@ -200,9 +216,8 @@ class DeepSpeedSystem:
         # The loss reads the head matrix (or the tied embedding) outside that module's forward: ZeRO-3 must gather it
         # for the root's forward and backward too.
         ds.zero.register_external_parameter(model, model.head_weight())
-        if case.compile:
-            _compile_layers_under_zero3(model)
-        elif model.cfg.is_moe:
+        self.layer_template = _compile_layers_under_zero3(model) if case.compile else None
+        if not case.compile and model.cfg.is_moe:
             # what DeepSpeed tells its MoE users: the block's experts are read by its own forward, not by a submodule
             # call ZeRO-3 could hook, so the block gathers all of them at once, as a leaf
             from deepspeed.utils import set_z3_leaf_modules
@@ -246,8 +261,11 @@ class DeepSpeedSystem:
 
     def system_config(self) -> dict:
         return {"deepspeed_config": self.config, "zero_init": True, "activation_checkpointing": True,
-                "compile": COMPILED_LAYERS + "'s forward, the layer a ZeRO-3 leaf module (gathered whole)"
-                if self.case.compile else False,
+                "compile": "torch.compile(dynamic=False) of one stateless decoder layer (LayerTemplate), every layer "
+                "calling it with its parameters, the layer a ZeRO-3 leaf module (gathered whole)"
+                if self.layer_template and self.layer_template.compiled else False,
+                "compile_check": compile_check(fell_back=not self.layer_template.compiled)
+                if self.layer_template else None,
                 "checkpointing": "torch.utils.checkpoint(use_reentrant=False) per layer",
                 "optimizer": self.optimizer_desc,
                 "loss_scaling": "engine.backward(loss, scale_wrt_gas=False), loss / valid tokens of the step"}
