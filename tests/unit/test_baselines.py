@@ -102,6 +102,21 @@ def test_deepspeed_matches_native_with_accumulation_and_clipping(model, tmp_path
     assert result["config"]["deepspeed_config"]["gradient_accumulation_steps"] == 2
 
 
+@pytest.mark.parametrize("model", [pytest.param("tiny", marks=needs_deepspeed)])
+def test_deepspeed_zero_offload_matches_zero3(model, tmp_path):
+    # ZeRO-Offload (stage 2: parameters and gradients on the device, optimizer on the host) against ZeRO-3 with
+    # parameters offloaded too: the same fp32 math, in another bucket and partition order
+    case = _case("deepspeed", model)
+    zero3 = _run_in_subprocess(case, tmp_path)
+    zero2 = _run_in_subprocess(dataclasses.replace(case, options={"zero_stage": 2}), tmp_path)
+    torch.testing.assert_close(torch.tensor(zero2["losses"]), torch.tensor(zero3["losses"]), rtol=1e-5, atol=0)
+    for name, p in zero2["params"].items():
+        torch.testing.assert_close(p, zero3["params"][name], rtol=0, atol=2e-5, msg=name)
+    zero = zero2["config"]["deepspeed_config"]["zero_optimization"]
+    assert (zero["stage"], zero["offload_optimizer"]["device"], "offload_param" in zero) == (2, "cpu", False)
+    assert zero2["config"]["mode"].startswith("ZeRO-Offload") and not zero2["config"]["zero_init"]
+
+
 @pytest.mark.parametrize("system", ["native", "fsdp", pytest.param("deepspeed", marks=needs_deepspeed), "megatrain"])
 @pytest.mark.slow  # torch.compile on CPU: 10-40 s a system
 def test_compiled_layers_match_eager_native(system, tmp_path):
