@@ -23,6 +23,11 @@ def micro_batches(case: CaseConfig, device: torch.device, inputs_BS: torch.Tenso
                labels_BS[start:start + mb].to(device, non_blocking=True), seg)
 
 
+def aux_weight(micro_BS: torch.Tensor, step_BS: torch.Tensor) -> float:
+    """A micro-batch's share of the step's load-balancing loss (models.Transformer): its share of the sequences."""
+    return micro_BS.shape[0] / step_BS.shape[0]
+
+
 def accumulate_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, case: CaseConfig,
                         device: torch.device, inputs_BS: torch.Tensor, labels_BS: torch.Tensor,
                         autocast=contextlib.nullcontext, segments_BS: torch.Tensor | None = None
@@ -35,7 +40,7 @@ def accumulate_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     total = torch.zeros((), device=device)
     for x, y, seg in micro_batches(case, device, inputs_BS, labels_BS, segments_BS):
         with autocast():
-            loss = model(x, y, normalizer, seg)
+            loss = model(x, y, normalizer, seg, aux_weight(x, inputs_BS))
         loss.backward()
         total += loss.detach().float()
     # with clipping off, max_norm=inf only measures the norm (the coefficient clamps to exactly 1)
@@ -66,9 +71,9 @@ def evaluate_micro_batches(model: torch.nn.Module, case: CaseConfig, device: tor
                            labels_BS: torch.Tensor, segments_BS: torch.Tensor | None = None,
                            autocast=contextlib.nullcontext) -> float:
     """The summed token loss over the batch's valid tokens, micro-batch by micro-batch, without gradients (`model`:
-    a module, or DeepSpeed's engine around one)."""
+    a module, or DeepSpeed's engine around one); the cross-entropy alone, without a router's load-balancing loss."""
     normalizer, total = valid_tokens(labels_BS), 0.0
     for x, y, seg in micro_batches(case, device, inputs_BS, labels_BS, segments_BS):
         with autocast():
-            total += float(model(x, y, normalizer, seg))
+            total += float(model(x, y, normalizer, seg, 0.0))
     return total

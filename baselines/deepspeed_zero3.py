@@ -27,7 +27,7 @@ from typing import Literal
 
 import torch
 
-from baselines.common import evaluate_micro_batches, micro_batches
+from baselines.common import aux_weight, evaluate_micro_batches, micro_batches
 from baselines.dist import single_process_env, warn_if_bf16_precision
 from megatrain.compile_check import compile_check
 from megatrain.config import CaseConfig
@@ -269,7 +269,7 @@ class DeepSpeedSystem:
         total = torch.zeros((), device=self.device)
         steps_before = self.engine.global_steps
         for x, y, seg in micro_batches(self.case, self.device, inputs_BS, labels_BS, segments_BS):
-            loss = self.engine(x, y, normalizer, seg)
+            loss = self.engine(x, y, normalizer, seg, aux_weight(x, inputs_BS))
             # The normaliser already spans the whole step; DeepSpeed's own 1/GAS scaling would count it twice.
             self.engine.backward(loss, scale_wrt_gas=False)
             self.engine.step()  # the optimizer steps (clipping first) only at the accumulation boundary

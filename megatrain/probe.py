@@ -5,9 +5,10 @@ every record of the run, so that a number is always read beside the link and GEM
 suite's cases run where the probe matches their hardware profile (megatrain.hardware).
 
 The probe takes seconds: pinned PCIe copies (H2D, D2H, both at once), a bf16 8192^3 GEMM, host
-memory, its bandwidth (STREAM's read, write, copy and triad per thread count), torch's fused CPU AdamW rate and the
-engine's own host AdamW kernel in each precision (the performance model's host ingredient, megatrain.perf_model). GPU
-numbers are None on a machine without CUDA.
+memory, its bandwidth (STREAM's read, write, copy and triad per thread count, by C++ kernels where the engine's host
+AdamW extension builds, else by torch's ops), torch's fused CPU AdamW rate and the engine's own host AdamW kernel in
+each precision (the performance model's host ingredient, megatrain.perf_model). GPU numbers are None on a machine
+without CUDA.
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ class Machine:
     cpu_adamw_gparams_s: float | None = None  # torch's fused CPU AdamW
     engine_adamw_gparams_s: dict[str, float] | None = None  # the engine's host AdamW kernel, by precision
     # STREAM-style host memory bandwidth, 1e9 bytes/s: {"threads": [1, 2, 4, ...], "read": [...], "write": [...],
-    # "copy": [...], "triad": [...]}, one rate per thread count (host_mem_bandwidth_gbs)
+    # "copy": [...], "triad": [...]}, one rate per thread count, and "write_nt" (non-temporal stores) where native
+    # (host_mem_bandwidth_gbs)
     host_mem_gbs: dict[str, list] | None = None
+    host_mem_probe: str | None = None  # which kernels measured host_mem_gbs: "native" (C++) or "torch"
     probe_s: float | None = None
 
     def to_dict(self) -> dict:
@@ -144,16 +147,30 @@ def _cpu_adamw_gparams_s(numel: int = 64 * 2**20, repeats: int = 3) -> float:
     return numel / _median_s(opt.step, repeats) / 1e9
 
 
-def host_mem_bandwidth_gbs(numel: int = 64 * 2**20, repeats: int = 3, max_threads: int | None = None) -> dict:
+def host_mem_bandwidth_gbs(numel: int = 64 * 2**20, repeats: int = 3, max_threads: int | None = None,
+                           native: bool = True) -> dict:
     """STREAM's kernels on fp32 arrays of `numel` (256 MiB each: larger than any last-level cache) at 1, 2, 4, ...
     threads up to the cores, best of `repeats`, in GB/s counted as STREAM counts (read a: 4 B/element, write a: 4,
-    copy a to b: 8, triad a = b + s c: 12; no write-allocate traffic)."""
+    copy a to b: 8, triad a = b + s c: 12; no write-allocate traffic). native: by the C++ kernels built with the host
+    AdamW kernel (megatrain.optim.fused; also "write_nt", the write's non-temporal stores), where they build; else,
+    or native=False, by torch's ops. "host_mem_probe" says which measured: "native" or "torch"."""
+    from megatrain.optim import fused
+
+    cores = max_threads or psutil.cpu_count()
+    counts = sorted({min(2**k, cores) for k in range(cores.bit_length() + 1)})
+    if native and fused.available():
+        rates = fused.host_mem_bandwidth_gbs(numel, counts, repeats)
+        return {"host_mem_probe": "native", "threads": counts,
+                **{kind: [round(r, 2) for r in rates[kind]] for kind in sorted(rates)}}
+    return {"host_mem_probe": "torch", "threads": counts, **_torch_host_mem_bandwidth_gbs(numel, repeats, counts)}
+
+
+def _torch_host_mem_bandwidth_gbs(numel: int, repeats: int, counts: list[int]) -> dict[str, list[float]]:
+    """host_mem_bandwidth_gbs's kernels by torch's ops, one rate per thread count in `counts`."""
     a, b, c = torch.ones(numel), torch.ones(numel), torch.ones(numel)
     kernels = {"read": (lambda: a.sum(), 4), "write": (lambda: a.fill_(2.0), 4), "copy": (lambda: b.copy_(a), 8),
                "triad": (lambda: torch.add(b, c, alpha=3.0, out=a), 12)}
-    cores = max_threads or psutil.cpu_count()
-    counts = sorted({min(2**k, cores) for k in range(cores.bit_length() + 1)})
-    result: dict[str, list] = {"threads": counts, **{kind: [] for kind in kernels}}
+    result: dict[str, list] = {kind: [] for kind in kernels}
     before = torch.get_num_threads()
     try:
         for t in counts:
@@ -211,6 +228,7 @@ def measure(rates: bool = True) -> Machine:
         torch.cuda.empty_cache()
     if rates:
         found["host_mem_gbs"] = host_mem_bandwidth_gbs()
+        found["host_mem_probe"] = found["host_mem_gbs"].pop("host_mem_probe")
         found["cpu_adamw_gparams_s"] = _cpu_adamw_gparams_s()
         try:
             found["engine_adamw_gparams_s"] = {p: engine_adamw_gparams_s(p) for p in ("bf16", "mixed")}

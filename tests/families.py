@@ -7,8 +7,9 @@ original contexts of 8 positions, so 16- and 32-token sequences run past both.
 import transformers
 
 KINDS = ("qwen2", "llama", "llama3.1", "llama-bias-linear", "llama-dynamic", "qwen2-yarn", "qwen2-sliding", "qwen3",
-         "qwen3-yarn-sliding", "mistral", "qwen3-moe", "gpt-oss")
-MOE_KINDS = ("qwen3-moe", "gpt-oss")
+         "qwen3-yarn-sliding", "mistral", "qwen3-moe", "gpt-oss", "qwen3-moe-aux")
+MOE_KINDS = ("qwen3-moe", "gpt-oss", "qwen3-moe-aux")
+AUX_COEF = 0.3
 EXPERTS, TOP_K = 4, 2
 WINDOW, ORIGINAL = 5, 8
 
@@ -51,6 +52,11 @@ def family_config(kind: str, **shape) -> transformers.PretrainedConfig:
     if kind == "qwen3-moe":  # softmax over every expert, then the top-k unnormalised
         return transformers.Qwen3MoeConfig(**shape, head_dim=16, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
                                            moe_intermediate_size=32, norm_topk_prob=False,
+                                           rope_parameters={"rope_type": "default", **theta})
+    if kind == "qwen3-moe-aux":  # the router's load-balancing loss in training, renormalised top-k
+        return transformers.Qwen3MoeConfig(**shape, head_dim=16, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                                           moe_intermediate_size=32, norm_topk_prob=True, output_router_logits=True,
+                                           router_aux_loss_coef=AUX_COEF,
                                            rope_parameters={"rope_type": "default", **theta})
     if kind == "gpt-oss":  # sinks, alternating windows, YaRN, router and expert biases, the clamped SwiGLU
         return transformers.GptOssConfig(**shape, head_dim=16, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,

@@ -42,6 +42,7 @@ from megatrain.engine.templates import HeadTemplate, LayerTemplate, bind
 from megatrain.engine.uses import Use, use_order
 from megatrain.models import rotary_tables
 from megatrain.models.masks import rope_and_masks
+from megatrain.models.moe import load_balancing_grad, load_balancing_loss
 from megatrain.optim.host_adamw import FlatAdamW
 
 
@@ -61,6 +62,10 @@ class StepState:
     loss_sum: torch.Tensor | None = None
     output_grads: list = field(default_factory=list)  # per micro-batch: the gradient into the current layer's output
     grad_slot: int = 0  # the gradient slot the next streamed head or backward use accumulates in
+    # the router's load-balancing loss, per micro-batch: tokens routed to each expert and router probability sums,
+    # added up over the layers in forward (models.moe)
+    routed: list = field(default_factory=list)
+    probsum: list = field(default_factory=list)
 
 
 class Schedule:
@@ -260,6 +265,15 @@ class Schedule:
         with torch.no_grad():
             outputs = [self.layer_template(params, x, *self._attention(step.rope[m], unit))
                        for m, x in enumerate(self.acts.gpu[layer - 1])]
+        if self.model.router_stats:
+            if not regenerate:  # a regenerated input's routing was counted in its first forward
+                for m, (_, routed, probsum) in enumerate(outputs):
+                    if len(step.routed) <= m:
+                        step.routed.append(torch.zeros_like(routed))
+                        step.probsum.append(torch.zeros_like(probsum))
+                    step.routed[m] += routed
+                    step.probsum[m] += probsum
+            outputs = [out[0] for out in outputs]
         self.acts.put(layer, outputs)
         if not regenerate:
             self.acts.consumed(layer - 1)
@@ -291,6 +305,9 @@ class Schedule:
                 dh, dnorm, dw = torch.autograd.grad(loss, [h, params["norm.weight"], head_w])
             step.output_grads.append(dh)
             step.loss_sum += loss.detach()
+            if self.model.router_stats:
+                step.loss_sum += self._aux_weight(step, m) * load_balancing_loss(
+                    step.routed[m], step.probsum[m], self._router_rows(step, m))
             if tied:
                 self._accumulate(grad_acc, unit, ["norm.weight"], [dnorm])
                 self.embed_grad.view_as(dw).add_(dw)
@@ -310,11 +327,26 @@ class Schedule:
             x = x.detach().requires_grad_()
             with torch.enable_grad():
                 y = self.layer_template(params, x, *self._attention(step.rope[m], unit))
-                grads = torch.autograd.grad(y, [x, *tensors], step.output_grads[m])
+                if self.model.router_stats:  # its router's share of the load-balancing loss
+                    aux_grad = load_balancing_grad(step.routed[m], self._router_rows(step, m),
+                                                   self._aux_weight(step, m))
+                    grads = torch.autograd.grad([y[0], y[2]], [x, *tensors], [step.output_grads[m], aux_grad])
+                else:
+                    grads = torch.autograd.grad(y, [x, *tensors], step.output_grads[m])
             step.output_grads[m] = grads[0]
             self._accumulate(grad_acc, unit, names, grads[1:])
             inputs[m] = None
         self._finish_grads(step, unit, grad_acc, step.grad_slot)
+
+    def _router_rows(self, step: StepState, m: int) -> int:
+        """Micro-batch m's (layer, token) rows of the load-balancing loss."""
+        return self.model.num_layers * step.tokens[m].numel()
+
+    def _aux_weight(self, step: StepState, m: int) -> float:
+        """The load-balancing loss's weight for micro-batch m: the coefficient x its share of the step's sequences
+        (as baselines.common.aux_weight)."""
+        rows = sum(t.shape[0] for t in step.tokens)
+        return self.model.router_aux_loss_coef * step.tokens[m].shape[0] / rows
 
     def _finish_grads(self, step: StepState, unit: Unit, grad_acc: torch.Tensor, grad_slot: int) -> None:
         step.grad_sumsq += torch.linalg.vector_norm(grad_acc).square()
@@ -386,6 +418,8 @@ class Schedule:
             for unit in units[1:-1]:
                 params = bind(unit, weights(unit), requires_grad=False)
                 xs = [self.layer_template(params, x, *self._attention(rope[m], unit)) for m, x in enumerate(xs)]
+                if self.model.router_stats:  # the held-out loss is the cross-entropy alone
+                    xs = [x[0] for x in xs]
             head = units[-1]
             params = bind(head, weights(head), requires_grad=False)
             head_w = params.get("lm_head.weight", embed_w)

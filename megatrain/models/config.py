@@ -49,6 +49,8 @@ class ModelConfig:
         swiglu_limit: GPT-OSS's clamped SwiGLU, (clamp(up, -l, l) + 1) * g * sigmoid(alpha * g) with
             g = clamp(gate, max=l); 0 for the plain silu(gate) * up.
         swiglu_alpha: the alpha of that SwiGLU.
+        router_aux_loss_coef: weight of the router's load-balancing loss (transformers' load_balancing_loss_func) in
+            the training loss; 0 when the config does not ask for it (output_router_logits false).
     """
 
     vocab_size: int
@@ -78,6 +80,7 @@ class ModelConfig:
     attention_sinks: bool = False
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 0.0
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # read back from a record or run.json
@@ -148,10 +151,17 @@ class ModelConfig:
         if (self.family == "gpt_oss") != (self.swiglu_limit > 0) or self.swiglu_limit < 0:
             raise ValueError(f"swiglu_limit={self.swiglu_limit}: GPT-OSS's clamped SwiGLU needs a limit > 0, "
                              "the other families have none")
+        if not (math.isfinite(self.router_aux_loss_coef) and self.router_aux_loss_coef >= 0):
+            raise ValueError(f"router_aux_loss_coef must be a finite number >= 0, got {self.router_aux_loss_coef}")
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def router_stats(self) -> bool:
+        """Whether each layer reports its routing for the load-balancing loss."""
+        return self.is_moe and self.router_aux_loss_coef > 0
 
     def layer_type(self, layer: int) -> str:
         """The attention of decoder layer `layer` (0-based): 'full_attention' or 'sliding_attention'."""

@@ -229,10 +229,9 @@ def _experts_from_hf(hf: Mapping, family: str) -> dict:
     if quant and quant.get("quant_method") != "mxfp4":
         raise ValueError(f"quantization_config {quant.get('quant_method')!r} is not supported; only GPT-OSS's mxfp4 "
                          "experts (dequantized on load) or unquantized weights")
-    if hf.get("output_router_logits"):
-        raise ValueError("output_router_logits=true asks for the router's load-balancing loss in training, which we do "
-                         "not compute yet; set it false (every released Qwen3-MoE and GPT-OSS config has it false)")
-    fields = dict(num_experts_per_tok=hf.get("num_experts_per_tok", defaults.get("num_experts_per_tok", 0)))
+    coef = float(hf.get("router_aux_loss_coef", 0.001))  # transformers' default for both families
+    fields = dict(num_experts_per_tok=hf.get("num_experts_per_tok", defaults.get("num_experts_per_tok", 0)),
+                  router_aux_loss_coef=coef if hf.get("output_router_logits") else 0.0)
     if family == "gpt_oss":
         return dict(fields, num_experts=hf.get("num_local_experts", 128), moe_intermediate_size=hf["intermediate_size"],
                     norm_topk_prob=True, moe_bias=True, attention_sinks=True,
@@ -313,7 +312,8 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
     if cfg.family in ("llama", "qwen3", "qwen3_moe", "gpt_oss"):
         hf["attention_bias"] = cfg.o_bias
     if cfg.is_moe:
-        hf.update(num_experts_per_tok=cfg.num_experts_per_tok, output_router_logits=False)
+        hf.update(num_experts_per_tok=cfg.num_experts_per_tok, output_router_logits=cfg.router_aux_loss_coef > 0,
+                  router_aux_loss_coef=cfg.router_aux_loss_coef or 0.001)
     if cfg.family == "qwen3_moe":
         hf.update(num_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_intermediate_size,
                   norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[],

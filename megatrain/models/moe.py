@@ -4,7 +4,8 @@ Shape legend: T tokens, H hidden, E experts, K experts per token, I expert inner
 
 One module for every system. The experts are two stacked tensors ([E, 2I, H] gate-then-up rows, [E, H, I]), so
 one expert's weights are one contiguous slice; the tokens routed to each expert are gathered in expert order and
-multiplied as one grouped GEMM (torch._grouped_mm) where it runs, else expert by expert over the routed ones only.
+multiplied as one grouped GEMM (torch._grouped_mm, bf16 on Hopper) where it runs, else expert by expert over the
+routed ones only.
 """
 
 from __future__ import annotations
@@ -36,13 +37,13 @@ def _activation(gate_up_TI2: torch.Tensor, limit: float, alpha: float) -> torch.
 
 
 def grouped_mm_runs(x: torch.Tensor, *inner_sizes: int) -> bool:
-    """Whether torch._grouped_mm computes these experts: on CPU, and on CUDA in bf16 from compute capability 9.0 (its
-    kernels); every row stride a multiple of 16 bytes."""
+    """Whether torch._grouped_mm computes these experts: on CUDA in bf16 from compute capability 9.0 (its kernels),
+    every row stride a multiple of 16 bytes. Not on CPU: eager it runs, but torch.compile's trace of it takes bf16
+    only (the per-expert loop computes the same)."""
     if not hasattr(torch, "_grouped_mm") or any(n * x.element_size() % 16 for n in inner_sizes):
         return False
-    if x.device.type == "cuda":
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
-    return x.device.type == "cpu"
+    return x.device.type == "cuda" and x.dtype == torch.bfloat16 and \
+        torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 
 def experts_forward(x_TH: torch.Tensor, weights_TK: torch.Tensor, experts_TK: torch.Tensor,
@@ -57,7 +58,9 @@ def experts_forward(x_TH: torch.Tensor, weights_TK: torch.Tensor, experts_TK: to
     order = flat_experts.argsort(stable=True)  # the (token, slot) pairs in expert order
     token_of = order // k
     x_sorted = x_TH[token_of]
-    counts = torch.bincount(flat_experts, minlength=num_experts)
+    # tokens per expert, a fixed-size result (bincount's size depends on the data, which a compiled graph cannot take)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=x_TH.device).index_add_(
+        0, flat_experts, torch.ones_like(flat_experts))
     if grouped is None:
         grouped = grouped_mm_runs(x_TH, x_TH.shape[1], gate_up_E2IH.shape[1], down_EHI.shape[2])
     if grouped:
@@ -102,7 +105,11 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """The layer's MLP: route each token to num_experts_per_tok experts, sum their outputs by the routing weights."""
+    """The layer's MLP: route each token to num_experts_per_tok experts, sum their outputs by the routing weights.
+
+    With `router_stats`, forward also returns what the load-balancing loss needs of this layer: the tokens routed to
+    each expert [E] (float, no gradient) and the sum over tokens of each expert's router probability [E] (fp32,
+    differentiable)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -110,11 +117,32 @@ class MoE(nn.Module):
         self.experts = Experts(cfg)
         self.k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
+        self.router_stats = cfg.router_stats
 
-    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSH: torch.Tensor):
         x_TH = x_BSH.flatten(0, 1)
-        weights_TK, experts_TK = route(self.router(x_TH), self.k, self.norm_topk_prob)
+        logits_TE = self.router(x_TH)
+        weights_TK, experts_TK = route(logits_TE, self.k, self.norm_topk_prob)
         ex = self.experts
-        y_TH = experts_forward(x_TH, weights_TK, experts_TK, ex.gate_up_proj, ex.down_proj, ex.gate_up_proj_bias,
-                               ex.down_proj_bias, self.limit, self.alpha)
-        return y_TH.view_as(x_BSH)
+        y_BSH = experts_forward(x_TH, weights_TK, experts_TK, ex.gate_up_proj, ex.down_proj, ex.gate_up_proj_bias,
+                                ex.down_proj_bias, self.limit, self.alpha).view_as(x_BSH)
+        if not self.router_stats:
+            return y_BSH
+        num_experts = logits_TE.shape[1]
+        routed_E = torch.zeros(num_experts, device=x_TH.device).index_add_(
+            0, experts_TK.flatten(), torch.ones(experts_TK.numel(), device=x_TH.device))
+        return y_BSH, routed_E, F.softmax(logits_TE, dim=-1, dtype=torch.float32).sum(0)
+
+
+def load_balancing_loss(routed_E: torch.Tensor, probsum_E: torch.Tensor, rows: int) -> torch.Tensor:
+    """transformers' load_balancing_loss_func (Switch Transformer's): E x sum_e (routed share of e) x (mean router
+    probability of e), from the routed tokens and probability sums of every layer added up, over `rows` (layers x
+    tokens)."""
+    return routed_E.shape[0] * torch.dot(routed_E / rows, probsum_E / rows)
+
+
+def load_balancing_grad(routed_E: torch.Tensor, rows: int, weight: float) -> torch.Tensor:
+    """d(weight x load_balancing_loss) / d(one layer's probability sums) [E]: the same for every layer, since the
+    routed shares carry no gradient. Known once every layer's forward has run, so a layer recomputed in backward adds
+    its router's share of the loss gradient without the other layers."""
+    return weight * routed_E.shape[0] * routed_E / rows**2

@@ -58,7 +58,8 @@ MODELS: dict[str, ModelConfig] = {
     "tiny-sliding": ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=3, num_heads=4,
                                 num_kv_heads=2, qkv_bias=True, max_seq_len=2048, sliding_window=64,
                                 layer_types=(SLIDING, "full_attention", SLIDING)),
-    # mixtures of experts at the tiny size: Qwen3-MoE's softmax-then-top-k, GPT-OSS's sinks and biases
+    # mixtures of experts at the tiny size: Qwen3-MoE's softmax-then-top-k; GPT-OSS's sinks and biases, with the
+    # router's load-balancing loss in training
     "tiny-moe": ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=3, num_heads=4,
                             num_kv_heads=2, family="qwen3_moe", qk_norm=True, max_seq_len=2048, num_experts=8,
                             num_experts_per_tok=2, moe_intermediate_size=32),
@@ -66,7 +67,7 @@ MODELS: dict[str, ModelConfig] = {
                                 num_kv_heads=2, head_dim=16, family="gpt_oss", qkv_bias=True, o_bias=True,
                                 max_seq_len=2048, sliding_window=64, layer_types=_alternating(4), num_experts=8,
                                 num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True, moe_bias=True,
-                                attention_sinks=True, swiglu_limit=7.0, swiglu_alpha=1.702),
+                                attention_sinks=True, swiglu_limit=7.0, swiglu_alpha=1.702, router_aux_loss_coef=0.1),
     # ~0.1B: big enough to exercise the GPU paths, small enough for a quick check.
     "small": ModelConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12,
                          num_heads=12, num_kv_heads=4, qkv_bias=True, tie_embeddings=False),

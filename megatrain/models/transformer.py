@@ -17,7 +17,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from megatrain.models.config import ModelConfig
 from megatrain.models.loss import IGNORE_INDEX, linear_cross_entropy
 from megatrain.models.masks import Mask, rope_and_masks
-from megatrain.models.moe import MoE
+from megatrain.models.moe import MoE, load_balancing_loss
 from megatrain.models.rope import apply_rotary, rotary_tables
 
 
@@ -137,10 +137,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe else MLP(cfg)
 
-    def forward(self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor,
-                mask_B1SS: Mask = None) -> torch.Tensor:
+    def forward(self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor, mask_B1SS: Mask = None):
+        """The layer's output; with the config's load-balancing loss, (output, routed tokens [E], router probability
+        sums [E]) (models.moe.MoE)."""
         h = x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos_SD, sin_SD, mask_B1SS)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        mlp = self.mlp(self.post_attention_layernorm(h))
+        if isinstance(mlp, tuple):
+            return h + mlp[0], *mlp[1:]
+        return h + mlp
 
 
 class Transformer(nn.Module):
@@ -148,7 +152,9 @@ class Transformer(nn.Module):
 
     forward(tokens) returns logits [B, S, V]; forward(tokens, labels, normalizer) returns the summed
     token cross-entropy divided by `normalizer` (the valid-token count of the whole step, so
-    micro-batches add up to the full-batch mean), without materialising the full logits.
+    micro-batches add up to the full-batch mean), without materialising the full logits; plus, when the config asks
+    for it, router_aux_loss_coef x aux_weight x the load-balancing loss of these tokens (aux_weight: this
+    micro-batch's share of the step's sequences, so the step's loss has the micro-batches' mean).
     """
 
     def __init__(self, cfg: ModelConfig, activation_checkpointing: bool = False, mlp_chunk_tokens: int = 0):
@@ -167,22 +173,32 @@ class Transformer(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor | None = None,
-                normalizer: float | None = None, segments_BS: torch.Tensor | None = None) -> torch.Tensor:
+                normalizer: float | None = None, segments_BS: torch.Tensor | None = None,
+                aux_weight: float = 1.0) -> torch.Tensor:
         h = self.embed_tokens(tokens_BS)
         cfg = self.cfg
         cos, sin, masks = rope_and_masks(*rotary_tables(cfg, tokens_BS.shape[1], h.device, h.dtype), segments_BS,
                                          h.device, cfg.sliding_window, cfg.layer_types)
+        stats = []
         for n, layer in enumerate(self.layers):
             mask = masks[cfg.layer_type(n)]
             if self.activation_checkpointing and torch.is_grad_enabled():
                 h = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, mask, use_reentrant=False)
             else:
                 h = layer(h, cos, sin, mask)
+            if cfg.router_stats:
+                h, *layer_stats = h
+                stats.append(layer_stats)
         h = self.norm(h)
         if labels_BS is None:
             return F.linear(h, self.head_weight())
         if normalizer is None:
             normalizer = max(int((labels_BS != IGNORE_INDEX).sum()), 1)
-        return linear_cross_entropy(h.flatten(0, 1), self.head_weight(), labels_BS.flatten(), normalizer)
+        loss = linear_cross_entropy(h.flatten(0, 1), self.head_weight(), labels_BS.flatten(), normalizer)
+        if cfg.router_stats and aux_weight:
+            routed, probsum = (sum(t) for t in zip(*stats, strict=True))
+            aux = load_balancing_loss(routed, probsum, len(stats) * tokens_BS.numel())
+            loss = loss + cfg.router_aux_loss_coef * aux_weight * aux
+        return loss
 
 

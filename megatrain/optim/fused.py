@@ -1,6 +1,7 @@
-"""Build (once, JIT, cached) and call the one-pass host AdamW kernel in csrc/fused_adamw.cpp.
+"""Build (once, JIT, cached) and call the one-pass host AdamW kernel in csrc/fused_adamw.cpp, and the host memory
+bandwidth probe built with it (csrc/host_bandwidth.cpp).
 
-The build lives in a directory of its own per torch version and install, C++ ABI, Python version and source (so
+The build lives in a directory of its own per torch version and install, C++ ABI, Python version and sources (so
 torch installs never share a build, and checkouts never rebuild each other's), under torch's extensions root
 (TORCH_EXTENSIONS_DIR, else torch's default). Builders take an flock there, which the kernel drops when its holder
 dies: a builder killed mid-build cannot leave the next one waiting forever on torch's own lock file.
@@ -25,21 +26,24 @@ from pathlib import Path
 
 import torch
 
-_SRC = Path(__file__).parent / "csrc" / "fused_adamw.cpp"
+_SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("fused_adamw.cpp", "host_bandwidth.cpp"))
 _NAME = "megatrain_fused_adamw"
-_CFLAGS = ("-O3", "-fopenmp", "-march=native", "-fno-math-errno")  # errno blocks vector sqrt
+# errno blocks vector sqrt; no contraction: the kernel writes its fused multiply-adds out (std::fma), so its rounding
+# is the source's whatever shape the vectoriser gives a loop
+_CFLAGS = ("-O3", "-fopenmp", "-march=native", "-fno-math-errno", "-ffp-contract=off")
 _LDFLAGS = ("-fopenmp",)
 THREADS_ENV = "MEGATRAIN_HOST_ADAMW_THREADS"
 
 
 def build_directory() -> Path:
-    """Where the kernel is built and cached for this torch (version and install), C++ ABI, Python and source."""
+    """Where the kernel is built and cached for this torch (version and install), C++ ABI, Python and sources."""
     from torch.utils.cpp_extension import get_default_build_root
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
     # the install too: the build's commands name its headers, so two installs of one version sharing a build
     # would rebuild it in turn
-    key = hashlib.sha256(_SRC.read_bytes() + repr((_CFLAGS, _LDFLAGS, torch.__file__)).encode()).hexdigest()[:12]
+    code = b"".join(source.read_bytes() for source in _SOURCES)
+    key = hashlib.sha256(code + repr((_CFLAGS, _LDFLAGS, torch.__file__)).encode()).hexdigest()[:12]
     return Path(root) / (f"{_NAME}-torch{torch.__version__}-cxx11abi{int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
                          f"-py{sys.version_info.major}{sys.version_info.minor}-{key}")
 
@@ -70,13 +74,16 @@ def _module():
             (build_dir / "lock").unlink(missing_ok=True)
             if not (build_dir / f"{_NAME}.so").exists():
                 print(f"building the host AdamW kernel once (~30 s) in {build_dir}", file=sys.stderr, flush=True)
-            # Built from a copy in the build directory: every checkout then gives ninja the same command, so none
+            # Built from copies in the build directory: every checkout then gives ninja the same commands, so none
             # rebuilds another's.
-            source, code = build_dir / _SRC.name, _SRC.read_bytes()
-            if not source.exists() or source.read_bytes() != code:
-                source.write_bytes(code)
+            sources = []
+            for original in _SOURCES:
+                source, code = build_dir / original.name, original.read_bytes()
+                if not source.exists() or source.read_bytes() != code:
+                    source.write_bytes(code)
+                sources.append(str(source))
             # copies: load() appends torch's libraries to the lists it is given, which would change the key above
-            return load(name=_NAME, sources=[str(source)], build_directory=str(build_dir),
+            return load(name=_NAME, sources=sources, build_directory=str(build_dir),
                         extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS), verbose=False)
     except Exception as exc:  # no compiler or ninja: the torch path computes the same update
         warnings.warn(f"one-pass host AdamW kernel unavailable ({exc}); using torch fused AdamW", stacklevel=2)
@@ -118,3 +125,9 @@ def compact_adamw(param: torch.Tensor, grad: torch.Tensor, moments, weight_out: 
                             none if moments.exp_avg_scale is None else moments.exp_avg_scale,
                             none if moments.exp_avg_sq_scale is None else moments.exp_avg_sq_scale, _out(weight_out),
                             decay_numel, index0, step, clip, lr, beta1, beta2, eps, weight_decay, threads())
+
+
+def host_mem_bandwidth_gbs(numel: int, thread_counts: list[int], repeats: int) -> dict[str, list[float]]:
+    """STREAM's kernels in C++ (csrc/host_bandwidth.cpp) on fp32 arrays of `numel`: GB/s of read, write, write_nt
+    (non-temporal stores; x86 only), copy and triad, one per thread count, each the best of `repeats`."""
+    return _module().host_mem_bandwidth_gbs(numel, thread_counts, repeats)

@@ -35,6 +35,7 @@ from megatrain.engine.layout import build_units
 from megatrain.engine.uses import use_order
 from megatrain.models import ModelConfig, get_model_config
 from megatrain.models.flops import attention_flops_per_seq, hardware_flops, model_flops
+from megatrain.optim.state_bytes import MOMENT_BYTES, state_bytes_per_param
 
 BASE_SEQ = 1024  # the sequence length of the layer and head ingredients
 
@@ -230,6 +231,15 @@ class Model:
         return self._scaled(self.ing.head_s(cfg, tokens), 6.0 * cfg.vocab_size * cfg.hidden_size * tokens)
 
 
+def gpu_update_bytes(case: CaseConfig) -> tuple[float, float]:
+    """Bytes per parameter of a streamed unit updated on the GPU: its optimizer state in (the moments, and the fp32
+    master in mixed precision; bf16 precision's master is the weights already loaded), and out again with the
+    updated weights in the compute dtype."""
+    per = state_bytes_per_param(case.dtype_bytes, case.precision, MOMENT_BYTES[case.optim.moments])
+    state = per["exp_avg"] + per["exp_avg_sq"] + per.get("master", 0)
+    return state, state + per["weights"]
+
+
 def simulate(case: CaseConfig, plan: dict, model: Model) -> dict:
     """One steady-state step of `case` under its memory plan, as a record keeps it (resident_units, offloaded_layers,
     recomputed_inputs: dataclasses.asdict of a megatrain.engine.plan.MemoryPlan, or a record's system_config's):
@@ -250,9 +260,15 @@ def simulate(case: CaseConfig, plan: dict, model: Model) -> dict:
     head = model.head_s(cfg, tokens) * micro
     act_bytes = tokens * cfg.hidden_size * w * micro
     rate = m.host_adamw_gparams_s[case.precision] * 1e9
+    # streamed units whose AdamW runs on the GPU (a design under study, not the engine yet): their optimizer state
+    # comes in during backward behind their weights, their gradient stays on the GPU until the norm is known, the
+    # update runs after the backward; the updated weights stay on the GPU for the next forward, and the state with
+    # the weights goes back to the host during it, before the next backward loads them
+    gpu_updated = frozenset(plan.get("gpu_updated_units") or []) - resident
+    state_in, state_out = gpu_update_bytes(case)
     opt_end, t = {}, 0.0
     for u in units:  # the previous step's update, in forward order
-        if u.index not in resident:
+        if u.index not in resident and u.index not in gpu_updated:
             t += u.numel / rate
         opt_end[u.index] = t
     host_opt_s = t
@@ -265,17 +281,26 @@ def simulate(case: CaseConfig, plan: dict, model: Model) -> dict:
     def link(nbytes: float, one_way: float, both: bool) -> float:
         return nbytes / ((m.both_gbs / 2 if both else one_way) * 1e9)
 
+    back_on_host = {}  # the previous step's GPU-updated units: on the host again, in forward order, from the start
+    for u in sorted(gpu_updated):
+        d2h_free = back_on_host[u] = d2h_free + link(units[u].numel * state_out, m.d2h_gbs, True)
+
     def load(k: int) -> None:
         nonlocal host, h2d_free
         if k >= len(uses) or not uses[k][3]:
             return
-        u, _, slot, _ = uses[k]
+        u, phase, slot, _ = uses[k]
+        if u in gpu_updated and phase == "fwd":  # its updated weights stayed on the GPU
+            ready[k] = 0.0
+            return
         host = max(host, opt_end[u])  # _load waits for the unit's update on the host
-        start = max(h2d_free, host, slot_free[slot])
+        start = max(h2d_free, host, slot_free[slot], back_on_host.get(u, 0.0))
         h2d_free = start + link(units[u].numel * w, m.h2d_gbs, k > back or bool(host_acts))
         ready[k] = h2d_free
+        if u in gpu_updated and phase in ("head", "bwd"):  # its optimizer state follows its weights in
+            h2d_free += link(units[u].numel * state_in, m.h2d_gbs, True)
 
-    if 0 not in resident:  # the embedding's weights (its forward itself is not modelled)
+    if 0 not in resident and 0 not in gpu_updated:  # the embedding's weights (its forward itself is not modelled)
         host = max(host, opt_end[0])
         h2d_free = link(units[0].numel * w, m.h2d_gbs, False)
         compute = h2d_free
@@ -307,15 +332,17 @@ def simulate(case: CaseConfig, plan: dict, model: Model) -> dict:
             if nxt in host_acts:
                 s = max(h2d_free, host, act_out[nxt])
                 h2d_free = act_back[nxt] = s + link(act_bytes, m.h2d_gbs, True)
-            if u not in resident:
+            if u not in resident and u not in gpu_updated:
                 d2h_free = gslot_free[gslot] = max(d2h_free, compute) + link(units[u].numel * w, m.d2h_gbs, True)
                 gslot = 1 - gslot
         if slot is None:
             load(k + 1)
     if 0 not in resident:  # the embedding's gradient leaves after its backward
         d2h_free = max(d2h_free, compute) + link(units[0].numel * w, m.d2h_gbs, True)
-    resident_numel = sum(units[u].numel for u in resident)
+    resident_numel = sum(units[u].numel for u in resident | gpu_updated)
     resident_s = resident_numel / (m.gpu_adamw_gparams_s[case.precision] * 1e9) if resident_numel else 0.0
+    if gpu_updated:  # the update waits for the last state in; the state then leaves for the next step
+        compute = max(compute, h2d_free)
     compute += resident_s
     step = max(compute, d2h_free)
     n = cfg.active_params()

@@ -119,6 +119,23 @@ def test_the_kernel_thread_count_does_not_change_the_fp32_result(monkeypatch):
         fused.threads()
 
 
+@needs_kernel
+@pytest.mark.parametrize("moments", ["bf16", "int8"])
+def test_the_kernel_thread_count_does_not_change_the_compact_result(monkeypatch, moments):
+    # 1000 elements: 8 blocks, the last partial, split unevenly between threads; decay ends inside a block
+    n, decay, offset = 1000, 700, 256
+    runs = []
+    for threads in ("1", "2", "3", "5"):
+        monkeypatch.setenv(fused.THREADS_ENV, threads)
+        torch.manual_seed(0)
+        p, state, w = torch.randn(n), Moments.zeros(n, moments), torch.empty(n, dtype=torch.bfloat16)
+        for step in range(1, 4):
+            g = torch.randn(n).bfloat16()
+            fused.compact_adamw(p, g, state, w, decay, offset, step, 0.5, 1e-2, 0.9, 0.95, 1e-8, 0.1)
+        runs.append([p, w, *state.tensors().values()])
+    assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run, strict=True))
+
+
 @pytest.mark.parametrize("moments, moment_bytes", [("fp32", 8), ("bf16", 4), ("int8", 2 + 8 / 128)])
 def test_state_bytes_are_what_the_store_holds_and_the_plan_counts(moments, moment_bytes):
     per = state_bytes_per_param(2, "mixed", MOMENT_BYTES[moments])

@@ -57,6 +57,13 @@ CASES = {
     "torch-optimizer-kernel": dict(model="tiny", batch=4, micro_batch=2, seq=16,
                                    optim=OptimConfig(lr=1e-3, max_grad_norm=0.05),
                                    options={"optimizer_kernel": "torch"}),
+    # mixtures of experts; GPT-OSS's with the load-balancing loss through every way a layer input is kept
+    "moe-accum-clip": dict(model="tiny-moe", batch=4, micro_batch=2, seq=16,
+                           optim=OptimConfig(lr=1e-3, max_grad_norm=0.05)),
+    "gpt-oss-aux-recompute-offload-resident-accum": dict(model="tiny-gpt-oss", num_layers=4, batch=4, micro_batch=2,
+                                                         seq=16, options={"recompute_inputs": 1,
+                                                                          "offload_activations": 1,
+                                                                          "resident_layers": 1}),
 }
 
 

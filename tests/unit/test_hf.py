@@ -301,11 +301,15 @@ def test_unsupported_family_settings_are_refused(config, change, message):
     (QWEN3_30B_A3B, {"num_experts_per_tok": 129}, "routes each token to 1..num_experts"),
     (GPT_OSS_20B, {"attention_bias": False}, "gpt_oss with attention_bias=false"),
     (GPT_OSS_20B, {"quantization_config": {"quant_method": "bitsandbytes"}}, "'bitsandbytes' is not supported"),
-    (GPT_OSS_20B, {"output_router_logits": True}, "load-balancing loss in training, which we do not compute yet"),
 ])
 def test_unsupported_expert_settings_are_refused(config, change, message):
     with pytest.raises(ValueError, match=message):
         config_from_hf(config | change)
+
+
+def test_the_load_balancing_loss_is_on_only_where_the_config_asks():
+    assert config_from_hf(GPT_OSS_20B).router_aux_loss_coef == 0.0
+    assert config_from_hf(GPT_OSS_20B | {"output_router_logits": True}).router_aux_loss_coef == 0.9
 
 
 def test_a_gpt_oss_checkpoint_with_mxfp4_experts_loads_as_transformers_dequantizes_it(tmp_path):

@@ -1,8 +1,11 @@
-"""The host memory bandwidth probe and the host optimizer's achieved rate in the engine's metrics. CPU only, ~5 s:
-pytest tests/unit/test_host_bandwidth.py"""
+"""The host memory bandwidth probe (native and torch) and the host optimizer's achieved rate in the engine's metrics.
+CPU only (the native probe with a C++ compiler), ~10 s: pytest tests/unit/test_host_bandwidth.py"""
+
+import os
 
 import pytest
 
+from megatrain.optim import fused
 from megatrain.optim.state_bytes import adamw_traffic_bytes_per_param, state_bytes_per_param
 from megatrain.probe import Machine, host_mem_bandwidth_gbs
 
@@ -18,6 +21,29 @@ def test_the_probe_measures_each_stream_kernel_per_thread_count():
     assert machine.host_mem_peak_gbs("copy") == max(rates["copy"])
     assert Machine.from_dict(machine.to_dict()) == machine
     assert Machine(cpu="x", cpu_cores=5, host_mem_gib=1.0, host_available_gib=1.0).host_mem_peak_gbs() is None
+
+
+@pytest.mark.skipif(not fused.available(), reason="no C++ compiler for the native probe")
+def test_the_native_probe_measures_each_kind_per_thread_count_and_at_least_a_tenth_of_torch():
+    numel = 2**23  # 32 MiB per array, three of them: past this machine's last-level cache
+    native = host_mem_bandwidth_gbs(numel=numel, repeats=2, max_threads=2)
+    torch_ = host_mem_bandwidth_gbs(numel=numel, repeats=2, max_threads=2, native=False)
+    assert (native["host_mem_probe"], torch_["host_mem_probe"]) == ("native", "torch")
+    assert native["threads"] == torch_["threads"] == [1, 2]
+    for kind in ("read", "write", "write_nt", "copy", "triad"):
+        assert len(native[kind]) == 2 and all(r > 0 for r in native[kind]), kind
+    if os.cpu_count() >= 2:  # shared cores: the same order of magnitude, not a ratio
+        for kind in ("read", "write", "copy", "triad"):
+            assert max(native[kind]) > 0.1 * max(torch_[kind]), kind
+
+
+def test_machine_records_say_which_probe_measured_and_older_ones_still_load():
+    machine = Machine(cpu="x", cpu_cores=2, host_mem_gib=1.0, host_available_gib=1.0,
+                      host_mem_gbs={"threads": [1], "triad": [10.0]}, host_mem_probe="native")
+    record = machine.to_dict()
+    assert record["host_mem_probe"] == "native" and Machine.from_dict(record) == machine
+    del record["host_mem_probe"]  # a record from before the field
+    assert Machine.from_dict(record).host_mem_probe is None
 
 
 def test_engine_metrics_report_the_host_optimizer_rate_in_bytes():

@@ -80,3 +80,16 @@ def test_sinks_through_flex_attention_equal_the_dense_softmax(window):
         without = attention_with_sinks(q, k, v, dense, torch.full_like(sinks, -torch.inf))
         torch.testing.assert_close(without, torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=dense, enable_gqa=True), rtol=1e-5, atol=1e-5)  # a sink at -inf takes no weight
+
+
+@pytest.mark.slow
+def test_a_compiled_mixture_of_experts_trains_like_the_eager_one():
+    """torch.compile of a MoE layer (its per-expert loop breaks the graph where the routing is read) gives the eager
+    losses: it once failed in every system on CPU (torch._grouped_mm's trace takes bf16 only)."""
+    from megatrain.bench.case import run_case
+    from megatrain.config import CaseConfig
+
+    runs = [run_case(CaseConfig(system="megatrain", model="tiny-gpt-oss", batch=2, seq=32, steps=2, compile=compile_))
+            for compile_ in (False, True)]
+    assert [r["status"] for r in runs] == ["ok", "ok"], [r["error"] for r in runs]
+    torch.testing.assert_close(torch.tensor(runs[1]["losses"]), torch.tensor(runs[0]["losses"]), rtol=1e-5, atol=0)

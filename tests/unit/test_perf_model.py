@@ -72,6 +72,25 @@ def test_resident_units_move_nothing_and_update_on_the_gpu():
     assert out["step_s"] < streamed["step_s"] / 5
 
 
+def test_gpu_updated_units_leave_the_host_update_and_pay_their_state_across_pcie():
+    """The what-if of issue 29: a streamed unit updated on the GPU costs no host time but its optimizer state
+    crosses the link both ways; the same unit resident costs neither."""
+    ing = _ingredients(fwd_ms=0.01, bwd_ms=0.03, head_ms=0.01)
+    units = build_units(CaseConfig(model=MODEL).model_config())
+    embedding = units[0].numel
+    streamed = _run(ing, precision="mixed")
+    gpu = _run(ing, {"gpu_updated_units": [0]}, precision="mixed")
+    resident = _run(ing, {"resident_units": [0]}, precision="mixed")
+    assert gpu["host_opt_s"] == pytest.approx(streamed["host_opt_s"] - embedding / 3e9)
+    assert gpu["resident_opt_s"] == resident["resident_opt_s"] == pytest.approx(embedding / 100e9)
+    assert gpu["step_s"] > resident["step_s"]
+    # transfer-bound: mixed precision's fp32 master and moments in (12 B) and out with the bf16 weights (14 B)
+    ing.data["host_adamw_gparams_s"] = {"bf16": 1e6, "mixed": 1e6}
+    gpu, resident = (_run(ing, plan, precision="mixed") for plan in ({"gpu_updated_units": [0]},
+                                                                    {"resident_units": [0]}))
+    assert gpu["step_s"] > 1.2 * resident["step_s"]  # 26 B/param across the link, much of it not hidden
+
+
 def test_recomputed_inputs_add_layer_forwards():
     ing = _ingredients()
     base, recomputed = _run(ing), _run(ing, {"recomputed_inputs": 4})

@@ -63,9 +63,11 @@ def _reference(init, data):
         inputs, targets = block[:, :-1], block[:, 1:]
         total = 0.0
         for mb in (slice(0, 2), slice(2, 4)):
-            logits = model(inputs[mb]).logits
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets[mb].reshape(-1),
+            out = model(inputs[mb])
+            loss = torch.nn.functional.cross_entropy(out.logits.reshape(-1, VOCAB), targets[mb].reshape(-1),
                                                      reduction="sum") / targets.numel()
+            if getattr(out, "aux_loss", None) is not None:  # the mean over the step's two micro-batches
+                loss = loss + model.config.router_aux_loss_coef * out.aux_loss / 2
             loss.backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(params, CLIP)

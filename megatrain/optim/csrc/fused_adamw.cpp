@@ -7,6 +7,8 @@
 // Multiplying by 1/sqrt(bias_correction2) instead of dividing differs from torch by an ulp.
 // compact_adamw is the same update with compact moments (megatrain/optim/compact.py, whose maps it
 // repeats): bf16 with stochastic rounding, or int8 blocks of kQBlock with an fp32 absmax each.
+// The fused multiply-adds are written out (std::fma) and the build turns contraction off
+// (megatrain/optim/fused.py): the rounding is the source's, not the vectoriser's choice per loop.
 #include <torch/extension.h>
 #include <omp.h>
 
@@ -14,6 +16,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <map>
+#include <string>
+#include <vector>
 
 static inline float bf16_to_f32(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;
@@ -31,8 +36,8 @@ static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, branch-
 }
 
 // lowbias32 (C. Wellons) of (element index, step, stream): 16 random bits, as compact.random_bits16.
-static inline uint32_t random_bits16(int64_t index, uint32_t step, uint32_t stream) {
-  uint32_t x = static_cast<uint32_t>(index) * 0x9E3779B1u + step * 0x85EBCA77u + stream * 0xC2B2AE3Du;
+static inline uint32_t random_bits16(uint32_t index, uint32_t step, uint32_t stream) {
+  uint32_t x = index * 0x9E3779B1u + step * 0x85EBCA77u + stream * 0xC2B2AE3Du;
   x ^= x >> 16;
   x *= 0x7FEB352Du;
   x ^= x >> 15;
@@ -70,9 +75,9 @@ static void adamw_kernel(P* __restrict p, const G* __restrict g, float* __restri
 #pragma omp parallel for simd schedule(static) num_threads(threads)
   for (int64_t i = 0; i < n; ++i) {
     const float gi = load(g, i) * clip;
-    const float mi = m[i] + one_m_b1 * (gi - m[i]);
-    const float vi = v[i] * beta2 + one_m_b2 * gi * gi;
-    const float pi = load(p, i) * decay - step_size * mi / (std::sqrt(vi) * inv_bc2_sqrt + eps);
+    const float mi = std::fma(one_m_b1, gi - m[i], m[i]);
+    const float vi = std::fma(v[i], beta2, one_m_b2 * gi * gi);
+    const float pi = std::fma(load(p, i), decay, -(step_size * mi / std::fma(std::sqrt(vi), inv_bc2_sqrt, eps)));
     store(p, i, pi);
     m[i] = mi;
     v[i] = vi;
@@ -100,7 +105,11 @@ constexpr int64_t kQBlock = 128;  // megatrain.optim.state_bytes.QBLOCK
 // Compact moments, one block of kQBlock at a time: decoded into fp32, updated as adamw_kernel does
 // (weight decay on the elements before decay_n), encoded back. int8: m signed, q = round(127 m /
 // absmax); v as sqrt(v) = absmax (q + 1) / 256. bf16: stochastic rounding, bits by store index.
-template <typename P, typename G, bool kWriteBf16>
+// Templated on the format too, and each step a loop of its own over the block in small stack arrays,
+// so that every loop vectorises; the int8 block's absmax is taken in the update loop, where sqrt(v)
+// is computed anyway. The max is a compare and select, not std::fmax (a libm call per element that
+// kept the loop scalar); with the running max never NaN both skip a NaN element alike.
+template <bool kInt8, typename P, typename G, bool kWriteBf16>
 static void compact_kernel(P* __restrict p, const G* __restrict g, void* m_state, void* v_state, float* m_scale,
                            float* v_scale, uint16_t* __restrict w_out, int64_t n, int64_t decay_n, int64_t index0,
                            uint32_t step, const float* a, int threads) {
@@ -109,64 +118,74 @@ static void compact_kernel(P* __restrict p, const G* __restrict g, void* m_state
   const float decay = 1.0f - lr * wd;
   const float one_m_b1 = 1.0f - beta1, one_m_b2 = 1.0f - beta2;
   const float inv_bc2_sqrt = 1.0f / a[7];
-  const bool int8 = m_scale != nullptr;
-  int8_t* mq = static_cast<int8_t*>(m_state);
-  uint8_t* vq = static_cast<uint8_t*>(v_state);
-  uint16_t* mb = static_cast<uint16_t*>(m_state);
-  uint16_t* vb = static_cast<uint16_t*>(v_state);
   const int64_t blocks = (n + kQBlock - 1) / kQBlock;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t blk = 0; blk < blocks; ++blk) {
-    const int64_t lo = blk * kQBlock, len = std::min(kQBlock, n - lo);
-    float m[kQBlock], v[kQBlock];
-    if (int8) {
+    // the block's elements, indexed by a 32-bit j: no 64-bit lanes in the vector loops
+    const int64_t lo = blk * kQBlock;
+    const int len = static_cast<int>(std::min(kQBlock, n - lo));
+    const int decay_len = static_cast<int>(std::clamp<int64_t>(decay_n - lo, 0, len));
+    P* __restrict pb = p + lo;
+    const G* __restrict gb = g + lo;
+    float m[kQBlock], v[kQBlock];  // v: the second moment, for int8 its root after the update
+    if constexpr (kInt8) {
+      const int8_t* __restrict mq = static_cast<const int8_t*>(m_state) + lo;
+      const uint8_t* __restrict vq = static_cast<const uint8_t*>(v_state) + lo;
       const float sm = m_scale[blk] / 127.0f, sv = v_scale[blk] / 256.0f;
 #pragma omp simd
-      for (int64_t j = 0; j < len; ++j) {
-        m[j] = static_cast<float>(mq[lo + j]) * sm;
-        const float root = (static_cast<float>(vq[lo + j]) + 1.0f) * sv;
+      for (int j = 0; j < len; ++j) {
+        m[j] = static_cast<float>(mq[j]) * sm;
+        const float root = (static_cast<float>(vq[j]) + 1.0f) * sv;
         v[j] = root * root;
       }
     } else {
+      const uint16_t* __restrict mb = static_cast<const uint16_t*>(m_state) + lo;
+      const uint16_t* __restrict vb = static_cast<const uint16_t*>(v_state) + lo;
 #pragma omp simd
-      for (int64_t j = 0; j < len; ++j) {
-        m[j] = bf16_to_f32(mb[lo + j]);
-        v[j] = bf16_to_f32(vb[lo + j]);
+      for (int j = 0; j < len; ++j) {
+        m[j] = bf16_to_f32(mb[j]);
+        v[j] = bf16_to_f32(vb[j]);
       }
     }
-#pragma omp simd
-    for (int64_t j = 0; j < len; ++j) {
-      const int64_t i = lo + j;
-      const float gi = load(g, i) * clip;
-      const float mi = m[j] + one_m_b1 * (gi - m[j]);
-      const float vi = v[j] * beta2 + one_m_b2 * gi * gi;
-      const float pi = load(p, i) * (i < decay_n ? decay : 1.0f) - step_size * mi / (std::sqrt(vi) * inv_bc2_sqrt + eps);
-      store(p, i, pi);
-      m[j] = mi;
-      v[j] = vi;
-      if constexpr (kWriteBf16) w_out[i] = f32_to_bf16(pi);
-    }
-    if (int8) {
-      float m_max = 0.0f, v_max = 0.0f;
+    float m_max = 0.0f, v_max = 0.0f;
 #pragma omp simd reduction(max : m_max, v_max)
-      for (int64_t j = 0; j < len; ++j) {
-        m_max = std::fmax(m_max, std::fabs(m[j]));
-        v[j] = std::sqrt(v[j]);
-        v_max = std::fmax(v_max, v[j]);
+    for (int j = 0; j < len; ++j) {
+      const float gi = load(gb, j) * clip;
+      const float mi = std::fma(one_m_b1, gi - m[j], m[j]);
+      const float vi = std::fma(v[j], beta2, one_m_b2 * gi * gi);
+      const float root = std::sqrt(vi);
+      // p * decay rounded before the subtraction (adamw_kernel fuses the two): as this kernel always has
+      const float decayed = load(pb, j) * (j < decay_len ? decay : 1.0f);
+      const float pi = decayed - step_size * mi / std::fma(root, inv_bc2_sqrt, eps);
+      store(pb, j, pi);
+      m[j] = mi;
+      v[j] = kInt8 ? root : vi;
+      if constexpr (kWriteBf16) w_out[lo + j] = f32_to_bf16(pi);
+      if constexpr (kInt8) {
+        const float m_abs = std::fabs(mi);
+        m_max = m_abs > m_max ? m_abs : m_max;
+        v_max = root > v_max ? root : v_max;
       }
+    }
+    if constexpr (kInt8) {
+      int8_t* __restrict mq = static_cast<int8_t*>(m_state) + lo;
+      uint8_t* __restrict vq = static_cast<uint8_t*>(v_state) + lo;
       m_scale[blk] = m_max;
       v_scale[blk] = v_max;
       const float im = m_max > 0.0f ? 127.0f / m_max : 0.0f, iv = v_max > 0.0f ? 256.0f / v_max : 0.0f;
 #pragma omp simd
-      for (int64_t j = 0; j < len; ++j) {
-        mq[lo + j] = static_cast<int8_t>(std::clamp(std::nearbyint(m[j] * im), -127.0f, 127.0f));
-        vq[lo + j] = static_cast<uint8_t>(std::clamp(std::nearbyint(v[j] * iv) - 1.0f, 0.0f, 255.0f));
+      for (int j = 0; j < len; ++j) {
+        mq[j] = static_cast<int8_t>(std::clamp(std::nearbyint(m[j] * im), -127.0f, 127.0f));
+        vq[j] = static_cast<uint8_t>(std::clamp(std::nearbyint(v[j] * iv) - 1.0f, 0.0f, 255.0f));
       }
     } else {
+      uint16_t* __restrict mb = static_cast<uint16_t*>(m_state) + lo;
+      uint16_t* __restrict vb = static_cast<uint16_t*>(v_state) + lo;
+      const uint32_t index_lo = static_cast<uint32_t>(index0 + lo);  // random_bits16 keeps the index's low 32 bits
 #pragma omp simd
-      for (int64_t j = 0; j < len; ++j) {
-        mb[lo + j] = f32_to_bf16_stochastic(m[j], random_bits16(index0 + lo + j, step, 0));
-        vb[lo + j] = f32_to_bf16_stochastic(v[j], random_bits16(index0 + lo + j, step, 1));
+      for (int j = 0; j < len; ++j) {
+        mb[j] = f32_to_bf16_stochastic(m[j], random_bits16(index_lo + static_cast<uint32_t>(j), step, 0));
+        vb[j] = f32_to_bf16_stochastic(v[j], random_bits16(index_lo + static_cast<uint32_t>(j), step, 1));
       }
     }
   }
@@ -175,8 +194,13 @@ static void compact_kernel(P* __restrict p, const G* __restrict g, void* m_state
 template <typename P, typename G>
 static void dispatch_compact(P* p, const G* g, void* ms, void* vs, float* msc, float* vsc, uint16_t* w_out, int64_t n,
                              int64_t decay_n, int64_t index0, uint32_t step, const float* a, int threads) {
-  if (w_out) compact_kernel<P, G, true>(p, g, ms, vs, msc, vsc, w_out, n, decay_n, index0, step, a, threads);
-  else compact_kernel<P, G, false>(p, g, ms, vs, msc, vsc, w_out, n, decay_n, index0, step, a, threads);
+  if (msc) {  // int8
+    if (w_out) compact_kernel<true, P, G, true>(p, g, ms, vs, msc, vsc, w_out, n, decay_n, index0, step, a, threads);
+    else compact_kernel<true, P, G, false>(p, g, ms, vs, msc, vsc, w_out, n, decay_n, index0, step, a, threads);
+  } else {
+    if (w_out) compact_kernel<false, P, G, true>(p, g, ms, vs, msc, vsc, w_out, n, decay_n, index0, step, a, threads);
+    else compact_kernel<false, P, G, false>(p, g, ms, vs, msc, vsc, w_out, n, decay_n, index0, step, a, threads);
+  }
 }
 
 template <typename P>
@@ -272,9 +296,15 @@ void fused_adamw(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg,
     dispatch_grad(param.data_ptr<float>(), grad, mp, vp, w_out, n, args, t);
 }
 
+// csrc/host_bandwidth.cpp: STREAM's kernels, GB/s by kind, one rate per thread count.
+std::map<std::string, std::vector<double>> host_mem_bandwidth_gbs(int64_t numel, const std::vector<int64_t>& threads,
+                                                                  int64_t repeats);
+
 // The GIL is released: the training thread keeps issuing GPU work while a tile updates.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_adamw", &fused_adamw, "one-pass host AdamW", py::call_guard<py::gil_scoped_release>());
   m.def("compact_adamw", &compact_adamw, "one-pass host AdamW, compact moments",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("host_mem_bandwidth_gbs", &host_mem_bandwidth_gbs, "STREAM's kernels per thread count",
         py::call_guard<py::gil_scoped_release>());
 }
