@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from baselines.common import COMPILED_LAYERS, accumulate_and_step, compile_layers, evaluate_micro_batches
 from baselines.dist import kept_on_first, ranks_of, save_on_every_rank, single_process_env, warn_if_bf16_precision
+from megatrain.compile_check import compile_check
 from megatrain.config import CaseConfig
 from megatrain.models import Transformer
 from megatrain.models.hf import copy_named_weights
@@ -153,6 +154,7 @@ class FSDPSystem:
                 "gradient_reduction": "summed over the ranks (gradient divide factor 1)",
                 "activation_checkpointing": True,
                 "compile": COMPILED_LAYERS + ", before fully_shard" if self.case.compile else False,
+                "compile_check": compile_check() if self.case.compile else None,
                 "optimizer": "torch.optim.AdamW(fused=True) on host shards", "clip": "torch.nn.utils.clip_grad_norm_"}
 
     def metrics(self, warmup_steps: int = 0) -> dict:

@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from baselines.common import COMPILED_LAYERS, accumulate_and_step, compile_layers, evaluate_micro_batches
 from baselines.dist import ranks_of
+from megatrain.compile_check import compile_check
 from megatrain.config import CaseConfig
 from megatrain.models import Transformer
 from megatrain.models.hf import copy_named_weights
@@ -112,6 +113,7 @@ class NativeSystem:
     def system_config(self) -> dict:
         return {"param_dtype": str(self.param_dtype), "autocast": self.autocast, "activation_checkpointing": self.ckpt,
                 "compile": COMPILED_LAYERS if self.case.compile else False,
+                "compile_check": compile_check() if self.case.compile else None,
                 "optimizer": "torch.optim.AdamW(fused=True)", "clip": "torch.nn.utils.clip_grad_norm_",
                 **({} if self.ranks is None else {
                     "ranks": self.ranks.world, "data_parallel": "DistributedDataParallel(gradient_as_bucket_view="

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from megatrain.compile_check import compile_check
 from megatrain.config import CaseConfig
 from megatrain.engine import distributed
 from megatrain.engine.config import EngineConfig, MegaTrainOptions
@@ -85,6 +86,8 @@ class StreamingSystem:
             "recomputed_inputs": self.schedule.acts.recomputed,
             "mlp_chunk_tokens": self.schedule.layer_template.module.mlp.chunk_tokens,
             "compile": self.schedule.layer_template.compiled,
+            "compile_check": compile_check(fell_back=not self.schedule.layer_template.compiled)
+            if self.config.compile else None,
             "resident_units": sorted(self.schedule.resident),
             "plan": {k: v for k, v in dataclasses.asdict(self.plan).items() if k != "host_tiles_bytes_per_param"},
             **({} if self.ranks is None else {

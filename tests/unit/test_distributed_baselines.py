@@ -144,4 +144,4 @@ def test_the_plans_share_the_offloaded_state_among_the_ranks_and_give_each_gpu_a
         assert four[system]["gpu_bytes"] == one[system]["gpu_bytes"], "per GPU, at the same micro-batch"
     per_gpu = one["native"]["gpu_bytes"] - GPU_RESERVE_BYTES
     assert plan("native", "cpu")["host_bytes"] == 4 * (PROCESS_OVERHEAD_BYTES + per_gpu), "on CPU, four copies"
-    assert deepspeed_zero3.zero3_config(case("deepspeed"), 4)["gradient_accumulation_steps"] == 2
+    assert deepspeed_zero3.deepspeed_config(case("deepspeed"), 4)["gradient_accumulation_steps"] == 2
