@@ -62,7 +62,7 @@ class Machine:
 
     def host_mem_peak_gbs(self, kind: str = "triad") -> float | None:
         """The best rate of one STREAM kernel over the thread counts probed (None where not probed)."""
-        return max(self.host_mem_gbs[kind]) if self.host_mem_gbs else None
+        return max(self.host_mem_gbs[kind]) if self.host_mem_gbs and kind in self.host_mem_gbs else None
 
     def describe(self) -> str:
         """One line for logs and reports."""
@@ -152,8 +152,9 @@ def host_mem_bandwidth_gbs(numel: int = 64 * 2**20, repeats: int = 3, max_thread
     """STREAM's kernels on fp32 arrays of `numel` (256 MiB each: larger than any last-level cache) at 1, 2, 4, ...
     threads up to the cores, best of `repeats`, in GB/s counted as STREAM counts (read a: 4 B/element, write a: 4,
     copy a to b: 8, triad a = b + s c: 12; no write-allocate traffic). native: by the C++ kernels built with the host
-    AdamW kernel (megatrain.optim.fused; also "write_nt", the write's non-temporal stores), where they build; else,
-    or native=False, by torch's ops. "host_mem_probe" says which measured: "native" or "torch"."""
+    AdamW kernel (megatrain.optim.fused; also "write_nt", the write's non-temporal stores, and "update", a = a + s b:
+    12, read-modify-write as AdamW's state, the fair limit for the host optimizer's counted bytes), where they build;
+    else, or native=False, by torch's ops. "host_mem_probe" says which measured: "native" or "torch"."""
     from megatrain.optim import fused
 
     cores = max_threads or psutil.cpu_count()

@@ -5,7 +5,8 @@
 First record: the probe (megatrain.probe.host_mem_bandwidth_gbs: STREAM read/write/copy/triad per thread count).
 Then per variant (precision mixed/bf16 x moments fp32/bf16/int8 x kernel threads x transparent huge pages on/off):
 G params/s (best of --repeats steps over --numel parameters, chunked as HostOptimizer runs them), the bytes per
-parameter the kernel reads and writes (megatrain.optim.state_bytes), GB/s, its share of the probed triad and copy,
+parameter the kernel reads and writes (megatrain.optim.state_bytes), GB/s, its share of the probed triad, copy and
+update (a = a + s b: AdamW's read-modify-write pattern, the fair limit),
 and whether one step equals the default variant's bit for bit. --quick: a small size and few variants (CPU check).
 """
 
@@ -121,7 +122,7 @@ def main() -> int:
     cores = os.cpu_count()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     probe = host_mem_bandwidth_gbs(numel=2**22 if args.quick else 64 * 2**20)
-    triad, copy = max(probe["triad"]), max(probe["copy"])
+    triad, copy, update = max(probe["triad"]), max(probe["copy"]), max(probe.get("update") or [0]) or None
     numa = len(list(Path("/sys/devices/system/node").glob("node[0-9]*")))
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     head = {"what": "host_mem_probe", **probe, "cpu_cores": cores, "numa_nodes": numa,
@@ -140,6 +141,7 @@ def main() -> int:
                   "numel": numel, "gparams_s": round(gparams_s, 3), "bytes_per_param": traffic,
                   "gbs": round(gparams_s * traffic, 2), "of_probed_triad": round(gparams_s * traffic / triad, 3),
                   "of_probed_copy": round(gparams_s * traffic / copy, 3),
+                  "of_probed_update": round(gparams_s * traffic / update, 3) if update else None,
                   "bitwise_equal_to_first_variant_of_its_format": bool(torch.equal(result, reference))}
         records.append(record)
         print(json.dumps(record), flush=True)

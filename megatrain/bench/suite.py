@@ -442,7 +442,9 @@ def _run_one(case: SuiteCase, plan: dict, machine: Machine, run_id: str, suite_n
         "machine": machine.to_dict(), "command": shlex.join(["python", "-m", "megatrain", "bench", *args]),
         "started_at": started_at, **facts,
     }
-    achieved, probed = (record.get("metrics") or {}).get("host_optim_gbs"), machine.host_mem_peak_gbs("triad")
-    if achieved and probed:  # the host optimizer against the host's memory, as PCIe against its probed peak
-        record["metrics"]["host_optim_of_probed_triad"] = achieved / probed
+    achieved = (record.get("metrics") or {}).get("host_optim_gbs")
+    for kind in ("triad", "update"):  # the host optimizer against the host's memory, as PCIe against its probed peak
+        probed = machine.host_mem_peak_gbs(kind)
+        if achieved and probed:
+            record["metrics"][f"host_optim_of_probed_{kind}"] = achieved / probed
     return record

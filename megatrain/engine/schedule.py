@@ -155,9 +155,14 @@ class Schedule:
             tokens = [inputs_BS[i:i + mb].to(dev, non_blocking=True) for i in range(0, inputs_BS.shape[0], mb)]
             labels = [labels_BS[i:i + mb].to(dev, non_blocking=True) for i in range(0, labels_BS.shape[0], mb)]
             rope = self._rope(segments_BS, len(tokens))
-        return StepState(stats=stats, tokens=tokens, labels=labels, rope=rope,
+        step = StepState(stats=stats, tokens=tokens, labels=labels, rope=rope,
                          embed_weight=self.embed.view(self.embed_buf, self.embed.params[0]),
                          grad_ready=[None] * len(self.units))
+        if self.model.router_stats:
+            with s.use("compute"):
+                step.routed, step.probsum = ([torch.zeros(self.model.num_experts, device=dev) for _ in tokens]
+                                             for _ in range(2))
+        return step
 
     def _embed_forward(self, step: StepState) -> None:
         """The embedding's weights and the first use's start loading, then the embedding's forward."""
@@ -276,9 +281,6 @@ class Schedule:
         if self.model.router_stats:
             if not regenerate:  # a regenerated input's routing was counted in its first forward
                 for m, (_, routed, probsum) in enumerate(outputs):
-                    if len(step.routed) <= m:
-                        step.routed.append(torch.zeros_like(routed))
-                        step.probsum.append(torch.zeros_like(probsum))
                     step.routed[m] += routed
                     step.probsum[m] += probsum
             outputs = [out[0] for out in outputs]

@@ -473,7 +473,7 @@ class _Checkpoint:
 def _from_checkpoint(cfg: ModelConfig, name: str, read: _Checkpoint) -> torch.Tensor:
     """Our parameter `name` read from a checkpoint in any layout its family is published in."""
     key = hf_name(name)
-    if not cfg.is_moe or ".mlp." not in key or key in read and cfg.family == "qwen3_moe":
+    if not cfg.is_moe or ".mlp." not in key or (cfg.family == "qwen3_moe" and key in read):
         return read(key)  # qwen3_moe: 5.x's fused experts are ours
     layer, leaf = key.split(".mlp.")
     if cfg.family == "qwen3_moe":

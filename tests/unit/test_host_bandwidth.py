@@ -21,6 +21,9 @@ def test_the_probe_measures_each_stream_kernel_per_thread_count():
     assert machine.host_mem_peak_gbs("copy") == max(rates["copy"])
     assert Machine.from_dict(machine.to_dict()) == machine
     assert Machine(cpu="x", cpu_cores=5, host_mem_gib=1.0, host_available_gib=1.0).host_mem_peak_gbs() is None
+    older = Machine(cpu="x", cpu_cores=5, host_mem_gib=1.0, host_available_gib=1.0,
+                    host_mem_gbs={k: v for k, v in rates.items() if k != "update"})
+    assert older.host_mem_peak_gbs("update") is None  # a torch or older probe has no update kind
 
 
 @pytest.mark.skipif(not fused.available(), reason="no C++ compiler for the native probe")
@@ -30,7 +33,7 @@ def test_the_native_probe_measures_each_kind_per_thread_count_and_at_least_a_ten
     torch_ = host_mem_bandwidth_gbs(numel=numel, repeats=2, max_threads=2, native=False)
     assert (native["host_mem_probe"], torch_["host_mem_probe"]) == ("native", "torch")
     assert native["threads"] == torch_["threads"] == [1, 2]
-    for kind in ("read", "write", "write_nt", "copy", "triad"):
+    for kind in ("read", "write", "write_nt", "copy", "triad", "update"):
         assert len(native[kind]) == 2 and all(r > 0 for r in native[kind]), kind
     if os.cpu_count() >= 2:  # shared cores: the same order of magnitude, not a ratio
         for kind in ("read", "write", "copy", "triad"):

@@ -5,7 +5,7 @@
 // so fill really moves 8 B per element, copy 12 and triad 16 where 4, 8 and 12 are counted;
 // write_nt's non-temporal stores go to memory without that read. The AdamW kernel stores mostly into
 // lines it has just read (weights, moments), so its counted bytes are nearly its real traffic, and
-// its counted rate can pass triad's.
+// its counted rate can pass triad's: "update" (a = a + s b) is that pattern, the fair limit for it.
 // Plain C++ and OpenMP, built into the host AdamW extension (megatrain/optim/fused.py).
 #include <omp.h>
 #include <sys/mman.h>
@@ -79,6 +79,13 @@ void triad(float* __restrict a, const float* __restrict b, const float* __restri
   for (int64_t i = lo; i < hi; ++i) a[i] = b[i] + scalar * c[i];
 }
 
+// AdamW's own access pattern: arrays read and written back in place beside arrays only read (12 B counted,
+// and 12 moved: the store hits the line just read).
+void update(float* __restrict a, const float* __restrict b, int64_t lo, int64_t hi, float scalar) {
+#pragma omp simd
+  for (int64_t i = lo; i < hi; ++i) a[i] = a[i] + scalar * b[i];
+}
+
 #if defined(__x86_64__)
 // SSE's 16-byte non-temporal stores: the write-combining buffers gather them into whole lines.
 void fill_nt(float* __restrict a, int64_t lo, int64_t hi, float value) {
@@ -109,8 +116,8 @@ double best_seconds(int64_t n, int threads, int64_t repeats, Kernel kernel) {
 
 }  // namespace
 
-// GB/s (1e9 bytes/s) of read (a sum), write (a fill), write_nt (the fill's non-temporal stores, x86), copy and triad
-// (a = b + s c) over fp32 arrays of numel elements, at each thread count, each the best of repeats.
+// GB/s (1e9 bytes/s) of read (a sum), write (a fill), write_nt (the fill's non-temporal stores, x86), copy, triad
+// (a = b + s c) and update (a = a + s b, read-modify-write as AdamW's state) over fp32 arrays of numel elements, at each thread count, each the best of repeats.
 // The arrays are placed anew per thread count, first touched by the threads that stream them.
 std::map<std::string, std::vector<double>> host_mem_bandwidth_gbs(int64_t numel, const std::vector<int64_t>& threads,
                                                                   int64_t repeats) {
@@ -140,6 +147,7 @@ std::map<std::string, std::vector<double>> host_mem_bandwidth_gbs(int64_t numel,
 #endif
     rate("copy", 2, [=](int64_t lo, int64_t hi) { copy(a, b, lo, hi); });
     rate("triad", 3, [=](int64_t lo, int64_t hi) { triad(a, b, c, lo, hi, 3.0f); });
+    rate("update", 3, [=](int64_t lo, int64_t hi) { update(a, b, lo, hi, 0.5f); });
   }
   return gbs;
 }
