@@ -9,7 +9,9 @@ import math
 
 import torch
 
+from baselines.dist import rows_of_rank, summed_loss
 from megatrain.config import CaseConfig
+from megatrain.engine.distributed import Ranks
 from megatrain.models.loss import valid_tokens
 
 
@@ -30,18 +32,23 @@ def aux_weight(micro_BS: torch.Tensor, step_BS: torch.Tensor) -> float:
 
 def accumulate_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, case: CaseConfig,
                         device: torch.device, inputs_BS: torch.Tensor, labels_BS: torch.Tensor,
-                        autocast=contextlib.nullcontext, segments_BS: torch.Tensor | None = None
-                        ) -> tuple[float, bool, float]:
-    """One optimizer step of a module-owning system: micro-batches accumulate gradients of the summed
-    token loss over the step's valid tokens, then global-norm clipping and AdamW. A non-finite global
-    norm skips the update (weights and AdamW state untouched, as AMP's overflow skip).
-    Returns (the mean loss, whether the update was applied, the global gradient norm before clipping)."""
-    normalizer = valid_tokens(labels_BS)
+                        autocast=contextlib.nullcontext, segments_BS: torch.Tensor | None = None,
+                        ranks: Ranks | None = None, accumulating=contextlib.nullcontext) -> tuple[float, bool, float]:
+    """One optimizer step of a module-owning system over the global batch (under torchrun, this rank's rows of it):
+    micro-batches accumulate gradients of the summed token loss over the step's valid tokens, then global-norm
+    clipping and AdamW. A non-finite global norm skips the update (weights and AdamW state untouched, as AMP's
+    overflow skip). accumulating: the context of every micro-batch but the last (DDP's no_sync: the ranks sum the
+    gradients once, in the last backward). Returns (the mean loss, whether the update was applied, the global
+    gradient norm before clipping)."""
+    batch_BS = inputs_BS  # the load-balancing loss weighs a micro-batch by its share of the global batch
+    normalizer, inputs_BS, labels_BS, segments_BS = rows_of_rank(ranks, inputs_BS, labels_BS, segments_BS)
     total = torch.zeros((), device=device)
-    for x, y, seg in micro_batches(case, device, inputs_BS, labels_BS, segments_BS):
-        with autocast():
-            loss = model(x, y, normalizer, seg, aux_weight(x, inputs_BS))
-        loss.backward()
+    last = (inputs_BS.shape[0] - 1) // case.micro_batch
+    for m, (x, y, seg) in enumerate(micro_batches(case, device, inputs_BS, labels_BS, segments_BS)):
+        with accumulating() if m < last else contextlib.nullcontext():
+            with autocast():
+                loss = model(x, y, normalizer, seg, aux_weight(x, batch_BS))
+            loss.backward()
         total += loss.detach().float()
     # with clipping off, max_norm=inf only measures the norm (the coefficient clamps to exactly 1)
     max_norm = case.optim.max_grad_norm if case.optim.max_grad_norm > 0 else math.inf
@@ -52,7 +59,7 @@ def accumulate_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     if stepped:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(total), stepped, float(norm)
+    return summed_loss(ranks, total), stepped, float(norm)
 
 
 def compile_layers(model: torch.nn.Module) -> None:

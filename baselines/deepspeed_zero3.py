@@ -1,8 +1,13 @@
-"""DeepSpeed ZeRO-3 with parameter and optimizer offload to CPU, one process on one GPU.
+"""DeepSpeed ZeRO-3 with parameter and optimizer offload to CPU, one process on one GPU or, under torchrun, one per
+GPU with the partitions spread over them all (DeepSpeed's own data parallel); or ZeRO-Offload.
 
 The recommended ZeRO-Infinity-to-host recipe: the model is built under zero.Init (partitioned as it
 is constructed, bf16 shards in pinned host memory), DeepSpeedCPUAdam steps fp32 master weights on
 the host, overlap_comm and contiguous_gradients on, bucket sizes from the hidden size H.
+
+`--option zero_stage=2` runs ZeRO-Offload instead, for models whose parameters fit the GPU: ZeRO-2,
+the parameters and their gradients on the GPU (in the compute dtype), the optimizer offloaded (fp32
+master weights, moments and gradient partition on the host, DeepSpeedCPUAdam stepping there).
 
 On CPU (CI) the same engine runs on DeepSpeed's CPU accelerator with gloo. DeepSpeedCPUAdam needs a
 C++ JIT build there (about 1.5 minutes on 2 cores), so CPU runs default to a client torch AdamW on
@@ -23,13 +28,23 @@ from typing import Literal
 
 import torch
 
-from baselines.common import COMPILED_LAYERS, aux_weight, evaluate_micro_batches, micro_batches
-from baselines.dist import single_process_env, warn_if_bf16_precision
+from baselines.common import aux_weight, evaluate_micro_batches, micro_batches
+from baselines.dist import (
+    kept_on_first,
+    ranks_of,
+    rows_of_rank,
+    save_on_every_rank,
+    single_process_env,
+    summed_loss,
+    warn_if_bf16_precision,
+)
+from megatrain.compile_check import compile_check
 from megatrain.config import CaseConfig
-from megatrain.models import Transformer
+from megatrain.engine.distributed import share
+from megatrain.engine.templates import LayerTemplate
+from megatrain.models import DecoderLayer, Transformer
 from megatrain.models.hf import copy_named_weights
 from megatrain.models.init import init_module
-from megatrain.models.loss import valid_tokens
 from megatrain.models.moe import MoE
 from megatrain.optim.groups import adamw_param_groups
 from megatrain.optim.state_bytes import FP32_BYTES, checkpoint_bytes_per_param, state_bytes_per_param
@@ -41,22 +56,37 @@ from megatrain.systems import SystemSpec
 @dataclass(frozen=True)
 class DeepSpeedOptions(CommonOptions):
     optimizer: Literal["cpu_adam", "torch_adamw"] | None = None  # None: DeepSpeedCPUAdam on GPU, torch AdamW on CPU
+    zero_stage: Literal[2, 3] = 3  # 3: parameters and optimizer offloaded; 2: ZeRO-Offload, the optimizer only
 
 
-def memory_bytes(case: CaseConfig) -> tuple[int, int]:
-    """(host bytes beyond the process overhead, device bytes) of ZeRO-3 with params and optimizer offloaded to CPU.
+def memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
+    """(host bytes of a rank beyond its process overhead, device bytes of a rank) of ZeRO-3 with params and optimizer
+    offloaded to CPU, partitioned over `world` ranks, or of ZeRO-Offload (zero_stage=2: _zero2_memory_bytes).
 
     DeepSpeed's own estimator (deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs, zero_init=True)
-    puts the host at 18 B/param: fp32 master weights, Adam m and v (12), fp32 gradient partition (4), bf16 parameter
-    partition (2). Measured peak RSS beyond the process overhead is 24.4-24.9 B/param (1.5B, 3B and 14B at batches
-    8-512, H200 and H100 hosts: results/smoke_gpu, results/reproduce_14b): its pinned swap and bucket buffers; we
-    count 25. GPU: 4 B per parameter of the largest module (bf16 params and grads, gathered), plus the prefetch
-    buffers, plus activations.
+    puts a node's host at 18 B/param whatever its GPUs: fp32 master weights, Adam m and v (12), fp32 gradient
+    partition (4), bf16 parameter partition (2), each rank holding its partition. Measured peak RSS beyond the process
+    overhead is 24.4-24.9 B/param on one GPU (1.5B, 3B and 14B at batches 8-512, H200 and H100 hosts:
+    results/smoke_gpu, results/reproduce_14b): its pinned swap and bucket buffers; we count 25, a rank 25/world. GPU:
+    4 B per parameter of the largest module (bf16 params and grads, gathered), plus the prefetch buffers, plus
+    activations.
     """
+    if case.opts.zero_stage == 2:
+        return _zero2_memory_bytes(case, world)
     n = case.model_config().num_params()
-    host = n * 25
+    host = -(-n * 25 // world)
     gpu = 4 * largest_unit_params(case) * 2 + activation_bytes(case)
     return host, gpu
+
+
+def _zero2_memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
+    """ZeRO-Offload, not yet measured: the GPU holds every parameter and its gradient in the compute dtype, and the
+    activations; the host the fp32 master weights, Adam m and v and the fp32 gradient partition, times DeepSpeed's
+    own buffer factor 1.5 (estimate_zero2_model_states_mem_needs with cpu_offload: 24 B/param), partitioned over the
+    ranks. Its estimate leaves the gradients off the GPU (reduced in buckets and offloaded as backward goes): counting
+    them all is the bound."""
+    n = case.model_config().num_params()
+    return -(-n * 24 // world), 2 * case.dtype_bytes * n + activation_bytes(case)
 
 
 def checkpoint_bytes(case: CaseConfig) -> int:
@@ -64,26 +94,31 @@ def checkpoint_bytes(case: CaseConfig) -> int:
     return case.model_config().num_params() * checkpoint_bytes_per_param(state_bytes_per_param(FP32_BYTES, "mixed"))
 
 
-def zero3_config(case: CaseConfig) -> dict:
-    """The DeepSpeed config dict of a case: ZeRO-3, params and optimizer offloaded to (pinned) host memory."""
+def deepspeed_config(case: CaseConfig, world: int = 1) -> dict:
+    """The DeepSpeed config dict of a case on `world` ranks: ZeRO-3, params and optimizer offloaded to (pinned) host
+    memory; or ZeRO-Offload (zero_stage=2), the optimizer alone offloaded; each rank accumulating its share of the
+    global batch."""
     h = case.model_config().hidden_size
     pin = case.device == "cuda"
+    offload = {"device": "cpu", "pin_memory": pin}
+    zero = {"stage": case.opts.zero_stage, "offload_optimizer": offload, "overlap_comm": True,
+            "contiguous_gradients": True, "reduce_bucket_size": h * h}
+    if case.opts.zero_stage == 3:
+        zero.update({
+            "offload_param": offload,
+            "stage3_prefetch_bucket_size": int(0.9 * h * h),
+            "stage3_param_persistence_threshold": 10 * h,
+            # Its memory-efficient linear, an autograd.Function patched over F.linear, reads each weight's ds_id and
+            # ds_status, on which Dynamo then guards; DeepSpeed's own compile path restores torch's linear too.
+            "memory_efficient_linear": not case.compile,
+        })
     return {
         "train_batch_size": case.batch,
         "train_micro_batch_size_per_gpu": case.micro_batch,
-        "gradient_accumulation_steps": case.grad_accum,
+        "gradient_accumulation_steps": share(case.batch, case.micro_batch, world) // case.micro_batch,
         "gradient_clipping": case.optim.max_grad_norm,
         "bf16": {"enabled": case.dtype == "bfloat16"},
-        "zero_optimization": {
-            "stage": 3,
-            "offload_param": {"device": "cpu", "pin_memory": pin},
-            "offload_optimizer": {"device": "cpu", "pin_memory": pin},
-            "overlap_comm": True,
-            "contiguous_gradients": True,
-            "reduce_bucket_size": h * h,
-            "stage3_prefetch_bucket_size": int(0.9 * h * h),
-            "stage3_param_persistence_threshold": 10 * h,
-        },
+        "zero_optimization": zero,
         # Allows the client torch AdamW of CPU runs; CUDA runs pass DeepSpeedCPUAdam, which this does not affect.
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 2**31 - 1,
@@ -116,28 +151,57 @@ def _init_units(model: Transformer):
             yield f"{name}.", child
 
 
-def _zero3_param_groups(model: Transformer, optim) -> list[dict]:
-    """Our AdamW decay groups, decided on the full shapes: a ZeRO-3 parameter's own tensor is an empty 1-D stub,
-    so grouping by p.ndim would put every matrix in the no-decay group."""
-    return adamw_param_groups(model.named_parameters(), optim, shape_of=lambda p: p.ds_shape)
+def _full_shape(p: torch.nn.Parameter) -> torch.Size:
+    """A parameter's full shape: a ZeRO-3 parameter's own tensor is an empty 1-D stub (our AdamW decay groups, decided
+    on p.ndim, would put every matrix in the no-decay group)."""
+    return p.ds_shape if hasattr(p, "ds_shape") else p.shape
 
 
-def _compile_layers_under_zero3(model: Transformer) -> None:
-    """Compile each decoder layer's forward, as the other systems do. ZeRO-3 gathers parameters in hooks on every
-    submodule, which Dynamo cannot trace (a compiled layer fails on the empty partitioned stubs); marked a ZeRO-3
-    leaf, a layer gathers all its parameters in its own hook, which stays eager around the compiled forward."""
+def _zero3_model(ds, case: CaseConfig, config: dict) -> Transformer:
+    """The model built partitioned (zero.Init), initialised one gathered unit at a time."""
+    with ds.zero.Init(config_dict_or_path=config):
+        model = Transformer(case.model_config(), activation_checkpointing=True)
+    for prefix, module in _init_units(model):
+        with ds.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
+            init_module(module, case.seed, prefix)
+    # The loss reads the head matrix (or the tied embedding) outside that module's forward: ZeRO-3 must gather it
+    # for the root's forward and backward too.
+    ds.zero.register_external_parameter(model, model.head_weight())
+    # A ZeRO-3 leaf module gathers all its parameters in its own hook, eager, instead of in hooks on every submodule:
+    # a compiled layer's hooks must stay outside the compiled call (Dynamo cannot trace them, and the partitioned
+    # stubs are empty); and what DeepSpeed tells its MoE users: the block's experts are read by its own forward, not
+    # by a submodule call ZeRO-3 could hook.
     from deepspeed.utils import set_z3_leaf_modules
 
-    set_z3_leaf_modules(model, [type(model.layers[0])])
+    leaves = [DecoderLayer] if case.compile else [MoE] if model.cfg.is_moe else []
+    if leaves:
+        set_z3_leaf_modules(model, leaves)
+    return model
+
+
+def _compile_layers(model: Transformer) -> LayerTemplate:
+    """Run every decoder layer through one compiled stateless layer, as the engine does (LayerTemplate: a meta-device
+    layer called with the weights as tensor arguments), and return it. Compiling each layer's own forward instead let
+    Dynamo guard on that layer's ZeRO-3 parameters (their ds_id): on the GPU host every layer was a new compile up to
+    Dynamo's recompile limit (8), the layers after it eager."""
+    template = LayerTemplate(model.cfg, compile_layer=True)
     for layer in model.layers:
-        layer.forward = torch.compile(layer.forward, dynamic=False)
+        layer.forward = functools.partial(_forward_through, template, layer)
+    return template
+
+
+def _forward_through(template: LayerTemplate, layer: DecoderLayer, x_BSH: torch.Tensor, cos_SD: torch.Tensor,
+                     sin_SD: torch.Tensor, mask_B1SS=None) -> torch.Tensor:
+    """`layer`'s forward: the template with the layer's own (under ZeRO-3: gathered) parameters."""
+    return template(dict(layer.named_parameters()), x_BSH, cos_SD, sin_SD, mask_B1SS)
 
 
 CHECKPOINT_TAG = "deepspeed"  # the tag directory engine.save_checkpoint writes inside a train checkpoint
+SAVED_PARTITIONS = "zero_pp_rank_*_optim_states.pt"  # in it, one file of each rank's ZeRO partitions
 
 
 class _GatheredMasters(Mapping):
-    """name -> the full fp32 master weight of a ZeRO-3 parameter, assembled on each access (on the host)."""
+    """name -> the full fp32 master weight of a ZeRO parameter, assembled on each access (on the host)."""
 
     def __init__(self, params: dict[str, torch.nn.Parameter]):
         self.params = params
@@ -155,12 +219,12 @@ class _GatheredMasters(Mapping):
 
 
 class _ZeroParam:
-    """A ZeRO-3 parameter as a weight-copy target (megatrain.models.hf.copy_named_weights): its full shape, and a
-    copy that writes both copies of the weight, the module's partition (gathered, written, re-partitioned) and the
-    optimizer's fp32 master partition."""
+    """A ZeRO parameter as a weight-copy target (megatrain.models.hf.copy_named_weights): its full shape, and a copy
+    that writes both copies of the weight, the module's (ZeRO-3: its partition, gathered, written, re-partitioned)
+    and the optimizer's fp32 master partition."""
 
     def __init__(self, param: torch.nn.Parameter, ds, device: torch.device):
-        self.param, self.ds, self.device, self.shape = param, ds, device, param.ds_shape
+        self.param, self.ds, self.device, self.shape = param, ds, device, _full_shape(param)
 
     def copy_(self, tensor: torch.Tensor) -> None:
         from deepspeed.utils import safe_set_full_fp32_param
@@ -173,7 +237,9 @@ class _ZeroParam:
 class DeepSpeedSystem:
     def __init__(self, case: CaseConfig):
         self.case = case
-        self.device = torch.device(case.device)
+        self.ranks = ranks_of(case)  # under torchrun: the process group, which DeepSpeed takes up
+        self.world = 1 if self.ranks is None else self.ranks.world
+        self.device = torch.device(case.device) if self.ranks is None else self.ranks.device
         self.dtype = case.torch_dtype
         warn_if_bf16_precision(case, "deepspeed")
         self.optimizer_name = case.opts.optimizer or ("cpu_adam" if self.device.type == "cuda" else "torch_adamw")
@@ -182,34 +248,28 @@ class DeepSpeedSystem:
                              "drop --option optimizer=...")
         ds = self.ds = _import_deepspeed(self.device)
 
+        if self.device.type == "cpu":
+            # The CPU accelerator's shared-memory all-reduce op serves inference only (training reduces through
+            # gloo), and its C++ JIT build costs minutes on a fresh machine.
+            ds.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         self.owns_process_group = not torch.distributed.is_initialized()
         if self.owns_process_group:
-            if self.device.type == "cpu":
-                # The CPU accelerator's shared-memory all-reduce op has nothing to do in a one-process world, and its
-                # C++ JIT build costs minutes on a fresh machine.
-                ds.ops.__compatible_ops__["deepspeed_shm_comm"] = False
             single_process_env()
-            ds.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo", verbose=False)
+        # DeepSpeed's own init from the launch's environment (torchrun's, or the one-process world's); under torchrun
+        # it takes up the process group already made
+        ds.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo", verbose=False)
 
-        self.config = zero3_config(case)
-        with ds.zero.Init(config_dict_or_path=self.config):
-            model = Transformer(case.model_config(), activation_checkpointing=True)
-        for prefix, module in _init_units(model):
-            with ds.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
-                init_module(module, case.seed, prefix)
-        # The loss reads the head matrix (or the tied embedding) outside that module's forward: ZeRO-3 must gather it
-        # for the root's forward and backward too.
-        ds.zero.register_external_parameter(model, model.head_weight())
-        if case.compile:
-            _compile_layers_under_zero3(model)
-        elif model.cfg.is_moe:
-            # what DeepSpeed tells its MoE users: the block's experts are read by its own forward, not by a submodule
-            # call ZeRO-3 could hook, so the block gathers all of them at once, as a leaf
-            from deepspeed.utils import set_z3_leaf_modules
+        self.config = deepspeed_config(case, self.world)
+        if case.opts.zero_stage == 3:
+            model = _zero3_model(ds, case, self.config)
+        else:  # whole on the device, built in the compute dtype (ZeRO-3's partitions are too): no fp32 copy there
+            with torch.device("meta"):
+                model = Transformer(case.model_config(), activation_checkpointing=True)
+            model.to(self.dtype).to_empty(device=self.device)
+            init_module(model, case.seed)
+        self.layer_template = _compile_layers(model) if case.compile else None
 
-            set_z3_leaf_modules(model, [MoE])
-
-        groups = _zero3_param_groups(model, case.optim)
+        groups = adamw_param_groups(model.named_parameters(), case.optim, shape_of=_full_shape)
         o = case.optim
         if self.optimizer_name == "cpu_adam":
             from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -222,17 +282,20 @@ class DeepSpeedSystem:
         self.engine, *_ = ds.initialize(model=model, optimizer=optimizer, config=self.config)
 
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, segments_BS: torch.Tensor | None = None) -> float:
-        normalizer = valid_tokens(labels_BS)
+        """One step over the global batch (under torchrun, this rank's rows of it)."""
+        batch_BS = inputs_BS  # the load-balancing loss weighs a micro-batch by its share of the global batch
+        normalizer, inputs_BS, labels_BS, segments_BS = rows_of_rank(self.ranks, inputs_BS, labels_BS, segments_BS)
         total = torch.zeros((), device=self.device)
         steps_before = self.engine.global_steps
         for x, y, seg in micro_batches(self.case, self.device, inputs_BS, labels_BS, segments_BS):
-            loss = self.engine(x, y, normalizer, seg, aux_weight(x, inputs_BS))
-            # The normaliser already spans the whole step; DeepSpeed's own 1/GAS scaling would count it twice.
-            self.engine.backward(loss, scale_wrt_gas=False)
+            loss = self.engine(x, y, normalizer, seg, aux_weight(x, batch_BS))
+            # The normaliser already spans the global batch: DeepSpeed's own 1/GAS scaling would count the
+            # accumulation twice, and it averages the ranks' gradients where their sum is the one-process gradient.
+            self.engine.backward(loss * self.world, scale_wrt_gas=False)
             self.engine.step()  # the optimizer steps (clipping first) only at the accumulation boundary
             total += loss.detach().float()
         assert self.engine.global_steps == steps_before + 1, "micro-batches and gradient_accumulation_steps disagree"
-        return float(total)
+        return summed_loss(self.ranks, total)
 
     @property
     def skipped_steps(self) -> int:
@@ -245,12 +308,20 @@ class DeepSpeedSystem:
         return float("nan") if norm is None else float(norm)
 
     def system_config(self) -> dict:
-        return {"deepspeed_config": self.config, "zero_init": True, "activation_checkpointing": True,
-                "compile": COMPILED_LAYERS + "'s forward, the layer a ZeRO-3 leaf module (gathered whole)"
-                if self.case.compile else False,
+        zero3 = self.case.opts.zero_stage == 3
+        compiled = "torch.compile(dynamic=False) of one stateless decoder layer (LayerTemplate), every layer calling " \
+            "it with its parameters" + (", the layer a ZeRO-3 leaf module (gathered whole)" if zero3 else "")
+        return {"mode": "ZeRO-3, parameters and optimizer offloaded to the host" if zero3 else
+                "ZeRO-Offload: ZeRO-2, parameters and gradients on the device, optimizer offloaded to the host",
+                "deepspeed_config": self.config, "ranks": self.world, "zero_init": zero3,
+                "activation_checkpointing": True,
+                "compile": compiled if self.layer_template and self.layer_template.compiled else False,
+                "compile_check": compile_check(fell_back=not self.layer_template.compiled)
+                if self.layer_template else None,
                 "checkpointing": "torch.utils.checkpoint(use_reentrant=False) per layer",
                 "optimizer": self.optimizer_desc,
-                "loss_scaling": "engine.backward(loss, scale_wrt_gas=False), loss / valid tokens of the step"}
+                "loss_scaling": "engine.backward(loss x ranks, scale_wrt_gas=False), loss / valid tokens of the "
+                                "global step (DeepSpeed divides the ranks' summed gradients by their number)"}
 
     def metrics(self, warmup_steps: int = 0) -> dict:
         return {"deepspeed_version": self.ds.__version__, "optimizer": self.optimizer_name,
@@ -275,15 +346,26 @@ class DeepSpeedSystem:
                            named)
 
     def export_weights(self) -> Mapping[str, torch.Tensor]:
-        """The fp32 master weights by name, each gathered when read (never the whole model at once)."""
-        return _GatheredMasters(dict(self.engine.module.named_parameters()))
+        """The fp32 master weights by name. One process: each gathered when read (never the whole model at once).
+        Under torchrun every rank calls it, each weight is gathered in turn and rank 0 keeps them all (4 B/param on
+        its host while it exports)."""
+        masters = _GatheredMasters(dict(self.engine.module.named_parameters()))
+        return masters if self.ranks is None else kept_on_first(self.ranks, masters.items())
 
-    def save_state(self, out_dir: Path) -> None:
+    def save_state(self, out_dir: Path | None) -> None:
         """DeepSpeed's own checkpoint (engine.save_checkpoint: module, fp32 partitions, AdamW state, step and
-        skipped-step counts)."""
-        self.engine.save_checkpoint(str(out_dir), tag=CHECKPOINT_TAG)
+        skipped-step counts); under torchrun every rank writes its partitions into rank 0's out_dir (the others pass
+        None)."""
+        save_on_every_rank(self.ranks, out_dir, lambda d: self.engine.save_checkpoint(str(d), tag=CHECKPOINT_TAG))
 
     def load_state(self, in_dir: Path) -> None:
+        """Continue from save_state's checkpoint, saved by as many ranks: ZeRO-3's partitions do not move between
+        ranks (DeepSpeed's universal checkpoint would convert them; not done here)."""
+        saved = len(list((Path(in_dir) / CHECKPOINT_TAG).glob(SAVED_PARTITIONS)))
+        if saved and saved != self.world:
+            raise ValueError(f"{in_dir} holds DeepSpeed ZeRO-3 partitions of {saved} rank(s) and this run has "
+                             f"{self.world}: resume it on {saved} (torchrun --nproc-per-node {saved}"
+                             + (", or without torchrun)" if saved == 1 else ")"))
         path, _ = self.engine.load_checkpoint(str(in_dir), tag=CHECKPOINT_TAG)
         if path is None:
             raise ValueError(f"{in_dir}: no DeepSpeed checkpoint '{CHECKPOINT_TAG}' to resume from")

@@ -1,9 +1,11 @@
-"""PyTorch FSDP2 with CPU offload, one process on one GPU: the PyTorch-native offloading baseline.
+"""PyTorch FSDP2 with CPU offload, one process on one GPU or, under torchrun, one per GPU sharded over them all:
+the PyTorch-native offloading baseline.
 
-Every decoder layer and the root get `fully_shard` with CPUOffloadPolicy: fp32 sharded parameters,
-gradients and AdamW state live in host memory, each layer's parameters are copied to the GPU, cast
-to the compute dtype and all-gathered (a copy at world size 1) just before use, and gradients are
-reduced in fp32 and offloaded back. The optimizer is torch AdamW(fused=True) stepping on the host.
+Every decoder layer and the root get `fully_shard` over the world's mesh with CPUOffloadPolicy: fp32 sharded
+parameters, gradients and AdamW state live in host memory (each rank holds its shard of each), each layer's
+parameters are copied to the GPU, cast to the compute dtype and all-gathered (a copy at world size 1) just before
+use, and gradients are reduce-scattered in fp32 and offloaded back. The optimizer is torch AdamW(fused=True)
+stepping on each rank's host shards.
 
 On CPU (CI) the same code path runs with gloo and CPUOffloadPolicy(pin_memory=False): the offload
 copies are no-ops there, and pinning needs an accelerator (`pin_memory()` raises without one).
@@ -22,7 +24,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from baselines.common import COMPILED_LAYERS, accumulate_and_step, compile_layers, evaluate_micro_batches
-from baselines.dist import single_process_env, warn_if_bf16_precision
+from baselines.dist import kept_on_first, ranks_of, save_on_every_rank, single_process_env, warn_if_bf16_precision
+from megatrain.compile_check import compile_check
 from megatrain.config import CaseConfig
 from megatrain.models import Transformer
 from megatrain.models.hf import copy_named_weights
@@ -46,18 +49,20 @@ class FSDPOptions(CommonOptions):
     pass
 
 
-def memory_bytes(case: CaseConfig) -> tuple[int, int]:
-    """(host bytes beyond the process overhead, device bytes) of FSDP2 with CPUOffloadPolicy(pin_memory=True).
+def memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
+    """(host bytes of a rank beyond its process overhead, device bytes of a rank) of FSDP2 with
+    CPUOffloadPolicy(pin_memory=True), sharded over `world` ranks.
 
     The fp32 sharded parameters and their fp32 gradients live in pinned host memory, whose caching allocator rounds
     every block up to a power of two, and AdamW runs on the host with fp32 m and v (8 B/param). Per parameter
-    tensor: 2 * next_pow2(4 * numel) + 8 * numel; this gives 18.1, 19.7 and 21.8 B/param for 1.5B, 3B and 14B,
-    measured 16.9, 19.1 and 21.7 beyond the process overhead (results/smoke_gpu, results/reproduce_14b). GPU: the
-    gathered bf16 unit being computed plus the prefetched one, its bf16 gradient before the reduce, activations.
+    tensor of a rank's shard (numel/world, rounded up as FSDP2 pads it): 2 * next_pow2(4 * numel) + 8 * numel; this
+    gives 18.1, 19.7 and 21.8 B/param for 1.5B, 3B and 14B on one rank, measured 16.9, 19.1 and 21.7 beyond the
+    process overhead (results/smoke_gpu, results/reproduce_14b). GPU: the gathered bf16 unit being computed plus
+    the prefetched one, its bf16 gradient before the reduce, activations.
     """
     per = SHARD_STATE_BYTES
     host = sum(_pow2(per["weights"] * k) + _pow2(per["grads"] * k) + (per["exp_avg"] + per["exp_avg_sq"]) * k
-               for k in case.model_config().param_numels())
+               for k in (-(-n // world) for n in case.model_config().param_numels()))
     gpu = 3 * 2 * largest_unit_params(case) + activation_bytes(case)
     return host, gpu
 
@@ -71,10 +76,26 @@ def checkpoint_bytes(case: CaseConfig) -> int:
     return case.model_config().num_params() * checkpoint_bytes_per_param(SHARD_STATE_BYTES)
 
 
+class _ShardTarget:
+    """An FSDP2 parameter as a weight-copy target (megatrain.models.hf.copy_named_weights): its full shape, and a
+    copy that keeps this rank's shard of the full tensor, which every rank holds (nothing is sent)."""
+
+    def __init__(self, param: torch.nn.Parameter):
+        self.param, self.shape = param, param.shape
+
+    @torch.no_grad()
+    def copy_(self, tensor: torch.Tensor) -> None:
+        from torch.distributed.tensor import distribute_tensor
+
+        shard = distribute_tensor(tensor, self.param.device_mesh, self.param.placements, src_data_rank=None)
+        self.param.to_local().copy_(shard.to_local())
+
+
 class FSDPSystem:
     def __init__(self, case: CaseConfig):
         self.case = case
-        self.device = torch.device(case.device)
+        self.ranks = ranks_of(case)  # under torchrun: the process group, made before the mesh
+        self.device = torch.device(case.device) if self.ranks is None else self.ranks.device
         self.dtype = case.torch_dtype
         warn_if_bf16_precision(case, "fsdp")
         self.owns_process_group = not dist.is_initialized()
@@ -100,21 +121,26 @@ class FSDPSystem:
             fsdp_kwargs["mp_policy"] = self.mp_policy
         if case.compile:  # each block compiled, then sharded (torchtitan's order)
             compile_layers(self.model)
-        for layer in self.model.layers:
-            fully_shard(layer, **fsdp_kwargs)
-        fully_shard(self.model, **fsdp_kwargs)
-        # Offloaded shards live on the host (FSDP pins them here); the random draws happen on the compute device,
-        # so the weights equal native's on the same device type.
+        for module in [*self.model.layers, self.model]:
+            fully_shard(module, **fsdp_kwargs)
+            # the ranks' gradients summed, not averaged: the loss is normalised by the global batch's valid tokens
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied one)
+        # Offloaded shards live on the host (FSDP pins them here); each full weight is drawn on the compute device
+        # and each rank keeps its shard, so the weights equal native's on the same device type whatever the ranks.
         self.model.to_empty(device="cpu")
         for name, p in self.model.named_parameters():
-            init_param(name, p.to_local(), case.seed, device=self.device)
+            full = torch.empty(p.shape, dtype=p.dtype, device=self.device)
+            init_param(name, full, case.seed)
+            _ShardTarget(p).copy_(full)
         self.optimizer = torch_adamw(self.model.named_parameters(), case.optim, fused=True)
         self.skipped_steps = 0
         self.last_grad_norm = float("nan")
 
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, segments_BS: torch.Tensor | None = None) -> float:
         loss, stepped, self.last_grad_norm = accumulate_and_step(self.model, self.optimizer, self.case, self.device,
-                                                                 inputs_BS, labels_BS, segments_BS=segments_BS)
+                                                                 inputs_BS, labels_BS, segments_BS=segments_BS,
+                                                                 ranks=self.ranks)
         self.skipped_steps += not stepped
         return loss
 
@@ -124,8 +150,11 @@ class FSDPSystem:
         return {"fully_shard": "each decoder layer, then the root", "world_size": dist.get_world_size(),
                 "backend": self.backend, "mixed_precision": mp, "sharded_param_dtype": "torch.float32",
                 "offload_policy": f"CPUOffloadPolicy(pin_memory={self.pin_memory})",
-                "reshard_after_forward": "default (layers True, root False)", "activation_checkpointing": True,
+                "reshard_after_forward": "default (layers True, root False)",
+                "gradient_reduction": "summed over the ranks (gradient divide factor 1)",
+                "activation_checkpointing": True,
                 "compile": COMPILED_LAYERS + ", before fully_shard" if self.case.compile else False,
+                "compile_check": compile_check() if self.case.compile else None,
                 "optimizer": "torch.optim.AdamW(fused=True) on host shards", "clip": "torch.nn.utils.clip_grad_norm_"}
 
     def metrics(self, warmup_steps: int = 0) -> dict:
@@ -142,26 +171,31 @@ class FSDPSystem:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def _local_params(self) -> dict[str, torch.Tensor]:
-        """Each parameter's host shard: in a one-process world the whole tensor."""
-        if dist.get_world_size() != 1:
-            raise RuntimeError("fsdp's weight loading and export assume one process (world size 1)")
-        return {n: p.to_local() for n, p in self.model.named_parameters()}
-
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        copy_named_weights(self._local_params(), named)
+        """Every weight, one at a time, each rank keeping its shard (under torchrun every rank reads `named`)."""
+        copy_named_weights({n: _ShardTarget(p) for n, p in self.model.named_parameters()}, named)
 
     def export_weights(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach() for n, p in self._local_params().items()}
+        """One process: the host shards, which are the whole tensors (no copy). Under torchrun every rank calls it,
+        each weight is gathered in turn and rank 0 keeps them all (fp32: 4 B/param on its host while it exports)."""
+        if self.ranks is None:
+            return {n: p.to_local().detach() for n, p in self.model.named_parameters()}
+        return kept_on_first(self.ranks, ((n, p.full_tensor().detach()) for n, p in self.model.named_parameters()))
 
-    def save_state(self, out_dir: Path) -> None:
-        """torch.distributed.checkpoint of the sharded model and optimizer state dicts (PyTorch's own API)."""
+    def save_state(self, out_dir: Path | None) -> None:
+        """torch.distributed.checkpoint of the sharded model and optimizer state dicts (PyTorch's own API); under
+        torchrun every rank writes its shards into rank 0's out_dir (the others pass None). It reshards on load, so
+        a run resumes on any number of ranks."""
+        save_on_every_rank(self.ranks, out_dir, self._save)
+
+    def _save(self, out_dir: Path) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=Path(out_dir) / "fsdp")
-        (Path(out_dir) / "fsdp_system.json").write_text(json.dumps({"skipped_steps": self.skipped_steps}))
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=out_dir / "fsdp")
+        if self.ranks is None or self.ranks.first:
+            (out_dir / "fsdp_system.json").write_text(json.dumps({"skipped_steps": self.skipped_steps}))
 
     def load_state(self, in_dir: Path) -> None:
         import torch.distributed.checkpoint as dcp

@@ -1,4 +1,5 @@
-"""The reference trainer: plain PyTorch, whole model on one device. The correctness oracle.
+"""The reference trainer: plain PyTorch, whole model on one device. The correctness oracle. Under torchrun, data
+parallel: a whole copy on every rank's device, torch DistributedDataParallel summing the gradients once per step.
 
 Precision modes:
 - mixed: fp32 parameters and AdamW state; with dtype=bfloat16 the forward/backward runs under
@@ -16,8 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from baselines.common import COMPILED_LAYERS, accumulate_and_step, compile_layers, evaluate_micro_batches
+from baselines.dist import ranks_of
+from megatrain.compile_check import compile_check
 from megatrain.config import CaseConfig
 from megatrain.models import Transformer
 from megatrain.models.hf import copy_named_weights
@@ -47,9 +52,10 @@ def state_bytes(case: CaseConfig) -> dict[str, int]:
     return state_bytes_per_param(param_bytes, case.precision, moment_bytes=param_bytes)
 
 
-def memory_bytes(case: CaseConfig) -> tuple[int, int]:
-    """(host bytes beyond the process overhead, device bytes): the whole model and its state on one device
-    (state_bytes), and activations (megatrain.preflight.activation_bytes)."""
+def memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
+    """(host bytes of a rank beyond its process overhead, device bytes of a rank): the whole model and its state on
+    each rank's device (state_bytes; DDP's gradient buckets are the gradients themselves), and activations
+    (megatrain.preflight.activation_bytes)."""
     return 0, case.model_config().num_params() * sum(state_bytes(case).values()) + activation_bytes(case)
 
 
@@ -58,10 +64,17 @@ def checkpoint_bytes(case: CaseConfig) -> int:
     return case.model_config().num_params() * checkpoint_bytes_per_param(state_bytes(case))
 
 
+def _summed(_, bucket):  # unannotated: DDP checks the annotations' objects, which this module's future import hides
+    """DDP's all-reduce of a gradient bucket (a dist.GradBucket) without its division by the world size: the loss is
+    normalised by the global batch's valid tokens already, so the ranks' gradients add up to one process's."""
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda done: done.value()[0])
+
+
 class NativeSystem:
     def __init__(self, case: CaseConfig, activation_checkpointing: bool | None = None):
         self.case = case
-        self.device = torch.device(case.device)
+        self.ranks = ranks_of(case)
+        self.device = torch.device(case.device) if self.ranks is None else self.ranks.device
         self.dtype = case.torch_dtype
         ckpt = case.opts.activation_checkpointing if activation_checkpointing is None \
             else activation_checkpointing
@@ -73,6 +86,12 @@ class NativeSystem:
         self.model.to(self.param_dtype)
         if case.compile:
             compile_layers(self.model)
+        self.trained = self.model  # what a step calls: the model, or DDP around it
+        if self.ranks is not None:  # DDP starts every rank from rank 0's weights; the buffers are constants
+            self.trained = DistributedDataParallel(
+                self.model, device_ids=None if self.device.type == "cpu" else [self.device],
+                forward_sync_buffers=False, gradient_as_bucket_view=True)
+            self.trained.register_comm_hook(None, _summed)
         self.autocast = case.precision == "mixed" and self.dtype != torch.float32
         self.optimizer = torch_adamw(self.model.named_parameters(), case.optim, fused=True)
         self.ckpt = ckpt
@@ -85,15 +104,20 @@ class NativeSystem:
         return torch.autocast(self.device.type, dtype=self.dtype)
 
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, segments_BS: torch.Tensor | None = None) -> float:
-        loss, stepped, self.last_grad_norm = accumulate_and_step(self.model, self.optimizer, self.case, self.device,
-                                                                 inputs_BS, labels_BS, self._autocast, segments_BS)
+        loss, stepped, self.last_grad_norm = accumulate_and_step(
+            self.trained, self.optimizer, self.case, self.device, inputs_BS, labels_BS, self._autocast, segments_BS,
+            self.ranks, contextlib.nullcontext if self.ranks is None else self.trained.no_sync)
         self.skipped_steps += not stepped
         return loss
 
     def system_config(self) -> dict:
         return {"param_dtype": str(self.param_dtype), "autocast": self.autocast, "activation_checkpointing": self.ckpt,
                 "compile": COMPILED_LAYERS if self.case.compile else False,
-                "optimizer": "torch.optim.AdamW(fused=True)", "clip": "torch.nn.utils.clip_grad_norm_"}
+                "compile_check": compile_check() if self.case.compile else None,
+                "optimizer": "torch.optim.AdamW(fused=True)", "clip": "torch.nn.utils.clip_grad_norm_",
+                **({} if self.ranks is None else {
+                    "ranks": self.ranks.world, "data_parallel": "DistributedDataParallel(gradient_as_bucket_view="
+                    "True), gradients summed (a comm hook), no_sync until the last micro-batch"})}
 
     def metrics(self, warmup_steps: int = 0) -> dict:
         return {}
@@ -116,7 +140,11 @@ class NativeSystem:
     def export_weights(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self.model.named_parameters()}
 
-    def save_state(self, out_dir: Path) -> None:
+    def save_state(self, out_dir: Path | None) -> None:
+        """The model and AdamW state (under torchrun every rank calls it, rank 0 with out_dir, and it writes its copy,
+        which resumes on any number of ranks)."""
+        if self.ranks is not None and not self.ranks.first:
+            return
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                     "skipped_steps": self.skipped_steps}, Path(out_dir) / "native_state.pt")
@@ -128,7 +156,7 @@ class NativeSystem:
         self.skipped_steps = state["skipped_steps"]
 
     def close(self) -> None:
-        del self.model, self.optimizer
+        del self.model, self.trained, self.optimizer
 
 
 SPEC = SystemSpec(factory=NativeSystem, options=NativeOptions,

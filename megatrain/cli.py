@@ -17,14 +17,19 @@ from megatrain.train.config import add_train_arguments
 def cmd_bench(args: argparse.Namespace) -> int:
     from megatrain.bench.case import run_case
     from megatrain.bench.record import append_jsonl, summary_line
+    from megatrain.engine.distributed import first_rank
     from megatrain.preflight import preflight
 
     flags = BenchFlags(**given(BenchFlags, args))
     case = flags.case()
-    for note in preflight(case):
+    first = first_rank(case.device)  # under torchrun every rank runs the case and rank 0 reports it
+    notes = preflight(case)  # on every rank: each refuses what does not fit
+    for note in notes if first else []:
         print(note, file=sys.stderr, flush=True)
-    record = run_case(case, gemm_peak_tflops=flags.gemm_peak_tflops,
-                      on_step=lambda i, loss, t: print(f"step {i}: loss {loss:.4f} ({t:.3f}s)", flush=True))
+    record = run_case(case, gemm_peak_tflops=flags.gemm_peak_tflops, on_step=None if not first else
+                      lambda i, loss, t: print(f"step {i}: loss {loss:.4f} ({t:.3f}s)", flush=True))
+    if not first:
+        return 0 if record["status"] == "ok" else 1
     print(summary_line(record))
     if flags.out:
         append_jsonl(flags.out, record)
@@ -98,9 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=cmd_bench)
     train = sub.add_parser("train", help="train a model: a Hugging Face checkpoint (or a registry shape) and your "
                            "data in, metrics, checkpoints and a Hugging Face checkpoint out; --resume continues",
-                           epilog="Exit codes: 0 done; 1 diverged (--max-nonfinite-steps); 2 invalid input, --out "
-                           "in use or holding another run, a damaged checkpoint, a full disk (one line each); 130 "
-                           "after Ctrl-C and 143 after SIGTERM, each once the step is finished and saved.")
+                           epilog="Exit codes: 0 done; 1 diverged (--max-nonfinite-steps), or under torchrun a rank "
+                           "ended; 2 invalid input, --out in use or holding another run, a damaged checkpoint, a full "
+                           "disk (one line each); 130 after Ctrl-C and 143 after SIGTERM, each once the step is "
+                           "finished and saved. On N ranks: torchrun --nproc-per-node N -m megatrain train ...")
     add_train_arguments(train)
     train.set_defaults(func=cmd_train)
     models = sub.add_parser("models", help="list the model registry with exact parameter counts")
@@ -134,3 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        from megatrain.engine.distributed import leave
+
+        leave()

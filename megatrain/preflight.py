@@ -4,7 +4,8 @@
 case that cannot fit (`preflight`); the suite runner asks before every case and records one that cannot fit as
 `skipped` with the reason, instead of letting it take the host down. Each system's estimate is its SystemSpec's
 plan_memory (megatrain.systems), declared beside the system. The baselines' are deliberately simple (bytes per
-parameter for the training state, plus activations, from the helpers below, judged by estimate_plan);
+parameter for the training state, plus activations, from the helpers below, judged by estimate_plan; under torchrun
+DeepSpeed and FSDP2 share the state out among the ranks, native holds a whole copy on each GPU);
 each record keeps its plan beside the measured peaks, so the estimates can be checked against measurement.
 
 MegaTrain's sizes and verdict come from its own planner, `megatrain.engine.plan.check_fits` (the
@@ -22,6 +23,7 @@ import importlib.util
 from collections.abc import Callable
 
 from megatrain.config import CaseConfig
+from megatrain.engine import distributed
 from megatrain.engine.plan import GPU_RESERVE_BYTES, PROCESS_OVERHEAD_BYTES
 from megatrain.memory import GIB, Budget, backward_work_bytes, host_memory_gib, layer_input_bytes
 from megatrain.probe import Machine, measure
@@ -56,14 +58,17 @@ def largest_unit_params(case: CaseConfig) -> int:
     return max(cfg.layer_params(), cfg.embedding_params())
 
 
-def estimate_plan(estimate: Callable[[CaseConfig], tuple[int, int]], case: CaseConfig, limits: Budget) -> dict:
-    """The pre-flight plan of a system whose `estimate` gives (host bytes beyond the process overhead, bytes on the
-    compute device): the fixed overheads added, on CPU everything counted as host memory, judged against `limits`
-    (a baseline's SystemSpec.plan_memory is this with its estimate bound)."""
-    state_host, state_gpu = estimate(case)
-    host, gpu = state_host + PROCESS_OVERHEAD_BYTES, state_gpu + GPU_RESERVE_BYTES
+def estimate_plan(estimate: Callable[[CaseConfig, int], tuple[int, int]], case: CaseConfig, limits: Budget) -> dict:
+    """The pre-flight plan of a system whose `estimate` gives, for a case on N ranks, (host bytes of a rank beyond its
+    process overhead, bytes on a rank's compute device): for the ranks of this launch on this host (one process
+    without torchrun), the fixed overheads added, on CPU everything counted as host memory, judged against `limits`
+    (a baseline's SystemSpec.plan_memory is this with its estimate bound). host_bytes is the node's, gpu_bytes a
+    GPU's."""
+    world, local_world = distributed.launch_size()
+    state_host, state_gpu = estimate(case, world)
+    host, gpu = local_world * (state_host + PROCESS_OVERHEAD_BYTES), state_gpu + GPU_RESERVE_BYTES
     if case.device == "cpu":
-        host, gpu = host + state_gpu, 0
+        host, gpu = host + local_world * state_gpu, 0
     reasons = []
     if host > limits.host_bytes:
         reasons.append(f"needs ~{host / GIB:.0f} GiB host memory, {limits.host_bytes / GIB:.0f} GiB usable here")

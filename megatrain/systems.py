@@ -112,13 +112,17 @@ class TrainSystem(Protocol):
         """Replace every weight, one (name, tensor) at a time (a Hugging Face checkpoint, before training)."""
 
     def export_weights(self) -> Mapping[str, torch.Tensor]:
-        """The current weights by name, without copying the model (a Hugging Face export copies shard by shard)."""
+        """The current weights by name, without copying the model where it can (a Hugging Face export copies shard by
+        shard). Under torchrun every rank calls it (a sharded system gathers each weight) and rank 0's mapping holds
+        them."""
 
-    def save_state(self, out_dir: Path) -> None:
-        """Write the full training state (weights, optimizer state, step counts) into out_dir."""
+    def save_state(self, out_dir: Path | None) -> None:
+        """Write the full training state (weights, optimizer state, step counts) into out_dir. Under torchrun every
+        rank calls it, rank 0 with out_dir and the others with None."""
 
     def load_state(self, in_dir: Path) -> None:
-        """Continue from a save_state directory: the next step is as if training had never stopped."""
+        """Continue from a save_state directory: the next step is as if training had never stopped (under torchrun
+        every rank calls it)."""
 
     def close(self) -> None:
         """Release GPU memory, pinned memory, threads and process groups."""

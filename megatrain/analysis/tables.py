@@ -30,14 +30,19 @@ def model_label(record: dict) -> str:
 
 def compiled(record: dict) -> bool:
     """Whether the case's decoder layers ran through torch.compile. Records before `compile` was a case setting kept
-    it as an engine option, on by default on CUDA, and the other systems ran eager; a compile the engine gave up on
-    (its fallback to eager) says so in system_config."""
+    it as an engine option, on by default on CUDA, and the other systems ran eager. A compiled case whose layers ran
+    eager is eager: its compile check says so (megatrain.compile_check), and before the check, the engine's own
+    fallback said so in system_config's `compile`."""
     config = record["config"]
     if "compile" in config:
         wanted = config["compile"]
     else:
         wanted = record["system"] == "megatrain" and config["options"].get("compile", config["device"] == "cuda")
-    return bool(wanted and (record.get("system_config") or {}).get("compile", True))
+    system_config = record.get("system_config") or {}
+    check = system_config.get("compile_check")
+    if check is not None:
+        return bool(wanted) and not check["eager_fallback"]
+    return bool(wanted and system_config.get("compile", True))
 
 
 def _label(record: dict) -> str:

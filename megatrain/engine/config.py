@@ -59,6 +59,8 @@ class EngineConfig:
         optim: AdamW and global-norm clipping.
         compile: run each decoder layer through torch.compile.
         options: the engine's typed options.
+        ranks: processes sharing one host copy of the state (torchrun ranks, engine/distributed.py); batch is then
+            one rank's share.
     """
 
     model: ModelConfig
@@ -72,6 +74,7 @@ class EngineConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     compile: bool = False
     options: MegaTrainOptions = field(default_factory=MegaTrainOptions)
+    ranks: int = 1
 
     def __post_init__(self) -> None:
         if self.micro_batch < 1 or self.batch % self.micro_batch:

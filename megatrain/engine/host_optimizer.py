@@ -22,18 +22,29 @@ from megatrain.optim.config import OptimConfig
 from megatrain.optim.host_adamw import FlatAdamW
 
 
+def regions(unit: Unit, weight_decay: float, shard: tuple[int, int] | None = None,
+            moments: str = "fp32") -> tuple[tuple, ...]:
+    """(start, end, weight decay) of the unit's decayed region and of the rest, within `shard` [lo, hi) of its tile
+    (default all of it; a rank's share over several ranks): a region outside the shard comes out empty. Compact
+    moments: the shard as one region, weight decay None (their int8 blocks do not split at the decayed region's
+    end; the update splits it)."""
+    lo, hi = shard or (0, unit.numel)
+    if moments != "fp32":
+        return ((lo, hi, None),)
+    d = unit.decay_numel
+    return (lo, min(d, hi), weight_decay), (max(d, lo), hi, 0.0)
+
+
 def torch_adamw_unit(adamw: FlatAdamW, unit: Unit, weights: torch.Tensor, grads: torch.Tensor,
                      master: torch.Tensor | None, moments: Moments, clip: float,
                      weight_decay: float, grad_scratch: torch.Tensor | None,
-                     param_scratch: torch.Tensor | None, lr: float) -> None:
+                     param_scratch: torch.Tensor | None, lr: float, shard: tuple[int, int] | None = None) -> None:
     """torch's AdamW over one unit's flat tensors (host tiles or resident GPU buffers), its decayed region
     then the rest, in chunks of OPT_CHUNK: gradients in fp32 (converted in grad_scratch when they are
     not) times the clip coefficient, weights updated in fp32 (the master, the weights themselves, or a
-    copy in param_scratch rounded back to bf16). Compact moments go chunk by chunk through the whole unit (their
-    blocks do not split at the decayed region's end), decoded and encoded around the same update."""
-    d = unit.decay_numel
-    compact = moments.format != "fp32"
-    for lo, hi, wd in ((0, unit.numel, None),) if compact else ((0, d, weight_decay), (d, unit.numel, 0.0)):
+    copy in param_scratch rounded back to bf16). shard: the part of the tile updated (default all). Compact moments
+    go chunk by chunk through the whole shard, decoded and encoded around the same update."""
+    for lo, hi, wd in regions(unit, weight_decay, shard, moments.format):
         for a in range(lo, hi, OPT_CHUNK):
             b = min(a + OPT_CHUNK, hi)
             weights_chunk = weights[a:b]
@@ -46,7 +57,7 @@ def torch_adamw_unit(adamw: FlatAdamW, unit: Unit, weights: torch.Tensor, grads:
             g32 = grads[a:b] if grads.dtype == torch.float32 else grad_scratch[:b - a].copy_(grads[a:b])
             if clip != 1.0:  # torch's clip_grad_norm_ multiplies by the clamped coefficient; x1.0 is exact
                 g32.mul_(clip)
-            if compact:
+            if wd is None:  # compact moments
                 update_compact(adamw, unit, a, p32, g32, moments.slice(a, b), weight_decay, lr)
             else:
                 adamw.update((unit.index, a), p32, g32, moments.exp_avg[a:b], moments.exp_avg_sq[a:b], wd, lr)
@@ -89,7 +100,7 @@ class HostOptimizer:
             ev.set()
         # (unit, host start s, host end s) of the updates finished: the worker appends, the training thread takes
         self._spans: list[tuple[int, float, float]] = []
-        self.busy_s, self.updated_params = 0.0, 0  # the worker's totals: its achieved rate (metrics)
+        self.busy_s, self.updated_params = 0.0, 0  # the worker's totals (its shards'): its achieved rate (metrics)
         self._spans_lock = threading.Lock()
         self._jobs: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
@@ -103,6 +114,10 @@ class HostOptimizer:
         self.done = done
         self.step_count += 1
         self._jobs.put((done, clip_coef, grad_ready, self.step_count, lr))
+
+    def shard(self, unit: Unit) -> tuple[int, int]:
+        """[lo, hi) of unit's tile this optimizer updates: all of it (a sharded one: its rank's shard)."""
+        return 0, unit.numel
 
     def take_spans(self) -> list[tuple[int, float, float]]:
         """(unit, host start s, host end s) of each update finished since the last call. The list is swapped under a
@@ -127,9 +142,10 @@ class HostOptimizer:
             self.wait(i)
 
     def close(self) -> None:
-        self.flush()
+        """End the worker once it has run every update queued (this process's own: not another rank's)."""
         self._jobs.put(None)
         self._thread.join()
+        self._raise()
 
     def _raise(self) -> None:
         if self._error is not None:
@@ -150,7 +166,8 @@ class HostOptimizer:
                     with self._spans_lock:
                         self._spans.append((unit.index, t0, t1))
                     self.busy_s += t1 - t0
-                    self.updated_params += unit.numel
+                    lo, hi = self.shard(unit)
+                    self.updated_params += hi - lo
                     done[unit.index].set()
             except BaseException as exc:  # surfaced to the training thread by wait()
                 self._error = exc
@@ -164,24 +181,19 @@ class HostOptimizer:
         moments = s.moment_tiles(unit)
         if self.kernel == "torch":
             torch_adamw_unit(self.adamw, unit, weights, grads, master, moments, clip_coef, self.weight_decay,
-                             self.grad_scratch, self.param_scratch, lr)
+                             self.grad_scratch, self.param_scratch, lr, self.shard(unit))
             return
-        if moments.format != "fp32":
-            for a in range(0, unit.numel, OPT_CHUNK):
-                b = min(a + OPT_CHUNK, unit.numel)
-                p = master[a:b] if master is not None else weights[a:b]
-                fused.compact_adamw(p, grads[a:b], moments.slice(a, b), None if master is None else weights[a:b],
-                                    unit.decay_numel - a, unit.offset + a, step, clip_coef, lr, o.beta1, o.beta2,
-                                    o.eps, self.weight_decay)
-            return
-        m, v = moments.exp_avg, moments.exp_avg_sq
-        d = unit.decay_numel
-        for lo, hi, weight_decay in ((0, d, self.weight_decay), (d, unit.numel, 0.0)):
+        for lo, hi, weight_decay in regions(unit, self.weight_decay, self.shard(unit), moments.format):
             for a in range(lo, hi, OPT_CHUNK):
                 b = min(a + OPT_CHUNK, hi)
                 weights_chunk = weights[a:b]
                 # mixed: the fp32 master updated, a bf16 copy out; bf16: the weights updated in place
                 p = master[a:b] if master is not None else weights_chunk
                 copy_out = None if p is weights_chunk else weights_chunk
-                fused.fused_adamw(p, grads[a:b], m[a:b], v[a:b], copy_out, step, clip_coef, lr, o.beta1, o.beta2,
-                                  o.eps, weight_decay)
+                if weight_decay is None:  # compact moments: decay on the unit's first decay_numel elements
+                    fused.compact_adamw(p, grads[a:b], moments.slice(a, b), copy_out, unit.decay_numel - a,
+                                        unit.offset + a, step, clip_coef, lr, o.beta1, o.beta2, o.eps,
+                                        self.weight_decay)
+                else:
+                    fused.fused_adamw(p, grads[a:b], moments.exp_avg[a:b], moments.exp_avg_sq[a:b], copy_out, step,
+                                      clip_coef, lr, o.beta1, o.beta2, o.eps, weight_decay)

@@ -223,7 +223,8 @@ def plan_memory(config: EngineConfig, limits: Budget | None = None) -> MemoryPla
     work = backward_work_bytes(model, tokens_mb, dtype_bytes, config.options.mlp_chunk_tokens)
     # beside it, the input and output gradient of the layer computing
     gpu = buffers + checkpoints + work + 2 * layer_input_bytes(model, tokens_mb, dtype_bytes) + GPU_RESERVE_BYTES
-    host = host_state + scratch + PROCESS_OVERHEAD_BYTES + offloaded * activation
+    # the state once for the host; each rank's process, scratch and offloaded activations beside it
+    host = host_state + config.ranks * (scratch + PROCESS_OVERHEAD_BYTES + offloaded * activation)
     extra_loads = _loaded_numel(units, resident, recomputed) - _loaded_numel(units, resident, 0)
     return MemoryPlan(
         host_bytes=host, host_state_bytes=host_state, host_bytes_per_param=host / model.num_params(),
@@ -245,7 +246,7 @@ def check_fits(config: EngineConfig, limits: Budget | None = None) -> CheckedPla
     limits = limits or budget_here(config)
     plan = plan_memory(config, limits)
     cpu = config.device == "cpu"
-    host_need = plan.host_bytes + (plan.gpu_bytes - GPU_RESERVE_BYTES if cpu else 0)
+    host_need = plan.host_bytes + ((plan.gpu_bytes - GPU_RESERVE_BYTES) * config.ranks if cpu else 0)
     reasons, advice = [], []
     if host_need > limits.host_bytes:
         bf16 = dataclasses.replace(config, precision="bf16", dtype="bfloat16")

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from megatrain.engine.activations import ActivationStore
 from megatrain.engine.config import EngineConfig
+from megatrain.engine.distributed import Ranks
 from megatrain.engine.host_optimizer import HostOptimizer, torch_adamw_unit
 from megatrain.engine.layout import Unit
 from megatrain.engine.resident import ResidentUnit
@@ -71,9 +72,10 @@ class StepState:
 class Schedule:
     def __init__(self, config: EngineConfig, store: HostStore, optimizer: HostOptimizer, streams: StreamSet,
                  device: torch.device, resident_units: list[int], offloaded_layers: int = 0,
-                 recomputed_inputs: int = 0):
+                 recomputed_inputs: int = 0, ranks: Ranks | None = None):
         model = config.model
         self.config, self.store, self.optimizer, self.streams, self.device = config, store, optimizer, streams, device
+        self.ranks = ranks  # several ranks (engine/distributed.py): gradients summed across them, each offloads a shard
         self.model = model
         dt = store.compute_dtype
         self.units = store.units
@@ -211,7 +213,10 @@ class Schedule:
         compute stream: the default stream does not wait for the side streams, so reading there could take the sum
         before the last backward and the embedding's gradient were added to it."""
         with self.streams.use("compute"):
-            norm_sq, loss = torch.stack([step.grad_sumsq, step.loss_sum]).tolist()
+            norm_sq_and_loss = torch.stack([step.grad_sumsq, step.loss_sum])
+            if self.ranks is not None:  # each rank's shards of the norm, and its micro-batches' loss
+                self.ranks.sum_norm_and_loss(norm_sq_and_loss)
+            norm_sq, loss = norm_sq_and_loss.tolist()
         return math.sqrt(norm_sq), loss
 
     def _update_resident_units(self, clip: float) -> None:
@@ -251,11 +256,14 @@ class Schedule:
         ready = s.record("compute")
         s.wait("d2h", ready)
         start = s.record("d2h")
+        dst = self.store.tile(self.store.grads, unit)
+        if self.ranks is not None:  # this rank's shard of it
+            dst = dst[slice(*self.ranks.shard(unit.numel))]
         with s.use("d2h"):
-            self.store.tile(self.store.grads, unit).copy_(src[:unit.numel], non_blocking=True)
+            dst.copy_(src[:dst.numel()], non_blocking=True)
         end = s.record("d2h")
         s.span("d2h", unit.index, "offload", start, end)
-        step.stats["d2h_bytes"] += unit.numel * src.element_size()
+        step.stats["d2h_bytes"] += dst.numel() * src.element_size()
         step.grad_ready[unit.index] = end
         if grad_slot is not None:
             self.grad_slot_free[grad_slot] = end
@@ -345,20 +353,28 @@ class Schedule:
         return self.model.num_layers * step.tokens[m].numel()
 
     def _aux_weight(self, step: StepState, m: int) -> float:
-        """The load-balancing loss's weight for micro-batch m: the coefficient x its share of the step's sequences
-        (as baselines.common.aux_weight)."""
-        rows = sum(t.shape[0] for t in step.tokens)
+        """The load-balancing loss's weight for micro-batch m: the coefficient x its share of the step's sequences, all
+        ranks' (as baselines.common.aux_weight)."""
+        rows = sum(t.shape[0] for t in step.tokens) * (self.ranks.world if self.ranks is not None else 1)
         return self.model.router_aux_loss_coef * step.tokens[m].shape[0] / rows
 
     def _finish_grads(self, step: StepState, unit: Unit, grad_acc: torch.Tensor, grad_slot: int) -> None:
+        grad_acc = self._summed(unit, grad_acc)
         step.grad_sumsq += torch.linalg.vector_norm(grad_acc).square()
         if unit.index in self.resident:  # stays on the GPU: updated there once the norm is known
             return
         src = grad_acc
         if self.grad_staging is not None:
-            src = self.grad_staging[grad_slot][:unit.numel]
+            src = self.grad_staging[grad_slot][:grad_acc.numel()]
             src.copy_(grad_acc)
         self._offload(step, unit, src, grad_slot)
+
+    def _summed(self, unit: Unit, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient this rank counts in the norm and offloads: all of `grad` in one process; over several ranks,
+        its shard of the sum across them (a resident unit's is summed whole: every rank updates it alike)."""
+        if self.ranks is None:
+            return grad
+        return self.ranks.sum_gradient(grad, replicated=unit.index in self.resident)
 
     def _embed_backward(self, step: StepState) -> None:
         s = self.streams
@@ -375,11 +391,12 @@ class Schedule:
                 else:
                     grad_acc.index_add_(0, t.flatten(), rows)
             step.output_grads = []
-            step.grad_sumsq += torch.linalg.vector_norm(self.embed_grad).square()
+            grad = self._summed(self.embed, self.embed_grad)
+            step.grad_sumsq += torch.linalg.vector_norm(grad).square()
             if 0 not in self.resident:  # a resident one stays on the GPU: updated there once the norm is known
-                src = self.embed_grad
+                src = grad
                 if self.grad_staging is not None:  # the embedding weights are not needed again this step: stage
-                    src = self.embed_buf.copy_(self.embed_grad)  # in place
+                    src = self.embed_buf[:grad.numel()].copy_(grad)  # in place
                 self.embed_free = self._offload(step, self.embed, src, None)
             s.span("compute", 0, "bwd", start, s.record("compute"))
 

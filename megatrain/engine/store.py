@@ -13,6 +13,8 @@ does not round sizes up the way the caching pinned allocator does).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from megatrain.engine.layout import Unit, build_units, total_numel
@@ -48,18 +50,23 @@ class HostStore:
         self.compute_dtype = compute_dtype
         n = total_numel(self.units)
         self.max_unit_numel = max(u.numel for u in self.units)
-        self.weights = torch.empty(n, dtype=compute_dtype)
-        self.grads = torch.empty(n, dtype=compute_dtype)
+        self.weights = self._allocate("weights", n, compute_dtype)
+        self.grads = self._allocate("grads", n, compute_dtype)
         # an fp32 master copy only where mixed precision streams weights narrower than fp32
         tiles = state_bytes_per_param(compute_dtype.itemsize, precision)
-        self.master = torch.empty(n, dtype=torch.float32) if "master" in tiles else None
-        self.moments = Moments.zeros(n, moments)  # int8: its blocks start on unit tiles (QBLOCK divides ALIGN)
+        self.master = self._allocate("master", n, torch.float32) if "master" in tiles else None
+        # int8: its blocks start on unit tiles (QBLOCK divides ALIGN)
+        self.moments = Moments.zeros(n, moments, allocate=functools.partial(self._allocate, zeroed=True))
         self._pinned: list[torch.Tensor] = []
         self.pinned_bytes = 0
         if pin:
             for t in (self.weights, self.grads):
                 self.pinned_bytes += pin_tensor(t)
                 self._pinned.append(t)
+
+    def _allocate(self, name: str, numel: int, dtype: torch.dtype, zeroed: bool = False) -> torch.Tensor:
+        """One flat host tensor of the store (`name`: which; a shared store maps it from shared memory)."""
+        return torch.zeros(numel, dtype=dtype) if zeroed else torch.empty(numel, dtype=dtype)
 
     def tile(self, flat: torch.Tensor, unit: Unit) -> torch.Tensor:
         return flat[unit.offset:unit.offset + unit.numel]

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
+from megatrain.compile_check import compile_check
 from megatrain.config import CaseConfig
+from megatrain.engine import distributed
 from megatrain.engine.config import EngineConfig, MegaTrainOptions
+from megatrain.engine.distributed import Ranks
 from megatrain.engine.host_optimizer import HostOptimizer
 from megatrain.engine.plan import check_fits, host_bytes_per_param
 from megatrain.engine.schedule import Schedule
+from megatrain.engine.shared_store import ShardedHostOptimizer, SharedHostStore
 from megatrain.engine.state import load_engine_state, save_engine_state, steps_from_json, steps_to_json
 from megatrain.engine.store import HostStore
 from megatrain.engine.streams import StreamSet
@@ -25,32 +30,39 @@ from megatrain.systems import SystemSpec
 
 
 class StreamingSystem:
-    def __init__(self, config: EngineConfig):
-        self.config = config
-        self.device = torch.device(config.device)
+    def __init__(self, config: EngineConfig, ranks: Ranks | None = None):
+        """config: this process's share of the work (with several ranks, Ranks.per_rank's)."""
+        self.config, self.ranks = config, ranks
+        self.device = torch.device(config.device) if ranks is None else ranks.device
         self.plan = check_fits(config)
         if not self.plan.fits:
             raise ValueError(f"configuration does not fit: {self.plan.reason}; {self.plan.advice}")
         self.num_params = config.model.num_params()
         cuda = self.device.type == "cuda"
-        self.store = HostStore(config.model, config.torch_dtype, config.precision, pin=cuda,
-                               moments=config.optim.moments)
+        store = HostStore if ranks is None else functools.partial(SharedHostStore, ranks=ranks)
+        self.store = store(config.model, config.torch_dtype, config.precision, pin=cuda, moments=config.optim.moments)
         self.store.initialise(config.seed, self.device)
         resident = self.plan.resident_units
-        self.optimizer = HostOptimizer(self.store, config.optim, kernel=config.options.optimizer_kernel,
-                                       skip=frozenset(resident))
+        self.optimizer = (HostOptimizer if ranks is None else ShardedHostOptimizer)(
+            self.store, config.optim, kernel=config.options.optimizer_kernel, skip=frozenset(resident))
         self.streams = StreamSet(self.device, timeline=config.options.timeline,
                                  stress_seed=config.options.stream_stress)
         self.schedule = Schedule(config, self.store, self.optimizer, self.streams, self.device, resident,
-                                 self.plan.offloaded_layers, self.plan.recomputed_inputs)
+                                 self.plan.offloaded_layers, self.plan.recomputed_inputs, ranks)
 
     @staticmethod
     def from_case(case: CaseConfig) -> StreamingSystem:
-        """The engine for a benchmark or training case (its SystemSpec factory)."""
-        return StreamingSystem(EngineConfig.from_case(case))
+        """The engine for a benchmark or training case (its SystemSpec factory); under torchrun, this rank's."""
+        ranks = distributed.current(case.device)
+        config = EngineConfig.from_case(case)
+        return StreamingSystem(config if ranks is None else ranks.per_rank(config), ranks)
 
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, segments_BS: torch.Tensor | None = None) -> float:
-        return self.schedule.step(inputs_BS, labels_BS, valid_tokens(labels_BS), segments_BS)
+        """One step over the global batch (with several ranks, each trains its rows of it)."""
+        normalizer = valid_tokens(labels_BS)  # the global batch's, so N ranks' losses and gradients sum to one's
+        if self.ranks is not None:
+            inputs_BS, labels_BS, segments_BS = self.ranks.split_rows(inputs_BS, labels_BS, segments_BS)
+        return self.schedule.step(inputs_BS, labels_BS, normalizer, segments_BS)
 
     @property
     def last_grad_norm(self) -> float:
@@ -74,8 +86,16 @@ class StreamingSystem:
             "recomputed_inputs": self.schedule.acts.recomputed,
             "mlp_chunk_tokens": self.schedule.layer_template.module.mlp.chunk_tokens,
             "compile": self.schedule.layer_template.compiled,
+            "compile_check": compile_check(fell_back=not self.schedule.layer_template.compiled)
+            if self.config.compile else None,
             "resident_units": sorted(self.schedule.resident),
             "plan": {k: v for k, v in dataclasses.asdict(self.plan).items() if k != "host_tiles_bytes_per_param"},
+            **({} if self.ranks is None else {
+                "ranks": self.ranks.world, "host_state": "one copy in shared memory (/dev/shm), every rank maps it",
+                "gradient_reduction": "fp32 on the device before the offload: reduce-scatter of whole shards in "
+                                      "place (the remainder all-reduced); resident units all-reduced whole",
+                "optimizer_sharding": "each rank updates its shard of every streamed unit; resident units "
+                                      "replicated"}),
         }
 
     def metrics(self, warmup_steps: int = 0) -> dict:
@@ -102,7 +122,16 @@ class StreamingSystem:
             "host_bytes_per_param": rss / self.num_params,
             "timeline": self.schedule.timeline,
             **host_optimizer_rate(self.optimizer, host_bytes_per_param(self.config)),
+            **({} if self.ranks is None else self._shared_memory_metrics()),
         }
+
+    def _shared_memory_metrics(self) -> dict:
+        """With several ranks: each maps its node's one shared state, and its RSS counts every page of it that it
+        touched; PSS splits a shared page between the ranks that map it, so summed over a node's ranks it counts each
+        page once."""
+        rss, pss = self.store.mapped_bytes()
+        return {"ranks": self.ranks.world, "ranks_per_node": self.ranks.local_world, "host_state_rss_bytes": rss,
+                "host_state_pss_bytes_node": sum(self.ranks.gather(pss, node=True))}
 
     def _checkpointing(self) -> str:
         acts, layers = self.schedule.acts, self.config.model.num_layers
@@ -121,15 +150,22 @@ class StreamingSystem:
         self.schedule.lr = lr
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace the weights (before training), one tensor at a time, by our parameter names."""
+        """Replace the weights (before training), one tensor at a time, by our parameter names (with several
+        ranks, every rank calls it and each node's local rank 0 reads `named` into the node's copy)."""
         self.optimizer.flush()
-        copy_named_weights(self._weight_views(), named)
-        if self.store.master is not None:
-            self.store.weights.copy_(self.store.master)
+        if self._fills:
+            copy_named_weights(self._weight_views(), named)
+            if self.store.master is not None:
+                self.store.weights.copy_(self.store.master)
+        if self.ranks is not None:
+            self.ranks.barrier()
         self.schedule.load_resident_from_host()
 
     def export_weights(self) -> dict[str, torch.Tensor]:
-        """The current weights by our names, as views of the host tiles (fp32 master where there is one): no copy."""
+        """The current weights by our names, as views of the host tiles (fp32 master where there is one): no copy.
+        With several ranks, rank 0's (its flush waits for every rank's updates); the others' is empty."""
+        if not self._first:
+            return {}
         self.optimizer.flush()
         self.schedule.sync_resident_to_host()
         return self._weight_views()
@@ -140,18 +176,32 @@ class StreamingSystem:
         src = store.master if store.master is not None else store.weights
         return {slot.name: unit.view(store.tile(src, unit), slot) for unit in store.units for slot in unit.params}
 
-    def save_state(self, out_dir: Path) -> None:
-        """The full training state (weights, master, moments, step counts), streamed tile by tile."""
+    def save_state(self, out_dir: Path | None) -> None:
+        """The full training state (weights, master, moments, step counts), streamed tile by tile. With several
+        ranks every rank calls it (out_dir None but on rank 0), once every shard's update has landed rank 0 writes."""
         self.optimizer.flush()
         self.schedule.sync_resident_to_host()
-        save_engine_state(Path(out_dir), self.store, {
-            "step_count": self.optimizer.step_count, "skipped_steps": self.schedule.skipped_steps,
-            "adamw_steps": steps_to_json(self.optimizer.adamw.steps),
-            "resident_adamw_steps": steps_to_json(self.schedule.resident_adamw.steps)})
+        counters = {"step_count": self.optimizer.step_count, "skipped_steps": self.schedule.skipped_steps,
+                    "adamw_steps": steps_to_json(self.optimizer.adamw.steps),
+                    "resident_adamw_steps": steps_to_json(self.schedule.resident_adamw.steps)}
+        if self.ranks is not None:  # the torch kernel counts steps per chunk of each rank's shards: all of them
+            counters.update(shards=self.ranks.local_world, adamw_steps=[s for steps in self.ranks.gather(
+                counters["adamw_steps"]) for s in steps])
+        if self._first:
+            save_engine_state(Path(out_dir), self.store, counters)
 
-    def load_state(self, in_dir: Path) -> None:
+    def load_state(self, in_dir: Path | None) -> None:
+        """Continue from a save_state directory (with several ranks, every rank calls it; each node's local rank 0
+        reads in_dir into the node's copy)."""
         self.optimizer.flush()
-        meta = load_engine_state(Path(in_dir), self.store)
+        meta = load_engine_state(Path(in_dir), self.store) if self._fills else None
+        if self.ranks is not None:
+            meta = self.ranks.from_first(meta)
+        saved, shards = meta.get("shards", 1), 1 if self.ranks is None else self.ranks.local_world
+        if saved != shards and self.optimizer.kernel == "torch":
+            raise ValueError(f"{in_dir} was saved by {saved} rank(s) a node and the torch optimizer kernel counts "
+                             "steps per chunk of each rank's shard: resume it on as many, or with "
+                             "--option optimizer_kernel=fused")
         self.optimizer.step_count = meta["step_count"]
         self.schedule.skipped_steps = meta["skipped_steps"]
         self.optimizer.adamw.steps = steps_from_json(meta["adamw_steps"], torch.device("cpu"))
@@ -162,6 +212,16 @@ class StreamingSystem:
         self.optimizer.flush()
         self.schedule.sync_resident_to_host()
         return self.store.named_parameters_fp32()
+
+    @property
+    def _first(self) -> bool:
+        """Whether this process writes the state's files: one process, or rank 0."""
+        return self.ranks is None or self.ranks.first
+
+    @property
+    def _fills(self) -> bool:
+        """Whether this process fills its node's host copy (weights, a saved state): one process, or local rank 0."""
+        return self.ranks is None or self.ranks.node_first
 
     def close(self) -> None:
         self.optimizer.close()
@@ -183,8 +243,10 @@ def host_optimizer_rate(optimizer: HostOptimizer, per: dict[str, float]) -> dict
 
 def preflight_plan(case: CaseConfig, limits: Budget) -> dict:
     """The pre-flight plan: the engine's own (check_fits, its exact tiles and choices against `limits`), with
-    host_bytes what it counts against the host (on CPU, everything) and gpu_bytes 0 on CPU."""
-    plan = dict(dataclasses.asdict(check_fits(EngineConfig.from_case(case), limits)), source="megatrain.engine.plan")
+    host_bytes what it counts against the host (on CPU, everything) and gpu_bytes 0 on CPU. Under torchrun: one
+    rank's, with the host state counted once and each rank's process beside it."""
+    plan = dict(dataclasses.asdict(check_fits(distributed.planned(EngineConfig.from_case(case)), limits)),
+                source="megatrain.engine.plan")
     host, gpu = plan["host_need_bytes"], plan["gpu_bytes"] if case.device == "cuda" else 0
     plan.update(host_bytes=int(host), gpu_bytes=int(gpu))
     return plan

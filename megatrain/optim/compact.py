@@ -15,6 +15,7 @@ host's one-pass C++ kernel (csrc/fused_adamw.cpp) implements the same maps.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -36,15 +37,18 @@ class Moments:
     exp_avg_sq_scale: torch.Tensor | None = None
 
     @staticmethod
-    def zeros(numel: int, moments: str, device: torch.device | str = "cpu") -> Moments:
-        """Zeroed moments of `numel` elements in format `moments` (OptimConfig.moments)."""
+    def zeros(numel: int, moments: str, device: torch.device | str = "cpu",
+              allocate: Callable[[str, int, torch.dtype], torch.Tensor] | None = None) -> Moments:
+        """Zeroed moments of `numel` elements in format `moments` (OptimConfig.moments); allocate(name, numel, dtype),
+        when given, makes each zeroed tensor instead (a shared store maps them from shared memory)."""
+        allocate = allocate or (lambda name, k, dtype: torch.zeros(k, dtype=dtype, device=device))
         if moments == "int8":
             blocks = -(-numel // QBLOCK)
-            return Moments(torch.zeros(numel, dtype=torch.int8, device=device),
-                           torch.zeros(numel, dtype=torch.uint8, device=device),
-                           torch.zeros(blocks, device=device), torch.zeros(blocks, device=device))
+            return Moments(allocate("exp_avg", numel, torch.int8), allocate("exp_avg_sq", numel, torch.uint8),
+                           allocate("exp_avg_scale", blocks, torch.float32),
+                           allocate("exp_avg_sq_scale", blocks, torch.float32))
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[moments]
-        return Moments(torch.zeros(numel, dtype=dtype, device=device), torch.zeros(numel, dtype=dtype, device=device))
+        return Moments(allocate("exp_avg", numel, dtype), allocate("exp_avg_sq", numel, dtype))
 
     @property
     def format(self) -> str:

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 
 from megatrain.config import CaseConfig
+from megatrain.engine import distributed
+from megatrain.engine.distributed import Ranks
 from megatrain.memory import peak_host_rss_gib
 from megatrain.models.flops import model_flops
 from megatrain.models.hf import config_from_hf, iter_hf_tensors, read_hf_config, save_hf_checkpoint
@@ -30,7 +32,7 @@ from megatrain.train import checkpoint
 from megatrain.train.config import TrainConfig, check_available
 from megatrain.train.data import Rows, data_files, read_examples
 from megatrain.train.lr import lr_at, schedule_notes
-from megatrain.train.rundir import RunDir, aside, recover_dir, written_aside
+from megatrain.train.rundir import RunDir, aside, fault, recover_dir, written_aside
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "generation_config.json", "chat_template.jinja")
@@ -81,16 +83,20 @@ def train(cfg: TrainConfig, log=print) -> int:
         if cfg.eval_data else None
     total = cfg.steps if cfg.steps is not None else math.ceil(cfg.epochs * len(rows) / cfg.batch)
     case = build_case(cfg, total, label, shape)
+    ranks = distributed.current(cfg.device)  # under torchrun: rank 0 owns --out, every rank trains
     for note in preflight(case):
-        log(note)
-    run = RunDir(out, cfg.resume is not None, cfg.overwrite)
+        (log if ranks is None or ranks.first else _silent)(note)
+    run = RunDir(out, cfg.resume is not None, cfg.overwrite) if ranks is None or ranks.first else None
     try:
-        return _train(cfg, run, case, rows, eval_rows, total, tokenizer_dir, log)
+        return _train(cfg, run, case, rows, eval_rows, total, tokenizer_dir, log, ranks)
     finally:
-        run.close()
+        if run is not None:
+            run.close()
 
 
-def _train(cfg: TrainConfig, run: RunDir, case, rows, eval_rows, total: int, tokenizer_dir, log) -> int:
+def _prepare(cfg: TrainConfig, run: RunDir, case, total: int, log) -> tuple:
+    """(start step, checkpoint resumed from or None, its trainer.json, export only, run id): a resumed run's
+    leftovers recovered, what cannot run refused, the run started in --out."""
     out = run.out
     resume_from, meta = None, {"step": 0, "data_rows_consumed": 0}
     if cfg.resume:
@@ -110,9 +116,28 @@ def _train(cfg: TrainConfig, run: RunDir, case, rows, eval_rows, total: int, tok
     checkpoint.check_disk(case, out, saves, cfg.keep, export_bytes * (1 + (out / "hf").exists()))
     run_id = run.start(_settings(cfg))
     _repair_metrics(out / "metrics.jsonl", start)
+    return start, resume_from, meta, export_only, run_id
+
+
+def _silent(line: str) -> None:
+    """The log of a rank other than 0: rank 0 speaks for the run."""
+
+
+def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: int, tokenizer_dir: str | None, log,
+           ranks: Ranks | None) -> int:
+    """The run in --out (run None: a rank other than 0, which takes rank 0's decisions and writes nothing)."""
+    out, report = Path(cfg.out), log
+    first = ranks is None or ranks.first
+    log = log if first else _silent
+    start, resume_from, meta, export_only, run_id = _prepare(cfg, run, case, total, log) if run is not None else \
+        (None,) * 5
+    if ranks is not None:
+        start, resume_from, meta, export_only, run_id = ranks.from_first((start, resume_from, meta, export_only,
+                                                                           run_id))
     layout = f"packed into {len(rows)} rows" if cfg.pack else f"one per row, {rows.truncated} truncated"
     log(f"train: {case.model} on {cfg.system}, {rows.examples} examples {layout} of {cfg.seq + 1} tokens "
-        f"({rows.fill:.0%} data, the rest padding), {total} steps of {cfg.batch} x {cfg.seq}")
+        f"({rows.fill:.0%} data, the rest padding), {total} steps of {cfg.batch} x {cfg.seq}"
+        + (f" over {ranks.world} ranks" if ranks is not None else ""))
     system = build_system(case)
     progress = Progress(start, meta["data_rows_consumed"])
     handlers = {s: signal.signal(s, lambda signum, _: setattr(progress, "signal", signum))  # finish the step, save
@@ -128,7 +153,9 @@ def _train(cfg: TrainConfig, run: RunDir, case, rows, eval_rows, total: int, tok
                                                                  "was cut short)" if export_only else ""))
         elif cfg.init_from:
             system.load_weights(iter_hf_tensors(cfg.init_from))
-        _run_steps(cfg, system, case, rows, eval_rows, progress, total, out, run_id, log)
+        _run_steps(cfg, system, case, rows, eval_rows, progress, total, out, run_id, log, ranks)
+        if ranks is not None:  # a signal that reached any rank after the last step stops every rank alike
+            progress.signal = ranks.agree(progress.signal)
         if cfg.max_nonfinite_steps and progress.nonfinite_steps >= cfg.max_nonfinite_steps:
             last = checkpoint.latest(out / "checkpoints")
             log(f"diverged: the loss or gradient norm was not finite for {progress.nonfinite_steps} steps in a row "
@@ -146,29 +173,39 @@ def _train(cfg: TrainConfig, run: RunDir, case, rows, eval_rows, total: int, tok
                 f"interrupted at step {progress.step}; no checkpoint (--no-save)")
             return 128 + progress.signal
         t0 = time.perf_counter()
+        weights = system.export_weights()  # with several ranks, every rank's part: the weights are on rank 0
+        if not first:
+            return 0
         with _writing(out / "hf", progress, out):
-            _export(system, case, out / "hf", tokenizer_dir, {"step": progress.step, "run_id": run_id})
+            _export(weights, case, out / "hf", tokenizer_dir, {"step": progress.step, "run_id": run_id})
         memory.update(export_s=time.perf_counter() - t0, host_peak_gib_exported=peak_host_rss_gib())
         with _writing(out / "memory.json", progress, out):
             (out / "memory.json").write_text(json.dumps(memory, indent=1) + "\n")
         log(f"done: {progress.step} steps; Hugging Face checkpoint in {out / 'hf'}; host peak RSS (GiB) "
             + ", ".join(f"{k.removeprefix('host_peak_gib_')} {v:.2f}" for k, v in memory.items() if "gib" in k))
         return 0
+    except distributed.RankLost as exc:  # said while the signal handlers stand: torchrun's SIGTERM follows
+        last = checkpoint.latest(out / "checkpoints")
+        report(f"error: {exc}; the run stopped at step {progress.step}, its last complete checkpoint "
+               f"{last or '(none yet)'} is intact: --resume {out} continues")
+        return 1
     finally:
         for s, handler in handlers.items():
             signal.signal(s, handler)
         system.close()
 
 
-def _run_steps(cfg, system, case, rows, eval_rows, progress: Progress, total, out, run_id, log) -> None:
+def _run_steps(cfg, system, case, rows, eval_rows, progress: Progress, total, out, run_id, log,
+               ranks: Ranks | None) -> None:
     flops_per_token = model_flops(case.model_config().active_params(), tokens=1)  # the records' 6NT
+    first = ranks is None or ranks.first
     bar = None
-    if sys.stderr.isatty():
+    if sys.stderr.isatty() and first:
         from tqdm import tqdm
 
         bar = tqdm(total=total, initial=progress.step, unit="step", dynamic_ncols=True)
     metrics = out / "metrics.jsonl"
-    while progress.step < total and not progress.signal:
+    while progress.step < total and not (progress.signal if ranks is None else ranks.agree(progress.signal)):
         lr = lr_at(progress.step, total, cfg.lr, cfg.lr_schedule, cfg.warmup_steps, cfg.min_lr)
         system.set_lr(lr)
         inputs, labels, segments = rows.batch(progress.rows_consumed, cfg.batch)
@@ -180,6 +217,8 @@ def _run_steps(cfg, system, case, rows, eval_rows, progress: Progress, total, ou
         progress.step += 1
         progress.rows_consumed += cfg.batch
         step = progress.step
+        if ranks is not None:
+            fault(f"rank-{ranks.rank}-step-{step}")
         finite = math.isfinite(loss) and math.isfinite(system.last_grad_norm)
         progress.nonfinite_steps = 0 if finite else progress.nonfinite_steps + 1
         tokens = inputs.numel()
@@ -187,7 +226,8 @@ def _run_steps(cfg, system, case, rows, eval_rows, progress: Progress, total, ou
         line = {"step": step, "loss": loss, "lr": lr, "grad_norm": system.last_grad_norm, "tokens": tokens,
                 "target_tokens": targets, "tokens_per_s": tokens / step_s, "target_tokens_per_s": targets / step_s,
                 "tflops": flops_per_token * tokens / step_s / 1e12, "step_s": step_s}
-        _append(metrics, line, progress, out)
+        if first:
+            _append(metrics, line, progress, out)
         if bar is not None:
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{line['tokens_per_s']:.0f}", lr=f"{lr:.2e}")
             bar.update(1)
@@ -199,7 +239,8 @@ def _run_steps(cfg, system, case, rows, eval_rows, progress: Progress, total, ou
             break
         if eval_rows is not None and (step % cfg.eval_every == 0 or step == total):
             held_out = _evaluate(system, eval_rows, cfg.batch)
-            _append(metrics, {"step": step, **held_out}, progress, out)
+            if first:
+                _append(metrics, {"step": step, **held_out}, progress, out)
             log(f"step {step}/{total}: held-out loss {held_out['eval_loss']:.4f} over {held_out['eval_tokens']} "
                 "tokens")
         if cfg.save_every and step % cfg.save_every == 0 and step < total and finite:  # never a diverging state
@@ -257,7 +298,11 @@ def _settings(cfg: TrainConfig) -> dict:
     return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in PER_INVOCATION}
 
 
-def _save(cfg: TrainConfig, system, out: Path, progress: Progress, total: int, run_id: str) -> Path:
+def _save(cfg: TrainConfig, system, out: Path, progress: Progress, total: int, run_id: str) -> Path | None:
+    ranks = distributed.current(cfg.device)
+    if ranks is not None and not ranks.first:  # every rank takes part, rank 0 writes the one copy of the state
+        system.save_state(None)
+        return None
     meta = {"step": progress.step, "total_steps": total, "data_rows_consumed": progress.rows_consumed,
             "torch_rng": torch.get_rng_state().tolist(), "run_id": run_id, "train_config": _settings(cfg)}
     with _writing(out / "checkpoints", progress, out):
@@ -269,11 +314,12 @@ def _exported_step(out: Path) -> int | None:
     return json.loads(path.read_text())["step"] if path.exists() else None
 
 
-def _export(system, case: CaseConfig, hf_dir: Path, tokenizer_dir: str | None, provenance: dict) -> None:
-    """The weights as a Hugging Face checkpoint with the tokenizer files, written aside and swapped in whole."""
+def _export(weights, case: CaseConfig, hf_dir: Path, tokenizer_dir: str | None, provenance: dict) -> None:
+    """The weights (a system's export_weights) as a Hugging Face checkpoint with the tokenizer files, written aside
+    and swapped in whole."""
     dtype = case.torch_dtype
     with written_aside(hf_dir) as tmp:
-        save_hf_checkpoint(system.export_weights(), case.model_config(), tmp,
+        save_hf_checkpoint(weights, case.model_config(), tmp,
                            max_shard_bytes=EXPORT_SHARD_BYTES, dtype=dtype)
         for name in TOKENIZER_FILES if tokenizer_dir else ():
             if (Path(tokenizer_dir) / name).exists():

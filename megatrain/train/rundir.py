@@ -23,7 +23,7 @@ RUN_ENTRIES = {RUN_FILE, f".{RUN_FILE}.tmp", LOCK_FILE, TRASH, "metrics.jsonl", 
 def fault(point: str) -> None:
     """Test hook: MEGATRAIN_FAULT=point kills this process there with SIGKILL (no handler runs). Points:
     written-NAME (the new NAME complete aside, nothing renamed) and swap-NAME (the old NAME moved aside, the new one
-    not yet renamed in), NAME being step-N or hf."""
+    not yet renamed in), NAME being step-N or hf; rank-R-step-N (under torchrun, rank R once it trained step N)."""
     if os.environ.get("MEGATRAIN_FAULT") == point:
         os.kill(os.getpid(), signal.SIGKILL)
 

@@ -9,6 +9,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,8 +39,12 @@ case = CaseConfig.from_dict(json.loads(sys.argv[1]))
 system = build_system(case)
 batches = make_batches(case, case.model_config().vocab_size)
 losses = [system.step(*batches.batch_at(i)) for i in range(case.steps)]
+# every guard of every frame Dynamo compiled: what it checks before reusing a compiled layer
+from torch._dynamo.convert_frame import input_codes
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list as cache_entries
+guards = "\\n".join(str(e.guard_manager) for ref in input_codes.seen if ref() for e in cache_entries(ref()))
 torch.save({"losses": losses, "params": system.named_parameters_fp32(), "config": system.system_config(),
-            "metrics": system.metrics()}, sys.argv[2])
+            "metrics": system.metrics(), "guards": guards}, sys.argv[2])
 system.close()
 """
 
@@ -97,6 +102,21 @@ def test_deepspeed_matches_native_with_accumulation_and_clipping(model, tmp_path
     assert result["config"]["deepspeed_config"]["gradient_accumulation_steps"] == 2
 
 
+@pytest.mark.parametrize("model", [pytest.param("tiny", marks=needs_deepspeed)])
+def test_deepspeed_zero_offload_matches_zero3(model, tmp_path):
+    # ZeRO-Offload (stage 2: parameters and gradients on the device, optimizer on the host) against ZeRO-3 with
+    # parameters offloaded too: the same fp32 math, in another bucket and partition order
+    case = _case("deepspeed", model)
+    zero3 = _run_in_subprocess(case, tmp_path)
+    zero2 = _run_in_subprocess(dataclasses.replace(case, options={"zero_stage": 2}), tmp_path)
+    torch.testing.assert_close(torch.tensor(zero2["losses"]), torch.tensor(zero3["losses"]), rtol=1e-5, atol=0)
+    for name, p in zero2["params"].items():
+        torch.testing.assert_close(p, zero3["params"][name], rtol=0, atol=2e-5, msg=name)
+    zero = zero2["config"]["deepspeed_config"]["zero_optimization"]
+    assert (zero["stage"], zero["offload_optimizer"]["device"], "offload_param" in zero) == (2, "cpu", False)
+    assert zero2["config"]["mode"].startswith("ZeRO-Offload") and not zero2["config"]["zero_init"]
+
+
 @pytest.mark.parametrize("system", ["native", "fsdp", pytest.param("deepspeed", marks=needs_deepspeed), "megatrain"])
 @pytest.mark.slow  # torch.compile on CPU: 10-40 s a system
 def test_compiled_layers_match_eager_native(system, tmp_path):
@@ -104,7 +124,29 @@ def test_compiled_layers_match_eager_native(system, tmp_path):
     case = dataclasses.replace(_case(system, "tiny"), steps=3, compile=True)
     result = _run_in_subprocess(case, tmp_path)
     _assert_matches_native(result, _native(dataclasses.replace(case, system="native", compile=False)))
-    assert result["config"]["compile"]
+    # and compiling took: Dynamo compiled the layer and no layer ran eager (megatrain.compile_check)
+    check = result["config"]["compile_check"]
+    assert result["config"]["compile"] and check["compiled_frames"] >= 1 and not check["eager_fallback"], check
+
+
+@pytest.mark.parametrize("model, seq, structures", [("tiny", 32, 1), ("tiny-sliding", 128, 2)])
+@pytest.mark.deepspeed
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
+@pytest.mark.slow  # torch.compile on CPU: about a minute
+def test_deepspeed_compiles_each_layer_structure_once_not_each_layer(model, seq, structures, tmp_path):
+    # 10 layers, past Dynamo's recompile limit (8): a compile per layer would leave the last layers eager. tiny-sliding
+    # at 128 tokens has two layer structures (its 64-token windows need a mask; its full layers are causal).
+    case = dataclasses.replace(_case("deepspeed", model), num_layers=10, seq=seq, steps=3, compile=True)
+    compiled = _run_in_subprocess(case, tmp_path)
+    eager = _run_in_subprocess(dataclasses.replace(case, compile=False), tmp_path)
+    torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]), rtol=1e-5, atol=0)
+    assert compiled["config"]["compile_check"] == {
+        "compiled_frames": structures, "failed_frames": 0, "recompile_limit_hits": 0, "recompiles": structures - 1,
+        "graph_breaks": 0, "eager_fallback": False}
+    # Compiling each layer's own forward (before issue 29) let Dynamo guard on the layer's ZeRO-3 parameters' own
+    # state (ds_id, ds_status: read through the module and by DeepSpeed's patched linear); on the GPU host (torch
+    # 2.11) each layer then compiled anew, up to the limit. No guard may read that state.
+    assert not re.search(r"\bds_\w+", compiled["guards"])
 
 
 @pytest.mark.parametrize("system", ["fsdp", pytest.param("deepspeed", marks=needs_deepspeed)])

@@ -108,6 +108,21 @@ def test_a_run_resumed_under_a_new_id_is_one_session_and_a_new_commit_is_another
     assert list(scope["label"]) == ["native"], "a newer session on another kind of machine replaces the rest"
 
 
+def test_a_compiled_case_whose_layers_ran_eager_is_labelled_eager():
+    def compiled_deepspeed(eager_fallback):
+        r = _record("deepspeed", 16, 140.0)
+        r["config"]["compile"] = True
+        # `compile` names what was asked for, the check what ran (here as at Dynamo's recompile limit)
+        r["system_config"] = {"compile": "torch.compile(dynamic=False) of one stateless decoder layer",
+                              "compile_check": {"compiled_frames": 8, "failed_frames": int(eager_fallback),
+                                                "recompile_limit_hits": int(eager_fallback), "recompiles": 7,
+                                                "graph_breaks": 0, "eager_fallback": eager_fallback}}
+        return r
+
+    rows = tables.records_frame([compiled_deepspeed(True)]), tables.records_frame([compiled_deepspeed(False)])
+    assert [(df["compile"][0], df["label"][0]) for df in rows] == [(False, "deepspeed"), (True, "deepspeed-compiled")]
+
+
 def test_batch_headroom_projects_from_the_two_largest_batches():
     rows = [_record("deepspeed", b, 300.0, peak_gpu_alloc_gib=peak) for b, peak in ((8, 30.0), (16, 40.0), (32, 48.0))]
     for r in rows:

@@ -199,6 +199,20 @@ def test_offload_baselines_host_estimates_follow_their_measured_bytes_per_parame
         assert fsdp_measured <= fsdp / n <= fsdp_measured + 1.5
 
 
+def test_zero_offload_holds_parameters_and_gradients_on_the_gpu_and_the_optimizer_on_the_host():
+    zero2, zero3 = (replace(_case("deepspeed"), options={"zero_stage": stage}) for stage in (2, 3))
+    n = zero2.model_config().num_params()
+    host, gpu = deepspeed_zero3.memory_bytes(zero2)
+    assert host == 24 * n and gpu == 4 * n + preflight.activation_bytes(zero2)  # bf16 parameters and gradients
+    # 14B on an 80 GB H100: at batch 16 both fit; at batch 64 the whole model beside its activations does not, ZeRO-3's
+    # gathered layers do
+    h100 = replace(H200_X4, gpu_name="NVIDIA H100 80GB HBM3", gpu_mem_gib=79.2)
+    assert preflight.plan_memory(zero2, h100)["fits"]
+    plan = preflight.plan_memory(replace(zero2, batch=64, micro_batch=64), h100)
+    assert not plan["fits"] and "GPU memory" in plan["reason"]
+    assert preflight.plan_memory(replace(zero3, batch=64, micro_batch=64), h100)["fits"]
+
+
 def test_a_torn_last_line_does_not_swallow_the_next_record(tmp_path):
     path = tmp_path / "records.jsonl"
     path.write_text('{"status": "ok"}\n{"status": "ok", "cut sh')  # a runner killed mid-write

@@ -1,0 +1,235 @@
+"""Data parallel over the ranks of one host, through torch.distributed: `torchrun --nproc-per-node N -m megatrain ...`.
+
+Every rank trains its share of the global batch's micro-batches on its own device, streaming weights from ONE copy
+of the training state in shared host memory (engine/shared_store.py). A unit's gradient is summed across the ranks
+on the device, before it leaves (in place: a reduce-scatter over the whole shards, an all-reduce of the few elements
+left over), and each rank offloads and updates only its shard of every unit's flat tile (ShardedHostOptimizer). The
+clip coefficient comes from the global norm: each rank's squared shard norms, summed across ranks with the loss.
+Resident units are replicated: their whole gradient is all-reduced and every rank applies the same update to its
+own copy (each counts its shard's slice of it in the norm).
+
+Process groups: the default one carries gradients (NCCL on GPUs, gloo on CPU); a gloo group carries the control
+traffic (objects from rank 0, the agreed stop signal). Launched without torchrun, nothing here runs: one process
+trains exactly as before. The baselines run under torchrun on the same groups (baselines/dist.py).
+
+Several nodes (hybrid, FSDP2's HSDP): each node holds one copy of the state, shared by its ranks and sharded among
+them as above; a shard's gradient is summed within the node first, then across the nodes by the ranks of the same
+local rank, so every node applies the same update to its copy. Rank 0 writes the files; each node's local rank 0
+fills its copy (init, weights, a saved state) from the same files.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from megatrain.engine.config import EngineConfig
+from megatrain.engine.layout import ALIGN
+
+
+class RankLost(RuntimeError):
+    """Another rank ended mid-run (a collective's connection closed, or its share of an update never came)."""
+
+
+def _collective(method: Callable) -> Callable:
+    """A Ranks method whose backend error, when a peer has gone, becomes RankLost with its first line."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as exc:
+            raise RankLost(f"rank {self.rank} of {self.world} lost another rank mid-step: "
+                           f"{str(exc).splitlines()[0]}") from None
+    return call
+
+
+def launched() -> bool:
+    """Whether this process is one rank of a torchrun launch (N >= 1)."""
+    return dist.is_torchelastic_launched()
+
+
+def launch_size() -> tuple[int, int]:
+    """(ranks, ranks per node) of this launch, read before any process group exists: (1, 1) without torchrun."""
+    if not launched():
+        return 1, 1
+    return int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+
+
+def share(batch: int, micro_batch: int, world: int) -> int:
+    """Rows of a global batch of `batch` that each of `world` ranks trains: whole micro-batches, as many as the
+    others (every system splits it so)."""
+    if batch % (world * micro_batch):
+        raise ValueError(f"--batch {batch} must be a multiple of the {world} ranks x --micro-batch {micro_batch}: "
+                         "each rank trains whole micro-batches, as many as the others")
+    return batch // world
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place among the ranks (of one host, or of several nodes: one copy of the state per node),
+    and the collectives the engine uses. Groups None stand for the whole world."""
+
+    rank: int
+    world: int
+    device: torch.device
+    control: dist.ProcessGroup | None  # gloo, for objects and flags (None: the default group is gloo already)
+    local_rank: int = 0  # within the node
+    local_world: int = 0  # ranks of a node, sharing its copy of the state (0: all, one node)
+    node: dist.ProcessGroup | None = None  # the node's ranks, for gradients (several nodes only)
+    node_control: dist.ProcessGroup | None = None  # the node's ranks, gloo
+    peers: dist.ProcessGroup | None = None  # this local rank on every node: shards summed across nodes
+
+    def __post_init__(self) -> None:
+        if not self.local_world:  # one node: the world
+            object.__setattr__(self, "local_world", self.world)
+            object.__setattr__(self, "local_rank", self.rank)
+            object.__setattr__(self, "node_control", self.control)
+
+    @property
+    def first(self) -> bool:
+        """Rank 0: the one that writes files for the run."""
+        return self.rank == 0
+
+    @property
+    def node_first(self) -> bool:
+        """Local rank 0: the one that fills its node's copy of the state (initialises, reads weights and states)."""
+        return self.local_rank == 0
+
+    def shard(self, numel: int, local_rank: int | None = None) -> tuple[int, int]:
+        """[lo, hi) of a unit's numel elements that `local_rank` (default this one) of a node reduces, offloads and
+        updates: equal ALIGN-multiple shards (whole int8 moment blocks: QBLOCK divides ALIGN), the last also taking
+        what is left over (< local_world x ALIGN)."""
+        r = self.local_rank if local_rank is None else local_rank
+        whole = self._whole_shard(numel)
+        return r * whole, numel if r == self.local_world - 1 else (r + 1) * whole
+
+    def _whole_shard(self, numel: int) -> int:
+        return numel // (self.local_world * ALIGN) * ALIGN
+
+    def split_rows(self, *batches: torch.Tensor | None) -> list[torch.Tensor | None]:
+        """This rank's contiguous share of each [B, ...] batch (its micro-batches, in order)."""
+        def mine(t):
+            share = t.shape[0] // self.world
+            return t[self.rank * share:(self.rank + 1) * share]
+        return [None if t is None else mine(t) for t in batches]
+
+    @_collective
+    def sum_gradient(self, grad: torch.Tensor, replicated: bool) -> torch.Tensor:
+        """Sum the flat gradient `grad` across the ranks in place; returns this rank's shard of the sum (with
+        replicated=True every element is summed, for a resident unit; else only this shard is valid)."""
+        numel = grad.numel()
+        lo, hi = self.shard(numel)
+        if replicated:
+            dist.all_reduce(grad)
+            return grad[lo:hi]
+        whole, n = self._whole_shard(numel), self.local_world
+        if whole:  # in place: this rank's shard of the node's sum lands where its shard of the input was
+            dist.reduce_scatter_single(grad[lo:lo + whole], grad[:whole * n], group=self.node)
+        if whole * n < numel:  # the last local rank's remainder
+            dist.all_reduce(grad[whole * n:], group=self.node)
+        if self.peers is not None:  # then across the nodes: every node's copy takes the same update
+            dist.all_reduce(grad[lo:hi], group=self.peers)
+        return grad[lo:hi]
+
+    @_collective
+    def sum_norm_and_loss(self, norm_sq_and_loss: torch.Tensor) -> None:
+        """Sum [squared norm of this rank's shards, its micro-batches' loss] in place: the norm over a node's ranks
+        (their shards make every unit once; each node holds the same sums), the loss over all."""
+        if self.peers is None:
+            dist.all_reduce(norm_sq_and_loss)
+            return
+        dist.all_reduce(norm_sq_and_loss[:1], group=self.node)
+        dist.all_reduce(norm_sq_and_loss[1:])
+
+    @_collective
+    def from_first(self, obj, node: bool = False):
+        """Rank 0's obj, on every rank (others pass anything); node=True: the node's local rank 0's, on its ranks."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.rank - self.local_rank if node else 0, group=self._control(node))
+        return box[0]
+
+    @_collective
+    def agree(self, value: int) -> int:
+        """The largest of every rank's value (a stop signal that reached any rank stops all at the same step)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
+        return int(t)
+
+    @_collective
+    def gather(self, obj, node: bool = False) -> list:
+        """Every rank's obj (node=True: of this node's ranks), in rank order, on each of them."""
+        out = [None] * (self.local_world if node else self.world)
+        dist.all_gather_object(out, obj, group=self._control(node))
+        return out
+
+    @_collective
+    def barrier(self, node: bool = False) -> None:
+        """Every rank (node=True: of this node) has come here."""
+        dist.barrier(group=self._control(node))
+
+    def _control(self, node: bool) -> dist.ProcessGroup | None:
+        return self.node_control if node else self.control
+
+    def per_rank(self, config: EngineConfig) -> EngineConfig:
+        """The engine's config for this rank: its share of the global batch."""
+        return per_rank(config, self.world, self.local_world)
+
+
+def per_rank(config: EngineConfig, world: int, local_world: int) -> EngineConfig:
+    """The engine's config for one of `world` ranks: its share of the global batch, the host copy shared by the
+    `local_world` ranks of its node."""
+    return replace(config, batch=share(config.batch, config.micro_batch, world), ranks=local_world)
+
+
+def planned(config: EngineConfig) -> EngineConfig:
+    """config as one rank of this launch runs it (unchanged for one process): for the memory plan, before any
+    process group exists."""
+    if not launched():
+        return config
+    return per_rank(config, *launch_size())
+
+
+@functools.cache
+def current(device: str) -> Ranks | None:
+    """This process's Ranks under torchrun (the process groups made on first call, for `device` 'cpu' or 'cuda';
+    NCCL and this rank's GPU on CUDA), or None for one process started without it."""
+    if not launched():
+        return None
+    local_rank = int(os.environ["LOCAL_RANK"])
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    # gloo beside NCCL on CUDA for the CPU tensors of a collective: FSDP2's offloaded shards (clipping's norm)
+    dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo",
+                            device_id=torch.device("cuda", local_rank) if cuda else None)
+    rank, world, local_world = dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    control = dist.new_group(backend="gloo") if cuda else None
+    if local_world == world:
+        return Ranks(rank, world, device, control)
+    if world % local_world or rank != int(os.environ["GROUP_RANK"]) * local_world + local_rank:
+        raise ValueError("several nodes need the same --nproc-per-node on each, and ranks numbered node by node")
+    nodes = [list(range(n, n + local_world)) for n in range(0, world, local_world)]
+    node, _ = dist.new_subgroups_by_enumeration(nodes)
+    node_control = dist.new_subgroups_by_enumeration(nodes, backend="gloo")[0] if cuda else node
+    peers, _ = dist.new_subgroups_by_enumeration([list(range(r, world, local_world)) for r in range(local_world)])
+    return Ranks(rank, world, device, control, local_rank, local_world, node, node_control, peers)
+
+
+def first_rank(device: str) -> bool:
+    """Whether this process writes the run's files and output: one process, or rank 0 of several."""
+    ranks = current(device)
+    return ranks is None or ranks.first
+
+
+def leave() -> None:
+    """Destroy the process groups, if this process made them."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

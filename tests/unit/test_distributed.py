@@ -1,0 +1,232 @@
+"""Data parallel over torchrun ranks on CPU (gloo): N ranks train as one process does, keep one host copy of the
+state, and a rank that dies leaves the last checkpoint to resume from. CPU only; the subprocess ones start torchrun
+(~10 s each on two cores): pytest tests/unit/test_distributed.py"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from train_helpers import LR, ROOT, hf_model, metrics, pretokenized, run_train, train_args
+
+from megatrain.engine.config import EngineConfig
+from megatrain.engine.distributed import Ranks, per_rank
+from megatrain.engine.host_optimizer import HostOptimizer
+from megatrain.engine.plan import GPU_RESERVE_BYTES, PROCESS_OVERHEAD_BYTES, check_fits, plan_memory
+from megatrain.engine.store import HostStore
+from megatrain.memory import GIB, Budget
+from megatrain.models import get_model_config
+from megatrain.optim import fused
+from megatrain.optim.config import OptimConfig
+from megatrain.optim.state_bytes import QBLOCK
+
+SAVES = ["--save-every", "2", "--batch", "12", "--micro-batch", "1"]  # whole micro-batches on 1, 2, 3 or 2 x 2 ranks
+
+
+def launch(launcher: list[str], args: list[str], fault: str | None = None) -> subprocess.Popen:
+    """`torchrun LAUNCHER -m megatrain ARGS` from the repository root, one thread per rank."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("MEGATRAIN_FAULT", None)
+    if fault:
+        env["MEGATRAIN_FAULT"] = fault
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "megatrain",
+                             *map(str, args)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def torchrun(nproc: int, args: list[str], fault: str | None = None) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node nproc -m megatrain ARGS`, run to its end."""
+    proc = launch(["--nproc-per-node", str(nproc)], args, fault)
+    stdout, stderr = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """A tiny model, 24 rows of data, and its 6-step run in this process (no torchrun): the reference."""
+    root = tmp_path_factory.mktemp("dp")
+    init, data = hf_model("qwen2", root / "init"), pretokenized(root / "data.jsonl", rows=24)
+    assert run_train(init, data, root / "one", steps=6, extra=SAVES) == 0
+    return init, data, root
+
+
+def _weights(out):
+    return load_file(out / "hf" / "model.safetensors")
+
+
+def _assert_close_runs(out, ref):
+    torch.testing.assert_close(torch.tensor([m["loss"] for m in metrics(out)]),
+                               torch.tensor([m["loss"] for m in metrics(ref)]), rtol=1e-6, atol=0)
+    a, b = _weights(out), _weights(ref)
+    assert a.keys() == b.keys()
+    for name in a:  # as the engine against native (test_engine): Adam turns the k bias's ~0 gradient's noise into steps
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def _assert_near_runs(out, ref):
+    """_assert_close_runs for compact moments: the ranks sum gradients in another order than one process, which moves
+    a few moments across a rounding boundary (bf16's stochastic one, an int8 level) and those elements' steps by a
+    fraction of the learning rate (seen: ~30 of 99k elements, by <7e-5); a shard updated twice or not at all moves
+    nearly every element."""
+    torch.testing.assert_close(torch.tensor([m["loss"] for m in metrics(out)]),
+                               torch.tensor([m["loss"] for m in metrics(ref)]), rtol=1e-5, atol=0)
+    a, b = _weights(out), _weights(ref)
+    assert a.keys() == b.keys()
+    diff = torch.cat([(a[name] - b[name]).abs().flatten() for name in a])
+    assert diff.max() <= LR and (diff > 1e-5).float().mean() < 0.01
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("nproc, options", [(2, []), (3, ["--option", "resident_embedding=true", "--option",
+                                                          "resident_layers=1"])], ids=["2-ranks", "3-ranks-resident"])
+def test_n_ranks_train_as_one_process_at_the_same_global_batch(one_process, nproc, options):
+    init, data, root = one_process
+    out = root / f"ranks-{nproc}"
+    _ok(torchrun(nproc, train_args(init, data, out, steps=6, extra=SAVES + options)))
+    _assert_close_runs(out, root / "one")
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("moments", ["bf16", "int8"])
+def test_two_ranks_with_compact_moments_train_as_one_process_with_them(one_process, moments):
+    """The shared store holds the compact moments; each rank encodes its shard's (whole int8 blocks) as one would."""
+    init, data, root = one_process
+    extra = SAVES + ["--moments", moments]
+    assert run_train(init, data, root / f"one-{moments}", steps=6, extra=extra) == 0
+    out = root / f"ranks-2-{moments}"
+    _ok(torchrun(2, train_args(init, data, out, steps=6, extra=extra)))
+    _assert_near_runs(out, root / f"one-{moments}")
+
+
+@pytest.mark.subprocess
+def test_two_ranks_train_a_mixture_of_experts_with_its_load_balancing_loss_as_one_process(tmp_path):
+    """Each rank's micro-batches weigh their share of the global batch in the load-balancing loss (weighed as the
+    whole batch, the loss would differ from the first step). The weights as compact moments' are compared: an expert
+    or head row whose gradient is rounding noise takes Adam steps of either sign in another summation order."""
+    init, data = hf_model("qwen3-moe-aux", tmp_path / "init"), pretokenized(tmp_path / "data.jsonl", rows=24)
+    assert run_train(init, data, tmp_path / "one", steps=4, extra=SAVES) == 0
+    _ok(torchrun(2, train_args(init, data, tmp_path / "two", steps=4, extra=SAVES)))
+    torch.testing.assert_close(torch.tensor([m["loss"] for m in metrics(tmp_path / "two")]),
+                               torch.tensor([m["loss"] for m in metrics(tmp_path / "one")]), rtol=1e-6, atol=0)
+    _assert_near_runs(tmp_path / "two", tmp_path / "one")
+
+
+@pytest.mark.subprocess
+def test_two_simulated_nodes_of_two_ranks_train_as_one_process(one_process):
+    """Hybrid: one copy of the state per node, shards summed within the node then across nodes."""
+    init, data, root = one_process
+    out = root / "2-nodes-x-2"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = [launch(["--nnodes", "2", "--node-rank", str(k), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                     "--master-port", str(port)], train_args(init, data, out, steps=6, extra=SAVES)) for k in (0, 1)]
+    for node in nodes:
+        _, stderr = node.communicate(timeout=300)
+        assert node.returncode == 0, stderr[-4000:]
+    _assert_close_runs(out, root / "one")
+
+
+@pytest.mark.subprocess
+def test_the_state_is_in_host_memory_once_whatever_the_ranks():
+    proc = _ok(torchrun(3, ["bench", "--system", "megatrain", "--model", "tiny", "--batch", "3", "--micro-batch", "1",
+                            "--seq", "8", "--steps", "2"]))
+    metrics = json.loads(proc.stdout.strip().splitlines()[-1])["metrics"]
+    store = metrics["host_store_bytes"]
+    assert metrics["ranks"] == 3
+    # summed over the ranks, the pages of the shared state count once (to the kernel's rounding of each rank's PSS to
+    # KiB per mapping, 4 KiB pages, and the update counts beside), not three times
+    assert store * 0.99 <= metrics["host_state_pss_bytes_node"] <= store * 1.01
+    assert metrics["host_state_rss_bytes"] > store / 3  # rank 0 maps it all, touching more than its shard
+
+
+@pytest.mark.subprocess
+def test_a_dead_rank_stops_the_run_and_its_resume_is_bitwise_the_uninterrupted_one(one_process):
+    init, data, root = one_process
+    straight, cut = root / "straight", root / "cut"
+    _ok(torchrun(2, train_args(init, data, straight, steps=6, extra=SAVES)))
+    killed = torchrun(2, train_args(init, data, cut, steps=6, extra=SAVES), fault="rank-1-step-3")
+    assert killed.returncode != 0
+    assert f"its last complete checkpoint {cut / 'checkpoints' / 'step-2'} is intact" in killed.stderr
+    assert sorted(p.name for p in (cut / "checkpoints").iterdir()) == ["step-2"]
+    other_n = root / "cut-resumed-on-3"
+    shutil.copytree(cut, other_n)
+    _ok(torchrun(2, ["train", "--resume", cut]))
+    assert [m["loss"] for m in metrics(cut)] == [m["loss"] for m in metrics(straight)]
+    assert all(torch.equal(a, b) for a, b in zip(_weights(cut).values(), _weights(straight).values(), strict=True))
+    _ok(torchrun(3, ["train", "--resume", other_n]))  # one copy of the state: any number of ranks resumes it
+    _assert_close_runs(other_n, straight)
+
+
+def test_shards_tile_each_unit_in_aligned_pieces_and_the_last_rank_takes_the_rest():
+    for world in (1, 2, 3, 7):
+        for numel in (1, 64, 16448, 43264, 10**6 + 3):
+            spans = [Ranks(r, world, torch.device("cpu"), None).shard(numel) for r in range(world)]
+            assert spans[0][0] == 0 and spans[-1][1] == numel
+            assert all(lo % 128 == 0 for lo, _ in spans)
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))  # back to back
+
+
+@pytest.mark.parametrize("kernel", ["fused", "torch"])
+@pytest.mark.parametrize("moments", ["bf16", "int8"])
+def test_three_ranks_shards_updated_apart_equal_the_whole_update(kernel, moments):
+    """ShardedHostOptimizer's shards (Ranks.shard) through HostOptimizer._update, one rank after another on one
+    store, against one optimizer updating every unit whole: bitwise, int8 blocks and the decay split included."""
+    if kernel == "fused" and not fused.available():
+        pytest.skip("no C++ compiler for the host AdamW kernel")
+    cpu, optim, world = torch.device("cpu"), OptimConfig(lr=1e-2, moments=moments), 3
+    stores = [HostStore(get_model_config("tiny"), torch.bfloat16, "mixed", pin=False, moments=moments)
+              for _ in range(2)]
+    whole = HostOptimizer(stores[0], optim, kernel)
+    ranks = [HostOptimizer(stores[1], optim, kernel) for _ in range(world)]
+    for r, rank in enumerate(ranks):  # as ShardedHostOptimizer.shard, without its process group
+        rank.shard = lambda unit, r=r: Ranks(r, world, cpu, None).shard(unit.numel)
+    assert all(lo % QBLOCK == 0 for unit in stores[0].units for rank in ranks for lo, _ in [rank.shard(unit)])
+    torch.manual_seed(0)
+    for store in stores:
+        store.initialise(0, cpu)
+    for step in (1, 2, 3):
+        grads = torch.randn_like(stores[0].grads)
+        for store in stores:
+            store.grads.copy_(grads)
+        for unit in stores[0].units:
+            whole._update(unit, 0.5, step, 1e-2)
+            for rank in ranks:
+                rank._update(unit, 0.5, step, 1e-2)
+    def tiles(store, unit):  # the unit's state (a flat tensor's padding after a tile is never written)
+        return [store.tile(store.weights, unit), store.tile(store.master, unit),
+                *store.moment_tiles(unit).tensors().values()]
+
+    for unit in stores[0].units:
+        assert all(torch.equal(a, b) for a, b in zip(tiles(stores[0], unit), tiles(stores[1], unit), strict=True))
+    for optimizer in (whole, *ranks):
+        optimizer.close()
+
+
+def test_the_plan_counts_the_host_state_once_and_each_ranks_process_and_share_of_the_batch():
+    config = EngineConfig(model=get_model_config("tiny"), batch=4, micro_batch=1, seq=8)
+    one, two = plan_memory(config), plan_memory(per_rank(config, 2, 2))
+    assert two.host_state_bytes == one.host_state_bytes
+    assert two.host_bytes == one.host_bytes + PROCESS_OVERHEAD_BYTES
+    assert two.gpu_checkpoint_bytes * 2 == one.gpu_checkpoint_bytes  # each rank saves its half of the batch's inputs
+    cpu = Budget(100 * GIB, None, "test")  # on CPU each rank's device share is host memory too
+    assert check_fits(per_rank(config, 2, 2), cpu).host_need_bytes == two.host_bytes + 2 * (
+        two.gpu_bytes - GPU_RESERVE_BYTES)
+
+
+def test_a_batch_the_ranks_cannot_share_in_whole_micro_batches_is_refused():
+    config = EngineConfig(model=get_model_config("tiny"), batch=4, micro_batch=1, seq=8)
+    assert Ranks(0, 2, torch.device("cpu"), None).per_rank(config).batch == 2
+    with pytest.raises(ValueError, match="multiple of the 3 ranks x --micro-batch 1"):
+        Ranks(0, 3, torch.device("cpu"), None).per_rank(config)
+
