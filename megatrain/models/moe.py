@@ -54,6 +54,13 @@ def experts_forward(x_TH: torch.Tensor, weights_TK: torch.Tensor, experts_TK: to
     runs (grouped_mm_runs)."""
     t, k = experts_TK.shape
     num_experts = gate_up_E2IH.shape[0]
+    out_dtype = x_TH.dtype
+    if torch.is_autocast_enabled(x_TH.device.type):
+        # autocast casts F.linear's operands, not torch._grouped_mm's: cast them as it would, so an fp32 model under
+        # bf16 autocast (native's mixed precision) takes the grouped kernels the bf16 systems take
+        dtype = torch.get_autocast_dtype(x_TH.device.type)
+        x_TH, gate_up_E2IH, down_EHI = x_TH.to(dtype), gate_up_E2IH.to(dtype), down_EHI.to(dtype)
+        gate_up_bias_E2I, down_bias_EH = (None if b is None else b.to(dtype) for b in (gate_up_bias_E2I, down_bias_EH))
     flat_experts = experts_TK.flatten()
     order = flat_experts.argsort(stable=True)  # the (token, slot) pairs in expert order
     token_of = order // k
@@ -82,7 +89,7 @@ def experts_forward(x_TH: torch.Tensor, weights_TK: torch.Tensor, experts_TK: to
                                   None if down_bias_EH is None else down_bias_EH[e]))
         y = torch.cat(parts)
     y = y * weights_TK.flatten()[order, None]
-    return torch.zeros_like(x_TH).index_add_(0, token_of, y.to(x_TH.dtype))
+    return torch.zeros_like(x_TH, dtype=out_dtype).index_add_(0, token_of, y.to(out_dtype))
 
 
 class Router(nn.Module):

@@ -41,8 +41,10 @@ def test_one_rank_through_torchrun_equals_the_plain_engine(name, check):
     case = CASES[name]
     plain = run_case(CaseConfig(**BASE, **case))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m", "megatrain",
-                           "bench", *_flags(case)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    # --standalone: a free port, so another torchrun on the machine (a second group of checks) cannot take it
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                           "-m", "megatrain", "bench", *_flags(case)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     ranked = json.loads(proc.stdout.strip().splitlines()[-1])
     check.update(case=name, plain_losses=plain["losses"], torchrun_losses=ranked["losses"],

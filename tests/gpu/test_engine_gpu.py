@@ -206,6 +206,7 @@ def test_cuda_stream_sanitizer_finds_no_unsynchronised_access(precision, check):
 # ---- 4: bf16 loss curves ------------------------------------------------------------------------------------------
 CURVE_STEPS = 16
 LOSS_FLOOR = 1e-4
+MEMORISED = 1e-2  # a loss below this: the batch is learnt by heart
 CURVE_SHAPES = {
     "qwen2.5-0.5b-b8-s1024": dict(model="qwen2.5-0.5b", batch=8, seq=1024),
     "small-b8-mb4-s512": dict(model="small", batch=8, micro_batch=4, seq=512),
@@ -266,7 +267,12 @@ def test_bf16_loss_curve_tracks_native(shape, name, check):
     ours = torch.tensor(_curve("megatrain", shape, precision, fields, options), dtype=torch.float64)
     spread = (again - ref).abs()
     # a batch learnt by heart (the 8B width does it in 3 steps) has losses of 1e-5 whose bf16 logits give them no
-    # relative precision: 1e-4 absolute is their floor
+    # relative precision: 1e-4 absolute is their floor. Past that point native's own two runs wander apart as much at
+    # any step as at another (a mixture's routing flips there: GPT-OSS's sit at 2e-4 to 1e-3 and differ by 1e-4), so
+    # each learnt step takes the largest spread among them
+    learnt = ref < MEMORISED
+    if learnt.any():
+        spread = torch.where(learnt, spread.clamp_min(spread[learnt].max()), spread)
     tol = 3 * spread + 0.01 * ref.abs() + LOSS_FLOOR
     excess = ((ours - ref).abs() - tol).max().item()
     native_falls = (ref[1:] < ref[:-1]) & (again[1:] < again[:-1])

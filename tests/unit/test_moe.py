@@ -36,6 +36,20 @@ def test_grouped_gemm_equals_the_per_expert_loop_forward_and_backward(bias, limi
     assert results[1][3][4].abs().sum() == 0  # the unchosen expert's weights get no gradient
 
 
+def test_under_autocast_the_grouped_experts_compute_in_its_dtype_as_the_loop_does():
+    """Native's mixed precision (fp32 weights under bf16 autocast) computes the experts as the bf16 systems do, on the
+    grouped kernels where they run: autocast casts F.linear's operands (the loop's), not torch._grouped_mm's, so
+    experts_forward casts them itself. The output keeps the input's dtype."""
+    x, weights, experts, tensors, limit = _experts(True, 0.5)
+    exact = experts_forward(x, weights, experts, *tensors, limit=limit, alpha=1.702)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        grouped, loop = (experts_forward(x, weights, experts, *tensors, limit=limit, alpha=1.702, grouped=g)
+                         for g in (True, False))
+    assert grouped.dtype == loop.dtype == torch.float32
+    torch.testing.assert_close(grouped, loop, rtol=0, atol=2e-2)  # bf16 products summed in different orders
+    assert (grouped - exact).abs().max() > 1e-3 and (loop - exact).abs().max() > 1e-3  # both in bf16, not fp32
+
+
 def test_experts_forward_is_each_tokens_weighted_sum_of_its_experts():
     x, weights, experts, (gate_up, down, b1, b2), _ = _experts(bias=True, limit=0.0)
     y = experts_forward(x, weights, experts, gate_up, down, b1, b2)
@@ -58,7 +72,7 @@ def test_routing_softmax_then_top_k_or_top_k_then_softmax():
 def sink_case(window: int, device: str = "cpu"):
     """q, k, v, sinks and the (dense, block) masks of a causal attention, sliding when window > 0."""
     gen = torch.Generator().manual_seed(1)
-    b, n, kv, s, d = 2, 4, 2, 16, 8
+    b, n, kv, s, d = 2, 4, 2, 16, 16  # head size 16: the least FlexAttention's GPU kernels take
     q, k, v = (torch.randn(b, heads, s, d, generator=gen).to(device) for heads in (n, kv, kv))
     sinks = torch.randn(n, generator=gen).to(device)
 
