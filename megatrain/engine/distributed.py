@@ -36,6 +36,12 @@ class RankLost(RuntimeError):
     """Another rank ended mid-run (a collective's connection closed, or its share of an update never came)."""
 
 
+def reduce_scatter():
+    """torch.distributed's reduce-scatter of one flat tensor: reduce_scatter_single from torch 2.13, which deprecates
+    the reduce_scatter_tensor that earlier versions have (the GPU hosts run 2.11: the name is looked up, not assumed)."""
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _collective(method: Callable) -> Callable:
     """A Ranks method whose backend error, when a peer has gone, becomes RankLost with its first line."""
     @functools.wraps(method)
@@ -131,7 +137,7 @@ class Ranks:
             return grad[lo:hi]
         whole, n = self._whole_shard(numel), self.local_world
         if whole:  # in place: this rank's shard of the node's sum lands where its shard of the input was
-            dist.reduce_scatter_single(grad[lo:lo + whole], grad[:whole * n], group=self.node)
+            reduce_scatter()(grad[lo:lo + whole], grad[:whole * n], group=self.node)
         if whole * n < numel:  # the last local rank's remainder
             dist.all_reduce(grad[whole * n:], group=self.node)
         if self.peers is not None:  # then across the nodes: every node's copy takes the same update

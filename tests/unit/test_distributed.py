@@ -230,3 +230,18 @@ def test_a_batch_the_ranks_cannot_share_in_whole_micro_batches_is_refused():
     with pytest.raises(ValueError, match="multiple of the 3 ranks x --micro-batch 1"):
         Ranks(0, 3, torch.device("cpu"), None).per_rank(config)
 
+
+
+def test_gradients_reduce_scatter_where_torch_names_it_reduce_scatter_tensor(monkeypatch, tmp_path):
+    """The GPU hosts run torch 2.11, which has reduce_scatter_tensor only (2.13 adds reduce_scatter_single and
+    deprecates the other): a rank's gradient sum runs under either name. One in-process rank over gloo."""
+    import torch.distributed as dist
+    monkeypatch.delattr(dist, "reduce_scatter_single", raising=False)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ranks = Ranks(0, 1, torch.device("cpu"), None)
+        grad = torch.arange(3000, dtype=torch.float32)
+        shard = ranks.sum_gradient(grad.clone(), replicated=False)
+        assert torch.equal(shard, grad)  # one rank: the whole sum is its own gradient
+    finally:
+        dist.destroy_process_group()
