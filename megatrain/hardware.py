@@ -109,7 +109,8 @@ class LentMachine:
 
 # by GPU kind, a substring of the CUDA device name
 LENT: dict[str, LentMachine] = {
-    "H200": LentMachine(("h200-141g-128g.json", "h200-141g-128g-rates.json"), "h200-sxm-lent"),
+    "H200": LentMachine(("h200-141g-128g.json", "h200-141g-128g-rates.json", "h200-141g-128g-moe.json"),
+                         "h200-sxm-lent"),
     "H100": LentMachine(("h100-80g.json",), "h100-sxm-lent"),
 }
 SPECS = Path(__file__).with_name("hardware_specs.toml")

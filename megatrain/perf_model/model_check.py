@@ -31,6 +31,7 @@ from megatrain.engine.config import EngineConfig
 from megatrain.engine.plan import check_fits
 from megatrain.hardware import LENT, get_profile, gpu_kind, specs
 from megatrain.memory import GIB, Budget
+from megatrain.models.flops import model_flops
 from megatrain.optim.state_bytes import adamw_traffic_bytes_per_param, state_bytes_per_param
 from megatrain.perf_model.model import Ingredients, Machine, Model, simulate
 
@@ -205,14 +206,15 @@ def predict_suite(suite: str, only: str | None, out: Path) -> list[dict]:
 
 # The paper's machines and cases to project (label, model, layers, batch, seq, profile); every case in bf16 precision
 # (the paper's layout), seq 1024 unless noted. Batch 96 is the paper's stated batch (its ablation); on 24 GB cards
-# the projection takes 16. The paper's 120B is GPT-OSS-120B (a mixture of experts); ours is a dense 120B shape.
+# the projection takes 16. The paper's 120B is GPT-OSS-120B (a mixture of experts: 117B parameters, 5.1B a token
+# uses), projected from its layer and head timed on the lent H200 (results/ingredients/h200-141g-128g-moe.json).
 PAPER_CASES = [
     *[(f"GH200 {m}", f"qwen2.5-{m.lower()}", None, 96, 1024, "gh200-96g") for m in ("7B", "14B", "32B")],
     *[(f"GH200 7B depth {d}", "qwen2.5-7b", d, 96, 1024, "gh200-96g") for d in (28, 56, 132, 180)],
     *[(f"GH200 7B {s // 1024}k", "qwen2.5-7b", None, 1, s, "gh200-96g")
       for s in (1024, 8192, 32768, 131072, 262144, 524288)],
     *[(f"H200 1.5 TB {m}", name, None, 96, 1024, "h200-sxm-1.5tb")
-      for m, name in (("32B", "qwen2.5-32b"), ("72B", "qwen2.5-72b"), ("120B", "dense-120b"))],
+      for m, name in (("32B", "qwen2.5-32b"), ("72B", "qwen2.5-72b"), ("GPT-OSS-120B", "gpt-oss-120b"))],
     *[(f"A100 PCIe {m}", f"qwen2.5-{m.lower()}", None, 96, 1024, "a100-pcie-80g") for m in ("7B", "14B", "32B")],
     *[(f"{gpu} {m}", f"qwen2.5-{m.lower()}", None, 16, 1024, profile)
       for gpu, profile in (("RTX 3090", "rtx-3090"), ("RTX 4090", "rtx-4090")) for m in ("3B", "7B", "14B")],
@@ -248,16 +250,21 @@ def project(out: Path) -> list[dict]:
             micro //= 2  # the GPU is the limit: gradient accumulation over smaller micro-batches
             case = dataclasses.replace(case, micro_batch=micro)
             plan = check_fits(EngineConfig.from_case(case), limits)
-        row = {"label": label, "profile": profile, "model": model, "layers": case.model_config().num_layers,
-               "params_b": case.model_config().num_params() / 1e9, "batch": batch, "micro_batch": case.micro_batch,
+        cfg = case.model_config()
+        row = {"label": label, "profile": profile, "model": model, "layers": cfg.num_layers,
+               "params_b": cfg.num_params() / 1e9, "active_params_b": cfg.active_params() / 1e9,
+               "batch": batch, "micro_batch": case.micro_batch,
                "seq": seq, "precision": precision, "fits": plan.fits, "reason": plan.reason,
                "planned_host_gib": plan.host_need_bytes / GIB, "planned_gpu_gib": plan.gpu_bytes / GIB,
                "resident_units": len(plan.resident_units), "offloaded_layers": plan.offloaded_layers,
                "recomputed_inputs": plan.recomputed_inputs}
         if plan.fits:
             p = simulate(case, dataclasses.asdict(plan), Model(base, projected_machine(base, spec)))
-            row.update(projected_step_s=p["step_s"], projected_tflops=p["tflops"], exposed_s=p["exposed_s"],
-                       host_opt_s=p["host_opt_s"])
+            # TFLOPS from the parameters a token uses (6 x active x tokens); all experts counted beside, for sources
+            # that count that way
+            row.update(projected_step_s=p["step_s"], projected_tflops=p["tflops"],
+                       projected_tflops_all_experts=model_flops(cfg.num_params(), batch * seq) / p["step_s"] / 1e12,
+                       exposed_s=p["exposed_s"], host_opt_s=p["host_opt_s"])
             if seq > 1024:  # the paper's long-context convention (megatrain.models.flops.paper_flops)
                 from megatrain.models.flops import paper_flops
                 row["projected_paper_tflops"] = paper_flops(case.model_config(), batch, seq) / p["step_s"] / 1e12

@@ -1,6 +1,7 @@
 """The performance model's schedule replay on made-up ingredients, and its check against the committed records.
 CPU, seconds: pytest tests/unit/test_perf_model.py"""
 
+import csv
 import json
 
 import pytest
@@ -124,3 +125,17 @@ def test_committed_validation_meets_the_median_target(tmp_path):
     assert summary["cases"] == committed["cases"] >= 40
     assert summary["median_abs_error_pct"] == pytest.approx(committed["median_abs_error_pct"])
     assert summary["median_abs_error_pct"] <= 10
+
+
+def test_committed_projections_reproduce_and_count_a_mixture_by_its_active_parameters(tmp_path):
+    """The committed paper projections (results/perf_model/projections.csv) are what the model gives from the
+    committed ingredients; the paper's 120B is GPT-OSS-120B there, its TFLOPS from the parameters a token uses and the
+    all-experts count beside it (~20x: 116.8B of which 5.7B a token uses)."""
+    model_check.project(tmp_path)
+    ours = (tmp_path / "projections.csv").read_text()
+    assert ours == (model_check.RESULTS / "perf_model" / "projections.csv").read_text()
+    row = next(r for r in csv.DictReader(ours.splitlines()) if r["model"] == "gpt-oss-120b")
+    assert row["fits"] == "True" and "dense-120b" not in ours
+    ratio = float(row["projected_tflops_all_experts"]) / float(row["projected_tflops"])
+    assert ratio == pytest.approx(float(row["params_b"]) / float(row["active_params_b"]))
+    assert 15 < ratio < 25
