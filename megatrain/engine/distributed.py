@@ -37,8 +37,8 @@ class RankLost(RuntimeError):
 
 
 def reduce_scatter():
-    """torch.distributed's reduce-scatter of one flat tensor: reduce_scatter_single from torch 2.13, which deprecates
-    the reduce_scatter_tensor that earlier versions have (the GPU hosts run 2.11: the name is looked up, not assumed)."""
+    """torch.distributed's reduce-scatter of one flat tensor: reduce_scatter_single from torch 2.13, which
+    deprecates the reduce_scatter_tensor that earlier versions have (the GPU hosts run 2.11: looked up, not assumed)."""
     return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
