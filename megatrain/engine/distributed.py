@@ -20,8 +20,10 @@ fills its copy (init, weights, a saved state) from the same files.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -218,6 +220,8 @@ def current(device: str) -> Ranks | None:
     rank, world, local_world = dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     control = dist.new_group(backend="gloo") if cuda else None
+    global _leave_group
+    _leave_group = control
     if local_world == world:
         return Ranks(rank, world, device, control)
     if world % local_world or rank != int(os.environ["GROUP_RANK"]) * local_world + local_rank:
@@ -235,7 +239,28 @@ def first_rank(device: str) -> bool:
     return ranks is None or ranks.first
 
 
+LEAVE_TIMEOUT_S = 120
+_leave_group: dist.ProcessGroup | None = None  # the gloo group every rank meets in before leaving (None: the default)
+
+
 def leave() -> None:
-    """Destroy the process groups, if this process made them."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Destroy the process groups, if this process made them: after every rank has come here (a gloo barrier, bounded,
+    passed over when a peer is gone), so that no rank tears its groups down while another still talks to it. A rank
+    that left early while rank 0 still exported aborted at exit now and then ('terminate called without an active
+    exception' from gloo's threads: CI, the FSDP2 2-rank test)."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.monitored_barrier(_leave_group, timeout=datetime.timedelta(seconds=LEAVE_TIMEOUT_S))
+    except (RuntimeError, ValueError):
+        pass  # a rank already gone (the run is ending on its error), or a group this module did not make
+    dist.destroy_process_group()
+
+
+def exit_rank(code: int) -> None:
+    """End a torchrun rank with `code` without the interpreter's finalisation: torch's process-group threads can
+    still abort a process there after destroy_process_group (pytorch/pytorch#179291 describes the teardown race), and
+    a rank's output is all written and flushed by now."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
