@@ -22,7 +22,7 @@ def tests(session):
 def tests_subprocess(session):
     """The tests that spawn `python -m megatrain` processes (CLI contracts, kills, signals, the suite runner) or
     compile (torch.compile on CPU, the host AdamW kernel build): CI runs them after the fast ones."""
-    session.run(PY, "-m", "pytest", "tests", "-q", "-m", "subprocess or slow", *session.posargs)
+    session.run(PY, "-m", "pytest", "tests", "-q", "-m", "subprocess or slow", "--durations=15", *session.posargs)
 
 
 @nox.session(python=False)
