@@ -7,5 +7,6 @@ set -uo pipefail
 out=$(realpath -m "$1"); shift
 src=${1:-.}; [ $# -gt 0 ] && shift
 mkdir -p "$(dirname "$out")"
-cd "$src" && MEGATRAIN_GPU_CHECKS=$out exec "${PYTHON:-python3}" -m pytest tests/gpu -m gpu -q -rfE -p no:cacheprovider \
-    --durations=15 "$@"
+# GPU_TESTS (default tests/gpu): which test files or directories run (scripts/gpu_checks_parallel.sh gives each group's)
+cd "$src" && MEGATRAIN_GPU_CHECKS=$out exec "${PYTHON:-python3}" -m pytest ${GPU_TESTS:-tests/gpu} -m gpu -q -rfE \
+    -p no:cacheprovider --durations=15 "$@"

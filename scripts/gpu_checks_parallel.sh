@@ -11,18 +11,16 @@
 set -uo pipefail
 dir=$(realpath -m "$1"); name=$2; src=${3:-.}
 mkdir -p "$dir"
-g1=(tests/gpu/test_engine_gpu.py -k "sanitizer or curve")
-g2=(tests/gpu/test_engine_gpu.py -k "not (sanitizer or curve)")
-g3=(tests/gpu/test_baselines_gpu.py tests/gpu/test_train_gpu.py tests/gpu/test_moe_gpu.py)
-[ -e "$src/tests/gpu/test_distributed_gpu.py" ] && g3+=(tests/gpu/test_distributed_gpu.py)
-group() {  # K TESTS...: scripts/gpu_checks.sh's pytest over the group's tests only
-    local k=$1; shift
-    (cd "$src" && MEGATRAIN_GPU_CHECKS="$dir/$name.g$k.jsonl" exec "${PYTHON:-python3}" -m pytest -m gpu -q -rfE \
-        -p no:cacheprovider --durations=15 "$@") > "$dir/$name.g$k.log" 2>&1
+here=$(dirname "$(realpath "$0")")
+g3="tests/gpu/test_baselines_gpu.py tests/gpu/test_train_gpu.py tests/gpu/test_moe_gpu.py"
+[ -e "$src/tests/gpu/test_distributed_gpu.py" ] && g3+=" tests/gpu/test_distributed_gpu.py"
+group() {  # K TESTS [PYTEST ARGS...]: scripts/gpu_checks.sh over the group's tests only
+    local k=$1 tests=$2; shift 2
+    GPU_TESTS=$tests bash "$here/gpu_checks.sh" "$dir/$name.g$k.jsonl" "$src" "$@" > "$dir/$name.g$k.log" 2>&1
 }
-group 1 "${g1[@]}" & p1=$!
-group 2 "${g2[@]}" & p2=$!
-group 3 "${g3[@]}" & p3=$!
+group 1 tests/gpu/test_engine_gpu.py -k "sanitizer or curve" & p1=$!
+group 2 tests/gpu/test_engine_gpu.py -k "not (sanitizer or curve)" & p2=$!
+group 3 "$g3" & p3=$!
 rc=0
 for p in $p1 $p2 $p3; do wait "$p" || rc=$?; done
 cat "$dir/$name".g[123].jsonl > "$dir/$name.jsonl" 2>/dev/null

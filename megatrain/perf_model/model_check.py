@@ -267,7 +267,7 @@ def project(out: Path) -> list[dict]:
                        exposed_s=p["exposed_s"], host_opt_s=p["host_opt_s"])
             if seq > 1024:  # the paper's long-context convention (megatrain.models.flops.paper_flops)
                 from megatrain.models.flops import paper_flops
-                row["projected_paper_tflops"] = paper_flops(case.model_config(), batch, seq) / p["step_s"] / 1e12
+                row["projected_paper_tflops"] = paper_flops(cfg, batch, seq) / p["step_s"] / 1e12
         row["paper_tflops"] = paper_tflops(model, layers, seq, profile)
         rows.append(row)
     write_csv(out / "projections.csv", rows)
