@@ -8,6 +8,10 @@ the host, overlap_comm and contiguous_gradients on, bucket sizes from the hidden
 `--option zero_stage=2` runs ZeRO-Offload instead, for models whose parameters fit the GPU: ZeRO-2,
 the parameters and their gradients on the GPU (in the compute dtype), the optimizer offloaded (fp32
 master weights, moments and gradient partition on the host, DeepSpeedCPUAdam stepping there).
+`--option zero_stage=2 --option zenflow=true` adds ZenFlow (DeepSpeed's stall-free offload: the top 5% of
+gradient columns updated on the GPU every step, the rest accumulated and applied by the host optimizer every 4th
+step, overlapped with the next steps' compute). It is not AdamW with exact clipping: its records say "bounded
+staleness" and compare speed only.
 
 On CPU (CI) the same engine runs on DeepSpeed's CPU accelerator with gloo. DeepSpeedCPUAdam needs a
 C++ JIT build there (about 1.5 minutes on 2 cores), so CPU runs default to a client torch AdamW on
@@ -57,6 +61,22 @@ from megatrain.systems import SystemSpec
 class DeepSpeedOptions(CommonOptions):
     optimizer: Literal["cpu_adam", "torch_adamw"] | None = None  # None: DeepSpeedCPUAdam on GPU, torch AdamW on CPU
     zero_stage: Literal[2, 3] = 3  # 3: parameters and optimizer offloaded; 2: ZeRO-Offload, the optimizer only
+    zenflow: bool = False  # ZeRO-Offload with ZenFlow's selective, overlapped updates (bounded staleness)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.zenflow and self.zero_stage != 2:
+            raise ValueError("option zenflow=true extends ZeRO-Offload: add --option zero_stage=2")
+
+
+# DeepSpeed's ZenFlow tutorial settings: the top 5% of gradient columns by importance updated on the GPU each step,
+# the rest applied every 4th step by the host optimizer, overlapped with compute
+ZENFLOW = {"topk_ratio": 0.05, "select_strategy": "auto", "select_interval": "auto", "update_interval": 4,
+           "full_warm_up_rounds": 0, "overlap_step": True}
+
+
+HOST_BYTES_PER_PARAM = 25  # ZeRO-3 offload's measured host peak beyond the process, rounded up (memory_bytes)
+MOE_HOST_BYTES_PER_PARAM = 30  # the same with a MoE block as the ZeRO-3 leaf
 
 
 def memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
@@ -67,14 +87,17 @@ def memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
     puts a node's host at 18 B/param whatever its GPUs: fp32 master weights, Adam m and v (12), fp32 gradient
     partition (4), bf16 parameter partition (2), each rank holding its partition. Measured peak RSS beyond the process
     overhead is 24.4-24.9 B/param on one GPU (1.5B, 3B and 14B at batches 8-512, H200 and H100 hosts:
-    results/smoke_gpu, results/reproduce_14b): its pinned swap and bucket buffers; we count 25, a rank 25/world. GPU:
-    4 B per parameter of the largest module (bf16 params and grads, gathered), plus the prefetch buffers, plus
-    activations.
+    results/smoke_gpu, results/reproduce_14b): its pinned swap and bucket buffers; we count 25, a rank 25/world.
+    A mixture of experts, its MoE block a ZeRO-3 leaf, peaked at 29.5 (Qwen3-30B-A3B's layer, 6 deep, H200:
+    results/moe) and GPT-OSS-20B's 4 layers, estimated at 25, were killed by the kernel on a 126 GiB host: MoE
+    models count MOE_HOST_BYTES_PER_PARAM. GPU: 4 B per parameter of the largest module (bf16 params and grads,
+    gathered), plus the prefetch buffers, plus activations.
     """
     if case.opts.zero_stage == 2:
         return _zero2_memory_bytes(case, world)
-    n = case.model_config().num_params()
-    host = -(-n * 25 // world)
+    cfg = case.model_config()
+    n = cfg.num_params()
+    host = -(-n * (MOE_HOST_BYTES_PER_PARAM if cfg.num_experts else HOST_BYTES_PER_PARAM) // world)
     gpu = 4 * largest_unit_params(case) * 2 + activation_bytes(case)
     return host, gpu
 
@@ -112,6 +135,8 @@ def deepspeed_config(case: CaseConfig, world: int = 1) -> dict:
             # ds_status, on which Dynamo then guards; DeepSpeed's own compile path restores torch's linear too.
             "memory_efficient_linear": not case.compile,
         })
+    if case.opts.zenflow:
+        zero["zenflow"] = dict(ZENFLOW)
     return {
         "train_batch_size": case.batch,
         "train_micro_batch_size_per_gpu": case.micro_batch,
@@ -272,10 +297,15 @@ class DeepSpeedSystem:
         groups = adamw_param_groups(model.named_parameters(), case.optim, shape_of=_full_shape)
         o = case.optim
         if self.optimizer_name == "cpu_adam":
-            from deepspeed.ops.adam import DeepSpeedCPUAdam
+            from deepspeed.ops.adam import DeepSpeedCPUAdam, ZenFlowCPUAdam
 
-            optimizer = DeepSpeedCPUAdam(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, adamw_mode=True)
-            self.optimizer_desc = "deepspeed.ops.adam.DeepSpeedCPUAdam(adamw_mode=True)"
+            if case.opts.zenflow:  # the optimizer DeepSpeed builds itself for a zenflow config
+                optimizer = ZenFlowCPUAdam(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, adamw_mode=True,
+                                           overlap_step=ZENFLOW["overlap_step"])
+                self.optimizer_desc = "deepspeed.ops.adam.ZenFlowCPUAdam(adamw_mode=True, overlap_step=True)"
+            else:
+                optimizer = DeepSpeedCPUAdam(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, adamw_mode=True)
+                self.optimizer_desc = "deepspeed.ops.adam.DeepSpeedCPUAdam(adamw_mode=True)"
         else:
             optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
             self.optimizer_desc = "torch.optim.AdamW (client optimizer on the host partitions)"
@@ -311,8 +341,11 @@ class DeepSpeedSystem:
         zero3 = self.case.opts.zero_stage == 3
         compiled = "torch.compile(dynamic=False) of one stateless decoder layer (LayerTemplate), every layer calling " \
             "it with its parameters" + (", the layer a ZeRO-3 leaf module (gathered whole)" if zero3 else "")
-        return {"mode": "ZeRO-3, parameters and optimizer offloaded to the host" if zero3 else
-                "ZeRO-Offload: ZeRO-2, parameters and gradients on the device, optimizer offloaded to the host",
+        mode = "ZeRO-3, parameters and optimizer offloaded to the host" if zero3 else \
+            "ZeRO-Offload: ZeRO-2, parameters and gradients on the device, optimizer offloaded to the host"
+        if self.case.opts.zenflow:
+            mode = f"ZenFlow (bounded staleness: {ZENFLOW}) over " + mode
+        return {"mode": mode,
                 "deepspeed_config": self.config, "ranks": self.world, "zero_init": zero3,
                 "activation_checkpointing": True,
                 "compile": compiled if self.layer_template and self.layer_template.compiled else False,

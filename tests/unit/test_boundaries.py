@@ -198,6 +198,7 @@ def test_a_system_added_with_one_registry_entry_is_known_everywhere(monkeypatch)
     ("native", {"mlp_chunk_tokens": -1}, "mlp_chunk_tokens must be >= 0"),
     ("deepspeed", {"optimizer": "sgd"}, "expected 'cpu_adam' or 'torch_adamw' or null"),
     ("deepspeed", {"zero_stage": 1}, "zero_stage=1: expected 2 or 3"),
+    ("deepspeed", {"zenflow": True}, "zenflow=true extends ZeRO-Offload: add --option zero_stage=2"),
     ("megatrain", {"host_mem_gib": 0}, "host_mem_gib must be > 0"),
 ])
 def test_unknown_keys_and_bad_values_are_refused_with_the_valid_keys(system, given, message):

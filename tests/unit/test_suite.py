@@ -199,6 +199,20 @@ def test_offload_baselines_host_estimates_follow_their_measured_bytes_per_parame
         assert fsdp_measured <= fsdp / n <= fsdp_measured + 1.5
 
 
+def test_deepspeed_counts_a_mixture_of_experts_at_its_measured_host_bytes_and_refuses_what_the_kernel_killed():
+    """Qwen3-30B-A3B's 6 layers peaked at 29.5 B/param under DeepSpeed (the MoE block a ZeRO-3 leaf); GPT-OSS-20B's 4
+    layers, estimated at 25 (107 GiB), were killed by the kernel on a 126 GiB host (results/moe, run at 9103d75)."""
+    for model, layers in (("qwen3-30b-a3b", 6), ("gpt-oss-20b", 4)):
+        case = replace(_case("deepspeed", model=model), num_layers=layers)
+        n = case.model_config().num_params()
+        assert deepspeed_zero3.memory_bytes(case)[0] / n == 30 >= 29.5
+    gpt_oss = replace(_case("deepspeed", model="gpt-oss-20b"), num_layers=4)
+    host_128 = replace(H200_X2, gpu_count=1, host_mem_gib=125.9, host_available_gib=122.0)
+    plan = preflight.plan_memory(gpt_oss, host_128)
+    assert not plan["fits"] and "host memory" in plan["reason"]
+    assert preflight.plan_memory(replace(gpt_oss, num_layers=3), host_128)["fits"]
+
+
 def test_zero_offload_holds_parameters_and_gradients_on_the_gpu_and_the_optimizer_on_the_host():
     zero2, zero3 = (replace(_case("deepspeed"), options={"zero_stage": stage}) for stage in (2, 3))
     n = zero2.model_config().num_params()
