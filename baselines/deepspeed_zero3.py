@@ -77,6 +77,7 @@ ZENFLOW = {"topk_ratio": 0.05, "select_strategy": "auto", "select_interval": "au
 
 HOST_BYTES_PER_PARAM = 25  # ZeRO-3 offload's measured host peak beyond the process, rounded up (memory_bytes)
 MOE_HOST_BYTES_PER_PARAM = 30  # the same with a MoE block as the ZeRO-3 leaf
+ZERO2_HOST_BYTES_PER_PARAM = 28  # ZeRO-Offload's, one micro-batch a step (_zero2_memory_bytes)
 
 
 def memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
@@ -103,13 +104,16 @@ def memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
 
 
 def _zero2_memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
-    """ZeRO-Offload, not yet measured: the GPU holds every parameter and its gradient in the compute dtype, and the
-    activations; the host the fp32 master weights, Adam m and v and the fp32 gradient partition, times DeepSpeed's
-    own buffer factor 1.5 (estimate_zero2_model_states_mem_needs with cpu_offload: 24 B/param), partitioned over the
-    ranks. Its estimate leaves the gradients off the GPU (reduced in buckets and offloaded as backward goes): counting
-    them all is the bound."""
+    """ZeRO-Offload: the GPU holds every parameter and its gradient in the compute dtype, and the activations; the
+    host the fp32 master weights, Adam m and v and the fp32 gradient partition with DeepSpeed's pinned buffers,
+    partitioned over the ranks. DeepSpeed's estimate_zero2_model_states_mem_needs says 24 B/param; the host peak
+    beyond the process measured 27.9 (116.25 GiB RSS: Qwen2.5-7B width, 14 layers, batch 16 in one micro-batch, H100:
+    results/host_optimizer), and the same case accumulating 4 micro-batches was killed by the kernel on a 126 GiB host
+    (its fp32 accumulation buffer on the host: 4 B/param more). Its estimate leaves the gradients off the GPU (reduced
+    in buckets and offloaded as backward goes): counting them all is the bound."""
     n = case.model_config().num_params()
-    return -(-n * 24 // world), 2 * case.dtype_bytes * n + activation_bytes(case)
+    per = ZERO2_HOST_BYTES_PER_PARAM + (FP32_BYTES if case.batch > case.micro_batch else 0)
+    return -(-n * per // world), 2 * case.dtype_bytes * n + activation_bytes(case)
 
 
 def checkpoint_bytes(case: CaseConfig) -> int:
@@ -135,8 +139,14 @@ def deepspeed_config(case: CaseConfig, world: int = 1) -> dict:
             # ds_status, on which Dynamo then guards; DeepSpeed's own compile path restores torch's linear too.
             "memory_efficient_linear": not case.compile,
         })
+    extra = {}
     if case.opts.zenflow:
         zero["zenflow"] = dict(ZENFLOW)
+        # ZenFlow builds its optimizers itself (ZenFlowCPUAdam on the host, its selective AdamW on the GPU) from the
+        # config's optimizer: a client optimizer leaves the selective one without parameters
+        o = case.optim
+        extra["optimizer"] = {"type": "AdamW", "params": {"lr": o.lr, "betas": [o.beta1, o.beta2], "eps": o.eps,
+                                                          "weight_decay": o.weight_decay}}
     return {
         "train_batch_size": case.batch,
         "train_micro_batch_size_per_gpu": case.micro_batch,
@@ -148,6 +158,7 @@ def deepspeed_config(case: CaseConfig, world: int = 1) -> dict:
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
+        **extra,
     }
 
 
@@ -297,19 +308,22 @@ class DeepSpeedSystem:
         groups = adamw_param_groups(model.named_parameters(), case.optim, shape_of=_full_shape)
         o = case.optim
         if self.optimizer_name == "cpu_adam":
-            from deepspeed.ops.adam import DeepSpeedCPUAdam, ZenFlowCPUAdam
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-            if case.opts.zenflow:  # the optimizer DeepSpeed builds itself for a zenflow config
-                optimizer = ZenFlowCPUAdam(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, adamw_mode=True,
-                                           overlap_step=ZENFLOW["overlap_step"])
-                self.optimizer_desc = "deepspeed.ops.adam.ZenFlowCPUAdam(adamw_mode=True, overlap_step=True)"
+            if case.opts.zenflow:  # DeepSpeed builds ZenFlowCPUAdam from the config's optimizer over our groups
+                optimizer = None
+                self.optimizer_desc = "deepspeed.ops.adam.ZenFlowCPUAdam(adamw_mode=True, overlap_step=True), built " \
+                    "by DeepSpeed from the config's AdamW over the parameter groups; ZenFlowSelectiveAdamW on the GPU"
             else:
                 optimizer = DeepSpeedCPUAdam(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, adamw_mode=True)
                 self.optimizer_desc = "deepspeed.ops.adam.DeepSpeedCPUAdam(adamw_mode=True)"
         else:
             optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
             self.optimizer_desc = "torch.optim.AdamW (client optimizer on the host partitions)"
-        self.engine, *_ = ds.initialize(model=model, optimizer=optimizer, config=self.config)
+        if optimizer is None:
+            self.engine, *_ = ds.initialize(model=model, model_parameters=groups, config=self.config)
+        else:
+            self.engine, *_ = ds.initialize(model=model, optimizer=optimizer, config=self.config)
 
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, segments_BS: torch.Tensor | None = None) -> float:
         """One step over the global batch (under torchrun, this rank's rows of it)."""
