@@ -29,6 +29,9 @@ from megatrain.models.registry import MODELS
 # Systems as a sentence names them; figures and tables use the labels.
 SYSTEM_NAMES = {"megatrain": "MegaTrain", "native": "plain PyTorch", "deepspeed": "DeepSpeed ZeRO-3 offload",
                 "fsdp": "FSDP2 offload"}
+# DeepSpeed's other offload modes, by their label's variant (suites/host_optimizer.toml)
+DEEPSPEED_MODES = {"zero-offload": "DeepSpeed ZeRO-Offload",
+                   "zenflow": "DeepSpeed ZenFlow over ZeRO-Offload (bounded staleness)"}
 
 
 @dataclass(frozen=True)
@@ -83,8 +86,11 @@ def prose(label: str) -> str:
     system, variant, compiled = plots.split_label(label)
     if system is None:
         return html.escape(label)
+    name = SYSTEM_NAMES[system]
+    if system == "deepspeed" and variant in DEEPSPEED_MODES:  # a mode, not a variant of ZeRO-3 offload
+        name, variant = DEEPSPEED_MODES[variant], None
     notes = ", ".join(v for v in (variant, "compiled" if compiled else "") if v)
-    return f"{SYSTEM_NAMES[system]} ({notes})" if notes else SYSTEM_NAMES[system]
+    return f"{name} ({notes})" if notes else name
 
 
 def _join(items: list[str]) -> str:

@@ -462,3 +462,11 @@ def test_a_case_its_own_preflight_refused_reads_as_skipped_in_older_records():
     assert df.loc["megatrain", "status"] == "skipped"
     assert df.loc["megatrain", "error"].startswith("megatrain qwen2.5-7b b16 s1024 does not fit here: host memory")
     assert df.loc["fsdp", "status"] == "error"
+
+
+def test_a_sentence_names_deepspeeds_offload_modes_by_mode_not_as_zero3_variants():
+    from megatrain.analysis.headline import prose
+
+    assert prose("deepspeed-compiled") == "DeepSpeed ZeRO-3 offload (compiled)"
+    assert prose("deepspeed-zero-offload-compiled") == "DeepSpeed ZeRO-Offload (compiled)"
+    assert prose("deepspeed-zenflow") == "DeepSpeed ZenFlow over ZeRO-Offload (bounded staleness)"
