@@ -98,7 +98,7 @@ def memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
         return _zero2_memory_bytes(case, world)
     cfg = case.model_config()
     n = cfg.num_params()
-    host = -(-n * (MOE_HOST_BYTES_PER_PARAM if cfg.num_experts else HOST_BYTES_PER_PARAM) // world)
+    host = -(-n * (MOE_HOST_BYTES_PER_PARAM if cfg.is_moe else HOST_BYTES_PER_PARAM) // world)
     gpu = 4 * largest_unit_params(case) * 2 + activation_bytes(case)
     return host, gpu
 
@@ -112,13 +112,18 @@ def _zero2_memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
     (its fp32 accumulation buffer on the host: 4 B/param more). Its estimate leaves the gradients off the GPU (reduced
     in buckets and offloaded as backward goes): counting them all is the bound."""
     n = case.model_config().num_params()
-    per = ZERO2_HOST_BYTES_PER_PARAM + (FP32_BYTES if case.batch > case.micro_batch else 0)
+    per = ZERO2_HOST_BYTES_PER_PARAM + (FP32_BYTES if _accumulation_steps(case, world) > 1 else 0)
     return -(-n * per // world), 2 * case.dtype_bytes * n + activation_bytes(case)
 
 
 def checkpoint_bytes(case: CaseConfig) -> int:
     """One save_state: the fp32 master weights (its fp32 parameter partitions) and both fp32 moments."""
     return case.model_config().num_params() * checkpoint_bytes_per_param(state_bytes_per_param(FP32_BYTES, "mixed"))
+
+
+def _accumulation_steps(case: CaseConfig, world: int) -> int:
+    """Micro-batches each rank accumulates a step: its share of the global batch in micro-batches."""
+    return share(case.batch, case.micro_batch, world) // case.micro_batch
 
 
 def deepspeed_config(case: CaseConfig, world: int = 1) -> dict:
@@ -150,7 +155,7 @@ def deepspeed_config(case: CaseConfig, world: int = 1) -> dict:
     return {
         "train_batch_size": case.batch,
         "train_micro_batch_size_per_gpu": case.micro_batch,
-        "gradient_accumulation_steps": share(case.batch, case.micro_batch, world) // case.micro_batch,
+        "gradient_accumulation_steps": _accumulation_steps(case, world),
         "gradient_clipping": case.optim.max_grad_norm,
         "bf16": {"enabled": case.dtype == "bfloat16"},
         "zero_optimization": zero,
@@ -320,10 +325,8 @@ class DeepSpeedSystem:
         else:
             optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
             self.optimizer_desc = "torch.optim.AdamW (client optimizer on the host partitions)"
-        if optimizer is None:
-            self.engine, *_ = ds.initialize(model=model, model_parameters=groups, config=self.config)
-        else:
-            self.engine, *_ = ds.initialize(model=model, optimizer=optimizer, config=self.config)
+        self.engine, *_ = ds.initialize(model=model, optimizer=optimizer,
+                                        model_parameters=groups if optimizer is None else None, config=self.config)
 
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, segments_BS: torch.Tensor | None = None) -> float:
         """One step over the global batch (under torchrun, this rank's rows of it)."""

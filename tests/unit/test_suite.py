@@ -226,6 +226,9 @@ def test_zero_offload_holds_parameters_and_gradients_on_the_gpu_and_the_optimize
     assert preflight.plan_memory(seven, host_128)["host_bytes"] / 2**30 == pytest.approx(116.25, rel=0.01)
     plan = preflight.plan_memory(replace(seven, batch=64), host_128)
     assert not plan["fits"] and "host memory" in plan["reason"]
+    # four ranks share batch 64 one micro-batch each: no rank accumulates, so none holds the accumulation buffer
+    n7 = seven.model_config().num_params()
+    assert deepspeed_zero3.memory_bytes(replace(seven, batch=64), world=4)[0] == -(-n7 * 28 // 4)
     # 14B on an 80 GB H100: at batch 16 both fit; at batch 64 the whole model beside its activations does not, ZeRO-3's
     # gathered layers do
     h100 = replace(H200_X4, gpu_name="NVIDIA H100 80GB HBM3", gpu_mem_gib=79.2)
