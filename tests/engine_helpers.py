@@ -35,6 +35,31 @@ def train(system: str, steps: int = 10, **kw) -> tuple[list[float], dict[str, to
         return losses, trainer.named_parameters_fp32(), trainer.metrics()
 
 
+def train_delayed_native(steps: int, **kw) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The reference of update_delay=1: native training where each AdamW step applies the previous step's gradient
+    (clipped by its own norm), and the last gradient once training ends (as the engine's export has it)."""
+    with built("native", steps, **kw) as (trainer, data):
+        opt = trainer.optimizer
+        apply = opt.step
+        params = [p for group in opt.param_groups for p in group["params"]]
+        pending: list[torch.Tensor] = []
+
+        def delayed_step():
+            clipped = [p.grad.clone() for p in params]
+            if pending:
+                for p, g in zip(params, pending, strict=True):
+                    p.grad.copy_(g)
+                apply()
+            pending[:] = clipped
+
+        opt.step = delayed_step
+        losses = [trainer.step(*data.batch_at(i)) for i in range(steps)]
+        for p, g in zip(params, pending, strict=True):
+            p.grad = g
+        apply()
+        return losses, trainer.named_parameters_fp32()
+
+
 def _state(trainer) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """(fp32 parameters, every AdamW moment and step count flattened into one tensor) of a trainer now."""
     params = trainer.named_parameters_fp32()  # the engine: after its host optimizer and resident units synced

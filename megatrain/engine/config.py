@@ -27,6 +27,10 @@ class MegaTrainOptions(CommonOptions):
     optimizer_kernel: Literal["fused", "torch"] = "fused"  # host AdamW: one-pass kernel, or torch's fused AdamW
     resident_embedding: bool | Literal["auto"] = "auto"  # embedding state on the GPU ('auto': when it fits)
     resident_layers: int | Literal["auto"] = "auto"  # first K layers' state on the GPU ('auto': as many as fit)
+    # 1: each update applies the previous step's gradient (bounded staleness of one step, as DeepSpeed ZeRO-Offload's
+    # delayed parameter update): the host optimizer then overlaps the whole next step instead of its forward alone.
+    # Not exact AdamW; +2 host B/param twice (the next step's weights, the pending gradient); every unit streams
+    update_delay: int = 0
     stream_stress: int | None = None  # debug: seed of random delays on every stream hand-off
     timeline: bool = True  # record the per-step stream timeline
 
@@ -41,6 +45,12 @@ class MegaTrainOptions(CommonOptions):
             raise ValueError(f"option recompute_inputs must be 'auto' or an integer >= 0, got {self.recompute_inputs}")
         if self.resident_layers != "auto" and self.resident_layers < 0:
             raise ValueError(f"option resident_layers must be 'auto' or an integer >= 0, got {self.resident_layers}")
+        if self.update_delay not in (0, 1):
+            raise ValueError(f"option update_delay must be 0 (exact AdamW) or 1 (each update applies the previous "
+                             f"step's gradient), got {self.update_delay}")
+        if self.update_delay and (self.resident_embedding is True or self.resident_layers not in ("auto", 0)):
+            raise ValueError("option update_delay=1 streams every unit (resident units update on the GPU at once): "
+                             "drop resident_embedding/resident_layers or set them to false/0")
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.micro_batch < 1 or self.batch % self.micro_batch:
             raise ValueError(f"micro_batch={self.micro_batch} must divide batch={self.batch}")
+        if self.ranks > 1 and self.options.update_delay:
+            raise ValueError("option update_delay=1 runs in one process for now: launch without torchrun, or drop it")
 
     @staticmethod
     def from_case(case: CaseConfig) -> EngineConfig:

@@ -4,6 +4,10 @@ Step t's update can only start when its global gradient norm is known (end of ba
 runs in forward order (embedding, layer 0, ..., head) while step t+1's forward consumes the
 results: the prefetch of unit u waits only for unit u's update, so the optimizer hides behind
 compute instead of adding to the step.
+
+With the update delayed a step (MegaTrainOptions.update_delay=1) the update of step t's gradient
+writes the weights of step t+2 into the store's second copy while step t+1 streams the first:
+step t+1 waits for nothing, and the schedule waits for the whole update only at its own end.
 """
 
 from __future__ import annotations
@@ -109,11 +113,17 @@ class HostOptimizer:
 
     def submit(self, clip_coef: float, grad_ready: list, lr: float) -> None:
         """Queue one optimizer step at learning rate lr; grad_ready[u] is the event after which unit u's gradients
-        are on the host."""
+        are on the host. With the update delayed: of the pending gradients (HostStore.hand_over_grads), into the
+        next step's weights."""
         done = [threading.Event() for _ in self.store.units]
         self.done = done
         self.step_count += 1
-        self._jobs.put((done, clip_coef, grad_ready, self.step_count, lr))
+        s = self.store
+        tiles = (s.grads, s.weights, s.weights) if s.weights_next is None else \
+            (s.grads_pending, s.weights, s.weights_next)
+        if s.weights_next is not None:
+            s.ahead = True
+        self._jobs.put((done, clip_coef, grad_ready, self.step_count, lr, tiles))
 
     def shard(self, unit: Unit) -> tuple[int, int]:
         """[lo, hi) of unit's tile this optimizer updates: all of it (a sharded one: its rank's shard)."""
@@ -153,7 +163,7 @@ class HostOptimizer:
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            done, clip_coef, grad_ready, step, lr = job
+            done, clip_coef, grad_ready, step, lr, tiles = job
             try:
                 for unit in self.store.units:
                     if unit.index in self.skip:
@@ -161,7 +171,7 @@ class HostOptimizer:
                         continue
                     grad_ready[unit.index].synchronize()
                     t0 = time.perf_counter()
-                    self._update(unit, clip_coef, step, lr)
+                    self._update(unit, clip_coef, step, lr, tiles)
                     t1 = time.perf_counter()
                     with self._spans_lock:
                         self._spans.append((unit.index, t0, t1))
@@ -174,10 +184,17 @@ class HostOptimizer:
                 for ev in done:
                     ev.set()
 
-    def _update(self, unit, clip_coef: float, step: int, lr: float) -> None:
+    def _update(self, unit, clip_coef: float, step: int, lr: float, tiles: tuple | None = None) -> None:
+        """One unit's update. tiles: the flat (gradients, weights read, weights written) of the job: the store's
+        gradients and weights in place (None), or with the update delayed the pending gradients and the next step's
+        weights (a copy of the streamed ones first where the weights are the master)."""
         s, o = self.store, self.optim
-        grads, weights = s.tile(s.grads, unit), s.tile(s.weights, unit)
+        tiles = tiles or (s.grads, s.weights, s.weights)
+        grads, weights = s.tile(tiles[0], unit), s.tile(tiles[2], unit)
         master = s.tile(s.master, unit) if s.master is not None else None
+        if tiles[2] is not tiles[1] and master is None:
+            lo, hi = self.shard(unit)
+            weights[lo:hi].copy_(s.tile(tiles[1], unit)[lo:hi])
         moments = s.moment_tiles(unit)
         if self.kernel == "torch":
             torch_adamw_unit(self.adamw, unit, weights, grads, master, moments, clip_coef, self.weight_decay,

@@ -86,7 +86,8 @@ class CheckedPlan(MemoryPlan):
 def host_bytes_per_param(config: EngineConfig) -> dict[str, int]:
     """Bytes per parameter of each persistent host tile (megatrain.optim.state_bytes: the streamed weights and
     gradients in the compute dtype)."""
-    return state_bytes_per_param(config.dtype_bytes, config.precision, MOMENT_BYTES[config.optim.moments])
+    return state_bytes_per_param(config.dtype_bytes, config.precision, MOMENT_BYTES[config.optim.moments],
+                                 config.options.update_delay)
 
 
 def resident_bytes(config: EngineConfig, unit: Unit) -> int:
@@ -106,7 +107,11 @@ def resident_unit_indices(config: EngineConfig, limits: Budget | None = None) ->
     Options: resident_embedding (true, false, or 'auto': when it fits) and resident_layers (K: the first K layers,
     or 'auto': as many as fit). Both default to 'auto': the embedding first, then leading layers, up to
     megatrain.memory.GPU_FILL of the GPU beside everything else the plan counts (so a batch that needs the memory gets
-    none). Without a GPU nothing is resident. limits: the machine planned for (default: this one, budget_here)."""
+    none). Without a GPU nothing is resident, nor with update_delay=1 (every update then runs a step late on the
+    host; MegaTrainOptions refuses an explicit resident unit with it). limits: the machine planned for (default:
+    this one, budget_here)."""
+    if config.options.update_delay:
+        return []
     layers = config.model.num_layers
     embedding = config.options.resident_embedding
     if embedding == "auto":

@@ -18,7 +18,9 @@ own buffer for the whole step (the tied LM head reads it too) and its buffer is 
 staging area for its gradient. Resident units (`resident_embedding`, `resident_layers=K`: the
 first K layers) keep weights, fp32 gradients and AdamW state on the GPU: they are never loaded or
 offloaded and are updated on the GPU as soon as the norm is known, so the next forward starts on
-them while the host optimizer updates the streamed units behind it.
+them while the host optimizer updates the streamed units behind it. With update_delay=1 every unit streams and
+each step's update (of the previous step's gradient) runs on the host behind the whole next step, which waits for it
+only at its end (engine/host_optimizer.py).
 """
 
 from __future__ import annotations
@@ -113,6 +115,7 @@ class Schedule:
         self._late_optim_spans: list = []  # host updates still running when the last step ended: in the next too
         self.skipped_steps = 0  # steps whose gradient norm was not finite: no update applied
         self.lr = config.optim.lr  # of the next update (a learning-rate schedule sets it before each step)
+        self.delayed = bool(config.options.update_delay)  # each update applies the previous step's gradient
         if streams.cuda:  # the rotary tables and resident copies above ran on the default stream, which the
             torch.cuda.synchronize(device)  # side streams do not wait for
 
@@ -134,15 +137,28 @@ class Schedule:
             self._update_resident_units(clip)
         if self.streams.cuda:
             torch.cuda.synchronize(self.device)
+        if self.delayed:  # the previous step's update ran behind this whole step: the next step streams its result
+            step.stats["optim_wait_s"] += self._land_delayed_update()
         step_s = time.perf_counter() - host_t0
         if skip:
             self.skipped_steps += 1
             warnings.warn(f"step {len(self.history)}: gradient norm is {total_norm}; update skipped "
                           f"({self.skipped_steps} skipped so far)", stacklevel=2)
         else:
+            if self.delayed:  # this step's gradients wait a step on the host; the next step writes the other copy
+                self.store.hand_over_grads()
             self.optimizer.submit(clip, step.grad_ready, self.lr)
         self._record_step(step, host_t0, step_s, total_norm, skip)
         return loss
+
+    def _land_delayed_update(self) -> float:
+        """update_delay: wait for the update submitted a step ago (the seconds waited: the optimizer's exposed time)
+        and make the weights it wrote the ones the next step streams."""
+        t0 = time.perf_counter()
+        self.optimizer.flush()
+        if self.store.ahead:
+            self.store.advance_weights()
+        return time.perf_counter() - t0
 
     def _begin(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor,
                segments_BS: torch.Tensor | None) -> StepState:
@@ -238,8 +254,10 @@ class Schedule:
                                                self.slot_free[use.slot])
 
     def _load(self, step: StepState, unit: Unit, dst: torch.Tensor, after) -> object:
-        """Stream unit's weights into dst on the H2D stream once `after` (last reader of dst) is done."""
-        step.stats["optim_wait_s"] += self.optimizer.wait(unit.index)
+        """Stream unit's weights into dst on the H2D stream once `after` (last reader of dst) is done (and, unless the
+        update is delayed, once the host optimizer has updated them)."""
+        if not self.delayed:
+            step.stats["optim_wait_s"] += self.optimizer.wait(unit.index)
         s = self.streams
         s.wait("h2d", after)
         start = s.record("h2d")
@@ -421,7 +439,8 @@ class Schedule:
     def evaluate(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, normalizer: int,
                  segments_BS: torch.Tensor | None = None) -> float:
         """The summed token loss over `normalizer`, without gradients or an update. Occasional (held-out loss), so
-        simple: after every pending host update, on the compute stream, each streamed unit's weights are copied to
+        simple: after every pending host update (a delayed one too: the weights with every gradient so far applied,
+        as an export has them), on the compute stream, each streamed unit's weights are copied to
         a temporary GPU buffer in turn (resident units are read where they live) and every micro-batch passes it."""
         self.optimizer.flush()
         s, dev, mb, units = self.streams, self.device, self.config.micro_batch, self.units
@@ -429,7 +448,7 @@ class Schedule:
             def weights(unit):
                 if unit.index in self.resident:
                     return self.resident[unit.index].weights
-                return self.store.tile(self.store.weights, unit).to(dev)
+                return self.store.tile(self.store.latest_weights, unit).to(dev)
 
             rope = self._rope(segments_BS, -(-inputs_BS.shape[0] // mb))
             embed_w = self.embed.view(weights(self.embed), self.embed.params[0])

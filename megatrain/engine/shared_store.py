@@ -103,8 +103,8 @@ class ShardedHostOptimizer(HostOptimizer):
         self.submitted += 1
         super().submit(clip_coef, grad_ready, lr)
 
-    def _update(self, unit, clip_coef: float, step: int, lr: float) -> None:
-        super()._update(unit, clip_coef, step, lr)
+    def _update(self, unit, *args) -> None:
+        super()._update(unit, *args)
         self.store.updates[self.ranks.local_rank, unit.index] += 1  # after the shard's writes: the others may read it
 
     def wait(self, unit_index: int) -> float:

@@ -20,7 +20,8 @@ TILES_FILE, STATE_FILE = "tiles.bin", "state.json"
 
 
 def state_tiles(store: HostStore) -> dict[str, torch.Tensor]:
-    tiles = {"weights": store.weights, "master": store.master, **store.moments.tensors()}
+    tiles = {"weights": store.weights, "master": store.master, **store.moments.tensors(),
+             "weights_next": store.weights_next}  # update_delay: the next step's, with the pending update applied
     return {name: t for name, t in tiles.items() if t is not None}
 
 

@@ -6,7 +6,10 @@ Per parameter, by precision mode (compute dtype bf16; megatrain.optim.state_byte
 - bf16: bf16 weights 2 B, bf16 gradients 2 B, fp32 Adam moments 8 B: 12 B/param (the paper's
   layout; updates run in fp32 and are rounded back to bf16).
 With compute dtype fp32 (CPU parity runs) weights are the master weights and gradients are fp32. Compact moments
-(OptimConfig.moments, megatrain.optim.compact) take 4 (bf16) or 2.06 (int8) B/param instead of 8.
+(OptimConfig.moments, megatrain.optim.compact) take 4 (bf16) or 2.06 (int8) B/param instead of 8. With the update
+delayed a step (MegaTrainOptions.update_delay) the weights and gradients have second copies that trade places every
+step: the host optimizer writes the next step's weights while this step streams its own, and reads the pending
+gradient while this step's backward writes the next.
 Only tiles that DMA reads or writes are pinned (page-locked in place with cudaHostRegister, which
 does not round sizes up the way the caching pinned allocator does).
 """
@@ -41,7 +44,7 @@ def unpin_tensor(t: torch.Tensor) -> None:
 
 class HostStore:
     def __init__(self, cfg: ModelConfig, compute_dtype: torch.dtype, precision: str, pin: bool,
-                 moments: str = "fp32"):
+                 moments: str = "fp32", update_delay: int = 0):
         if precision == "bf16" and compute_dtype != torch.bfloat16:
             raise ValueError("--precision bf16 stores bf16 weights: it needs --dtype bfloat16")
         self.cfg = cfg
@@ -57,16 +60,37 @@ class HostStore:
         self.master = self._allocate("master", n, torch.float32) if "master" in tiles else None
         # int8: its blocks start on unit tiles (QBLOCK divides ALIGN)
         self.moments = Moments.zeros(n, moments, allocate=functools.partial(self._allocate, zeroed=True))
+        # update_delay: the next step's weights (written by the host optimizer) and the pending gradient (read by it)
+        self.weights_next = self._allocate("weights_next", n, compute_dtype) if update_delay else None
+        self.grads_pending = self._allocate("grads_pending", n, compute_dtype) if update_delay else None
+        self.ahead = False  # weights_next holds an update the streamed weights lack yet
         self._pinned: list[torch.Tensor] = []
         self.pinned_bytes = 0
         if pin:
-            for t in (self.weights, self.grads):
+            for t in (self.weights, self.grads, self.weights_next, self.grads_pending):
+                if t is None:
+                    continue
                 self.pinned_bytes += pin_tensor(t)
                 self._pinned.append(t)
 
     def _allocate(self, name: str, numel: int, dtype: torch.dtype, zeroed: bool = False) -> torch.Tensor:
         """One flat host tensor of the store (`name`: which; a shared store maps it from shared memory)."""
         return torch.zeros(numel, dtype=dtype) if zeroed else torch.empty(numel, dtype=dtype)
+
+    def advance_weights(self) -> None:
+        """update_delay: the weights the host optimizer wrote become the ones the next step streams."""
+        self.weights, self.weights_next = self.weights_next, self.weights
+        self.ahead = False
+
+    def hand_over_grads(self) -> None:
+        """update_delay: the gradients this step wrote become the pending ones; the next step writes the other copy."""
+        self.grads, self.grads_pending = self.grads_pending, self.grads
+
+    @property
+    def latest_weights(self) -> torch.Tensor:
+        """The weights with every submitted update applied (once the optimizer has flushed): the next step's copy
+        while the update delay keeps one ahead of the streamed weights."""
+        return self.weights_next if self.ahead else self.weights
 
     def tile(self, flat: torch.Tensor, unit: Unit) -> torch.Tensor:
         return flat[unit.offset:unit.offset + unit.numel]
@@ -86,11 +110,12 @@ class HostStore:
                 self.tile(self.weights, unit).copy_(dst)
 
     def host_bytes(self) -> int:
-        tensors = [self.weights, self.grads, self.master, *self.moments.tensors().values()]
+        tensors = [self.weights, self.grads, self.master, self.weights_next, self.grads_pending,
+                   *self.moments.tensors().values()]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def named_parameters_fp32(self) -> dict[str, torch.Tensor]:
-        src = self.master if self.master is not None else self.weights
+        src = self.master if self.master is not None else self.latest_weights
         return {slot.name: unit.view(self.tile(src, unit), slot).float().clone()
                 for unit in self.units for slot in unit.params}
 

@@ -40,7 +40,11 @@ class StreamingSystem:
         self.num_params = config.model.num_params()
         cuda = self.device.type == "cuda"
         store = HostStore if ranks is None else functools.partial(SharedHostStore, ranks=ranks)
-        self.store = store(config.model, config.torch_dtype, config.precision, pin=cuda, moments=config.optim.moments)
+        if ranks is not None and config.options.update_delay:
+            raise ValueError("option update_delay=1 runs in one process for now: launch without torchrun, or drop it")
+        extra = {} if ranks is not None else {"update_delay": config.options.update_delay}
+        self.store = store(config.model, config.torch_dtype, config.precision, pin=cuda, moments=config.optim.moments,
+                           **extra)
         self.store.initialise(config.seed, self.device)
         resident = self.plan.resident_units
         self.optimizer = (HostOptimizer if ranks is None else ShardedHostOptimizer)(
@@ -79,7 +83,11 @@ class StreamingSystem:
             "weight_slots": 2,
             "grad_slots": 2,
             "streams": ["h2d", "compute", "d2h"] if self.streams.cuda else ["host"],
-            "optimizer": f"host AdamW ({self.optimizer.kernel} kernel) on flat tiles, overlapped with the next forward",
+            "optimizer": f"host AdamW ({self.optimizer.kernel} kernel) on flat tiles, " + (
+                "each update applying the previous step's gradient behind the whole next step (update_delay=1: "
+                "bounded staleness of one step)" if self.config.options.update_delay else
+                "overlapped with the next forward"),
+            "update_delay": self.config.options.update_delay,
             "adamw_moments": self.config.optim.moments,
             "activation_checkpointing": self._checkpointing(),
             "offloaded_layers": self.schedule.acts.offloaded,
@@ -157,6 +165,9 @@ class StreamingSystem:
             copy_named_weights(self._weight_views(), named)
             if self.store.master is not None:
                 self.store.weights.copy_(self.store.master)
+            elif self.store.ahead:  # update_delay: the new weights are the streamed ones too, nothing is pending
+                self.store.weights.copy_(self.store.weights_next)
+            self.store.ahead = False
         if self.ranks is not None:
             self.ranks.barrier()
         self.schedule.load_resident_from_host()
@@ -173,7 +184,7 @@ class StreamingSystem:
     def _weight_views(self) -> dict[str, torch.Tensor]:
         """Each parameter as a view of its host tile: the fp32 master where there is one, else the weights."""
         store = self.store
-        src = store.master if store.master is not None else store.weights
+        src = store.master if store.master is not None else store.latest_weights
         return {slot.name: unit.view(store.tile(src, unit), slot) for unit in store.units for slot in unit.params}
 
     def save_state(self, out_dir: Path | None) -> None:
@@ -183,7 +194,8 @@ class StreamingSystem:
         self.schedule.sync_resident_to_host()
         counters = {"step_count": self.optimizer.step_count, "skipped_steps": self.schedule.skipped_steps,
                     "adamw_steps": steps_to_json(self.optimizer.adamw.steps),
-                    "resident_adamw_steps": steps_to_json(self.schedule.resident_adamw.steps)}
+                    "resident_adamw_steps": steps_to_json(self.schedule.resident_adamw.steps),
+                    "weights_ahead": self.store.ahead}
         if self.ranks is not None:  # the torch kernel counts steps per chunk of each rank's shards: all of them
             counters.update(shards=self.ranks.local_world, adamw_steps=[s for steps in self.ranks.gather(
                 counters["adamw_steps"]) for s in steps])
@@ -203,6 +215,7 @@ class StreamingSystem:
                              "steps per chunk of each rank's shard: resume it on as many, or with "
                              "--option optimizer_kernel=fused")
         self.optimizer.step_count = meta["step_count"]
+        self.store.ahead = meta.get("weights_ahead", False)
         self.schedule.skipped_steps = meta["skipped_steps"]
         self.optimizer.adamw.steps = steps_from_json(meta["adamw_steps"], torch.device("cpu"))
         self.schedule.resident_adamw.steps = steps_from_json(meta["resident_adamw_steps"], self.device)

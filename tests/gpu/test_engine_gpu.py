@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import assert_nan_step_skipped, train, train_with_nan_gradient
+from engine_helpers import assert_nan_step_skipped, train, train_delayed_native, train_with_nan_gradient
 
 from megatrain.bench.case import run_case
 from megatrain.config import CaseConfig
@@ -154,6 +154,29 @@ def test_fp32_parity_holds_under_stream_stress(name, seed, check):
     _fp32_check(check, name, "clip-active", seed)
 
 
+DELAY_SEEDS = [None, 1, 2]
+
+
+@pytest.mark.parametrize("seed", DELAY_SEEDS)
+def test_fp32_delayed_update_matches_adamw_of_the_previous_gradient_under_stress(seed, check):
+    """update_delay=1: the host optimizer writes the next step's weights while this step streams its own and reads
+    the pending gradient while this step's backward writes the other copy. Against native applying each step's
+    clipped gradient a step late (engine_helpers.train_delayed_native), under the usual tolerance."""
+    kw = {**FP32_BASE, "optim": CLIPPING["clip-active"]}
+    native_kw = {**kw, "compile": False}
+    native = train_delayed_native(FP32_STEPS, **native_kw)
+    reordered = train_delayed_native(FP32_STEPS, **{**native_kw, "micro_batch": kw["micro_batch"] // 2})
+    options = {**STREAMED, "update_delay": 1, "stream_stress": seed}
+    ours = train("megatrain", FP32_STEPS, options=options, **kw)
+    result = _fp32_compare(*ours[:2], native, native, reordered)
+    check.update(case={k: v for k, v in kw.items() if k != "optim"}, optim=vars(CLIPPING["clip-active"]),
+                 options=options, stream_stress=seed, losses=ours[0], native_losses=native[0],
+                 exposed_optim_frac=ours[2]["exposed_optim_frac"], **result)
+    assert result["loss_ok"], f"losses differ from native by {result['max_loss_rel_diff']:.2e} relative"
+    assert result["params_ok"], f"{result['worst_param']} differs from native by " \
+                                f"{result['max_param_diff_of_max']:.2e} of its largest magnitude"
+
+
 # ---- 3: the CUDA stream sanitizer ---------------------------------------------------------------------------------
 SANITIZER_BASE = dict(model="tiny", num_layers=3, batch=4, micro_batch=2, seq=128, steps=3, warmup=0,
                       device="cuda", dtype="bfloat16", optim=dict(lr=1e-3, max_grad_norm=0.05))
@@ -171,6 +194,7 @@ SANITIZER_SETS = {
     "sliding": ({"model": "tiny-sliding"}, {}),
     "moe": ({"model": "tiny-moe"}, {}),
     "gpt-oss": ({"model": "tiny-gpt-oss"}, {}),
+    "update-delay": ({}, {"update_delay": 1}),
 }
 _SANITIZED_RUNS = """
 import json, sys

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 import torch
-from engine_helpers import assert_nan_step_skipped, built, native_options, train_with_nan_gradient
+from engine_helpers import assert_nan_step_skipped, built, native_options, train_delayed_native, train_with_nan_gradient
 from engine_helpers import train as _train
 from torch._dynamo.exc import BackendCompilerFailed
 
@@ -498,3 +498,69 @@ def test_errors_that_are_not_the_compilers_are_raised(exc):
     with pytest.raises(type(exc)):
         template(*_layer_inputs())
     assert template.compiled
+
+
+DELAYED = {
+    "clip-accum": dict(model="tiny", num_layers=3, batch=4, micro_batch=2, seq=16, steps=6,
+                       optim=OptimConfig(lr=1e-3, max_grad_norm=0.05)),
+    "tied-torch-kernel": dict(model="tiny-tied", batch=2, seq=7, steps=5, optim=OptimConfig(lr=1e-3),
+                              options={"optimizer_kernel": "torch"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DELAYED))
+def test_delayed_update_matches_adamw_applying_the_previous_steps_gradient(name):
+    kw = dict(DELAYED[name])
+    steps = kw.pop("steps")
+    options = kw.pop("options", {})
+    ref_losses, ref_params = train_delayed_native(steps, **kw)
+    losses, params, metrics = _train("megatrain", steps=steps, **kw, options={**options, "update_delay": 1})
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    for n in params:
+        torch.testing.assert_close(params[n], ref_params[n], rtol=1e-5, atol=1e-5, msg=n)
+    exact, _, _ = _train("megatrain", steps=steps, **kw, options=options)
+    assert losses[0] == exact[0] and losses[1] != exact[1]  # step 1 trains on the initial weights still
+    assert metrics["host_store_bytes_per_param"] == pytest.approx(16 + 8, rel=1e-3)  # fp32: + weights and grads
+
+
+@pytest.mark.parametrize("precision,dtype", [("mixed", "bfloat16"), ("bf16", "bfloat16"), ("mixed", "float32")])
+def test_delayed_run_resumes_bitwise_and_evaluates_the_latest_weights(tmp_path, precision, dtype):
+    case = dict(model="tiny", num_layers=2, batch=2, seq=16, steps=5, precision=precision, dtype=dtype,
+                optim=OptimConfig(lr=1e-3, max_grad_norm=0.05), options={"update_delay": 1})
+    straight = _train("megatrain", **case)[:2]
+    with built("megatrain", **case) as (trainer, data):
+        losses = [trainer.step(*data.batch_at(i)) for i in range(3)]
+        held_out = trainer.evaluate(*data.batch_at(4))
+        trainer.save_state(tmp_path)
+        saved = trainer.named_parameters_fp32()
+    with built("megatrain", **case) as (trainer, data):
+        trainer.load_state(tmp_path)
+        assert trainer.evaluate(*data.batch_at(4)) == held_out
+        assert all(torch.equal(v, saved[n]) for n, v in trainer.named_parameters_fp32().items())
+        losses += [trainer.step(*data.batch_at(i)) for i in range(3, 5)]
+        resumed = losses, trainer.named_parameters_fp32()
+    assert_same_run(resumed, straight)
+
+
+def test_delayed_update_with_a_non_finite_step_skips_it_and_trains_on():
+    run = train_with_nan_gradient("megatrain", 2, 5, model="tiny", batch=2, seq=16, options={"update_delay": 1})
+    assert run["skipped_steps"] == 1
+    assert all(torch.isfinite(torch.tensor(run["losses"])))
+    assert all(torch.isfinite(p).all() for p in run["end"][0].values())
+
+
+@pytest.mark.parametrize("options,why", [({"update_delay": 2}, r"must be 0 \(exact AdamW\) or 1"),
+                                         ({"update_delay": 1, "resident_layers": 1}, "streams every unit"),
+                                         ({"update_delay": 1, "resident_embedding": True}, "streams every unit")])
+def test_update_delay_refuses_what_it_cannot_do(options, why):
+    with pytest.raises(ValueError, match=why):
+        MegaTrainOptions(**options)
+
+
+def test_delayed_update_plans_its_second_copies_and_no_resident_unit():
+    config = EngineConfig(model=get_model_config("tiny"), batch=2, micro_batch=2, seq=16, dtype="bfloat16",
+                          precision="mixed", options=MegaTrainOptions(update_delay=1))
+    plan = plan_memory(config)
+    assert plan.host_tiles_bytes_per_param == {"weights": 2, "grads": 2, "exp_avg": 4, "exp_avg_sq": 4, "master": 4,
+                                               "weights_next": 2, "grads_pending": 2}
+    assert plan.resident_units == []
