@@ -13,6 +13,7 @@ copies are no-ops there, and pinning needs an accelerator (`pin_memory()` raises
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from collections.abc import Iterable
@@ -46,7 +47,9 @@ SHARD_STATE_BYTES = state_bytes_per_param(FP32_BYTES, "mixed")
 
 @dataclass(frozen=True)
 class FSDPOptions(CommonOptions):
-    pass
+    # every micro-batch but the last keeps its unsharded fp32 gradients on the GPU (set_requires_gradient_sync(False)):
+    # one reduce-scatter and offload a step instead of one per micro-batch, for 4 B/param of GPU memory
+    accumulate_on_gpu: bool = False
 
 
 def memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
@@ -58,12 +61,15 @@ def memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
     tensor of a rank's shard (numel/world, rounded up as FSDP2 pads it): 2 * next_pow2(4 * numel) + 8 * numel; this
     gives 18.1, 19.7 and 21.8 B/param for 1.5B, 3B and 14B on one rank, measured 16.9, 19.1 and 21.7 beyond the
     process overhead (results/smoke_gpu, results/reproduce_14b). GPU: the gathered bf16 unit being computed plus
-    the prefetched one, its bf16 gradient before the reduce, activations.
+    the prefetched one, its bf16 gradient before the reduce, activations; with accumulate_on_gpu and micro-batches to
+    accumulate, every parameter's unsharded fp32 gradient too.
     """
     per = SHARD_STATE_BYTES
     host = sum(_pow2(per["weights"] * k) + _pow2(per["grads"] * k) + (per["exp_avg"] + per["exp_avg_sq"]) * k
                for k in (-(-n // world) for n in case.model_config().param_numels()))
     gpu = 3 * 2 * largest_unit_params(case) + activation_bytes(case)
+    if case.opts.accumulate_on_gpu and case.batch // world > case.micro_batch:
+        gpu += FP32_BYTES * case.model_config().num_params()
     return host, gpu
 
 
@@ -140,9 +146,21 @@ class FSDPSystem:
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, segments_BS: torch.Tensor | None = None) -> float:
         loss, stepped, self.last_grad_norm = accumulate_and_step(self.model, self.optimizer, self.case, self.device,
                                                                  inputs_BS, labels_BS, segments_BS=segments_BS,
-                                                                 ranks=self.ranks)
+                                                                 ranks=self.ranks, accumulating=self._accumulating)
         self.skipped_steps += not stepped
         return loss
+
+    @contextlib.contextmanager
+    def _accumulating(self):
+        """Every micro-batch but the last: with accumulate_on_gpu, no reduce-scatter and offload of its gradients."""
+        on_gpu = self.case.opts.accumulate_on_gpu
+        if on_gpu:
+            self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            if on_gpu:
+                self.model.set_requires_gradient_sync(True)
 
     def system_config(self) -> dict:
         mp = None if self.mp_policy is None else \
@@ -152,6 +170,9 @@ class FSDPSystem:
                 "offload_policy": f"CPUOffloadPolicy(pin_memory={self.pin_memory})",
                 "reshard_after_forward": "default (layers True, root False)",
                 "gradient_reduction": "summed over the ranks (gradient divide factor 1)",
+                "gradient_accumulation": "unsharded fp32 gradients on the GPU until the last micro-batch (set_requires_"
+                                         "gradient_sync(False)), then one reduce-scatter and offload"
+                if self.case.opts.accumulate_on_gpu else "reduce-scattered and offloaded every micro-batch",
                 "activation_checkpointing": True,
                 "compile": COMPILED_LAYERS + ", before fully_shard" if self.case.compile else False,
                 "compile_check": compile_check() if self.case.compile else None,

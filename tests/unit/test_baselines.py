@@ -89,6 +89,14 @@ def test_fsdp_matches_native_with_accumulation_and_clipping(model, tmp_path):
     assert result["config"]["offload_policy"] == "CPUOffloadPolicy(pin_memory=False)"
 
 
+def test_fsdp_accumulating_on_the_gpu_matches_native(tmp_path):
+    case = dataclasses.replace(_case("fsdp", "tiny"), options={"accumulate_on_gpu": True})
+    assert case.batch > case.micro_batch
+    result = _run_in_subprocess(case, tmp_path)
+    _assert_matches_native(result, _native(dataclasses.replace(case, options={})))
+    assert result["config"]["gradient_accumulation"].startswith("unsharded fp32 gradients on the GPU")
+
+
 @pytest.mark.parametrize("model", [pytest.param("tiny", marks=needs_deepspeed),
                                    pytest.param("tiny-tied", marks=needs_deepspeed)])
 def test_deepspeed_matches_native_with_accumulation_and_clipping(model, tmp_path):
