@@ -6,11 +6,12 @@ format, '+delay' for the engine's option update_delay=1) with the held-out loss 
     python scripts/moments_convergence.py OUT --shape tiny --device cpu --dtype float32 --steps 6 --eval-every 3 \
         --seq 64 --batch 2 --vocab 512          # a CPU check of the script end to end
 
-OUT/ gets the corpus, tokenizer and random init (as the demo), run-<variant>/ (each train run) and records.jsonl: per
-run its variant and moments, held-out losses by step, training losses, host bytes per parameter (memory.json) and wall time, then
-a summary record: each compact run's largest relative held-out difference from fp32 against TOLERANCE. The engine
-streams every unit by default (--option resident_layers=0, resident_embedding=false), so the host kernel runs the
-updates; --resident lets the plan keep units on the GPU (the torch path of megatrain.optim.compact).
+OUT/ gets the corpus, tokenizer and random init (as the demo), run-<variant>/ (each train run) and records.jsonl:
+per run its variant and moments, held-out losses by step, training losses, host bytes per parameter (memory.json)
+and wall time, then a summary record: each other run's largest relative held-out difference from fp32 against
+TOLERANCE. The engine streams every unit by default (--option resident_layers=0, resident_embedding=false), so the
+host kernel runs the updates; --resident lets the plan keep units on the GPU (the torch path of
+megatrain.optim.compact).
 """
 
 import argparse
@@ -65,7 +66,8 @@ def run_one(args, out: Path, init: Path, tokenizer: Path, variant: str) -> dict:
     wall_s = time.perf_counter() - t0
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     memory = run_dir / "memory.json"
-    return {"what": "moments_convergence", "variant": variant, "moments": moments, "update_delay": int(extra == "delay"), "shape": args.shape, "steps": args.steps,
+    return {"what": "moments_convergence", "variant": variant, "moments": moments,
+            "update_delay": int(extra == "delay"), "shape": args.shape, "steps": args.steps,
             "seq": args.seq, "batch": args.batch, "device": args.device, "dtype": args.dtype, "command": cmd[1:],
             "eval_loss": {m["step"]: m["eval_loss"] for m in lines if "eval_loss" in m},
             "loss": {m["step"]: m["loss"] for m in lines if "loss" in m},
