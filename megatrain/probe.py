@@ -14,6 +14,7 @@ without CUDA.
 from __future__ import annotations
 
 import dataclasses
+import os
 import platform
 import statistics
 import time
@@ -212,9 +213,15 @@ def engine_adamw_gparams_s(precision: str, numel: int = 2**26, repeats: int = 3)
     return numel / _median_s(step, repeats) / 1e9
 
 
+QUICK_ENV = "MEGATRAIN_PROBE_QUICK"
+
+
 def measure(rates: bool = True) -> Machine:
-    """Probe this machine: devices and memory, and (rates=True, seconds) link, GEMM and AdamW rates."""
+    """Probe this machine: devices and memory, and (rates=True, seconds) link, GEMM and AdamW rates. With
+    MEGATRAIN_PROBE_QUICK=1 (the test suite sets it: each suite run probes, and the suite-runner tests run many) the
+    host rates come from 4 MiB arrays, once: a fraction of a second, rough figures."""
     t0 = time.perf_counter()
+    quick = {"numel": 2**20, "repeats": 1} if os.environ.get(QUICK_ENV) == "1" else {}
     host_total, host_available, host_source = host_memory_gib()
     found = {"cpu": cpu_name(), "cpu_cores": psutil.cpu_count(), "host_mem_gib": round(host_total, 1),
              "host_available_gib": round(host_available, 1), "host_mem_source": host_source}
@@ -228,11 +235,11 @@ def measure(rates: bool = True) -> Machine:
         found["gemm_bf16_tflops"] = _gemm_bf16_tflops()
         torch.cuda.empty_cache()
     if rates:
-        found["host_mem_gbs"] = host_mem_bandwidth_gbs()
+        found["host_mem_gbs"] = host_mem_bandwidth_gbs(**quick)
         found["host_mem_probe"] = found["host_mem_gbs"].pop("host_mem_probe")
-        found["cpu_adamw_gparams_s"] = _cpu_adamw_gparams_s()
+        found["cpu_adamw_gparams_s"] = _cpu_adamw_gparams_s(**quick)
         try:
-            found["engine_adamw_gparams_s"] = {p: engine_adamw_gparams_s(p) for p in ("bf16", "mixed")}
+            found["engine_adamw_gparams_s"] = {p: engine_adamw_gparams_s(p, **quick) for p in ("bf16", "mixed")}
         except RuntimeError:  # no compiler for the extension: the torch rate stands in (perf_model)
             pass
     return Machine(**found, probe_s=time.perf_counter() - t0)

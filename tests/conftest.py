@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+from megatrain.probe import QUICK_ENV
+
+if not torch.cuda.is_available():  # every suite run probes the machine: on CPU, tests take its quick rates
+    os.environ.setdefault(QUICK_ENV, "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -564,3 +564,16 @@ def test_delayed_update_plans_its_second_copies_and_no_resident_unit():
     assert plan.host_tiles_bytes_per_param == {"weights": 2, "grads": 2, "exp_avg": 4, "exp_avg_sq": 4, "master": 4,
                                                "weights_next": 2, "grads_pending": 2}
     assert plan.resident_units == []
+
+
+@pytest.mark.parametrize("precision", ["mixed", "bf16"])
+def test_delayed_step_two_trains_on_the_first_update_in_bf16_precisions(precision):
+    """The master-and-copy (mixed) and copy-then-update (bf16) paths of update_delay=1: step 2 streams the weights
+    step 0's gradient made, so its loss is bitwise the exact run's second loss when that run sees step 2's batch."""
+    case = dict(model="tiny", num_layers=2, batch=2, seq=16, precision=precision, dtype="bfloat16",
+                optim=OptimConfig(lr=1e-2, max_grad_norm=0.05))
+    with built("megatrain", 3, **case, options={"update_delay": 1}) as (trainer, data):
+        delayed = [trainer.step(*data.batch_at(i)) for i in range(3)]
+    with built("megatrain", 2, **case) as (trainer, data):
+        exact = [trainer.step(*data.batch_at(i)) for i in (0, 2)]
+    assert delayed[0] == exact[0] and delayed[2] == exact[1] and delayed[1] != exact[1]
