@@ -53,6 +53,12 @@ class MegaTrainOptions(CommonOptions):
                              "drop resident_embedding/resident_layers or set them to false/0")
 
 
+def refuse_delay_across_ranks(options: MegaTrainOptions, several: bool) -> None:
+    """update_delay=1 runs in one process: its second copies are not in the shared store of several ranks."""
+    if several and options.update_delay:
+        raise ValueError("option update_delay=1 runs in one process for now: launch without torchrun, or drop it")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What the streaming engine needs to train: the model, one step's work, precision, device and its options.
@@ -89,8 +95,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.micro_batch < 1 or self.batch % self.micro_batch:
             raise ValueError(f"micro_batch={self.micro_batch} must divide batch={self.batch}")
-        if self.ranks > 1 and self.options.update_delay:
-            raise ValueError("option update_delay=1 runs in one process for now: launch without torchrun, or drop it")
+        refuse_delay_across_ranks(self.options, self.ranks > 1)
 
     @staticmethod
     def from_case(case: CaseConfig) -> EngineConfig:

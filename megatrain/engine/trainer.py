@@ -13,7 +13,7 @@ import torch
 from megatrain.compile_check import compile_check
 from megatrain.config import CaseConfig
 from megatrain.engine import distributed
-from megatrain.engine.config import EngineConfig, MegaTrainOptions
+from megatrain.engine.config import EngineConfig, MegaTrainOptions, refuse_delay_across_ranks
 from megatrain.engine.distributed import Ranks
 from megatrain.engine.host_optimizer import HostOptimizer
 from megatrain.engine.plan import check_fits, host_bytes_per_param
@@ -40,8 +40,7 @@ class StreamingSystem:
         self.num_params = config.model.num_params()
         cuda = self.device.type == "cuda"
         store = HostStore if ranks is None else functools.partial(SharedHostStore, ranks=ranks)
-        if ranks is not None and config.options.update_delay:
-            raise ValueError("option update_delay=1 runs in one process for now: launch without torchrun, or drop it")
+        refuse_delay_across_ranks(config.options, ranks is not None)
         extra = {} if ranks is not None else {"update_delay": config.options.update_delay}
         self.store = store(config.model, config.torch_dtype, config.precision, pin=cuda, moments=config.optim.moments,
                            **extra)

@@ -577,3 +577,9 @@ def test_delayed_step_two_trains_on_the_first_update_in_bf16_precisions(precisio
     with built("megatrain", 2, **case) as (trainer, data):
         exact = [trainer.step(*data.batch_at(i)) for i in (0, 2)]
     assert delayed[0] == exact[0] and delayed[2] == exact[1] and delayed[1] != exact[1]
+
+
+def test_update_delay_is_refused_across_ranks():
+    with pytest.raises(ValueError, match="runs in one process"):
+        EngineConfig(model=get_model_config("tiny"), batch=2, micro_batch=2, seq=16, ranks=2,
+                     options=MegaTrainOptions(update_delay=1))
