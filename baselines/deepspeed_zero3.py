@@ -44,7 +44,7 @@ from baselines.dist import (
 )
 from megatrain.compile_check import compile_check
 from megatrain.config import CaseConfig
-from megatrain.engine.distributed import share
+from megatrain.engine.distributed import accumulation_steps
 from megatrain.engine.templates import LayerTemplate
 from megatrain.models import DecoderLayer, Transformer
 from megatrain.models.hf import copy_named_weights
@@ -112,18 +112,14 @@ def _zero2_memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
     (its fp32 accumulation buffer on the host: 4 B/param more). Its estimate leaves the gradients off the GPU (reduced
     in buckets and offloaded as backward goes): counting them all is the bound."""
     n = case.model_config().num_params()
-    per = ZERO2_HOST_BYTES_PER_PARAM + (FP32_BYTES if _accumulation_steps(case, world) > 1 else 0)
+    accumulates = accumulation_steps(case.batch, case.micro_batch, world) > 1
+    per = ZERO2_HOST_BYTES_PER_PARAM + (FP32_BYTES if accumulates else 0)
     return -(-n * per // world), 2 * case.dtype_bytes * n + activation_bytes(case)
 
 
 def checkpoint_bytes(case: CaseConfig) -> int:
     """One save_state: the fp32 master weights (its fp32 parameter partitions) and both fp32 moments."""
     return case.model_config().num_params() * checkpoint_bytes_per_param(state_bytes_per_param(FP32_BYTES, "mixed"))
-
-
-def _accumulation_steps(case: CaseConfig, world: int) -> int:
-    """Micro-batches each rank accumulates a step: its share of the global batch in micro-batches."""
-    return share(case.batch, case.micro_batch, world) // case.micro_batch
 
 
 def deepspeed_config(case: CaseConfig, world: int = 1) -> dict:
@@ -155,7 +151,7 @@ def deepspeed_config(case: CaseConfig, world: int = 1) -> dict:
     return {
         "train_batch_size": case.batch,
         "train_micro_batch_size_per_gpu": case.micro_batch,
-        "gradient_accumulation_steps": _accumulation_steps(case, world),
+        "gradient_accumulation_steps": accumulation_steps(case.batch, case.micro_batch, world),
         "gradient_clipping": case.optim.max_grad_norm,
         "bf16": {"enabled": case.dtype == "bfloat16"},
         "zero_optimization": zero,

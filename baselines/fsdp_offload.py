@@ -28,6 +28,7 @@ from baselines.common import COMPILED_LAYERS, accumulate_and_step, compile_layer
 from baselines.dist import kept_on_first, ranks_of, save_on_every_rank, single_process_env, warn_if_bf16_precision
 from megatrain.compile_check import compile_check
 from megatrain.config import CaseConfig
+from megatrain.engine.distributed import accumulation_steps
 from megatrain.models import Transformer
 from megatrain.models.hf import copy_named_weights
 from megatrain.models.init import init_param
@@ -68,7 +69,7 @@ def memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
     host = sum(_pow2(per["weights"] * k) + _pow2(per["grads"] * k) + (per["exp_avg"] + per["exp_avg_sq"]) * k
                for k in (-(-n // world) for n in case.model_config().param_numels()))
     gpu = 3 * 2 * largest_unit_params(case) + activation_bytes(case)
-    if case.opts.accumulate_on_gpu and case.batch // world > case.micro_batch:
+    if case.opts.accumulate_on_gpu and accumulation_steps(case.batch, case.micro_batch, world) > 1:
         gpu += FP32_BYTES * case.model_config().num_params()
     return host, gpu
 

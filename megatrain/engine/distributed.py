@@ -79,6 +79,11 @@ def share(batch: int, micro_batch: int, world: int) -> int:
     return batch // world
 
 
+def accumulation_steps(batch: int, micro_batch: int, world: int) -> int:
+    """Micro-batches each rank accumulates a step: its share of the global batch (share) in micro-batches."""
+    return share(batch, micro_batch, world) // micro_batch
+
+
 @dataclass(frozen=True)
 class Ranks:
     """This process's place among the ranks (of one host, or of several nodes: one copy of the state per node),

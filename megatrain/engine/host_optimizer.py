@@ -118,11 +118,9 @@ class HostOptimizer:
         done = [threading.Event() for _ in self.store.units]
         self.done = done
         self.step_count += 1
-        s = self.store
-        tiles = (s.grads, s.weights, s.weights) if s.weights_next is None else \
-            (s.grads_pending, s.weights, s.weights_next)
-        if s.weights_next is not None:
-            s.ahead = True
+        tiles = self.store.update_tiles
+        if self.store.weights_next is not None:
+            self.store.ahead = True
         self._jobs.put((done, clip_coef, grad_ready, self.step_count, lr, tiles))
 
     def shard(self, unit: Unit) -> tuple[int, int]:
@@ -185,11 +183,10 @@ class HostOptimizer:
                     ev.set()
 
     def _update(self, unit, clip_coef: float, step: int, lr: float, tiles: tuple | None = None) -> None:
-        """One unit's update. tiles: the flat (gradients, weights read, weights written) of the job: the store's
-        gradients and weights in place (None), or with the update delayed the pending gradients and the next step's
-        weights (a copy of the streamed ones first where the weights are the master)."""
+        """One unit's update. tiles: the job's HostStore.update_tiles (default: the store's now); where they differ
+        and the weights are the master, the streamed weights are copied to the next step's first."""
         s, o = self.store, self.optim
-        tiles = tiles or (s.grads, s.weights, s.weights)
+        tiles = tiles or s.update_tiles
         grads, weights = s.tile(tiles[0], unit), s.tile(tiles[2], unit)
         master = s.tile(s.master, unit) if s.master is not None else None
         if tiles[2] is not tiles[1] and master is None:

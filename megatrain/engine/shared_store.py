@@ -34,11 +34,11 @@ class SharedHostStore(HostStore):
     each rank's finished updates of each unit, `pids` [local ranks] says who they are (to notice one that ended)."""
 
     def __init__(self, cfg: ModelConfig, compute_dtype: torch.dtype, precision: str, pin: bool, ranks: Ranks,
-                 moments: str = "fp32"):
+                 moments: str = "fp32", update_delay: int = 0):
         self.ranks = ranks
         self._prefix = ranks.from_first(str(SHM_DIR / f"megatrain-{os.getpid()}-{uuid.uuid4().hex[:12]}"), node=True)
         self._paths: list[str] = []
-        super().__init__(cfg, compute_dtype, precision, pin, moments)
+        super().__init__(cfg, compute_dtype, precision, pin, moments, update_delay)
         n = ranks.local_world
         self.updates = self._allocate("updates", n * len(self.units), torch.int64).view(n, -1)
         self.pids = self._allocate("pids", n, torch.int64)

@@ -56,13 +56,13 @@ class HostStore:
         self.weights = self._allocate("weights", n, compute_dtype)
         self.grads = self._allocate("grads", n, compute_dtype)
         # an fp32 master copy only where mixed precision streams weights narrower than fp32
-        tiles = state_bytes_per_param(compute_dtype.itemsize, precision)
+        tiles = state_bytes_per_param(compute_dtype.itemsize, precision, update_delay=update_delay)
         self.master = self._allocate("master", n, torch.float32) if "master" in tiles else None
         # int8: its blocks start on unit tiles (QBLOCK divides ALIGN)
         self.moments = Moments.zeros(n, moments, allocate=functools.partial(self._allocate, zeroed=True))
         # update_delay: the next step's weights (written by the host optimizer) and the pending gradient (read by it)
-        self.weights_next = self._allocate("weights_next", n, compute_dtype) if update_delay else None
-        self.grads_pending = self._allocate("grads_pending", n, compute_dtype) if update_delay else None
+        self.weights_next = self._allocate("weights_next", n, compute_dtype) if "weights_next" in tiles else None
+        self.grads_pending = self._allocate("grads_pending", n, compute_dtype) if "grads_pending" in tiles else None
         self.ahead = False  # weights_next holds an update the streamed weights lack yet
         self._pinned: list[torch.Tensor] = []
         self.pinned_bytes = 0
@@ -85,6 +85,14 @@ class HostStore:
     def hand_over_grads(self) -> None:
         """update_delay: the gradients this step wrote become the pending ones; the next step writes the other copy."""
         self.grads, self.grads_pending = self.grads_pending, self.grads
+
+    @property
+    def update_tiles(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The flat (gradients, weights read, weights written) of the next host update: the gradients and weights in
+        place, or with the update delayed the pending gradients and the next step's weights."""
+        if self.weights_next is None:
+            return self.grads, self.weights, self.weights
+        return self.grads_pending, self.weights, self.weights_next
 
     @property
     def latest_weights(self) -> torch.Tensor:

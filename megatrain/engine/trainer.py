@@ -41,9 +41,8 @@ class StreamingSystem:
         cuda = self.device.type == "cuda"
         store = HostStore if ranks is None else functools.partial(SharedHostStore, ranks=ranks)
         refuse_delay_across_ranks(config.options, ranks is not None)
-        extra = {} if ranks is not None else {"update_delay": config.options.update_delay}
         self.store = store(config.model, config.torch_dtype, config.precision, pin=cuda, moments=config.optim.moments,
-                           **extra)
+                           update_delay=config.options.update_delay)
         self.store.initialise(config.seed, self.device)
         resident = self.plan.resident_units
         self.optimizer = (HostOptimizer if ranks is None else ShardedHostOptimizer)(
