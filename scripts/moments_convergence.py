@@ -1,6 +1,7 @@
 """Compact AdamW moments, and the update delayed a step, against exact fp32 AdamW on a real fine-tune: the finetune
 demo's data and model (finetune_demo.py), trained once per variant (--moments fp32,bf16,int8,fp32+delay: a moment
-format, '+delay' for the engine's option update_delay=1) with the held-out loss at every eval; one JSON record per run.
+format, '+delay' for the engine's option update_delay=1, '+delayK' with its first K updates exact,
+update_delay_warmup=K) with the held-out loss at every eval; one JSON record per run.
 
     python scripts/moments_convergence.py OUT [--steps 100] [--eval-every 20] [--shape 0.5b] [--device cuda]
     python scripts/moments_convergence.py OUT --shape tiny --device cpu --dtype float32 --steps 6 --eval-every 3 \
@@ -16,6 +17,7 @@ megatrain.optim.compact).
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -47,8 +49,11 @@ def tiny_init(out: Path) -> Path:
 
 def run_one(args, out: Path, init: Path, tokenizer: Path, variant: str) -> dict:
     moments, _, extra = variant.partition("+")
-    if extra not in ("", "delay"):
-        raise SystemExit(f"variant {variant!r}: a moment format ({', '.join(MOMENTS)}), optionally '+delay'")
+    delay = re.fullmatch(r"delay(\d*)", extra)
+    if extra and not delay:
+        raise SystemExit(f"variant {variant!r}: a moment format ({', '.join(MOMENTS)}), optionally '+delay' or "
+                         "'+delayK' (the first K updates exact)")
+    warmup = int(delay.group(1) or 0) if delay else 0
     run_dir = out / f"run-{variant}"
     cmd = [sys.executable, "-m", "megatrain", "train", "--init-from", str(init), "--tokenizer", str(tokenizer),
            "--data", str(out / "train.jsonl"), "--eval-data", str(out / "eval.jsonl"), "--eval-every",
@@ -58,8 +63,8 @@ def run_one(args, out: Path, init: Path, tokenizer: Path, variant: str) -> dict:
            "--log-every", str(args.eval_every), "--no-save", "--out", str(run_dir), "--overwrite"]
     if not args.resident and args.device == "cuda":
         cmd += ["--option", "resident_layers=0", "--option", "resident_embedding=false"]
-    if extra == "delay":
-        cmd += ["--option", "update_delay=1"]
+    if delay:
+        cmd += ["--option", "update_delay=1", "--option", f"update_delay_warmup={warmup}"]
     print("$", " ".join(cmd), flush=True)
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True)
@@ -67,7 +72,7 @@ def run_one(args, out: Path, init: Path, tokenizer: Path, variant: str) -> dict:
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     memory = run_dir / "memory.json"
     return {"what": "moments_convergence", "variant": variant, "moments": moments,
-            "update_delay": int(extra == "delay"), "shape": args.shape, "steps": args.steps,
+            "update_delay": int(bool(delay)), "update_delay_warmup": warmup, "shape": args.shape, "steps": args.steps,
             "seq": args.seq, "batch": args.batch, "device": args.device, "dtype": args.dtype, "command": cmd[1:],
             "eval_loss": {m["step"]: m["eval_loss"] for m in lines if "eval_loss" in m},
             "loss": {m["step"]: m["loss"] for m in lines if "loss" in m},
@@ -99,7 +104,8 @@ def main() -> int:
     p.add_argument("--vocab", type=int, default=16384, help="the BPE tokenizer's vocabulary (tiny: 512)")
     p.add_argument("--resident", action="store_true", help="let the plan keep units on the GPU")
     p.add_argument("--moments", default=",".join(MOMENTS),
-                   help="variants to run, fp32 first: moment formats, each optionally with '+delay' (update_delay=1)")
+                   help="variants to run, fp32 first: moment formats, each optionally with '+delay' (update_delay=1) "
+                        "or '+delayK' (and update_delay_warmup=K)")
     args = p.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

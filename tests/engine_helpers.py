@@ -35,28 +35,37 @@ def train(system: str, steps: int = 10, **kw) -> tuple[list[float], dict[str, to
         return losses, trainer.named_parameters_fp32(), trainer.metrics()
 
 
-def train_delayed_native(steps: int, **kw) -> tuple[list[float], dict[str, torch.Tensor]]:
+def train_delayed_native(steps: int, warmup: int = 0, **kw) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The reference of update_delay=1: native training where each AdamW step applies the previous step's gradient
-    (clipped by its own norm), and the last gradient once training ends (as the engine's export has it)."""
+    (clipped by its own norm), and the last gradient once training ends (as the engine's export has it); with
+    `warmup` (update_delay_warmup) the first `warmup` AdamW steps apply their own step's gradient."""
     with built("native", steps, **kw) as (trainer, data):
         opt = trainer.optimizer
         apply = opt.step
         params = [p for group in opt.param_groups for p in group["params"]]
         pending: list[torch.Tensor] = []
+        applied = 0
 
         def delayed_step():
+            nonlocal applied
+            if applied < warmup:
+                apply()
+                applied += 1
+                return
             clipped = [p.grad.clone() for p in params]
             if pending:
                 for p, g in zip(params, pending, strict=True):
                     p.grad.copy_(g)
                 apply()
             pending[:] = clipped
+            applied += 1
 
         opt.step = delayed_step
         losses = [trainer.step(*data.batch_at(i)) for i in range(steps)]
-        for p, g in zip(params, pending, strict=True):
-            p.grad = g
-        apply()
+        if pending:
+            for p, g in zip(params, pending, strict=True):
+                p.grad = g
+            apply()
         return losses, trainer.named_parameters_fp32()
 
 

@@ -31,6 +31,9 @@ class MegaTrainOptions(CommonOptions):
     # delayed parameter update): the host optimizer then overlaps the whole next step instead of its forward alone.
     # Not exact AdamW; +2 host B/param twice (the next step's weights, the pending gradient); every unit streams
     update_delay: int = 0
+    # with update_delay=1: the first K updates exact, the rest delayed (a warm-up while the gradients change fast, as
+    # ZeRO-Offload's delayed update starts after some steps and ZenFlow's full_warm_up_rounds)
+    update_delay_warmup: int = 0
     stream_stress: int | None = None  # debug: seed of random delays on every stream hand-off
     timeline: bool = True  # record the per-step stream timeline
 
@@ -48,6 +51,9 @@ class MegaTrainOptions(CommonOptions):
         if self.update_delay not in (0, 1):
             raise ValueError(f"option update_delay must be 0 (exact AdamW) or 1 (each update applies the previous "
                              f"step's gradient), got {self.update_delay}")
+        if self.update_delay_warmup < 0 or (self.update_delay_warmup and not self.update_delay):
+            raise ValueError(f"option update_delay_warmup counts the exact updates before update_delay=1 delays the "
+                             f"rest: a step count >= 0 with update_delay=1, got {self.update_delay_warmup}")
         if self.update_delay and (self.resident_embedding is True or self.resident_layers not in ("auto", 0)):
             raise ValueError("option update_delay=1 streams every unit (resident units update on the GPU at once): "
                              "drop resident_embedding/resident_layers or set them to false/0")

@@ -111,16 +111,15 @@ class HostOptimizer:
         self._thread = threading.Thread(target=self._run, name="megatrain-host-adamw", daemon=True)
         self._thread.start()
 
-    def submit(self, clip_coef: float, grad_ready: list, lr: float) -> None:
+    def submit(self, clip_coef: float, grad_ready: list, lr: float, delayed: bool = False) -> None:
         """Queue one optimizer step at learning rate lr; grad_ready[u] is the event after which unit u's gradients
-        are on the host. With the update delayed: of the pending gradients (HostStore.hand_over_grads), into the
-        next step's weights."""
+        are on the host. delayed: of the pending gradients (HostStore.hand_over_grads), into the next step's weights;
+        else in place."""
         done = [threading.Event() for _ in self.store.units]
         self.done = done
         self.step_count += 1
-        tiles = self.store.update_tiles
-        if self.store.weights_next is not None:
-            self.store.ahead = True
+        tiles = self.store.update_tiles(delayed)
+        self.store.ahead = delayed  # the next step's weights are ahead of the streamed ones once it lands
         self._jobs.put((done, clip_coef, grad_ready, self.step_count, lr, tiles))
 
     def shard(self, unit: Unit) -> tuple[int, int]:
@@ -182,11 +181,10 @@ class HostOptimizer:
                 for ev in done:
                     ev.set()
 
-    def _update(self, unit, clip_coef: float, step: int, lr: float, tiles: tuple | None = None) -> None:
-        """One unit's update. tiles: the job's HostStore.update_tiles (default: the store's now); where they differ
-        and the weights are the master, the streamed weights are copied to the next step's first."""
+    def _update(self, unit, clip_coef: float, step: int, lr: float, tiles: tuple) -> None:
+        """One unit's update. tiles: the job's HostStore.update_tiles; where the weights read and written differ and
+        there is no master, the streamed weights are copied to the next step's first."""
         s, o = self.store, self.optim
-        tiles = tiles or s.update_tiles
         grads, weights = s.tile(tiles[0], unit), s.tile(tiles[2], unit)
         master = s.tile(s.master, unit) if s.master is not None else None
         if tiles[2] is not tiles[1] and master is None:

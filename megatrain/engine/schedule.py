@@ -115,7 +115,8 @@ class Schedule:
         self._late_optim_spans: list = []  # host updates still running when the last step ended: in the next too
         self.skipped_steps = 0  # steps whose gradient norm was not finite: no update applied
         self.lr = config.optim.lr  # of the next update (a learning-rate schedule sets it before each step)
-        self.delayed = bool(config.options.update_delay)  # each update applies the previous step's gradient
+        # update_delay: from which update on each applies the previous step's gradient (None: every update exact)
+        self.delay_from = config.options.update_delay_warmup if config.options.update_delay else None
         if streams.cuda:  # the rotary tables and resident copies above ran on the default stream, which the
             torch.cuda.synchronize(device)  # side streams do not wait for
 
@@ -137,7 +138,7 @@ class Schedule:
             self._update_resident_units(clip)
         if self.streams.cuda:
             torch.cuda.synchronize(self.device)
-        if self.delayed:  # the previous step's update ran behind this whole step: the next step streams its result
+        if self.delay_from is not None:  # a delayed update ran behind this whole step: the next step streams its result
             step.stats["optim_wait_s"] += self._land_delayed_update()
         step_s = time.perf_counter() - host_t0
         if skip:
@@ -145,15 +146,17 @@ class Schedule:
             warnings.warn(f"step {len(self.history)}: gradient norm is {total_norm}; update skipped "
                           f"({self.skipped_steps} skipped so far)", stacklevel=2)
         else:
-            if self.delayed:  # this step's gradients wait a step on the host; the next step writes the other copy
+            delayed = self.delay_from is not None and self.optimizer.step_count >= self.delay_from
+            if delayed:  # this step's gradients wait a step on the host; the next step writes the other copy
                 self.store.hand_over_grads()
-            self.optimizer.submit(clip, step.grad_ready, self.lr)
+            self.optimizer.submit(clip, step.grad_ready, self.lr, delayed)
         self._record_step(step, host_t0, step_s, total_norm, skip)
         return loss
 
     def _land_delayed_update(self) -> float:
         """update_delay: wait for the update submitted a step ago (the seconds waited: the optimizer's exposed time)
-        and make the weights it wrote the ones the next step streams."""
+        and, when it was delayed, make the weights it wrote the ones the next step streams (an exact one, of the
+        warm-up, landed in place before this step streamed them)."""
         t0 = time.perf_counter()
         self.optimizer.flush()
         if self.store.ahead:
@@ -255,8 +258,8 @@ class Schedule:
 
     def _load(self, step: StepState, unit: Unit, dst: torch.Tensor, after) -> object:
         """Stream unit's weights into dst on the H2D stream once `after` (last reader of dst) is done (and, unless the
-        update is delayed, once the host optimizer has updated them)."""
-        if not self.delayed:
+        pending update is a delayed one that writes the next step's copy, once the host optimizer has updated them)."""
+        if not self.store.ahead:
             step.stats["optim_wait_s"] += self.optimizer.wait(unit.index)
         s = self.streams
         s.wait("h2d", after)

@@ -99,9 +99,9 @@ class ShardedHostOptimizer(HostOptimizer):
     def shard(self, unit: Unit) -> tuple[int, int]:
         return self.ranks.shard(unit.numel)
 
-    def submit(self, clip_coef: float, grad_ready: list, lr: float) -> None:
+    def submit(self, clip_coef: float, grad_ready: list, lr: float, delayed: bool = False) -> None:
         self.submitted += 1
-        super().submit(clip_coef, grad_ready, lr)
+        super().submit(clip_coef, grad_ready, lr, delayed)
 
     def _update(self, unit, *args) -> None:
         super()._update(unit, *args)

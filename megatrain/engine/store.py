@@ -86,12 +86,13 @@ class HostStore:
         """update_delay: the gradients this step wrote become the pending ones; the next step writes the other copy."""
         self.grads, self.grads_pending = self.grads_pending, self.grads
 
-    @property
-    def update_tiles(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def update_tiles(self, delayed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The flat (gradients, weights read, weights written) of the next host update: the gradients and weights in
         place, or with the update delayed the pending gradients and the next step's weights."""
-        if self.weights_next is None:
+        if not delayed:
             return self.grads, self.weights, self.weights
+        if self.weights_next is None:
+            raise RuntimeError("a delayed update needs the store's second copies: build it with update_delay=1")
         return self.grads_pending, self.weights, self.weights_next
 
     @property

@@ -81,11 +81,9 @@ class StreamingSystem:
             "weight_slots": 2,
             "grad_slots": 2,
             "streams": ["h2d", "compute", "d2h"] if self.streams.cuda else ["host"],
-            "optimizer": f"host AdamW ({self.optimizer.kernel} kernel) on flat tiles, " + (
-                "each update applying the previous step's gradient behind the whole next step (update_delay=1: "
-                "bounded staleness of one step)" if self.config.options.update_delay else
-                "overlapped with the next forward"),
+            "optimizer": f"host AdamW ({self.optimizer.kernel} kernel) on flat tiles, " + self._update_timing(),
             "update_delay": self.config.options.update_delay,
+            "update_delay_warmup": self.config.options.update_delay_warmup,
             "adamw_moments": self.config.optim.moments,
             "activation_checkpointing": self._checkpointing(),
             "offloaded_layers": self.schedule.acts.offloaded,
@@ -103,6 +101,15 @@ class StreamingSystem:
                 "optimizer_sharding": "each rank updates its shard of every streamed unit; resident units "
                                       "replicated"}),
         }
+
+    def _update_timing(self) -> str:
+        options = self.config.options
+        if not options.update_delay:
+            return "overlapped with the next forward"
+        warmup = f"after {options.update_delay_warmup} exact updates overlapped with the next forward, " \
+            if options.update_delay_warmup else ""
+        return f"{warmup}each update applying the previous step's gradient behind the whole next step " \
+            "(update_delay=1: bounded staleness of one step)"
 
     def metrics(self, warmup_steps: int = 0) -> dict:
         timed = self.schedule.history[warmup_steps:] or self.schedule.history

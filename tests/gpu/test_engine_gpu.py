@@ -154,19 +154,20 @@ def test_fp32_parity_holds_under_stream_stress(name, seed, check):
     _fp32_check(check, name, "clip-active", seed)
 
 
-DELAY_SEEDS = [None, 1, 2]
+DELAY_CASES = [(None, 0), (1, 0), (2, 0), (1, 3)]  # (stream stress seed, update_delay_warmup)
 
 
-@pytest.mark.parametrize("seed", DELAY_SEEDS)
-def test_fp32_delayed_update_matches_adamw_of_the_previous_gradient_under_stress(seed, check):
+@pytest.mark.parametrize("seed,warmup", DELAY_CASES)
+def test_fp32_delayed_update_matches_adamw_of_the_previous_gradient_under_stress(seed, warmup, check):
     """update_delay=1: the host optimizer writes the next step's weights while this step streams its own and reads
-    the pending gradient while this step's backward writes the other copy. Against native applying each step's
-    clipped gradient a step late (engine_helpers.train_delayed_native), under the usual tolerance."""
+    the pending gradient while this step's backward writes the other copy; with a warm-up, its first updates are
+    exact and the schedule changes over mid-run. Against native applying each step's clipped gradient a step late
+    (engine_helpers.train_delayed_native), under the usual tolerance."""
     kw = {**FP32_BASE, "optim": CLIPPING["clip-active"]}
     native_kw = {**kw, "compile": False}
-    native = train_delayed_native(FP32_STEPS, **native_kw)
-    reordered = train_delayed_native(FP32_STEPS, **{**native_kw, "micro_batch": kw["micro_batch"] // 2})
-    options = {**STREAMED, "update_delay": 1, "stream_stress": seed}
+    native = train_delayed_native(FP32_STEPS, warmup, **native_kw)
+    reordered = train_delayed_native(FP32_STEPS, warmup, **{**native_kw, "micro_batch": kw["micro_batch"] // 2})
+    options = {**STREAMED, "update_delay": 1, "update_delay_warmup": warmup, "stream_stress": seed}
     ours = train("megatrain", FP32_STEPS, options=options, **kw)
     result = _fp32_compare(*ours[:2], native, native, reordered)
     check.update(case={k: v for k, v in kw.items() if k != "optim"}, optim=vars(CLIPPING["clip-active"]),
@@ -195,6 +196,7 @@ SANITIZER_SETS = {
     "moe": ({"model": "tiny-moe"}, {}),
     "gpt-oss": ({"model": "tiny-gpt-oss"}, {}),
     "update-delay": ({}, {"update_delay": 1}),
+    "update-delay-after-1-exact": ({}, {"update_delay": 1, "update_delay_warmup": 1}),
 }
 _SANITIZED_RUNS = """
 import json, sys

@@ -505,6 +505,8 @@ DELAYED = {
                        optim=OptimConfig(lr=1e-3, max_grad_norm=0.05)),
     "tied-torch-kernel": dict(model="tiny-tied", batch=2, seq=7, steps=5, optim=OptimConfig(lr=1e-3),
                               options={"optimizer_kernel": "torch"}),
+    "warmup-2": dict(model="tiny", num_layers=3, batch=4, micro_batch=2, seq=16, steps=6,
+                     optim=OptimConfig(lr=1e-3, max_grad_norm=0.05), options={"update_delay_warmup": 2}),
 }
 
 
@@ -513,20 +515,27 @@ def test_delayed_update_matches_adamw_applying_the_previous_steps_gradient(name)
     kw = dict(DELAYED[name])
     steps = kw.pop("steps")
     options = kw.pop("options", {})
-    ref_losses, ref_params = train_delayed_native(steps, **kw)
+    warmup = options.get("update_delay_warmup", 0)
+    ref_losses, ref_params = train_delayed_native(steps, warmup, **kw)
     losses, params, metrics = _train("megatrain", steps=steps, **kw, options={**options, "update_delay": 1})
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     for n in params:
         torch.testing.assert_close(params[n], ref_params[n], rtol=1e-5, atol=1e-5, msg=n)
-    exact, _, _ = _train("megatrain", steps=steps, **kw, options=options)
-    assert losses[0] == exact[0] and losses[1] != exact[1]  # step 1 trains on the initial weights still
+    exact_options = {k: v for k, v in options.items() if k != "update_delay_warmup"}
+    exact, _, _ = _train("megatrain", steps=steps, **kw, options=exact_options)
+    # the warm-up's updates are exact: until the first delayed one lands, step by step the same run
+    assert losses[:warmup + 1] == exact[:warmup + 1] and losses[warmup + 1] != exact[warmup + 1]
     assert metrics["host_store_bytes_per_param"] == pytest.approx(16 + 8, rel=1e-3)  # fp32: + weights and grads
 
 
-@pytest.mark.parametrize("precision,dtype", [("mixed", "bfloat16"), ("bf16", "bfloat16"), ("mixed", "float32")])
-def test_delayed_run_resumes_bitwise_and_evaluates_the_latest_weights(tmp_path, precision, dtype):
+@pytest.mark.parametrize("precision,dtype,warmup", [("mixed", "bfloat16", 0), ("bf16", "bfloat16", 0),
+                                                   ("mixed", "float32", 0), ("mixed", "bfloat16", 4)])
+def test_delayed_run_resumes_bitwise_and_evaluates_the_latest_weights(tmp_path, precision, dtype, warmup):
+    """Saved after 3 steps and resumed; with a warm-up of 4 the save is in the warm-up and the resumed run delays
+    its last update."""
     case = dict(model="tiny", num_layers=2, batch=2, seq=16, steps=5, precision=precision, dtype=dtype,
-                optim=OptimConfig(lr=1e-3, max_grad_norm=0.05), options={"update_delay": 1})
+                optim=OptimConfig(lr=1e-3, max_grad_norm=0.05),
+                options={"update_delay": 1, "update_delay_warmup": warmup})
     straight = _train("megatrain", **case)[:2]
     with built("megatrain", **case) as (trainer, data):
         losses = [trainer.step(*data.batch_at(i)) for i in range(3)]
@@ -550,6 +559,8 @@ def test_delayed_update_with_a_non_finite_step_skips_it_and_trains_on():
 
 
 @pytest.mark.parametrize("options,why", [({"update_delay": 2}, r"must be 0 \(exact AdamW\) or 1"),
+                                         ({"update_delay_warmup": 3}, "with update_delay=1"),
+                                         ({"update_delay": 1, "update_delay_warmup": -1}, "step count >= 0"),
                                          ({"update_delay": 1, "resident_layers": 1}, "streams every unit"),
                                          ({"update_delay": 1, "resident_embedding": True}, "streams every unit")])
 def test_update_delay_refuses_what_it_cannot_do(options, why):
