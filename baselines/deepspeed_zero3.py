@@ -78,6 +78,9 @@ ZENFLOW = {"topk_ratio": 0.05, "select_strategy": "auto", "select_interval": "au
 HOST_BYTES_PER_PARAM = 25  # ZeRO-3 offload's measured host peak beyond the process, rounded up (memory_bytes)
 MOE_HOST_BYTES_PER_PARAM = 30  # the same with a MoE block as the ZeRO-3 leaf
 ZERO2_HOST_BYTES_PER_PARAM = 28  # ZeRO-Offload's, one micro-batch a step (_zero2_memory_bytes)
+# ZenFlow accumulating micro-batches: killed by the kernel at 3.42B on a 126 GiB host (Qwen2.5-7B width, 10 layers,
+# batch 64 in 4 micro-batches, H100: results/host_optimizer), where ZeRO-Offload peaked at 82 GiB: at least 36 B/param
+ZENFLOW_ACCUMULATING_HOST_BYTES_PER_PARAM = 37
 
 
 def memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
@@ -109,11 +112,17 @@ def _zero2_memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
     partitioned over the ranks. DeepSpeed's estimate_zero2_model_states_mem_needs says 24 B/param; the host peak
     beyond the process measured 27.9 (116.25 GiB RSS: Qwen2.5-7B width, 14 layers, batch 16 in one micro-batch, H100:
     results/host_optimizer), and the same case accumulating 4 micro-batches was killed by the kernel on a 126 GiB host
-    (its fp32 accumulation buffer on the host: 4 B/param more). Its estimate leaves the gradients off the GPU (reduced
+    (its fp32 accumulation buffer on the host: 4 B/param more). The footprint is not linear in the parameters: at
+    10 layers (3.42B) the same cases peaked at 69 and 82 GiB (21.8 and 25.6 B/param with the process), as if each of
+    DeepSpeed's pinned fp32 buffers were rounded up to a power of two (torch's pinned host allocator does so; not
+    measured buffer by buffer): 28 bounds both depths. ZenFlow accumulating micro-batches needs more
+    (ZENFLOW_ACCUMULATING_HOST_BYTES_PER_PARAM). Its estimate leaves the gradients off the GPU (reduced
     in buckets and offloaded as backward goes): counting them all is the bound."""
     n = case.model_config().num_params()
     accumulates = accumulation_steps(case.batch, case.micro_batch, world) > 1
     per = ZERO2_HOST_BYTES_PER_PARAM + (FP32_BYTES if accumulates else 0)
+    if case.opts.zenflow and accumulates:
+        per = ZENFLOW_ACCUMULATING_HOST_BYTES_PER_PARAM
     return -(-n * per // world), 2 * case.dtype_bytes * n + activation_bytes(case)
 
 
@@ -337,7 +346,12 @@ class DeepSpeedSystem:
             self.engine.backward(loss * self.world, scale_wrt_gas=False)
             self.engine.step()  # the optimizer steps (clipping first) only at the accumulation boundary
             total += loss.detach().float()
-        assert self.engine.global_steps == steps_before + 1, "micro-batches and gradient_accumulation_steps disagree"
+        if self.case.opts.zenflow:  # its boundaries are its own host updates (update_interval): not one a step
+            assert self.engine.micro_steps % self.config["gradient_accumulation_steps"] == 0, \
+                "micro-batches and gradient_accumulation_steps disagree"
+        else:
+            assert self.engine.global_steps == steps_before + 1, \
+                "micro-batches and gradient_accumulation_steps disagree"
         return summed_loss(self.ranks, total)
 
     @property
