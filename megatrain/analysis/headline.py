@@ -252,30 +252,28 @@ def largest_model(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Pa
         parts.append(f"the paper's limits (out of memory: {named}) are on other machines' memory: not comparable")
     sentence = "; ".join(parts)
     return sentence[0].upper() + sentence[1:] + ".", _largest_figure(table, path), (
-        "Each system's size ladder on this host: the largest model that trained (filled, its shape inside the "
-        "bar; hatched: compiled), and the next larger rung (outlined) with why it did not run. A pre-flight "
-        "refusal states the memory it needed: see the tables below.")
+        "Each system's size ladder on this host: the largest model that trained (filled, its size and shape "
+        "beside its name; hatched: compiled), and the next larger rung (outlined) with why it did not run. A "
+        "pre-flight refusal states the memory it needed: see the tables below.")
 
 
 def _largest_figure(table: pd.DataFrame, path: Path) -> Path:
     several = table["profile"].nunique() > 1
-    fig, axes = plots._figure(height=0.55 * len(table) + 1.6)
+    fig, axes = plots._figure(height=0.6 * len(table) + 1.6)
     ax = axes[0][0]
     ticks = []
     for y, (_, r) in enumerate(table.iterrows()):
         style = plots._bar_style(r["system"])
-        ticks.append(f"{r['system']}\n{r['profile']}" if several else r["system"])
+        trained = "" if pd.isna(r["params (B)"]) else f"\n{r['params (B)']:.1f}B {r['largest trained']}"
+        ticks.append((f"{r['system']}\n{r['profile']}" if several else r["system"]) + trained)
         if not pd.isna(r["its params (B)"]):
             ax.barh(y, r["its params (B)"], height=0.6, fill=False, edgecolor=style["color"], linestyle="--")
             ax.annotate(f"next: {r['its params (B)']:.1f}B ({r['next larger']}), "
                         f"{tables.short_reason(r['status'], r['why'])}", (r["its params (B)"], y), xytext=(4, 0),
                         textcoords="offset points", va="center", fontsize=8)
-        if not pd.isna(r["params (B)"]):
+        if not pd.isna(r["params (B)"]):  # its size and shape on its tick: a short bar has no room for them
             ax.barh(y, r["params (B)"], height=0.6, **style)
-            ax.annotate(f"{r['params (B)']:.1f}B {r['largest trained']}", (r["params (B)"], y), xytext=(-6, 0),
-                        textcoords="offset points", ha="right", va="center", fontsize=8, color="white",
-                        fontweight="bold", bbox={"facecolor": style["color"], "edgecolor": "none", "pad": 1.5})
-    ax.set_yticks(range(len(table)), ticks)
+    ax.set_yticks(range(len(table)), ticks, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlim(0, table["its params (B)"].fillna(table["params (B)"]).max() * 1.8)
     ax.set(xlabel="parameters (B)", title="The largest model each system trained on this host")
@@ -378,6 +376,126 @@ def throughput(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path)
     return "; ".join(parts) + ".", figure, caption
 
 
+# ---- host_optimizer: what the host optimizer costs a small batch, per option, and every offload peer at its best ----
+
+def _peer(system: str, label: str) -> str:
+    """The peer a case measures, as a sentence names it: DeepSpeed by its offload mode (its label's variant); another
+    system whatever its label (FSDP2's variants are settings of one mode: the sentence takes the best)."""
+    if system == "deepspeed":
+        return DEEPSPEED_MODES.get(plots.split_label(label)[1], SYSTEM_NAMES["deepspeed"])
+    return SYSTEM_NAMES.get(system, system)
+
+
+def _option(label: str) -> str:
+    """A MegaTrain label's option as a short phrase: 'megatrain-streamed-mixed-delayed-compiled' -> 'streamed mixed
+    delayed'; the default label is 'as planned'."""
+    variant = plots.split_label(label)[1]
+    return variant.replace("-", " ") if variant else "as planned"
+
+
+def _small_over_large(mine: pd.DataFrame, small: int, large: int) -> pd.DataFrame:
+    """Per MegaTrain label that ran both batches: TFLOPS at each, their ratio, and the host optimizer's exposed share
+    of the small batch's step."""
+    tflops = mine.pivot_table(index="label", columns="batch", values="tflops", aggfunc="max")
+    both = tflops.dropna(subset=[small, large]) if {small, large} <= set(tflops.columns) else tflops.iloc[:0]
+    exposed = mine[mine["batch"] == small].set_index("label")["exposed_optim_frac"]
+    return pd.DataFrame({"small": both[small], "large": both[large], "ratio": both[small] / both[large],
+                         "exposed": exposed.reindex(both.index)})
+
+
+def _streamed_exact(mine: pd.DataFrame) -> str | None:
+    """The label of MegaTrain streamed (nothing resident), exact AdamW (no update delay, fp32 moments), mixed."""
+    exact = mine[(mine["resident_units"] == 0) & (mine["update_delay"].fillna(0) == 0) & (mine["moments"] == "fp32")
+                 & (mine["precision"] == "mixed") & (mine["label"].map(lambda x: plots.split_label(x)[1] != ""))]
+    return exact["label"].iloc[0] if len(exact) else None
+
+
+def _against(theirs: pd.DataFrame, mine: pd.DataFrame, references: list[tuple[str, str]], batches) -> str:
+    """One peer at each batch: its best TFLOPS over its labels and MegaTrain's references' ratios to it, or why it
+    did not run."""
+    figures = []
+    for batch in batches:
+        at = theirs[theirs["batch"] == batch]
+        best = at[at["status"] == "ok"]["tflops"].max()
+        if pd.isna(best):
+            if len(at):
+                figures.append(f"batch {batch} {tables.short_reason(at['status'].iloc[0], at['error'].iloc[0])}")
+            continue
+        ratios = []
+        for label, name in references:
+            ours = mine[(mine["label"] == label) & (mine["batch"] == batch)]["tflops"].max()
+            if not pd.isna(ours):
+                ratios.append(f"{name} {ours / best:.2f}x")
+        figures.append(f"batch {batch} {best:.0f} TFLOPS" + (f" (MegaTrain {', '.join(ratios)})" if ratios else ""))
+    return "; ".join(figures)
+
+
+def host_optimizer(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path):
+    """Per depth, its latest session: MegaTrain's small-batch TFLOPS over its large-batch, with the exposed host
+    optimizer, per option; then MegaTrain as planned and streamed exact against each peer's best label per batch."""
+    parts, panels = [], []
+    for layers in sorted(scope["num_layers"].unique(), reverse=True):
+        rows = scope[scope["num_layers"] == layers]
+        session = rows[rows["session"] == rows["session"].max()]
+        ok = session[session["status"] == "ok"]
+        mine = ok[ok["system"] == "megatrain"]
+        if mine.empty:
+            continue
+        small, large = int(session["batch"].min()), int(session["batch"].max())
+        options = _small_over_large(mine, small, large)
+        if options.empty:
+            continue
+        panels.append((layers, session, options))
+        said = [f"{_option(label)} {r.ratio:.2f}x" + ("" if pd.isna(r.exposed) else f" ({r.exposed:.0%})")
+                for label, r in options.loc[plots.ordered_labels(options.index)].iterrows()]
+        text = (f"at {layers} layers ({session['params_b'].iloc[0]:.2f}B, {session['model_name'].iloc[0]} width, seq "
+                f"{session['seq'].iloc[0]}) on {_machine(session)}, <b>MegaTrain's batch {small} runs at "
+                f"{_join(said)} of its batch-{large} TFLOPS</b> (in brackets the host optimizer's exposed share of the "
+                f"batch-{small} step)")
+        default = mine[mine["label"].map(lambda x: plots.split_label(x)[1] == "")]["label"]
+        references = [(label, name) for label, name in ((default.max() if len(default) else None, "as planned"),
+                                                        (_streamed_exact(mine), "streamed exact")) if label]
+        peers = session[session["system"] != "megatrain"]
+        names = pd.Series([_peer(system, label) for system, label in zip(peers["system"], peers["label"],
+                                                                          strict=True)], index=peers.index)
+        against = [f"{peer}: {_against(peers[names == peer], mine, references, (small, large))}"
+                   for peer in sorted(set(names))]
+        if against:
+            text += f"; each peer at its best label per batch, and MegaTrain's ratio to it: {'; '.join(against)}"
+        parts.append(text)
+    if not panels:
+        return "<b>No MegaTrain case ran ok at both batches in a latest session.</b>", None, ""
+    figure = _host_optimizer_figure(panels, path)
+    caption = ("MegaTrain's TFLOPS at the small batch over the large one, per option, in each depth's latest session; "
+               "the label beside each bar: the host optimizer's exposed share of the small batch's step. Options "
+               "named delayed apply each update a step late (update_delay=1), and bf16/int8 moments are compact: "
+               "neither is exact AdamW (their convergence cost: results/moments).")
+    sentence = "; ".join(parts)
+    return sentence[0].upper() + sentence[1:] + ".", figure, caption
+
+
+def _host_optimizer_figure(panels: list, path: Path) -> Path:
+    height = 0.32 * max(len(options) for _, _, options in panels) + 1.4
+    fig, axes = plots._figure(1, len(panels), height=height)
+    for ax, (layers, session, options) in zip(axes[0], panels, strict=True):
+        labels = plots.ordered_labels(options.index)
+        ratios = options.loc[labels, "ratio"].to_numpy()
+        bars = ax.barh(range(len(labels)), ratios, height=0.6,
+                       color=[plots.label_style(label)["color"] for label in labels])
+        ax.bar_label(bars, labels=[f"{r:.2f}x" + ("" if pd.isna(e) else f", {e:.0%}")
+                                   for r, e in zip(ratios, options.loc[labels, "exposed"], strict=True)],
+                     padding=3, fontsize=8)
+        ax.set_yticks(range(len(labels)), [_option(label) for label in labels], fontsize=8)
+        ax.invert_yaxis()
+        ax.axvline(0.8, color="black", linestyle=":", linewidth=1)
+        ax.set_xlim(0, 1.35)
+        batches = sorted(session["batch"].unique())
+        ax.set(xlabel=f"batch {batches[0]} TFLOPS / batch {batches[-1]}",
+               title=f"{layers} layers ({session['params_b'].iloc[0]:.2f}B)")
+        ax.grid(axis="x", alpha=0.3)
+    return plots._save(fig, path)
+
+
 # ---- paths: every system's path, on CPU ----
 
 def paths(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path):
@@ -421,4 +539,4 @@ def paths(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path):
 
 
 HEADLINES: dict[str, Callable] = {"longest_seq": longest_seq, "largest_model": largest_model,
-                                  "throughput": throughput, "paths": paths}
+                                  "throughput": throughput, "paths": paths, "host_optimizer": host_optimizer}

@@ -221,7 +221,7 @@ def tflops_vs_model(df: pd.DataFrame, path: Path) -> Path | None:
     if ok["model"].nunique() < 2:
         return None
     best = _best_per(ok, ["label", "model"])
-    fig, axes = _figure(height=4.6)
+    fig, axes = _figure(height=4.6 + 0.25 * -(-best["label"].nunique() // 3))  # room for the legend's rows
     ax = axes[0][0]
     for label, g in _by_label(best):
         _size_series(ax, g, "tflops", label)
@@ -397,9 +397,9 @@ def traces(rows: pd.DataFrame, results_dir: Path, path: Path) -> Path | None:
             loaded.append((row, json.loads(file.read_text())["samples"]))
     if not loaded:
         return None
-    fig, axes = _figure(len(loaded), 2, height=2.6 * len(loaded))
+    fig, axes = _figure(len(loaded), 2, height=2.9 * len(loaded))
     for (row, s), (left, right) in zip(loaded, axes, strict=True):
-        name = f"{row['label']} {row['model']} b{row['batch']} s{row['seq']}"
+        name = f"{row['label']}\n{row['model']} b{row['batch']} s{row['seq']}"  # a long label gets a line of its own
         color = label_style(row["label"])["color"]
         if "pcie_rx_gbs" in s:
             left.plot(s["t_s"], s["pcie_rx_gbs"], color=color, label="rx (host to GPU)")

@@ -80,6 +80,9 @@ def records_frame(records: list[dict]) -> pd.DataFrame:
             "plan_gpu_gib": plan["gpu_bytes"] / GIB if "gpu_bytes" in plan else None,
             "resident_units": len((r.get("system_config") or {}).get("resident_units") or [])
             if r["system"] == "megatrain" and r["status"] == "ok" else None,
+            "update_delay": (r.get("system_config") or {}).get("update_delay", 0) if r["system"] == "megatrain"
+            else None, "moments": (r["config"].get("optim") or {}).get("moments", "fp32"),
+            "exposed_optim_frac": (r.get("metrics") or {}).get("exposed_optim_frac"),
             "trace_path": trace.get("path"), "has_timeline": bool((r.get("metrics") or {}).get("timeline")),
             "gpu_mem_gib": r["env"].get("gpu_mem_gib"), "commit": r["env"]["commit"],
             "host_kind": r["env"].get("hostname_kind"), "gpu": r["env"]["gpu"],

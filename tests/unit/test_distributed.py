@@ -200,9 +200,9 @@ def test_three_ranks_shards_updated_apart_equal_the_whole_update(kernel, moments
         for store in stores:
             store.grads.copy_(grads)
         for unit in stores[0].units:
-            whole._update(unit, 0.5, step, 1e-2)
+            whole._update(unit, 0.5, step, 1e-2, stores[0].update_tiles(False))
             for rank in ranks:
-                rank._update(unit, 0.5, step, 1e-2)
+                rank._update(unit, 0.5, step, 1e-2, rank.store.update_tiles(False))
     def tiles(store, unit):  # the unit's state (a flat tensor's padding after a tile is never written)
         return [store.tile(store.weights, unit), store.tile(store.master, unit),
                 *store.moment_tiles(unit).tensors().values()]

@@ -470,3 +470,47 @@ def test_a_sentence_names_deepspeeds_offload_modes_by_mode_not_as_zero3_variants
     assert prose("deepspeed-compiled") == "DeepSpeed ZeRO-3 offload (compiled)"
     assert prose("deepspeed-zero-offload-compiled") == "DeepSpeed ZeRO-Offload (compiled)"
     assert prose("deepspeed-zenflow") == "DeepSpeed ZenFlow over ZeRO-Offload (bounded staleness)"
+
+
+def _host_optimizer_records() -> list[dict]:
+    def case(system, label, batch, tflops, layers=14, status="ok", **extra):
+        run = "20260101-000000-aaaa" if layers == 14 else "20260202-000000-bbbb"
+        r = _record(system, batch, tflops, status=status, model="qwen2.5-7b", num_layers=layers, run_id=run,
+                    suite="host_optimizer", case_id=f"{label}-{layers}-{batch}", **extra)
+        r["suite"]["label"] = label
+        return r
+
+    def ours(label, batch, tflops, exposed, resident=(), delay=0, layers=14):
+        return case("megatrain", label, batch, tflops, layers, metrics={"exposed_optim_frac": exposed},
+                    system_config={"resident_units": list(resident), "update_delay": delay})
+
+    return [ours("megatrain", 16, 410.0, 0.24, resident=(0, 1, 2)), ours("megatrain", 64, 480.0, 0.07, resident=(0, 1)),
+            ours("megatrain-streamed-mixed", 16, 240.0, 0.55), ours("megatrain-streamed-mixed", 64, 450.0, 0.2),
+            ours("megatrain-streamed-mixed-delayed", 16, 390.0, 0.12, delay=1),
+            ours("megatrain-streamed-mixed-delayed", 64, 480.0, 0.0, delay=1),
+            case("deepspeed", "deepspeed", 16, 150.0), case("deepspeed", "deepspeed", 64, 275.0),
+            case("deepspeed", "deepspeed-zero-offload", 16, 0, status="skipped"),
+            case("fsdp", "fsdp", 16, 100.0), case("fsdp", "fsdp", 64, 34.0),
+            case("fsdp", "fsdp2-offload-accumulate-on-gpu", 64, 200.0),
+            ours("megatrain", 16, 430.0, 0.2, resident=(0,), layers=10),
+            ours("megatrain", 64, 490.0, 0.03, resident=(0,), layers=10),
+            case("deepspeed", "deepspeed-zero-offload", 16, 155.0, layers=10),
+            case("deepspeed", "deepspeed-zero-offload", 64, 263.0, layers=10)]
+
+
+def test_host_optimizer_opens_with_each_options_small_batch_share_and_each_peer_at_its_best(tmp_path):
+    scope = tables.latest_records(tables.records_frame(_host_optimizer_records()))
+    head = headline.headline("host_optimizer", scope, tmp_path)
+    deepest, shallower = head.sentence.split("; at 10 layers")
+    assert deepest.startswith("At 14 layers (")
+    # each option's batch-16 TFLOPS over its batch-64, with the host optimizer's exposed share of the batch-16 step
+    assert "batch 16 runs at as planned 0.85x (24%), streamed mixed 0.53x (55%) and streamed mixed delayed 0.81x " \
+           "(12%)" in deepest
+    # ratios to as planned and to streamed exact (nothing resident, no delay, fp32 moments), per peer and batch
+    assert "DeepSpeed ZeRO-3 offload: batch 16 150 TFLOPS (MegaTrain as planned 2.73x, streamed exact 1.60x)" in deepest
+    assert "DeepSpeed ZeRO-Offload: batch 16 skipped, host memory" in deepest
+    # FSDP2 at its best label per batch: accumulating on the GPU at 64
+    assert "FSDP2 offload: batch 16 100 TFLOPS (MegaTrain as planned 4.10x, streamed exact 2.40x); batch 64 200 " \
+           "TFLOPS (MegaTrain as planned 2.40x, streamed exact 2.25x)" in deepest
+    assert "DeepSpeed ZeRO-Offload: batch 16 155 TFLOPS (MegaTrain as planned 2.77x); batch 64 263 TFLOPS" in shallower
+    assert head.figure.exists()
