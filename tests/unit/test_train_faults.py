@@ -107,6 +107,21 @@ def test_sigterm_saves_like_ctrl_c_and_the_previous_handler_comes_back(straight,
     assert _resume(out) == 0 and _losses_once_each(out) == losses
 
 
+def test_a_delayed_update_run_stopped_by_sigterm_across_its_warm_up_resumes_bitwise(straight, tmp_path):
+    """update_delay=1 after 2 exact updates: SIGTERM during step 3 (just past the change-over) saves both weight
+    copies and the pending update applied; the resumed run's losses are the uninterrupted delayed run's."""
+    init, data, exact, _ = straight
+    delayed = [*SAVES, "--option", "update_delay=1", "--option", "update_delay_warmup=2"]
+    assert run_train(init, data, tmp_path / "straight", steps=8, extra=delayed) == 0
+    losses = _losses_once_each(tmp_path / "straight")
+    assert losses[:3] == exact[:3] and losses[3] != exact[3], "exact until the first delayed update lands"
+    out = tmp_path / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        interrupt_at_step(mp, 3, signal.SIGTERM)
+        assert run_train(init, data, out, steps=8, extra=delayed) == 143
+    assert _resume(out) == 0 and _losses_once_each(out) == losses
+
+
 def _interrupted_at_6(init, data, out):
     """A run of 8 steps stopped after step 6: checkpoints at steps 2, 4 and 6, metrics of steps 1-6."""
     with pytest.MonkeyPatch.context() as mp:
