@@ -44,8 +44,9 @@ from baselines.dist import (
 )
 from megatrain.compile_check import compile_check
 from megatrain.config import CaseConfig
-from megatrain.engine.distributed import accumulation_steps
+from megatrain.engine.distributed import accumulation_steps, launch_size
 from megatrain.engine.templates import LayerTemplate
+from megatrain.memory import Budget
 from megatrain.models import DecoderLayer, Transformer
 from megatrain.models.hf import copy_named_weights
 from megatrain.models.init import init_module
@@ -78,9 +79,6 @@ ZENFLOW = {"topk_ratio": 0.05, "select_strategy": "auto", "select_interval": "au
 HOST_BYTES_PER_PARAM = 25  # ZeRO-3 offload's measured host peak beyond the process, rounded up (memory_bytes)
 MOE_HOST_BYTES_PER_PARAM = 30  # the same with a MoE block as the ZeRO-3 leaf
 ZERO2_HOST_BYTES_PER_PARAM = 28  # ZeRO-Offload's, one micro-batch a step (_zero2_memory_bytes)
-# ZenFlow accumulating micro-batches: killed by the kernel at 3.42B on a 126 GiB host (Qwen2.5-7B width, 10 layers,
-# batch 64 in 4 micro-batches, H100: results/host_optimizer), where ZeRO-Offload peaked at 82 GiB: at least 36 B/param
-ZENFLOW_ACCUMULATING_HOST_BYTES_PER_PARAM = 37
 
 
 def memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
@@ -115,15 +113,33 @@ def _zero2_memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
     (its fp32 accumulation buffer on the host: 4 B/param more). The footprint is not linear in the parameters: at
     10 layers (3.42B) the same cases peaked at 69 and 82 GiB (21.8 and 25.6 B/param with the process), as if each of
     DeepSpeed's pinned fp32 buffers were rounded up to a power of two (torch's pinned host allocator does so; not
-    measured buffer by buffer): 28 bounds both depths. ZenFlow accumulating micro-batches needs more
-    (ZENFLOW_ACCUMULATING_HOST_BYTES_PER_PARAM). Its estimate leaves the gradients off the GPU (reduced
+    measured buffer by buffer): 28 bounds both depths. Its estimate leaves the gradients off the GPU (reduced
     in buckets and offloaded as backward goes): counting them all is the bound."""
     n = case.model_config().num_params()
     accumulates = accumulation_steps(case.batch, case.micro_batch, world) > 1
     per = ZERO2_HOST_BYTES_PER_PARAM + (FP32_BYTES if accumulates else 0)
-    if case.opts.zenflow and accumulates:
-        per = ZENFLOW_ACCUMULATING_HOST_BYTES_PER_PARAM
     return -(-n * per // world), 2 * case.dtype_bytes * n + activation_bytes(case)
+
+
+def zenflow_refusal(case: CaseConfig, world: int = 1) -> str | None:
+    """Why ZenFlow cannot run `case` as one optimizer step of its batch, if it cannot: ZenFlow sets DeepSpeed's
+    gradient accumulation steps to its update_interval and steps its GPU-side selective update at every micro-batch,
+    so micro-batches accumulated into one batch would be that many steps (at batch 64 in 4 micro-batches it was also
+    killed by the kernel on a 126 GiB host at 3.42B, where ZeRO-Offload peaked at 82 GiB: results/host_optimizer)."""
+    if case.opts.zenflow and accumulation_steps(case.batch, case.micro_batch, world) > 1:
+        return ("ZenFlow steps at every micro-batch (its update_interval replaces DeepSpeed's gradient accumulation), "
+                "so accumulated micro-batches would not be one step of the batch: give it --micro-batch equal to the "
+                "batch per rank")
+    return None
+
+
+def plan_memory(case: CaseConfig, limits: Budget) -> dict:
+    """The pre-flight plan (megatrain.preflight.estimate_plan of memory_bytes), refused where ZenFlow cannot run the
+    case as one step of its batch."""
+    plan = estimate_plan(memory_bytes, case, limits)
+    if refusal := zenflow_refusal(case, launch_size()[0]):
+        plan.update(fits=False, reason=refusal)
+    return plan
 
 
 def checkpoint_bytes(case: CaseConfig) -> int:
@@ -288,6 +304,8 @@ class DeepSpeedSystem:
         self.device = torch.device(case.device) if self.ranks is None else self.ranks.device
         self.dtype = case.torch_dtype
         warn_if_bf16_precision(case, "deepspeed")
+        if refusal := zenflow_refusal(case, self.world):
+            raise ValueError(refusal)
         self.optimizer_name = case.opts.optimizer or ("cpu_adam" if self.device.type == "cuda" else "torch_adamw")
         if self.device.type == "cuda" and self.optimizer_name != "cpu_adam":
             raise ValueError("deepspeed on CUDA runs DeepSpeedCPUAdam (its recommended offload optimizer); "
@@ -440,5 +458,5 @@ class DeepSpeedSystem:
 
 
 SPEC = SystemSpec(factory=DeepSpeedSystem, options=DeepSpeedOptions,
-                  plan_memory=functools.partial(estimate_plan, memory_bytes), checkpoint_bytes=checkpoint_bytes,
+                  plan_memory=plan_memory, checkpoint_bytes=checkpoint_bytes,
                   package="deepspeed")
