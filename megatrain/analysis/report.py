@@ -35,7 +35,7 @@ p.answer { font-size: 1.2em; line-height: 1.5; margin: 0.6em 0; }
 table { border-collapse: collapse; margin: 0.6em 0; font-size: 12px; }
 th, td { border: 1px solid #ddd; padding: 3px 6px; text-align: right; }
 th { background: #f4f4f4; font-weight: 600; } td.text, th.text { text-align: left; }
-td.text { overflow-wrap: break-word; }
+td.text { overflow-wrap: anywhere; }  /* anywhere: a long label may also narrow its column */
 table.dense { font-size: 11px; } table.dense th, table.dense td { padding: 2px 4px; }
 tr:nth-child(even) td { background: #fafafa; }
 .ok { color: #11772d; font-weight: 600; } .oom { color: #b3261e; font-weight: 600; }

@@ -172,7 +172,8 @@ def sections(scope: pd.DataFrame, out_dir: Path, html_table, figure_html) -> lis
                   figure_html(fig, "Projected (hollow) by the performance model from the lent H200's ingredients "
                                    "and published figures (megatrain/hardware_specs.toml); measured (solid) on "
                                    "the lent H200; the paper's own (crosses).") if fig else "",
-                  html_table((proj.drop(columns="precision") if len(precisions) == 1 else proj).round(2)),
+                  *_projection_tables((proj.drop(columns="precision") if len(precisions) == 1 else proj).round(2),
+                                      html_table),
                   f"<p class='muted'>PROJECTED, not measured, {' and '.join(precisions)} precision. Each case planned "
                   "by the engine's own plan for that machine's memory (placement of saved inputs, resident units, "
                   "micro-batch where the GPU is the limit), then replayed. GPU time: matmul and attention scaled by "
@@ -181,3 +182,13 @@ def sections(scope: pd.DataFrame, out_dir: Path, html_table, figure_html) -> lis
                   "per core than the lent host's (an assumption, see megatrain.perf_model.model_check). The paper's "
                   "120B is GPT-OSS-120B (a mixture of experts); ours is a dense 120B shape.</p>"]
     return parts
+
+
+def _projection_tables(proj: pd.DataFrame, html_table) -> list[str]:
+    """The projections as two tables that each fit a laptop's width: each case and its plan, then its projected
+    speed (the first columns, naming the case, in both)."""
+    key = [c for c in ("label", "profile") if c in proj.columns]
+    speed = [c for c in proj.columns if c.startswith(("projected", "paper")) or c in ("exposed_s", "host_opt_s")]
+    plan = [c for c in proj.columns if c not in speed]
+    return [html_table(proj[plan]), html_table(proj[key + [c for c in speed if c not in key]])]
+
