@@ -448,13 +448,28 @@ def host_optimizer(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: P
         panels.append((layers, session, options))
         said = [f"{_option(label)} {r.ratio:.2f}x" + ("" if pd.isna(r.exposed) else f" ({r.exposed:.0%})")
                 for label, r in options.loc[plots.ordered_labels(options.index)].iterrows()]
-        text = (f"at {layers} layers ({session['params_b'].iloc[0]:.2f}B, {session['model_name'].iloc[0]} width, seq "
-                f"{session['seq'].iloc[0]}) on {_machine(session)}, <b>MegaTrain's batch {small} runs at "
-                f"{_join(said)} of its batch-{large} TFLOPS</b> (in brackets the host optimizer's exposed share of the "
-                f"batch-{small} step)")
         default = mine[mine["label"].map(lambda x: plots.split_label(x)[1] == "")]["label"]
         references = [(label, name) for label, name in ((default.max() if len(default) else None, "as planned"),
                                                         (_streamed_exact(mine), "streamed exact")) if label]
+        exact = dict((name, label) for label, name in references).get("streamed exact")
+        streamed = options.drop(index=[label for label, _ in references if label != exact], errors="ignore")
+        best = streamed["ratio"].idxmax() if len(streamed) else None
+        where = (f"at {layers} layers ({session['params_b'].iloc[0]:.2f}B, {session['model_name'].iloc[0]} width, "
+                 f"seq {session['seq'].iloc[0]}) on {_machine(session)}")
+        answer = ""
+        if exact in options.index:  # the answer first: exact AdamW streamed, then the best streamed option
+            e = options.loc[exact]
+            answer = (f", <b>streamed with exact AdamW, batch {small} runs at {e.ratio:.2f}x of batch {large}'s "
+                      f"TFLOPS" + ("" if pd.isna(e.exposed) else f", {e.exposed:.0%} of its step waiting on the host "
+                                   "optimizer") + "</b>")
+            if best is not None and best != exact:
+                b = options.loc[best]
+                rows = mine[mine["label"] == best]
+                inexact = bool(rows["update_delay"].fillna(0).any() or (rows["moments"] != "fp32").any())
+                answer += (f"; the best streamed option, {_option(best)}{' (not exact AdamW)' if inexact else ''}, "
+                           f"{b.ratio:.2f}x" + ("" if pd.isna(b.exposed) else f" ({b.exposed:.0%})"))
+        text = (f"{where}{answer}; every option's batch {small} over its batch {large}: {_join(said)} (in brackets "
+                f"the host optimizer's exposed share of the batch-{small} step)")
         peers = session[session["system"] != "megatrain"]
         names = pd.Series([_peer(system, label) for system, label in zip(peers["system"], peers["label"],
                                                                           strict=True)], index=peers.index)

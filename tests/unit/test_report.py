@@ -504,8 +504,12 @@ def test_host_optimizer_opens_with_each_options_small_batch_share_and_each_peer_
     deepest, shallower = head.sentence.split("; at 10 layers")
     assert deepest.startswith("At 14 layers (")
     # each option's batch-16 TFLOPS over its batch-64, with the host optimizer's exposed share of the batch-16 step
-    assert "batch 16 runs at as planned 0.85x (24%), streamed mixed 0.53x (55%) and streamed mixed delayed 0.81x " \
-           "(12%)" in deepest
+    # the answer first: exact AdamW streamed, then the best streamed option, said to be inexact
+    assert "streamed with exact AdamW, batch 16 runs at 0.53x of batch 64's TFLOPS, 55% of its step waiting on " \
+           "the host optimizer</b>; the best streamed option, streamed mixed delayed (not exact AdamW), 0.81x (12%)" \
+        in deepest
+    assert "batch 16 over its batch 64: as planned 0.85x (24%), streamed mixed 0.53x (55%) and streamed mixed " \
+           "delayed 0.81x (12%)" in deepest
     # ratios to as planned and to streamed exact (nothing resident, no delay, fp32 moments), per peer and batch
     assert "DeepSpeed ZeRO-3 offload: batch 16 150 TFLOPS (MegaTrain as planned 2.73x, streamed exact 1.60x)" in deepest
     assert "DeepSpeed ZeRO-Offload: batch 16 skipped, host memory" in deepest
