@@ -240,8 +240,11 @@ def largest_model(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Pa
         others = [f"{best['params (B)'] / r['params (B)']:.2f}x {name(r['system'])}'s ({r['params (B)']:.1f}B)"
                   for _, r in ok.iterrows() if plots.split_label(r["system"])[0] != "megatrain"]
         stops = sorted({tables.short_reason(r["status"], r["why"]) for _, r in g.iterrows() if r["status"]})
+        moments = set(scope[scope["label"] == best["system"]]["moments"].dropna()) - {"fp32"}
+        compact = f"; {_join(sorted(moments))} AdamW moments, an option that is not exact AdamW: results/moments" \
+            if moments else ""
         parts.append(f"on {get_profile(profile).description}, <b>{name(best['system'])} trains up to "
-                     f"{best['params (B)']:.1f}B parameters</b> ({best['largest trained']})"
+                     f"{best['params (B)']:.1f}B parameters</b> ({best['largest trained']}{compact})"
                      + (f": the largest model, {_join(others)}" if others else "")
                      + (f", every system {_kernels(best['system'])}" if same_kernels else "")
                      + (f"; the next larger rung of each: {_join(stops)}" if stops else ""))
