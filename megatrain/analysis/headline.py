@@ -406,10 +406,20 @@ def _small_over_large(mine: pd.DataFrame, small: int, large: int) -> pd.DataFram
                          "exposed": exposed.reindex(both.index)})
 
 
+def _is_default(label: str) -> bool:
+    """Whether a MegaTrain label is its default (as planned): no variant."""
+    return plots.split_label(label)[1] == ""
+
+
+def _exact_adamw(rows: pd.DataFrame) -> pd.Series:
+    """Per MegaTrain row, whether its update is exact AdamW: not delayed a step, fp32 moments."""
+    return (rows["update_delay"].fillna(0) == 0) & (rows["moments"] == "fp32")
+
+
 def _streamed_exact(mine: pd.DataFrame) -> str | None:
-    """The label of MegaTrain streamed (nothing resident), exact AdamW (no update delay, fp32 moments), mixed."""
-    exact = mine[(mine["resident_units"] == 0) & (mine["update_delay"].fillna(0) == 0) & (mine["moments"] == "fp32")
-                 & (mine["precision"] == "mixed") & (mine["label"].map(lambda x: plots.split_label(x)[1] != ""))]
+    """The label of MegaTrain streamed (nothing resident), exact AdamW, mixed precision; not the default label."""
+    exact = mine[(mine["resident_units"] == 0) & _exact_adamw(mine) & (mine["precision"] == "mixed")
+                 & ~mine["label"].map(_is_default)]
     return exact["label"].iloc[0] if len(exact) else None
 
 
@@ -451,11 +461,10 @@ def host_optimizer(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: P
         panels.append((layers, session, options))
         said = [f"{_option(label)} {r.ratio:.2f}x" + ("" if pd.isna(r.exposed) else f" ({r.exposed:.0%})")
                 for label, r in options.loc[plots.ordered_labels(options.index)].iterrows()]
-        default = mine[mine["label"].map(lambda x: plots.split_label(x)[1] == "")]["label"]
-        references = [(label, name) for label, name in ((default.max() if len(default) else None, "as planned"),
-                                                        (_streamed_exact(mine), "streamed exact")) if label]
-        exact = dict((name, label) for label, name in references).get("streamed exact")
-        streamed = options.drop(index=[label for label, _ in references if label != exact], errors="ignore")
+        default = mine[mine["label"].map(_is_default)]["label"]
+        planned, exact = (default.max() if len(default) else None), _streamed_exact(mine)
+        references = [(label, name) for label, name in ((planned, "as planned"), (exact, "streamed exact")) if label]
+        streamed = options.drop(index=[planned] if planned else [], errors="ignore")
         best = streamed["ratio"].idxmax() if len(streamed) else None
         where = (f"at {layers} layers ({session['params_b'].iloc[0]:.2f}B, {session['model_name'].iloc[0]} width, "
                  f"seq {session['seq'].iloc[0]}) on {_machine(session)}")
@@ -467,8 +476,7 @@ def host_optimizer(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: P
                                    "optimizer") + "</b>")
             if best is not None and best != exact:
                 b = options.loc[best]
-                rows = mine[mine["label"] == best]
-                inexact = bool(rows["update_delay"].fillna(0).any() or (rows["moments"] != "fp32").any())
+                inexact = not _exact_adamw(mine[mine["label"] == best]).all()
                 answer += (f"; the best streamed option, {_option(best)}{' (not exact AdamW)' if inexact else ''}, "
                            f"{b.ratio:.2f}x" + ("" if pd.isna(b.exposed) else f" ({b.exposed:.0%})"))
         text = (f"{where}{answer}; every option's batch {small} over its batch {large}: {_join(said)} (in brackets "
