@@ -1,11 +1,12 @@
-"""What the baselines share: the micro-batches of a step and the held-out loss over them (all three), and for the
-module-owning ones (native, FSDP2) one optimizer step with gradient accumulation and per-layer compilation
-(DeepSpeed steps and compiles its own way, megatrain.engine has its templates)."""
+"""What the baselines share: the micro-batches of a step and the held-out loss over them (all of them), and for the
+module-owning ones (native, FSDP2, torchao) one optimizer step with gradient accumulation and clipping, and per-layer
+compilation (DeepSpeed steps and compiles its own way, megatrain.engine has its templates)."""
 
 from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -13,6 +14,7 @@ from baselines.dist import rows_of_rank, summed_loss
 from megatrain.config import CaseConfig
 from megatrain.engine.distributed import Ranks
 from megatrain.models.loss import valid_tokens
+from megatrain.optim.config import OptimConfig
 
 
 def micro_batches(case: CaseConfig, device: torch.device, inputs_BS: torch.Tensor, labels_BS: torch.Tensor,
@@ -33,13 +35,18 @@ def aux_weight(micro_BS: torch.Tensor, step_BS: torch.Tensor) -> float:
 def accumulate_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, case: CaseConfig,
                         device: torch.device, inputs_BS: torch.Tensor, labels_BS: torch.Tensor,
                         autocast=contextlib.nullcontext, segments_BS: torch.Tensor | None = None,
-                        ranks: Ranks | None = None, accumulating=contextlib.nullcontext) -> tuple[float, bool, float]:
+                        ranks: Ranks | None = None, accumulating=contextlib.nullcontext,
+                        before_clip: Callable[[], None] | None = None,
+                        step: Callable[[torch.Tensor], None] | None = None) -> tuple[float, bool, float]:
     """One optimizer step of a module-owning system over the global batch (under torchrun, this rank's rows of it):
     micro-batches accumulate gradients of the summed token loss over the step's valid tokens, then global-norm
     clipping and AdamW. A non-finite global norm skips the update (weights and AdamW state untouched, as AMP's
     overflow skip). accumulating: the context of every micro-batch but the last (DDP's no_sync: the ranks sum the
-    gradients once, in the last backward). Returns (the mean loss, whether the update was applied, the global
-    gradient norm before clipping)."""
+    gradients once, in the last backward). before_clip: called once the last backward is done, before clipping scales
+    the gradients in place; step: the update given the global norm (default optimizer.step()). A system whose
+    optimizer read the gradients before clipping (torchao's copies them to the host as backward makes them) waits for
+    those reads in before_clip and scales what it read by clip_coefficient(norm) in step. Returns (the mean loss,
+    whether the update was applied, the global gradient norm before clipping)."""
     batch_BS = inputs_BS  # the load-balancing loss weighs a micro-batch by its share of the global batch
     normalizer, inputs_BS, labels_BS, segments_BS = rows_of_rank(ranks, inputs_BS, labels_BS, segments_BS)
     total = torch.zeros((), device=device)
@@ -50,16 +57,29 @@ def accumulate_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer
                 loss = model(x, y, normalizer, seg, aux_weight(x, batch_BS))
             loss.backward()
         total += loss.detach().float()
-    # with clipping off, max_norm=inf only measures the norm (the coefficient clamps to exactly 1)
-    max_norm = case.optim.max_grad_norm if case.optim.max_grad_norm > 0 else math.inf
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if before_clip is not None:
+        before_clip()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm(case.optim))
     if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
         norm = norm.full_tensor()
     stepped = bool(torch.isfinite(norm))
     if stepped:
-        optimizer.step()
+        optimizer.step() if step is None else step(norm)
     optimizer.zero_grad(set_to_none=True)
     return summed_loss(ranks, total), stepped, float(norm)
+
+
+def max_norm(optim: OptimConfig) -> float:
+    """clip_grad_norm_'s max_norm: with clipping off (max_grad_norm 0), inf only measures the norm (the coefficient
+    clamps to exactly 1)."""
+    return float(optim.max_grad_norm) if optim.max_grad_norm > 0 else math.inf
+
+
+def clip_coefficient(norm: torch.Tensor, optim: OptimConfig) -> torch.Tensor:
+    """The factor torch.nn.utils.clip_grad_norm_ scaled every gradient by, given the global norm it returned: torch's
+    own expression, min(max_norm / (norm + 1e-6), 1), evaluated on the norm's device in its dtype, so a copy of a
+    gradient taken before clipping and scaled by it is the clipped gradient bit for bit. Exactly 1 with clipping off."""
+    return torch.clamp(max_norm(optim) / (norm + 1e-6), max=1.0)
 
 
 def compile_layers(model: torch.nn.Module) -> None:

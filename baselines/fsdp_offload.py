@@ -35,7 +35,7 @@ from megatrain.models.init import init_param
 from megatrain.optim.groups import torch_adamw
 from megatrain.optim.state_bytes import FP32_BYTES, checkpoint_bytes_per_param, state_bytes_per_param
 from megatrain.options import CommonOptions
-from megatrain.preflight import activation_bytes, estimate_plan, largest_unit_params
+from megatrain.preflight import activation_bytes, estimate_plan, largest_unit_params, pinned_bytes
 from megatrain.systems import SystemSpec
 
 # torch.distributed.fsdp and torch.distributed.checkpoint take about a second to import: they are imported where
@@ -66,16 +66,13 @@ def memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
     accumulate, every parameter's unsharded fp32 gradient too.
     """
     per = SHARD_STATE_BYTES
-    host = sum(_pow2(per["weights"] * k) + _pow2(per["grads"] * k) + (per["exp_avg"] + per["exp_avg_sq"]) * k
+    host = sum(pinned_bytes(per["weights"] * k) + pinned_bytes(per["grads"] * k)
+               + (per["exp_avg"] + per["exp_avg_sq"]) * k
                for k in (-(-n // world) for n in case.model_config().param_numels()))
     gpu = 3 * 2 * largest_unit_params(case) + activation_bytes(case)
     if case.opts.accumulate_on_gpu and accumulation_steps(case.batch, case.micro_batch, world) > 1:
         gpu += FP32_BYTES * case.model_config().num_params()
     return host, gpu
-
-
-def _pow2(nbytes: int) -> int:
-    return 1 << (nbytes - 1).bit_length()
 
 
 def checkpoint_bytes(case: CaseConfig) -> int:

@@ -93,10 +93,14 @@ class NativeSystem:
                 forward_sync_buffers=False, gradient_as_bucket_view=True)
             self.trained.register_comm_hook(None, _summed)
         self.autocast = case.precision == "mixed" and self.dtype != torch.float32
-        self.optimizer = torch_adamw(self.model.named_parameters(), case.optim, fused=True)
+        self.optimizer = self._optimizer()
         self.ckpt = ckpt
         self.skipped_steps = 0
         self.last_grad_norm = float("nan")
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        """torch AdamW(fused=True) beside the weights, over our decay groups (a subclass may keep it elsewhere)."""
+        return torch_adamw(self.model.named_parameters(), self.case.optim, fused=True)
 
     def _autocast(self):
         if not self.autocast:

@@ -39,7 +39,7 @@ def unavailable(system: str) -> str | None:
 
 
 def activation_bytes(case: CaseConfig) -> int:
-    """Activations with every layer checkpointed (all four systems do this), counted as the engine's plan counts them
+    """Activations with every layer checkpointed (every system does this), counted as the engine's plan counts them
     (megatrain.memory: the same layer and loss): the L + 1 saved layer inputs of one micro-batch (the last layer's
     output is the head's), and the larger working set of a layer's recompute + backward or the loss, beside the input
     and output gradient of what computes.
@@ -56,6 +56,12 @@ def largest_unit_params(case: CaseConfig) -> int:
     """The largest block a sharding/streaming system gathers at once: a decoder layer or the embedding."""
     cfg = case.model_config()
     return max(cfg.layer_params(), cfg.embedding_params())
+
+
+def pinned_bytes(nbytes: int) -> int:
+    """Host bytes a pinned tensor of `nbytes` takes: torch's pinned (page-locked) caching allocator rounds every block
+    up to a power of two."""
+    return 1 << (nbytes - 1).bit_length()
 
 
 def estimate_plan(estimate: Callable[[CaseConfig, int], tuple[int, int]], case: CaseConfig, limits: Budget) -> dict:

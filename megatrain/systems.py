@@ -33,6 +33,7 @@ SYSTEMS = {
     "megatrain": "megatrain.engine.trainer:SPEC",
     "deepspeed": "baselines.deepspeed_zero3:SPEC",
     "fsdp": "baselines.fsdp_offload:SPEC",
+    "torchao": "baselines.torchao_offload:SPEC",
 }
 
 
@@ -45,7 +46,8 @@ class SystemSpec:
         options: its typed options (a CommonOptions dataclass): `--option KEY=VALUE`, a suite's `options`.
         plan_memory: (case, limits) -> the pre-flight plan of the case against `limits`: {host_bytes, gpu_bytes,
             fits, reason, source}, host_bytes with the process overhead (on CPU, everything; gpu_bytes 0 there),
-            reason naming the budget exceeded (None when it fits).
+            reason naming the budget exceeded (None when it fits); for a case the system cannot run whatever the
+            memory (a device or launch it does not support), {fits: False, reason} alone, as for a missing package.
         checkpoint_bytes: case -> bytes of one save_state checkpoint (the weights and the optimizer state).
         package: the package it needs beyond torch, also the name of its pip extra; None when it needs none.
     """

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Wheels for the offline GPU host (CPython 3.12, x86_64, torch 2.11 and most of the stack preinstalled) into .whl/:
 # DeepSpeed built here as a pure-Python wheel (its ops JIT-compile where they run) plus the runtime dependencies that
-# host lacks. Neither torch nor numpy travels: the install below would shadow the host's own.
+# host lacks, and torchao's published wheel (cp310-abi3 manylinux, no dependencies). Neither torch nor numpy travels:
+# the install below would shadow the host's own.
 # On the GPU host, from the repository root:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
 #       .whl/*.whl && export PYTHONPATH=/tmp/site
@@ -14,12 +15,14 @@ if ! "$PY" -c "import torch, setuptools, wheel" 2>/dev/null; then
     exit 1
 fi
 DEEPSPEED=$(sed -n 's/.*"deepspeed==\([^"]*\)".*/\1/p' pyproject.toml)
+TORCHAO=$(sed -n 's/.*"torchao==\([^"]*\)".*/\1/p' pyproject.toml)
 # Missing from the GPU image (its package list: einops, msgpack, ninja, numpy, packaging, psutil, py-cpuinfo, tqdm,
 # typing-extensions are there): hjson, pydantic and pydantic's helpers. typing-extensions travels as well because
 # pydantic 2.13 needs >= 4.14.1 and the image's version is not recorded (4.16.0 is the newest
-# release, so the shadowing install cannot downgrade it).
+# release, so the shadowing install cannot downgrade it). torchao, pinned in pyproject.toml, for the torchao system:
+# its cp310-abi3 wheel (tagged manylinux_2_28) is the one pip picks for 3.12.
 DEPS=(hjson==3.1.0 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2
-      typing-extensions==4.16.0)
+      typing-extensions==4.16.0 "torchao==$TORCHAO")
 rm -rf .whl
 mkdir -p .whl
 # Without build isolation: an isolated build would download a CUDA torch just to run setup.py.

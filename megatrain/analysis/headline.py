@@ -28,7 +28,7 @@ from megatrain.models.registry import MODELS
 
 # Systems as a sentence names them; figures and tables use the labels.
 SYSTEM_NAMES = {"megatrain": "MegaTrain", "native": "plain PyTorch", "deepspeed": "DeepSpeed ZeRO-3 offload",
-                "fsdp": "FSDP2 offload"}
+                "fsdp": "FSDP2 offload", "torchao": "torchao CPU-offload optimizer"}
 # DeepSpeed's other offload modes, by their label's variant (suites/host_optimizer.toml)
 DEEPSPEED_MODES = {"zero-offload": "DeepSpeed ZeRO-Offload",
                    "zenflow": "DeepSpeed ZenFlow over ZeRO-Offload (bounded staleness)"}

@@ -36,8 +36,9 @@ STREAM_ORDER = ("h2d", "compute", "d2h", "optim")
 
 # One colour per system; a label's variant (its precision or options: megatrain-bf16, megatrain-streamed) is a shade
 # of its system's colour, darker (< 0) or lighter (> 0), the same in every figure.
-SYSTEM_COLORS = {"megatrain": "#d7301f", "native": "#8e82b8", "deepspeed": "#5b83b0", "fsdp": "#6aa583"}
-SYSTEM_MARKERS = {"megatrain": "o", "native": "D", "deepspeed": "s", "fsdp": "^"}
+SYSTEM_COLORS = {"megatrain": "#d7301f", "native": "#8e82b8", "deepspeed": "#5b83b0", "fsdp": "#6aa583",
+                 "torchao": "#b89b5e"}
+SYSTEM_MARKERS = {"megatrain": "o", "native": "D", "deepspeed": "s", "fsdp": "^", "torchao": "P"}
 OTHER_COLOR = "#8c8c8c"  # a label that names no known system
 VARIANT_SHADES = {"": 0.0, "bf16": -0.35, "streamed": 0.5, "bf16-streamed": 0.3, "actoffload": -0.6}
 UNKNOWN_VARIANT_SHADE = 0.3

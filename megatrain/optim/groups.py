@@ -24,7 +24,11 @@ def adamw_param_groups(named_params, optim: OptimConfig, shape_of=lambda p: p.sh
     ]
 
 
+def adamw_hyperparameters(optim: OptimConfig) -> dict:
+    """torch.optim.AdamW's keyword arguments for our hyperparameters (the weight decay is each group's)."""
+    return {"lr": optim.lr, "betas": (optim.beta1, optim.beta2), "eps": optim.eps}
+
+
 def torch_adamw(named_params, optim: OptimConfig, fused: bool = True) -> torch.optim.AdamW:
     """The reference optimizer: torch.optim.AdamW with our hyperparameters and decay groups."""
-    return torch.optim.AdamW(adamw_param_groups(named_params, optim), lr=optim.lr,
-                             betas=(optim.beta1, optim.beta2), eps=optim.eps, fused=fused)
+    return torch.optim.AdamW(adamw_param_groups(named_params, optim), **adamw_hyperparameters(optim), fused=fused)

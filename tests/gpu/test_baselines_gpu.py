@@ -1,7 +1,7 @@
-"""FSDP2 and DeepSpeed ZeRO-3 CPU-offload baselines against native on the GPU, through the bench CLI (one fresh
-process per run), eager and with compiled layers (native too), and that compiling took in every system at 24 layers.
-Needs CUDA, and deepspeed for its cases; about 15 minutes on one H100/H200, the first DeepSpeed run JIT-compiling
-DeepSpeedCPUAdam:
+"""FSDP2, DeepSpeed ZeRO-3 and torchao CPU-offload baselines against native on the GPU, through the bench CLI (one
+fresh process per run), eager and with compiled layers (native too), and that compiling took in every system at 24
+layers; torchao's host AdamW stepping the GPU's clipped gradient bit for bit. Needs CUDA, and deepspeed and torchao
+for their cases; about 15 minutes on one H100/H200, the first DeepSpeed run JIT-compiling DeepSpeedCPUAdam:
     pytest tests/gpu/test_baselines_gpu.py -m gpu -s
 """
 
@@ -14,12 +14,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatrain.config import CaseConfig
+from megatrain.data import make_batches
+from megatrain.optim.config import OptimConfig
+from megatrain.systems import build_system
+
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.gpu
 NEEDS_DEEPSPEED = [pytest.mark.deepspeed,
                    pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")]
-SYSTEMS = ["fsdp", pytest.param("deepspeed", marks=NEEDS_DEEPSPEED)]
+NEEDS_TORCHAO = [pytest.mark.torchao,
+                 pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed")]
+SYSTEMS = ["fsdp", pytest.param("deepspeed", marks=NEEDS_DEEPSPEED), pytest.param("torchao", marks=NEEDS_TORCHAO)]
 
 
 def _bench(system: str, *args: str) -> dict:
@@ -80,7 +87,8 @@ def test_qwen_0_5b_bf16_tracks_native_and_trains(system, native_qwen_bf16):
     pytest.param("native", (), id="native"), pytest.param("megatrain", (), id="megatrain"),
     pytest.param("fsdp", (), id="fsdp"),
     pytest.param("deepspeed", (), marks=NEEDS_DEEPSPEED, id="deepspeed-zero3"),
-    pytest.param("deepspeed", ("--option", "zero_stage=2"), marks=NEEDS_DEEPSPEED, id="deepspeed-zero2")])
+    pytest.param("deepspeed", ("--option", "zero_stage=2"), marks=NEEDS_DEEPSPEED, id="deepspeed-zero2"),
+    pytest.param("torchao", (), marks=NEEDS_TORCHAO, id="torchao")])
 def test_qwen_0_5b_compiled_takes_in_every_system(system, options, native_qwen_bf16, check):
     # 24 layers, three times Dynamo's recompile limit (8): a compile per layer (as DeepSpeed's was) would leave the
     # layers past the limit eager. One layer structure: a graph for the forward, one for the recompute's (the
@@ -91,3 +99,34 @@ def test_qwen_0_5b_compiled_takes_in_every_system(system, options, native_qwen_b
     assert compile_check["compiled_frames"] <= 4 and compile_check["failed_frames"] == 0, compile_check
     assert compile_check["graph_breaks"] == 0 and not compile_check["eager_fallback"], compile_check
     _assert_tracks_native_and_trains(torch.tensor(record["losses"]), native_qwen_bf16)
+
+
+@pytest.mark.parametrize("precision", [pytest.param(p, marks=NEEDS_TORCHAO) for p in ("mixed", "bf16")])
+def test_torchao_host_adamw_steps_the_gpus_clipped_gradient_bit_for_bit(precision, check):
+    """Every host AdamW step of torchao's CPUOffloadOptimizer sees the gradient clip_grad_norm_ left on the GPU: its
+    host copy, taken before clipping, times the coefficient (baselines/torchao_optim.py). Qwen2.5-0.5B, whose tied
+    136M-element embedding is the last gradient of backward: clipping scaling it in place under a copy still reading
+    it (the wait the optimizer adds) would show here. In process: the comparisons need the optimizer's hooks."""
+    case = CaseConfig(system="torchao", model="qwen2.5-0.5b", batch=2, micro_batch=1, seq=256, device="cuda",
+                      dtype="bfloat16", precision=precision, optim=OptimConfig(max_grad_norm=0.05))
+    system = build_system(case)
+    optimizer = system.optimizer
+    stepped, differing, coefs = [], [], []
+
+    def compare(p_device):
+        def hook(host_optimizer, args, kwargs):  # after the optimizer's own pre-hook, which multiplied the copy
+            stepped.append(p_device.numel())
+            coefs.append(optimizer.clip_coef)
+            if not torch.equal(optimizer.param_d2h_map[p_device].grad, p_device.grad.cpu()):
+                differing.append(tuple(p_device.shape))
+        return hook
+
+    for p_device, host_optimizer in optimizer.optim_dict.items():
+        host_optimizer.register_step_pre_hook(compare(p_device))
+    batches = make_batches(case, case.model_config().vocab_size)
+    losses = [system.step(*batches.batch_at(i)) for i in range(3)]
+    system.close()
+    check.update(precision=precision, losses=losses, host_steps=len(stepped), differing=differing)
+    assert len(stepped) == 3 * len(optimizer.optim_dict) and max(stepped) >= 136_000_000
+    assert all(c is not None and 0 < float(c) < 1 for c in coefs), "clipping scales every step"
+    assert not differing, differing

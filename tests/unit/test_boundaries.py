@@ -157,7 +157,7 @@ print(" ".join(m for m in sys.modules if m.startswith("deepspeed")))
 
 
 def test_every_system_is_one_spec_with_typed_options():
-    assert set(SYSTEMS) == {"megatrain", "native", "deepspeed", "fsdp"}
+    assert set(SYSTEMS) == {"megatrain", "native", "deepspeed", "fsdp", "torchao"}
     for system in SYSTEMS:
         spec = system_spec(system)
         assert isinstance(spec, SystemSpec) and issubclass(spec.options, CommonOptions), system
@@ -165,7 +165,8 @@ def test_every_system_is_one_spec_with_typed_options():
         MegaTrainOptions(resident_layers=3, offload_activations=True)
     assert parse_options("deepspeed", {}).optimizer is None
     assert parse_options("fsdp", {"host_mem_gib": 100}).host_mem_gib == 100
-    with pytest.raises(ValueError, match="unknown system 'nativ'; choose one of: native, megatrain, deepspeed, fsdp"):
+    with pytest.raises(ValueError, match="unknown system 'nativ'; choose one of: native, megatrain, deepspeed, fsdp, "
+                                         "torchao"):
         CaseConfig(system="nativ")
 
 
@@ -189,7 +190,8 @@ def test_a_system_added_with_one_registry_entry_is_known_everywhere(monkeypatch)
 
 @pytest.mark.parametrize("system,given,message", [
     ("megatrain", {"ofload_activations": True}, "megatrain has no option 'ofload_activations'; its options: "),
-    ("fsdp", {"mlp_chunk_tokens": 8}, "fsdp has no option 'mlp_chunk_tokens' (an option of megatrain, native)"),
+    ("fsdp", {"mlp_chunk_tokens": 8}, "fsdp has no option 'mlp_chunk_tokens' (an option of megatrain, native, "
+                                      "torchao)"),
     ("megatrain", {"offload_activations": "maybe"}, "offload_activations='maybe': expected true or false or an "
                                                     "integer or 'auto'"),
     ("megatrain", {"offload_activations": 1.5}, "offload_activations=1.5: expected true or false"),

@@ -25,6 +25,7 @@ from megatrain.bench.suite import SUITES_DIR
 from megatrain.config import CaseConfig
 from megatrain.models.flops import model_flops, paper_flops
 from megatrain.models.registry import get_model_config
+from megatrain.systems import SYSTEMS
 
 GPU_MACHINE = {"gpu_name": "NVIDIA H200", "gpu_count": 4, "gpu_mem_gib": 139.8, "host_mem_gib": 503.0,
                "host_available_gib": 495.0, "cpu": "Intel Xeon", "cpu_cores": 64, "h2d_gbs": 55.1, "d2h_gbs": 54.8,
@@ -331,8 +332,9 @@ def test_one_colour_per_system_megatrain_apart_compiled_hatched():
     assert style("fsdp")["color"] == style("fsdp-compiled")["color"]
     assert (style("fsdp")["hatch"], style("fsdp")["linestyle"]) == (None, "-")
     assert style("fsdp-compiled")["hatch"] and style("fsdp-compiled")["linestyle"] == "--"
-    systems = {s: colorsys.rgb_to_hsv(*style(s)["color"]) for s in ("megatrain", "native", "deepspeed", "fsdp")}
-    assert len({hsv[0] for hsv in systems.values()}) == 4
+    systems = {s: colorsys.rgb_to_hsv(*style(s)["color"]) for s in SYSTEMS}
+    assert len({round(hsv[0], 2) for hsv in systems.values()}) == len(SYSTEMS), "a hue of its own for every system"
+    assert len({style(s)["marker"] for s in SYSTEMS}) == len(SYSTEMS) and set(headline.SYSTEM_NAMES) == set(SYSTEMS)
     assert systems["megatrain"][1] > max(hsv[1] for s, hsv in systems.items() if s != "megatrain"), "stands out"
     variants = [style(label)["color"] for label in ("megatrain", "megatrain-bf16", "megatrain-streamed",
                                                     "megatrain-bf16-streamed", "megatrain-actoffload")]
