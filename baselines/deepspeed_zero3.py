@@ -79,6 +79,9 @@ ZENFLOW = {"topk_ratio": 0.05, "select_strategy": "auto", "select_interval": "au
 HOST_BYTES_PER_PARAM = 25  # ZeRO-3 offload's measured host peak beyond the process, rounded up (memory_bytes)
 MOE_HOST_BYTES_PER_PARAM = 30  # the same with a MoE block as the ZeRO-3 leaf
 ZERO2_HOST_BYTES_PER_PARAM = 28  # ZeRO-Offload's, one micro-batch a step (_zero2_memory_bytes)
+# ZenFlow over ZeRO-Offload: killed by the kernel at 10 layers of the 7B width (3.42B) in one micro-batch of 16 on a
+# 126 GiB host (results/host_optimizer, 3a2d6d9), so at least ~37 B/param; a lower bound, never measured where it fits
+ZENFLOW_HOST_BYTES_PER_PARAM = 38
 
 
 def memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
@@ -118,6 +121,8 @@ def _zero2_memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
     n = case.model_config().num_params()
     accumulates = accumulation_steps(case.batch, case.micro_batch, world) > 1
     per = ZERO2_HOST_BYTES_PER_PARAM + (FP32_BYTES if accumulates else 0)
+    if case.opts.zenflow:  # its overlapped host step keeps more (ZENFLOW_HOST_BYTES_PER_PARAM: a bound from an OOM)
+        per = max(per, ZENFLOW_HOST_BYTES_PER_PARAM)
     return -(-n * per // world), 2 * case.dtype_bytes * n + activation_bytes(case)
 
 
