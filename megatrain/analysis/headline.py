@@ -333,8 +333,11 @@ def throughput(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path)
         return "<b>No case ran ok in the latest session.</b>", figure, ""
     seq = plots._main_seq(ok)
     ratios = _ratios(session[session["seq"] == seq])
-    models = sorted(ok["model"].unique(), key=lambda m: ok[ok["model"] == m]["params_b"].iloc[0])
-    batches = sorted(ok[ok["seq"] == seq]["batch"].unique())
+    # where MegaTrain ran beside another system; the models only one system ran (a depth ladder's) are said apart
+    side_by_side = ok[ok["model"].isin(ratios["model"])] if not ratios.empty else ok
+    models = sorted(side_by_side["model"].unique(),
+                    key=lambda m: side_by_side[side_by_side["model"] == m]["params_b"].iloc[0])
+    batches = sorted(side_by_side[side_by_side["seq"] == seq]["batch"].unique())
     where = (f"{_join(models)}, seq {seq}, batch " +
              (str(batches[0]) if len(batches) == 1 else f"{batches[0]} to {batches[-1]}"))
     if ratios.empty:
@@ -360,6 +363,8 @@ def throughput(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path)
                 continue  # said once for its eager and compiled cases
             parts.append(f"{prose(label.removesuffix(plots.COMPILED_SUFFIX))} did not run {model} at batch {batch} "
                          f"({tables.short_reason(g['status'].iloc[0], g['error'].iloc[0])})")
+        if deepest := _deepest(session[~session["model"].isin(ratios["model"])]):
+            parts.append(f"the deepest each trained here: {deepest}")
     for claim in claims:
         differs = _claim_mismatch(claim, scope)
         counterpart = next((c for c in paper.CLAIMS if c.system == "megatrain" and c.source == claim.source and
@@ -377,6 +382,23 @@ def throughput(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path)
                   "sequence and batch, on its hardware." if comparable else
                   "No figure of the paper is of the same model, sequence and batch as these cases."))
     return "; ".join(parts) + ".", figure, caption
+
+
+def _deepest(ladders: pd.DataFrame) -> str:
+    """Per model and label of a session's depth ladders: the most layers that ran ok (total parameters), and whether
+    a deeper rung failed (the limit found) or every rung ran (a lower bound)."""
+    said = []
+    for (model, label), g in ladders.groupby(["model_name", "label"], sort=False):
+        ran = g[g["status"] == "ok"]
+        if ran.empty:
+            continue
+        top = ran.loc[ran["num_layers"].idxmax()]
+        beyond = g[(g["num_layers"] > top["num_layers"]) & (g["status"] != "ok")]
+        first = beyond.loc[beyond["num_layers"].idxmin()] if not beyond.empty else None
+        limit = "; every rung ran" if first is None else \
+            f"; {int(first['num_layers'])} {tables.short_reason(first['status'], first['error'])}"
+        said.append(f"{prose(label)} {model} {int(top['num_layers'])} layers ({top['params_b']:.1f}B{limit})")
+    return _join(said) if said else ""
 
 
 # ---- host_optimizer: what the host optimizer costs a small batch, per option, and every offload peer at its best ----

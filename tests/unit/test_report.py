@@ -520,3 +520,24 @@ def test_host_optimizer_opens_with_each_options_small_batch_share_and_each_peer_
            "TFLOPS (MegaTrain as planned 2.40x, streamed exact 2.25x)" in deepest
     assert "DeepSpeed ZeRO-Offload: batch 16 155 TFLOPS (MegaTrain as planned 2.77x); batch 64 263 TFLOPS" in shallower
     assert head.figure.exists()
+
+
+def test_throughput_says_side_by_side_models_apart_from_each_systems_deepest(tmp_path):
+    # one session: 4 layers side by side, then a depth ladder per system (MegaTrain's stopped by its pre-flight,
+    # native's ran every rung): the ratios name only the side-by-side model, the ladders their deepest and why
+    def rec(system, layers, tflops, status="ok", precision="mixed"):
+        r = _record(system, 16, tflops, status=status, model="qwen2.5-7b", num_layers=layers, suite="moe",
+                    precision=precision, case_id=f"{system}-{precision}-{layers}")
+        if status != "ok":
+            r["status"], r["error"] = "skipped", "host memory: needs 117 GiB but 114 GiB is usable here"
+        return r
+
+    records = [rec("megatrain", 4, 300.0), rec("native", 4, 360.0),
+               rec("megatrain", 10, 230.0, precision="bf16"), rec("megatrain", 11, 0, "skipped", precision="bf16"),
+               rec("native", 14, 290.0, precision="bf16"), rec("native", 15, 290.0, precision="bf16")]
+    head = headline.headline("moe", tables.latest_records(tables.records_frame(records)), tmp_path)
+    assert "at qwen2.5-7b@4L, seq 1024, batch 16, <b>MegaTrain trains 0.83x as fast as plain PyTorch" in head.sentence
+    assert "@10L" not in head.sentence.split("the deepest")[0]
+    assert ("the deepest each trained here: MegaTrain (bf16) qwen2.5-7b 10 layers" in head.sentence and
+            "; 11 skipped, host memory)" in head.sentence), head.sentence
+    assert "plain PyTorch (bf16) qwen2.5-7b 15 layers" in head.sentence and "every rung ran" in head.sentence
