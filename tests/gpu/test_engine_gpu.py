@@ -15,7 +15,8 @@ Needs CUDA; about 8 minutes on one H100 or H200, every check recorded where MEGA
    through dense masks, as it cannot dispatch FlexAttention).
 4. bf16 loss curves on a repeated batch, four shapes: per step within 3x native's own run-to-run spread plus 1% of
    the loss (and 1e-4: a batch learnt by heart), in both precisions and every option; the loss never rises where
-   native's falls.
+   native's falls. Where native repeats itself bit for bit, its spread is measured as in 1: the same run with its
+   gradient sums in another order.
 5. A NaN gradient skips the update on the GPU too: weights, moments and step counts untouched.
 """
 
@@ -281,6 +282,23 @@ CURVE_CASES = [("qwen2.5-0.5b-b8-s1024", name) for name in CURVE_SETS if "long-c
 MIXED_REFERENCE = {"gpt-oss-20b-2l-b4-s1024": "fsdp"}
 _native_curves: dict[tuple[str, str], list[list[float]]] = {}
 _reference_curves: dict[tuple[str, str], list[float]] = {}
+_reordered_curves: dict[tuple[str, str], list[float]] = {}
+
+
+def _reordered_spread(shape: str, precision: str, native: torch.Tensor) -> torch.Tensor | None:
+    """Native's float noise where its two runs are bitwise equal (a deterministic run's repeat says nothing of it):
+    as the fp32 parity sets measure it, the same run with its gradient sums in another order (micro-batches of half
+    the size: the same mathematics, other roundings), |that - native| per step; None where the batch cannot split.
+    A mixture needs it: its top-k routing is discontinuous, so a rounding sends a token to another expert and the
+    curves part by more than a dense model's (GPT-OSS's native autocast runs were bitwise repeatable on H100 and H200,
+    its bf16 pair 0.3% apart at step 2)."""
+    fields = CURVE_SHAPES[shape]
+    micro = (fields.get("micro_batch") or fields["batch"]) // 2
+    if micro < 1:
+        return None
+    if (shape, precision) not in _reordered_curves:
+        _reordered_curves[shape, precision] = _curve("native", shape, precision, {"micro_batch": micro})
+    return (torch.tensor(_reordered_curves[shape, precision], dtype=torch.float64) - native).abs()
 
 
 def _curve(system: str, shape: str, precision: str, fields: dict | None = None, options: dict | None = None):
@@ -300,6 +318,11 @@ def test_bf16_loss_curve_tracks_native(shape, name, check):
         _native_curves[shape, precision] = [_curve("native", shape, precision) for _ in range(2)]
     ref, again = (torch.tensor(c, dtype=torch.float64) for c in _native_curves[shape, precision])
     spread = (again - ref).abs()
+    unlearnt = ref >= MEMORISED  # a memorised batch's steps have their own floor below
+    if not spread[unlearnt].any() and (reordered := _reordered_spread(shape, precision, ref)) is not None:
+        spread = torch.maximum(spread, reordered)
+        check.update(spread_from="native with its gradient sums in another order (its repeat was bitwise equal)",
+                     native_reordered_losses=_reordered_curves[shape, precision])
     reference = MIXED_REFERENCE.get(shape) if precision == "mixed" else None
     if reference:  # the centre moves to the system of the engine's precision policy; the band stays native's spread
         if (shape, reference) not in _reference_curves:
