@@ -231,6 +231,12 @@ class Model:
         return self._scaled(self.ing.head_s(cfg, tokens), 6.0 * cfg.vocab_size * cfg.hidden_size * tokens)
 
 
+# The host AdamW kernel's rate beside the step's pinned copies, as a share of its rate alone: 0.74 beside copies both
+# ways and GEMM launches, 0.88 beside the copies alone (scripts/host_contention.py, results/host_contention, one H100
+# host at 3a2d6d9); the delayed update runs beside every copy of the step
+DELAYED_HOST_RATE = 0.74
+
+
 def gpu_update_bytes(case: CaseConfig) -> tuple[float, float]:
     """Bytes per parameter of a streamed unit updated on the GPU: its optimizer state in (the moments, and the fp32
     master in mixed precision; bf16 precision's master is the weights already loaded), and out again with the
@@ -272,6 +278,9 @@ def simulate(case: CaseConfig, plan: dict, model: Model) -> dict:
             t += u.numel / rate
         opt_end[u.index] = t
     host_opt_s = t
+    delayed = bool(getattr(case.opts, "update_delay", 0))
+    if delayed:  # the previous step's update writes the next step's weights: this step's loads wait for none of it
+        opt_end = dict.fromkeys(opt_end, 0.0)
     uses = use_order(layers, resident, recomputed)
     back = next(k for k, (_, phase, _, _) in enumerate(uses) if phase == "head")
     h2d_free = d2h_free = compute = host = 0.0
@@ -345,6 +354,8 @@ def simulate(case: CaseConfig, plan: dict, model: Model) -> dict:
         compute = max(compute, h2d_free)
     compute += resident_s
     step = max(compute, d2h_free)
+    if delayed:  # the update ran beside the whole step, sharing host memory with its copies; the step ends with it
+        step = max(step, host_opt_s / DELAYED_HOST_RATE)
     n = cfg.active_params()
     return {
         "step_s": step, "tflops": model_flops(n, case.batch * case.seq) / step / 1e12,

@@ -116,12 +116,9 @@ def engine_records() -> list[tuple[str, dict]]:
 
 def unmodelled(r: dict) -> str | None:
     """What of a record's case the model leaves out, if anything: compact AdamW moments (the host kernel's rate for
-    them is no ingredient) and the update delayed a step (the model overlaps the host update with the next forward
-    only)."""
+    them is no ingredient)."""
     if ((r.get("config") or {}).get("optim") or {}).get("moments", "fp32") != "fp32":
         return "compact AdamW moments"
-    if (r.get("system_config") or {}).get("update_delay"):
-        return "the update delayed a step"
     return None
 
 
@@ -153,17 +150,19 @@ def validate(out: Path) -> dict:
             continue
         try:
             p = predict_record(r, ing, Machine.from_probe(ing, probe, kind))
-        except KeyError as exc:  # a layer shape not profiled (a family's new width): stated, not predicted
+            row.update(predicted_step_s=p["step_s"], error_pct=100 * (p["step_s"] / r["step_time_s"] - 1),
+                       predicted_exposed_s=p["exposed_s"], predicted_compute_s=p["compute_s"])
+        except KeyError as exc:  # a layer shape not profiled on this GPU (a family's new width): stated, not predicted
             row["error"] = exc.args[0]
-            rows.append(row)
-            continue
-        row.update(predicted_step_s=p["step_s"], error_pct=100 * (p["step_s"] / r["step_time_s"] - 1),
-                   predicted_exposed_s=p["exposed_s"], predicted_compute_s=p["compute_s"])
-        if kind != "H200" and bases.get("H200"):  # the projection method: this GPU from the H200's ingredients
+        # the projection method: this GPU from the H200's ingredients (which profile more shapes than its own)
+        if kind != "H200" and bases.get("H200"):
             spec = specs()[LENT[kind].spec]
-            q = predict_record(r, bases["H200"], projected_machine(bases["H200"], spec, probe))
-            row.update(projected_from_h200_s=q["step_s"],
-                       projected_error_pct=100 * (q["step_s"] / r["step_time_s"] - 1))
+            try:
+                q = predict_record(r, bases["H200"], projected_machine(bases["H200"], spec, probe))
+                row.update(projected_from_h200_s=q["step_s"],
+                           projected_error_pct=100 * (q["step_s"] / r["step_time_s"] - 1))
+            except KeyError:
+                pass
         plan = (r.get("suite") or {}).get("plan") or ((r.get("system_config") or {}).get("plan")) or {}
         if plan.get("host_bytes") and r.get("peak_host_rss_gib"):
             row.update(planned_host_gib=plan["host_bytes"] / GIB, measured_host_gib=r["peak_host_rss_gib"],

@@ -54,6 +54,23 @@ def test_small_batch_waits_for_the_host_optimizer():
     assert out["host_opt_s"] == pytest.approx(n / 3e9)
 
 
+def test_a_delayed_update_waits_for_nothing_until_the_steps_end_at_its_shared_rate():
+    from megatrain.perf_model.model import DELAYED_HOST_RATE
+
+    # an update longer than the step's compute: exact, the forward waits on it unit by unit; delayed, the step runs
+    # without waiting and then waits for the whole update, run at its rate beside the step's copies
+    ing = _ingredients(fwd_ms=5.0, bwd_ms=15.0, head_ms=10.0)
+    exact = _run(ing, precision="mixed")
+    delayed = _run(ing, precision="mixed", options={"update_delay": 1})
+    assert delayed["step_s"] == pytest.approx(exact["host_opt_s"] / DELAYED_HOST_RATE)
+    assert exact["step_s"] > exact["host_opt_s"]
+    # an update shorter than the step hides whole, delayed: the step is the exact one's without its waits
+    quick = _ingredients(fwd_ms=100.0, bwd_ms=300.0, head_ms=50.0)
+    hidden = _run(quick, precision="mixed", options={"update_delay": 1})
+    assert hidden["step_s"] <= _run(quick, precision="mixed")["step_s"]
+    assert hidden["step_s"] > hidden["host_opt_s"] / DELAYED_HOST_RATE
+
+
 def test_transfer_bound_step_is_the_link():
     ing = _ingredients(fwd_ms=0.001, bwd_ms=0.001, head_ms=0.001)
     ing.data["host_adamw_gparams_s"] = {"bf16": 1e6, "mixed": 1e6}
