@@ -40,6 +40,8 @@ SYSTEM_COLORS = {"megatrain": "#d7301f", "native": "#8e82b8", "deepspeed": "#5b8
                  "torchao": "#b89b5e"}
 SYSTEM_MARKERS = {"megatrain": "o", "native": "D", "deepspeed": "s", "fsdp": "^", "torchao": "P"}
 OTHER_COLOR = "#8c8c8c"  # a label that names no known system
+# label prefixes that name a system by its mode (suites' labels: 'fsdp2-offload-accumulate-on-gpu'), tried first
+LABEL_PREFIXES = {"fsdp2-offload": "fsdp", "torchao-cpu-offload": "torchao"}
 VARIANT_SHADES = {"": 0.0, "bf16": -0.35, "streamed": 0.5, "bf16-streamed": 0.3, "actoffload": -0.6}
 UNKNOWN_VARIANT_SHADE = 0.3
 COMPILED_SUFFIX = "-compiled"  # megatrain.analysis.tables labels a compiled case so
@@ -53,8 +55,10 @@ def split_label(label: str) -> tuple[str | None, str, bool]:
     names no known system."""
     compiled = label.endswith(COMPILED_SUFFIX)
     base = label.removesuffix(COMPILED_SUFFIX)
-    system = next((s for s in SYSTEM_COLORS if base == s or base.startswith(s + "-")), None)
-    return system, base[len(system) + 1:] if system else base, compiled
+    for prefix, system in (*LABEL_PREFIXES.items(), *((s, s) for s in SYSTEM_COLORS)):
+        if base == prefix or base.startswith(prefix + "-"):
+            return system, base[len(prefix) + 1:], compiled
+    return None, base, compiled
 
 
 def _shade(color: str, amount: float) -> tuple[float, float, float]:

@@ -472,6 +472,10 @@ def test_a_sentence_names_deepspeeds_offload_modes_by_mode_not_as_zero3_variants
     assert prose("deepspeed-compiled") == "DeepSpeed ZeRO-3 offload (compiled)"
     assert prose("deepspeed-zero-offload-compiled") == "DeepSpeed ZeRO-Offload (compiled)"
     assert prose("deepspeed-zenflow") == "DeepSpeed ZenFlow over ZeRO-Offload (bounded staleness)"
+    # suites' labels that name a system by its mode: its system's name and colour, the rest a variant
+    assert prose("fsdp2-offload-accumulate-on-gpu-compiled") == "FSDP2 offload (accumulate-on-gpu, compiled)"
+    assert prose("torchao-cpu-offload-compiled") == "torchao CPU-offload optimizer (compiled)"
+    assert plots.split_label("fsdp2-offload-accumulate-on-gpu")[0] == "fsdp"
 
 
 def _host_optimizer_records() -> list[dict]:
