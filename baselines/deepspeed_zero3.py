@@ -44,9 +44,8 @@ from baselines.dist import (
 )
 from megatrain.compile_check import compile_check
 from megatrain.config import CaseConfig
-from megatrain.engine.distributed import accumulation_steps, launch_size
+from megatrain.engine.distributed import accumulation_steps
 from megatrain.engine.templates import LayerTemplate
-from megatrain.memory import Budget
 from megatrain.models import DecoderLayer, Transformer
 from megatrain.models.hf import copy_named_weights
 from megatrain.models.init import init_module
@@ -136,15 +135,6 @@ def zenflow_refusal(case: CaseConfig, world: int = 1) -> str | None:
                 "so accumulated micro-batches would not be one step of the batch: give it --micro-batch equal to the "
                 "batch per rank")
     return None
-
-
-def plan_memory(case: CaseConfig, limits: Budget) -> dict:
-    """The pre-flight plan (megatrain.preflight.estimate_plan of memory_bytes), refused where ZenFlow cannot run the
-    case as one step of its batch."""
-    plan = estimate_plan(memory_bytes, case, limits)
-    if refusal := zenflow_refusal(case, launch_size()[0]):
-        plan.update(fits=False, reason=refusal)
-    return plan
 
 
 def checkpoint_bytes(case: CaseConfig) -> int:
@@ -461,5 +451,6 @@ class DeepSpeedSystem:
 
 
 SPEC = SystemSpec(factory=DeepSpeedSystem, options=DeepSpeedOptions,
-                  plan_memory=plan_memory, checkpoint_bytes=checkpoint_bytes,
+                  plan_memory=functools.partial(estimate_plan, memory_bytes, refusal=zenflow_refusal),
+                  checkpoint_bytes=checkpoint_bytes,
                   package="deepspeed")

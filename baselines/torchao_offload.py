@@ -14,6 +14,7 @@ optimizer asserts a CUDA (or XPU) device and is single-GPU.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +24,7 @@ import torch
 from baselines.common import accumulate_and_step, clip_coefficient
 from baselines.native import NativeOptions, NativeSystem, checkpoint_bytes, state_bytes
 from megatrain.config import CaseConfig
-from megatrain.engine.distributed import launch_size
-from megatrain.memory import Budget
+from megatrain.engine import distributed
 from megatrain.optim.groups import adamw_hyperparameters, adamw_param_groups
 from megatrain.preflight import activation_bytes, estimate_plan, pinned_bytes
 from megatrain.systems import SystemSpec
@@ -75,17 +75,13 @@ def refusal(case: CaseConfig, world: int = 1) -> str | None:
     return None
 
 
-def plan_memory(case: CaseConfig, limits: Budget) -> dict:
-    """The pre-flight plan (megatrain.preflight.estimate_plan of memory_bytes); where torchao cannot run the case,
-    the refusal alone (no memory figures: no smaller setting would make it run)."""
-    if reason := refusal(case, launch_size()[0]):
-        return {"fits": False, "reason": reason}
-    return estimate_plan(memory_bytes, case, limits)
+# the pre-flight plan: memory_bytes against the limits, or where torchao cannot run the case, the refusal alone
+plan_memory = functools.partial(estimate_plan, memory_bytes, refusal=refusal)
 
 
 class TorchaoSystem(NativeSystem):
     def __init__(self, case: CaseConfig):
-        if reason := refusal(case, launch_size()[0]):
+        if reason := refusal(case, distributed.launch_size()[0]):
             raise ValueError(reason)
         import torchao
 

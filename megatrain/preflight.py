@@ -64,13 +64,18 @@ def pinned_bytes(nbytes: int) -> int:
     return 1 << (nbytes - 1).bit_length()
 
 
-def estimate_plan(estimate: Callable[[CaseConfig, int], tuple[int, int]], case: CaseConfig, limits: Budget) -> dict:
+def estimate_plan(estimate: Callable[[CaseConfig, int], tuple[int, int]], case: CaseConfig, limits: Budget,
+                  refusal: Callable[[CaseConfig, int], str | None] | None = None) -> dict:
     """The pre-flight plan of a system whose `estimate` gives, for a case on N ranks, (host bytes of a rank beyond its
     process overhead, bytes on a rank's compute device): for the ranks of this launch on this host (one process
     without torchrun), the fixed overheads added, on CPU everything counted as host memory, judged against `limits`
     (a baseline's SystemSpec.plan_memory is this with its estimate bound). host_bytes is the node's, gpu_bytes a
-    GPU's."""
+    GPU's. refusal: why the system cannot run a case on N ranks whatever the memory (a device, a launch or a batch
+    split it does not support), or None; where it says why, the plan is that reason alone, as for a missing package
+    (no memory figures: the pre-flight then suggests no other precision or micro-batch)."""
     world, local_world = distributed.launch_size()
+    if refusal is not None and (reason := refusal(case, world)):
+        return {"fits": False, "reason": reason}
     state_host, state_gpu = estimate(case, world)
     host, gpu = local_world * (state_host + PROCESS_OVERHEAD_BYTES), state_gpu + GPU_RESERVE_BYTES
     if case.device == "cpu":

@@ -278,7 +278,7 @@ def simulate(case: CaseConfig, plan: dict, model: Model) -> dict:
             t += u.numel / rate
         opt_end[u.index] = t
     host_opt_s = t
-    delayed = bool(getattr(case.opts, "update_delay", 0))
+    delayed = bool(case.opts.update_delay)
     if delayed:  # the previous step's update writes the next step's weights: this step's loads wait for none of it
         opt_end = dict.fromkeys(opt_end, 0.0)
     uses = use_order(layers, resident, recomputed)

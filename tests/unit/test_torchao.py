@@ -14,6 +14,7 @@ from baselines.common import accumulate_and_step, clip_coefficient
 from megatrain import preflight
 from megatrain.config import CaseConfig
 from megatrain.data import make_batches
+from megatrain.engine import distributed
 from megatrain.engine.plan import GPU_RESERVE_BYTES, PROCESS_OVERHEAD_BYTES
 from megatrain.memory import Budget
 from megatrain.optim.config import OptimConfig
@@ -84,7 +85,7 @@ def test_a_cpu_case_is_refused_saying_it_needs_a_cuda_gpu():
 
 
 def test_several_ranks_are_refused_saying_what_to_run_instead(monkeypatch):
-    monkeypatch.setattr(torchao_offload, "launch_size", lambda: (2, 2))
+    monkeypatch.setattr(distributed, "launch_size", lambda: (2, 2))
     case = _gpu_case()
     plan = torchao_offload.plan_memory(case, ROOMY)
     assert not plan["fits"] and "host_bytes" not in plan
