@@ -17,11 +17,15 @@ from megatrain.train.config import add_train_arguments
 def cmd_bench(args: argparse.Namespace) -> int:
     from megatrain.bench.case import run_case
     from megatrain.bench.record import append_jsonl, summary_line
-    from megatrain.engine.distributed import first_rank
+    from megatrain.engine.distributed import first_rank, launch_size
     from megatrain.preflight import preflight
 
     flags = BenchFlags(**given(BenchFlags, args))
     case = flags.case()
+    world = launch_size()[0]
+    if case.ranks != world:
+        raise ValueError(f"--ranks {case.ranks} but this launch has {world} process(es): start it with "
+                         f"torchrun --nproc-per-node {case.ranks} -m megatrain bench ... (or drop --ranks)")
     first = first_rank(case.device)  # under torchrun every rank runs the case and rank 0 reports it
     notes = preflight(case)  # on every rank: each refuses what does not fit
     for note in notes if first else []:

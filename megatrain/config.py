@@ -41,6 +41,8 @@ class CaseConfig:
         compile: run each decoder layer through torch.compile, in every system (the same kernels for all;
             a comparison gives every system the same setting).
         options: system-specific settings, recorded as given; parsed and checked as `opts` (the system's SystemSpec).
+        ranks: processes (one a GPU) that train the case together, each its share of the global batch: torchrun's
+            world size (`torchrun --nproc-per-node N -m megatrain bench`); 1 is one process without torchrun.
     """
 
     system: str = "native"
@@ -62,12 +64,15 @@ class CaseConfig:
     compile: bool = False
     optim: OptimConfig = field(default_factory=OptimConfig)
     options: dict = field(default_factory=dict)
+    ranks: int = 1
 
     def __post_init__(self) -> None:
         system_spec(self.system)  # refuses an unknown system, naming the known ones
         self.model_config()  # validates the model name and depth
         if self.batch < 1:
             raise ValueError(f"batch must be >= 1, got {self.batch}")
+        if self.ranks < 1:
+            raise ValueError(f"ranks must be >= 1, got {self.ranks}")
         if self.micro_batch == 0:
             object.__setattr__(self, "micro_batch", self.batch)
         if self.micro_batch < 1 or self.batch % self.micro_batch:
@@ -129,6 +134,8 @@ class CaseConfig:
         d = asdict(self)
         if d["model_shape"] is None:  # registry models: the dict (and the case ids hashed from it) as before
             del d["model_shape"]
+        if d["ranks"] == 1:  # one process: likewise
+            del d["ranks"]
         return d
 
     @staticmethod

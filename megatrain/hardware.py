@@ -64,6 +64,8 @@ PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (
     HardwareProfile("h200-141g-128g", "H200", 139.8, 128, "one H200 141 GB, 128 GiB host"),
     HardwareProfile("h200-141g-256g", "H200", 139.8, 256, "one H200 141 GB of a 2-GPU host with 256 GiB"),
     HardwareProfile("h200-141g-512g", "H200", 139.8, 512, "one H200 141 GB of a 4-8 GPU host with 512-560 GiB"),
+    HardwareProfile("h100-80g-256g", "H100", 79.2, 256, "one H100 80 GB of a 2-GPU host with 256 GiB"),
+    HardwareProfile("h100-80g-512g", "H100", 79.2, 512, "one H100 80 GB of a 4-8 GPU host with 512-560 GiB"),
 )}
 UNPROFILED = HardwareProfile("unprofiled", None, None, None, "a machine no profile describes (see 'measured')")
 

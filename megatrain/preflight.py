@@ -18,6 +18,7 @@ tokens per forward/backward, e bytes per activation element (2 for bf16 compute,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 from collections.abc import Callable
@@ -105,7 +106,14 @@ def plan_memory(case: CaseConfig, machine: Machine) -> dict:
     declared = case.opts.host_mem_gib
     available = host_memory_gib(declared)[1] if declared else machine.host_available_gib
     limits = Budget.of(available, machine.gpu_mem_gib if case.device == "cuda" else None)
-    return system_spec(case.system).plan_memory(case, limits)
+    if case.device == "cuda" and case.ranks > max(machine.gpu_count, 1):
+        return {"fits": False, "reason": f"{case.ranks} ranks need {case.ranks} GPUs; this machine has "
+                f"{machine.gpu_count}"}
+    # a case of N ranks planned from one process (the suite runner's) is planned for its launch
+    planning = distributed.as_launch(case.ranks) if case.ranks > 1 and not distributed.launched() else \
+        contextlib.nullcontext()
+    with planning:
+        return system_spec(case.system).plan_memory(case, limits)
 
 
 def plan_case(case: CaseConfig, machine: Machine) -> dict:

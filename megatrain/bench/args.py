@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from megatrain.config import CaseConfig
+from megatrain.engine import distributed
 from megatrain.flags import CaseFlags, flag
 from megatrain.optim.config import OptimConfig
 
@@ -25,9 +26,12 @@ class BenchFlags(CaseFlags):
     repeat_batch: bool = flag(CaseConfig.repeat_batch, help="same batch every step")
     gemm_peak_tflops: float | None = flag(None, help="measured GEMM peak for MFU")
     out: str | None = flag(None, help="append the record to this JSONL file")
+    ranks: int | None = flag(None, help="processes training the case together, torchrun's --nproc-per-node "
+                             "(default: this launch's; 1 without torchrun)")
 
     def case(self) -> CaseConfig:
         values = {k: v for k, v in dataclasses.asdict(self).items() if k in CaseConfig.__dataclass_fields__}
+        values["ranks"] = self.ranks or distributed.launch_size()[0]
         optim = OptimConfig(**{k: getattr(self, k) for k in OPTIM_FLAGS})
         return CaseConfig(**values, optim=optim, options=self.option)
 
@@ -36,4 +40,5 @@ class BenchFlags(CaseFlags):
         """The flags of `case`'s settings (what they cannot express, as optim betas and eps, is left out)."""
         names = {f.name for f in dataclasses.fields(BenchFlags)}
         values = {k: v for k, v in vars(case).items() if k in names}
+        values["ranks"] = case.ranks if case.ranks > 1 else None  # one process: no flag, as before
         return BenchFlags(**values, option=case.options, **{k: getattr(case.optim, k) for k in OPTIM_FLAGS})

@@ -64,7 +64,7 @@ CASE_CWD = CHECKOUT or WORKSPACE
 FINAL_STATUSES = ("ok", "oom", "skipped")  # error, timeout and killed are run again on resume
 # Group keys whose values (scalar or list) span the product, and the case field each sets.
 PRODUCT_KEYS = {"systems": "system", "models": "model", "batch": "batch", "seq": "seq", "num_layers": "num_layers",
-                "precision": "precision", "compile": "compile", "hardware": "hardware"}
+                "precision": "precision", "compile": "compile", "hardware": "hardware", "ranks": "ranks"}
 GROUP_KEYS = {"name", "label", "timeout_s", "ladder"}
 CASE_FIELDS = set(CaseConfig.__dataclass_fields__) - set(PRODUCT_KEYS.values())
 STDERR_TAIL_CHARS = 3000
@@ -100,7 +100,8 @@ class SuiteCase:
     def name(self) -> str:
         c = self.config
         depth = f"@{c.num_layers}L" if c.num_layers is not None else ""
-        return f"{self.label} {c.model}{depth} b{c.batch} s{c.seq} [{self.hardware}]"
+        ranks = f" x{c.ranks} ranks" if c.ranks > 1 else ""
+        return f"{self.label} {c.model}{depth} b{c.batch} s{c.seq}{ranks} [{self.hardware}]"
 
 
 @dataclass(frozen=True)
@@ -378,7 +379,6 @@ def run_suite(suite: Suite, out_dir: Path, only: str | None = None, timeout_s: f
     done = {cid for cid, r in latest.items() if r["status"] in FINAL_STATUSES}
     log(f"run {run_id} ({'resumed: ' + str(len(done)) + ' cases already final' if resumed else 'new'}); "
         f"records: {records_path}")
-    command_prefix = bench_command or [sys.executable, "-m", "megatrain", "bench"]
     stopped: dict[str, str] = {}  # ladder chain -> why it stopped
     new_records = []
     # The bar (with its ETA) shows on a terminal; logs get one line per case with the ETA in it.
@@ -399,7 +399,8 @@ def run_suite(suite: Suite, out_dir: Path, only: str | None = None, timeout_s: f
                 fit = "fits" if plan["fits"] else f"SKIP ({plan['reason']})"
                 log(f"  {case.case_id} {case.name}: {need}{fit}{'; done: ' + status if status else ''}")
         else:
-            record = _run_one(case, plan, machine, run_id, suite.name, out_dir, command_prefix)
+            record = _run_one(case, plan, machine, run_id, suite.name, out_dir,
+                              bench_command or launch_command(case.config.ranks))
             append_jsonl(records_path, record)
             new_records.append(record)
             status = record["status"]
@@ -412,6 +413,16 @@ def run_suite(suite: Suite, out_dir: Path, only: str | None = None, timeout_s: f
     log(f"suite {suite.name}, run {run_id}: {len(new_records)} new records " +
         ", ".join(f"{k} {v}" for k, v in counts.items() if v))
     return new_records
+
+
+def launch_command(ranks: int) -> list[str]:
+    """The command a case's bench arguments follow: `python -m megatrain bench`, through torchrun for several ranks
+    (one node; --standalone takes a free port, so two launches on one machine cannot collide)."""
+    module = [sys.executable, "-m", "megatrain", "bench"]
+    if ranks == 1:
+        return module
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+            *module[1:]]
 
 
 def _progress(done: int, total: int, elapsed_s: float) -> str:
@@ -439,7 +450,8 @@ def _run_one(case: SuiteCase, plan: dict, machine: Machine, run_id: str, suite_n
         "name": suite_name, "run_id": run_id, "case_id": case.case_id, "group": case.group, "label": case.label,
         "hardware": hardware, **({"planned_hardware": case.hardware} if hardware != case.hardware else {}),
         "ladder": case.ladder, "timeout_s": case.timeout_s, "plan": plan,
-        "machine": machine.to_dict(), "command": shlex.join(["python", "-m", "megatrain", "bench", *args]),
+        "machine": machine.to_dict(),
+        "command": shlex.join(["python", *launch_command(case.config.ranks)[1:], *args]),
         "started_at": started_at, **facts,
     }
     achieved = (record.get("metrics") or {}).get("host_optim_gbs")

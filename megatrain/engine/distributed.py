@@ -20,6 +20,7 @@ fills its copy (init, weights, a saved state) from the same files.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import os
@@ -63,8 +64,26 @@ def launched() -> bool:
     return dist.is_torchelastic_launched()
 
 
+# (ranks, ranks per node) that plans are made for meanwhile, from one process (as_launch)
+_PLANNED_LAUNCH: list[tuple[int, int]] = []
+
+
+@contextlib.contextmanager
+def as_launch(world: int):
+    """Meanwhile, launch_size and planned answer for one node's torchrun launch of `world` ranks: the suite runner
+    plans a case of N ranks from its one process before it starts them."""
+    _PLANNED_LAUNCH.append((world, world))
+    try:
+        yield
+    finally:
+        _PLANNED_LAUNCH.pop()
+
+
 def launch_size() -> tuple[int, int]:
-    """(ranks, ranks per node) of this launch, read before any process group exists: (1, 1) without torchrun."""
+    """(ranks, ranks per node) of this launch, read before any process group exists: (1, 1) without torchrun (or
+    what as_launch plans for)."""
+    if _PLANNED_LAUNCH:
+        return _PLANNED_LAUNCH[-1]
     if not launched():
         return 1, 1
     return int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
@@ -204,7 +223,7 @@ def per_rank(config: EngineConfig, world: int, local_world: int) -> EngineConfig
 def planned(config: EngineConfig) -> EngineConfig:
     """config as one rank of this launch runs it (unchanged for one process): for the memory plan, before any
     process group exists."""
-    if not launched():
+    if not launched() and not _PLANNED_LAUNCH:
         return config
     return per_rank(config, *launch_size())
 

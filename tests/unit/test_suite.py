@@ -15,7 +15,7 @@ from baselines import deepspeed_zero3, fsdp_offload
 from megatrain import preflight
 from megatrain.bench.args import BenchFlags
 from megatrain.bench.record import append_jsonl, read_jsonl
-from megatrain.bench.suite import SUITES_DIR, bench_args, load_suite
+from megatrain.bench.suite import SUITES_DIR, bench_args, launch_command, load_suite
 from megatrain.config import CaseConfig
 from megatrain.flags import CaseFlags, add_flags
 from megatrain.hardware import PROFILES, get_profile, same_machine
@@ -255,3 +255,56 @@ def test_a_torn_last_line_does_not_swallow_the_next_record(tmp_path):
     append_jsonl(path, {"status": "oom"})
     with pytest.warns(UserWarning, match=r"records\.jsonl:2: skipped a line that is not JSON"):
         assert read_jsonl(path) == [{"status": "ok"}, {"status": "oom"}]
+
+
+def test_a_case_of_n_ranks_runs_through_torchrun_and_one_rank_keeps_its_old_identity(tmp_path):
+    suite = _suite(tmp_path, """hardware = "cpu-ci"
+[[cases]]
+systems = "megatrain"
+models = "tiny"
+ranks = [1, 2]
+batch = 8""")
+    one, two = suite.cases
+    assert (one.config.ranks, two.config.ranks) == (1, 2) and "x2 ranks" in two.name and "ranks" not in one.name
+    assert "ranks" not in one.config.to_dict()  # the ids of every case recorded before ranks existed hold
+    assert one.case_id == _suite(tmp_path, 'hardware = "cpu-ci"\n[[cases]]\nsystems = "megatrain"\n'
+                                           'models = "tiny"\nbatch = 8').cases[0].case_id
+    assert bench_args(two.config)[-2:] == ["--ranks", "2"] and "--ranks" not in bench_args(one.config)
+    assert launch_command(2)[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    assert launch_command(1)[1:] == ["-m", "megatrain", "bench"]
+
+
+def test_a_case_of_n_ranks_is_planned_for_its_launch_and_refused_without_its_gpus():
+    def plan(system, ranks, machine=H200_X4):
+        case = CaseConfig(system=system, model="qwen2.5-7b", batch=64 * ranks, micro_batch=16, seq=1024,
+                          device="cuda", dtype="bfloat16", ranks=ranks)
+        return preflight.plan_case(case, machine)
+
+    # MegaTrain's node holds one copy of the state (each rank adds its process and buffers); DeepSpeed's shards add
+    # up to one copy too, plus a process per rank
+    for system in ("megatrain", "deepspeed"):
+        one, four = plan(system, 1), plan(system, 4)
+        assert one["fits"] and four["fits"] and one["host_bytes"] < four["host_bytes"] < 1.2 * one["host_bytes"]
+    assert "4 ranks need 4 GPUs; this machine has 2" in plan("megatrain", 4, H200_X2)["reason"]
+
+
+def test_bench_refuses_ranks_its_launch_does_not_have(capsys):
+    from megatrain.cli import main
+
+    assert main(["bench", "--model", "tiny", "--ranks", "2"]) == 2
+    assert "--ranks 2 but this launch has 1 process(es): start it with torchrun --nproc-per-node 2" in \
+        capsys.readouterr().err
+
+
+def test_the_trace_sums_the_pss_of_every_process_of_the_case(tmp_path):
+    import time
+
+    from megatrain.bench.trace import Sampler
+
+    held = bytearray(256 * 2**20)  # touched pages of this process
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])  # in the case's process tree
+    sampler = Sampler(tmp_path / "trace.json").start()
+    time.sleep(1.2)
+    summary = sampler.stop()
+    child.wait()
+    assert summary["node_processes"] >= 2 and summary["peak_node_pss_gib"] >= len(held) / 2**30
