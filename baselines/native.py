@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,13 @@ def checkpoint_bytes(case: CaseConfig) -> int:
     return case.model_config().num_params() * checkpoint_bytes_per_param(state_bytes(case))
 
 
+def _no_buffer_sync() -> dict:
+    """DDP's keyword that stops it syncing buffers at every forward: forward_sync_buffers from torch 2.13, which
+    deprecates the broadcast_buffers that earlier versions have (the GPU hosts run 2.11: looked up, not assumed)."""
+    names = inspect.signature(DistributedDataParallel.__init__).parameters
+    return {"forward_sync_buffers": False} if "forward_sync_buffers" in names else {"broadcast_buffers": False}
+
+
 def _summed(_, bucket):  # unannotated: DDP checks the annotations' objects, which this module's future import hides
     """DDP's all-reduce of a gradient bucket (a dist.GradBucket) without its division by the world size: the loss is
     normalised by the global batch's valid tokens already, so the ranks' gradients add up to one process's."""
@@ -90,7 +98,7 @@ class NativeSystem:
         if self.ranks is not None:  # DDP starts every rank from rank 0's weights; the buffers are constants
             self.trained = DistributedDataParallel(
                 self.model, device_ids=None if self.device.type == "cpu" else [self.device],
-                forward_sync_buffers=False, gradient_as_bucket_view=True)
+                gradient_as_bucket_view=True, **_no_buffer_sync())
             self.trained.register_comm_hook(None, _summed)
         self.autocast = case.precision == "mixed" and self.dtype != torch.float32
         self.optimizer = self._optimizer()

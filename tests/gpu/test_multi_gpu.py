@@ -22,7 +22,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.subprocess,
 needs_deepspeed = [pytest.mark.deepspeed, pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                                              reason="deepspeed not installed")]
 SYSTEMS = ["megatrain", "native", "fsdp", pytest.param("deepspeed", marks=needs_deepspeed)]
-ENV = {**{k: v for k, v in os.environ.items() if k != "MEGATRAIN_FAULT"}, "PYTHONPATH": str(ROOT)}
+# the checkout first, and whatever the host's PYTHONPATH holds after it (the GPU hosts' DeepSpeed wheels)
+ENV = {**{k: v for k, v in os.environ.items() if k != "MEGATRAIN_FAULT"},
+       "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 BOUND_S = 120  # a survivor must be gone this long after its peer died (NCCL's own timeout is 30 min)
 
 

@@ -93,3 +93,22 @@ def test_a_sequence_beyond_the_models_published_context_is_said_before_the_run()
     proc = _bench("--system", "native", "--model", "tiny", "--seq", "2049", "--batch", "1", "--steps", "1")
     assert proc.returncode == 0, proc.stderr
     assert "seq 2049 is beyond tiny's published context of 2048 tokens" in proc.stderr
+
+
+def test_ddp_stops_syncing_buffers_by_the_keyword_this_torch_has(monkeypatch):
+    # torch 2.13 renamed broadcast_buffers to forward_sync_buffers; the GPU hosts' 2.11 refused the new name (a
+    # 2-GPU native run died on it: results/gpu_checks/run-8b21ddc-h200x2-multi-gpu.jsonl)
+    from baselines import native
+
+    class Torch211DDP:
+        def __init__(self, module, device_ids=None, broadcast_buffers=True, gradient_as_bucket_view=False):
+            pass
+
+    class Torch213DDP:
+        def __init__(self, module, device_ids=None, broadcast_buffers=None, forward_sync_buffers=None):
+            pass
+
+    monkeypatch.setattr(native, "DistributedDataParallel", Torch211DDP)
+    assert native._no_buffer_sync() == {"broadcast_buffers": False}
+    monkeypatch.setattr(native, "DistributedDataParallel", Torch213DDP)
+    assert native._no_buffer_sync() == {"forward_sync_buffers": False}
