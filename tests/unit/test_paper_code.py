@@ -210,3 +210,76 @@ def test_without_flash_attn_their_layers_get_no_mask():
     assert unmasked._build_layer_kwargs(mask, "cache", "ids", "rope") == {
         "attention_mask": None, "use_cache": False, "output_attentions": False, "cache_position": "cache",
         "position_embeddings": "rope"}
+
+
+class _FakeMaster:
+    """Their CPUMasterModel's calls as train.py makes them, on the host: every gradient 1, their timings fixed."""
+
+    def __init__(self, hf_model, config):
+        self.config, self.params, self.calls = config, list(hf_model.parameters()), []
+        self.gpu_contexts = [type("Context", (), {"ce_loss": None})()]
+
+    def forward_and_backward(self, input_ids, attention_mask, labels):
+        self.calls.append(("forward_and_backward", input_ids, attention_mask, labels))
+        for p in self.params:
+            p.grad = torch.ones_like(p)
+        return 5.0, input_ids.numel(), {"forward": 0.25, "backward": 0.5, "total": 0.75}
+
+    def get_parameters(self):
+        return self.params
+
+    def _sync_params_to_gpu(self):
+        self.calls.append(("_sync_params_to_gpu",))
+
+    def zero_grad(self):
+        self.calls.append(("zero_grad",))
+
+    def cleanup(self):
+        self.calls.append(("cleanup",))
+
+
+def test_the_system_loads_the_checkpoint_and_steps_as_train_py_does(tmp_path, monkeypatch):
+    """The adapter around their model, on the host (their model itself needs CUDA): transformers loads the initial
+    checkpoint as train.py does, their config and a stand-in of their CPUMasterModel get it, and a step is train.py's
+    (forward_and_backward on our rows with our labels shifted, clipping, AdamW, the weights back, both zero_grads)."""
+    infinity, _ = _their_code()
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setattr(paper_code, "refusal", lambda case, world: None)
+    monkeypatch.setattr(paper_code, "WORKSPACE", tmp_path)
+    real_checkpoint, load = paper_code.initial_checkpoint, transformers.AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(paper_code, "initial_checkpoint", lambda case, root, device: real_checkpoint(case, root, "cpu"))
+    loaded = {}
+
+    def from_pretrained(path, device_map, **kw):  # accelerate, which device_map needs, may be absent here
+        loaded.update(kw, device_map=device_map)
+        return load(path, **kw)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(infinity, "CPUMasterModel", _FakeMaster)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    case = _case(options={"optimizer": "adamw"})
+    system = build_system(case)
+    assert loaded == {"torch_dtype": torch.bfloat16, "device_map": "cpu", "trust_remote_code": True,
+                      "attn_implementation": paper_code.attention(case.opts)}
+    before = system.named_parameters_fp32()
+    assert before.keys() == case.model_config().param_shapes().keys()
+    inputs, labels = torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (2, 32))
+    assert system.step(inputs, labels) == 5.0
+    name, given_inputs, mask, given_labels = system.model.calls[0]
+    assert given_inputs is inputs and torch.equal(mask, torch.ones_like(inputs))
+    assert torch.equal(given_labels, paper_code.shifted_labels(labels))
+    assert [c[0] for c in system.model.calls] == ["forward_and_backward", "_sync_params_to_gpu", "zero_grad"]
+    assert system.last_grad_norm == pytest.approx(case.model_config().num_params() ** 0.5, rel=1e-2)
+    after = system.named_parameters_fp32()
+    # AdamW moved every matrix (~0.02: its 1e-4 update is above half a bf16 ulp there) and no norm weight (1.0: the
+    # same update is below half an ulp): without an fp32 master, their small updates are lost
+    norms = {n for n in before if n.endswith("norm.weight")}
+    assert all(not torch.equal(before[n], after[n]) for n in before.keys() - norms)
+    assert all(torch.equal(before[n], after[n]) for n in norms)
+    assert all(p.grad is None for p in system.model.params), "optimizer.zero_grad after model.zero_grad"
+    metrics = system.metrics()
+    assert (metrics["forward_s"], metrics["backward_s"]) == (0.25, 0.5) and 0 < metrics["exposed_optim_frac"] < 1
+    config = system.system_config()
+    assert (config["checkpoint_interval"], config["num_grad_slabs"]) == (4, 12)
+    assert config["optimizer"] == "torch.optim.AdamW, bf16 moments"
+    assert config["scored_positions"].startswith("31 of 32")
+    system.close()
