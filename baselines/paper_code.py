@@ -1,11 +1,11 @@
 """The paper's own code as a peer: the public MegaTrain (github.com/DLYuanGod/MegaTrain, Apache-2.0, package
-`infinity`), run as its single-GPU SFT entry point, examples/sft/train.py, runs it, with its own settings, on our
-random-init model written as a Hugging Face checkpoint.
+`infinity`), run the way its single-GPU SFT entry point, examples/sft/train.py, runs it, with its own settings, on
+our random-init model written as a Hugging Face checkpoint.
 
 What runs is theirs. train.py loads the checkpoint with transformers (bf16, on the host, its attention
-implementation), wraps it in their CPUMasterModel (bf16 weights on the host, each layer streamed to the GPU, forward
-three times per step: the forward, the recompute of its checkpoint block, the recompute inside its backward) and steps
-it so, which `step` repeats call for call: forward_and_backward, then, with the GPU idle,
+implementation), wraps it in their CPUMasterModel (bf16 weights on the host, each layer streamed to the GPU and run
+forward three times per micro-batch: the forward, the recompute of its checkpoint block, the recompute inside its
+backward) and steps it as `step` does, call for call: forward_and_backward, then, with the GPU idle,
 torch.nn.utils.clip_grad_norm_ over the host gradients, the optimizer, _sync_params_to_gpu (every layer's pinned copy
 refreshed) and the two zero_grads. The optimizer is their YAML's `deepspeed_adam`, DeepSpeedCPUAdam(adamw_mode=True)
 over one group of every parameter, updating the bf16 weights in place: there is no fp32 master, so an update below
