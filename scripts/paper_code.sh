@@ -12,7 +12,7 @@ if [[ $# -lt 1 || $# -gt 2 ]]; then
          "https://github.com/DLYuanGod/MegaTrain)" >&2
     exit 2
 fi
-SOURCE=$1
+SOURCE=$(cd "$1" && pwd)  # absolute: the archive is taken after the cd to the repository root below
 REVISION=${2:-919520f}
 COMMIT=$(git -C "$SOURCE" rev-parse --verify --quiet "$REVISION^{commit}") || {
     echo "paper_code: $SOURCE has no commit $REVISION (a clone of DLYuanGod/MegaTrain, fetched?)" >&2
