@@ -51,7 +51,8 @@ def smoke(session):
 
 @nox.session(python=False)
 def reproduce_14b(session):
-    """Qwen2.5-14B: MegaTrain against DeepSpeed ZeRO-3 and FSDP2 offload on an H200 (256 or 512 GiB host).
+    """Qwen2.5-14B: MegaTrain and the paper's own code against DeepSpeed ZeRO-3 offload, and FSDP2 offload, on an H200
+    (256 or 512 GiB host; the paper's code needs .paper/, scripts/paper_code.sh).
 
     Resumes the latest run in results/reproduce_14b/; on other hardware no case runs. Then rewrites
     reports/reproduce_14b/ from the records.

@@ -34,6 +34,7 @@ SYSTEMS = {
     "deepspeed": "baselines.deepspeed_zero3:SPEC",
     "fsdp": "baselines.fsdp_offload:SPEC",
     "torchao": "baselines.torchao_offload:SPEC",
+    "paper": "baselines.paper_code:SPEC",
 }
 
 
@@ -50,6 +51,8 @@ class SystemSpec:
             memory (a device or launch it does not support), {fits: False, reason} alone, as for a missing package.
         checkpoint_bytes: case -> bytes of one save_state checkpoint (the weights and the optimizer state).
         package: the package it needs beyond torch, also the name of its pip extra; None when it needs none.
+        trains: False for a benchmark peer only (bench and suites), which `train` refuses: it has no evaluation,
+            export or resume.
     """
 
     factory: Callable[[CaseConfig], TrainSystem]
@@ -57,6 +60,7 @@ class SystemSpec:
     plan_memory: Callable[[CaseConfig, Budget], dict]
     checkpoint_bytes: Callable[[CaseConfig], int]
     package: str | None = None
+    trains: bool = True
 
 
 def system_spec(system: str) -> SystemSpec:

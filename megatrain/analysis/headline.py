@@ -27,8 +27,9 @@ from megatrain.hardware import get_profile
 from megatrain.models.registry import MODELS
 
 # Systems as a sentence names them; figures and tables use the labels.
-SYSTEM_NAMES = {"megatrain": "MegaTrain", "native": "plain PyTorch", "deepspeed": "DeepSpeed ZeRO-3 offload",
-                "fsdp": "FSDP2 offload", "torchao": "torchao CPU-offload optimizer"}
+SYSTEM_NAMES = {"megatrain": "MegaTrain", "paper": "the paper's code", "native": "plain PyTorch",
+                "deepspeed": "DeepSpeed ZeRO-3 offload", "fsdp": "FSDP2 offload",
+                "torchao": "torchao CPU-offload optimizer"}
 # DeepSpeed's other offload modes, by their label's variant (suites/host_optimizer.toml)
 DEEPSPEED_MODES = {"zero-offload": "DeepSpeed ZeRO-Offload",
                    "zenflow": "DeepSpeed ZenFlow over ZeRO-Offload (bounded staleness)"}
@@ -286,43 +287,73 @@ def _largest_figure(table: pd.DataFrame, path: Path) -> Path:
 
 # ---- throughput: TFLOPS against the other systems, at equal settings ----
 
-def _ratios(rows: pd.DataFrame) -> pd.DataFrame:
-    """MegaTrain's default label (no precision or option variant) over every other label's TFLOPS at each model,
-    sequence and batch of one session: at equal kernels (both eager or both compiled), or, where MegaTrain ran no
-    case with the other's kernel setting, across them ('equal kernels' False)."""
+def _over(rows: pd.DataFrame, reference: str) -> pd.DataFrame:
+    """Every label's TFLOPS over the reference system's default label (no precision or option variant) at the same
+    model, sequence, batch and kernels (both eager or both compiled) in one session; a label with no reference case
+    at its kernels gets no ratio: kernels are part of what a system is compared on, never of its ratio."""
     ok = rows[rows["status"] == "ok"]
     out = []
     for (_, model, _, batch), g in ok.groupby(["session", "model", "seq", "batch"]):
         tflops = g.groupby("label")["tflops"].max()
         parts = {label: plots.split_label(label) for label in tflops.index}
-        mine = {compiled: label for label, (system, variant, compiled) in parts.items()
-                if (system, variant) == ("megatrain", "")}
-        for label, (system, _, compiled) in parts.items():
-            if system == "megatrain":
-                continue
-            for ref in [mine[compiled]] if compiled in mine else mine.values():
-                out.append({"model": model, "batch": batch, "mine": ref, "other label": label,
-                            "other": label.removesuffix(plots.COMPILED_SUFFIX), "equal kernels": compiled in mine,
-                            "ratio": tflops[ref] / tflops[label], "tflops": tflops[ref]})
-    return pd.DataFrame(out)
+        references = {compiled: label for label, (system, variant, compiled) in parts.items()
+                      if (system, variant) == (reference, "")}
+        for label, (_, _, compiled) in parts.items():
+            ref = references.get(compiled)
+            if ref is not None and label != ref:
+                out.append({"model": model, "batch": batch, "compiled": compiled, "label": label, "reference": ref,
+                            "ratio": tflops[label] / tflops[ref], "tflops": tflops[label],
+                            "reference_tflops": tflops[ref]})
+    return pd.DataFrame(out, columns=["model", "batch", "compiled", "label", "reference", "ratio", "tflops",
+                                      "reference_tflops"])
 
 
 def _kernels(label: str) -> str:
     return "compiled" if plots.split_label(label)[2] else "eager"
 
 
-def _kernel_terms(ratios: pd.DataFrame) -> str:
-    """On what terms the ratios compare: equal batch, and equal kernels or which differ."""
-    if ratios["equal kernels"].all():
-        settings = sorted({_kernels(label) for label in ratios["mine"]})
-        return f"TFLOPS at equal batch and kernels, {' and '.join(settings)}"
-    unequal = ratios[~ratios["equal kernels"]]
-    pairs = sorted({(_kernels(m), _kernels(o)) for m, o in zip(unequal["mine"], unequal["other label"], strict=True)})
-    them = "they" if unequal["other"].nunique() > 1 else "it"
-    terms = "; ".join(f"MegaTrain {mine}, {them} {other}" for mine, other in pairs)
-    names = _join([prose(o) for o in plots.ordered_labels(unequal["other"])])
-    scope = "" if unequal["other"].nunique() == ratios["other"].nunique() else f" against {names}"
-    return f"TFLOPS at equal batch{scope}; {terms}: part of each ratio is kernels"
+def _span(ratios: pd.Series) -> str:
+    lo, hi = ratios.min(), ratios.max()
+    return f"{lo:.2f}x" if np.isclose(lo, hi, rtol=5e-3) else f"{lo:.2f}-{hi:.2f}x"
+
+
+def _no_ratio(labels: list[str], beside: str) -> list[str]:
+    """Clauses for labels that got no ratio, one per kernel setting: `beside` (the reference, as a sentence names it)
+    ran no case at their kernels."""
+    clauses = []
+    for kernels in ("eager", "compiled"):
+        named = [prose(label) for label in labels if _kernels(label) == kernels]
+        if named:
+            has, them = ("has", "it") if len(named) == 1 else ("have", "them")
+            clauses.append(f"{_join(named)} {has} no ratio: {beside} ran no {kernels} case beside {them}")
+    return clauses
+
+
+def _unpaired(rows: pd.DataFrame, reference: str, aside: tuple[str, ...] = ()) -> list[str]:
+    """The labels with an ok case beside the reference system's default label (same session, model, sequence and
+    batch) at a kernel setting it did not run there: no ratio, for the kernels' sake alone. Neither that label nor the
+    labels of the systems `aside` are named."""
+    ok = rows[rows["status"] == "ok"]
+    keys = ["session", "model", "seq", "batch"]
+    kernels = ok["label"].map(lambda label: plots.split_label(label)[2])
+    is_reference = ok["label"].map(lambda label: plots.split_label(label)[:2] == (reference, ""))
+    beside = set(map(tuple, ok[is_reference][keys].to_numpy().tolist()))
+    ran = {(*key, compiled) for key, compiled in zip(map(tuple, ok[is_reference][keys].to_numpy().tolist()),
+                                                    kernels[is_reference], strict=True)}
+    labels = {label for label, key, compiled, ref in zip(ok["label"], map(tuple, ok[keys].to_numpy().tolist()),
+                                                         kernels, is_reference, strict=True)
+              if key in beside and (*key, compiled) not in ran and not ref
+              and plots.split_label(label)[0] not in aside}
+    return plots.ordered_labels(labels)
+
+
+def _papers_ratio(claim: paper.Claim) -> str:
+    """A published figure of another system as the paper's own: with its MegaTrain counterpart, the ratio it states."""
+    mine = paper.counterpart(claim)
+    theirs = f"{SYSTEM_NAMES[claim.system]} " + (f"{claim.tflops:g} TFLOPS" if claim.tflops else "out of memory")
+    if mine and mine.tflops and claim.tflops:
+        return f"{mine.tflops / claim.tflops:.2f}x (MegaTrain {mine.tflops:g} against {theirs}, {claim.hardware})"
+    return f"{theirs} ({claim.hardware})"
 
 
 def throughput(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path):
@@ -332,7 +363,9 @@ def throughput(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path)
     if ok.empty:
         return "<b>No case ran ok in the latest session.</b>", figure, ""
     seq = plots._main_seq(ok)
-    ratios = _ratios(session[session["seq"] == seq])
+    at_seq = session[session["seq"] == seq]
+    pairs = _over(at_seq, "megatrain")
+    ratios = pairs[pairs["label"].map(lambda label: plots.split_label(label)[0]) != "megatrain"]
     # where MegaTrain ran beside another system; the models only one system ran (a depth ladder's) are said apart
     side_by_side = ok[ok["model"].isin(ratios["model"])] if not ratios.empty else ok
     models = sorted(side_by_side["model"].unique(),
@@ -345,19 +378,20 @@ def throughput(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path)
         parts = [f"On {_machine(session)}, at {where}, <b>{prose(top['label'])} runs {top['tflops']:.0f} TFLOPS</b>"]
     else:
         said = []
-        for other in plots.ordered_labels(ratios["other"]):
-            g = ratios[ratios["other"] == other]
-            lo, hi = g["ratio"].min(), g["ratio"].max()
-            span = f"{lo:.2f}x" if np.isclose(lo, hi, rtol=5e-3) else f"{lo:.2f}-{hi:.2f}x"
-            said.append(f"{span} as fast as {prose(other)}")
+        for other in plots.ordered_labels(ratios["label"].str.removesuffix(plots.COMPILED_SUFFIX)):
+            mine = 1 / ratios[ratios["label"].str.removesuffix(plots.COMPILED_SUFFIX) == other]["ratio"]
+            said.append(f"{_span(mine)} as fast as {prose(other)}")
+        settings = sorted({_kernels(label) for label in ratios["reference"]})
         parts = [f"On {_machine(session)}, at {where}, <b>MegaTrain trains {_join(said)}</b> "
-                 f"({_kernel_terms(ratios)})"]
-        cases = ratios.drop_duplicates(["model", "batch", "mine"])
+                 f"(TFLOPS at equal batch and kernels, {' and '.join(settings)})"]
+        cases = ratios.drop_duplicates(["model", "batch", "reference"])
         if len(cases) > 1:
-            top = cases.loc[cases["tflops"].idxmax()]
-            parts[-1] += f"; its best, {top['tflops']:.0f} TFLOPS ({top['model']}, batch {top['batch']}, " \
-                         f"{_kernels(top['mine'])})"
-        failed = session[(session["seq"] == seq) & (session["status"] != "ok") & (session["system"] != "megatrain")]
+            top = cases.loc[cases["reference_tflops"].idxmax()]
+            parts[-1] += f"; its best, {top['reference_tflops']:.0f} TFLOPS ({top['model']}, batch {top['batch']}, " \
+                         f"{_kernels(top['reference'])})"
+        # MegaTrain's variants compare to none
+        parts += _no_ratio(_unpaired(at_seq, "megatrain", aside=("megatrain",)), "MegaTrain")
+        failed = at_seq[(at_seq["status"] != "ok") & (at_seq["system"] != "megatrain")]
         for (label, model, batch), g in failed.groupby(["label", "model", "batch"]):
             if plots.split_label(label)[2] and label.removesuffix(plots.COMPILED_SUFFIX) in set(failed["label"]):
                 continue  # said once for its eager and compiled cases
@@ -367,15 +401,8 @@ def throughput(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path)
             parts.append(f"the deepest each trained here: {deepest}")
     for claim in claims:
         differs = _claim_mismatch(claim, scope)
-        counterpart = next((c for c in paper.CLAIMS if c.system == "megatrain" and c.source == claim.source and
-                            (c.model, c.seq, c.hardware, c.batch) == (claim.model, claim.seq, claim.hardware,
-                                                                      claim.batch)), None)
-        theirs = f"{SYSTEM_NAMES[claim.system]} " + (f"{claim.tflops:g} TFLOPS" if claim.tflops else "out of memory")
-        figure_of = (f"{counterpart.tflops / claim.tflops:.2f}x (MegaTrain {counterpart.tflops:g} against {theirs}, "
-                     f"{claim.hardware})" if counterpart and counterpart.tflops and claim.tflops else
-                     f"{theirs} ({claim.hardware})")
         verdict = "the same case as ours" if differs is None else f"not comparable: {differs}"
-        parts.append(f"the paper's {figure_of} is {verdict}")
+        parts.append(f"the paper's {_papers_ratio(claim)} is {verdict}")
     comparable = plots.summary_claims(ok[ok["seq"] == seq])
     caption = ("TFLOPS (6NT) of each system at each model and batch in the latest session; hatched: compiled. "
                + ("The paper's own figure (dotted white) stands beside ours where its case is ours: same model, "
@@ -401,6 +428,76 @@ def _deepest(ladders: pd.DataFrame) -> str:
     return _join(said) if said else ""
 
 
+# ---- over_deepspeed: each system's speed over DeepSpeed ZeRO-3 offload's at equal kernels, the paper's as its own ----
+
+def over_deepspeed(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path):
+    """The paper's headline question asked of the latest session: every system's TFLOPS over DeepSpeed ZeRO-3
+    offload's at the same model, batch and kernels, per kernel setting (MegaTrain and the paper's code side by side);
+    the paper's own ratio stated as the paper's, on its machine."""
+    session = scope[scope["session"] == scope["session"].max()]
+    ok = session[session["status"] == "ok"]
+    if ok.empty:
+        return "<b>No case ran ok in the latest session.</b>", None, ""
+    seq = plots._main_seq(ok)
+    at_seq = session[session["seq"] == seq]
+    pairs = _over(at_seq, "deepspeed")
+    where = f"On {_machine(session)}, at {_join(sorted(at_seq['model'].unique()))}, seq {seq}"
+    if pairs.empty:
+        ran = _join([prose(label) for label in plots.ordered_labels(ok[ok["seq"] == seq]["label"])])
+        parts = [f"{where}, <b>no system ran beside DeepSpeed ZeRO-3 offload at the same batch and kernels</b> in the "
+                 f"latest session ({ran} ran): no ratio to it is stated"]
+    else:
+        said = []
+        for compiled, g in pairs.groupby("compiled"):  # eager first
+            figures = []
+            for label in plots.ordered_labels(g["label"]):
+                rows = g[g["label"] == label]
+                batches = sorted(rows["batch"].unique())
+                at = f"batch {batches[0]}" if len(batches) == 1 else f"batches {batches[0]}-{batches[-1]}"
+                figures.append(f"{prose(label.removesuffix(plots.COMPILED_SUFFIX))} {_span(rows['ratio'])} ({at})")
+            said.append(f"{'compiled' if compiled else 'eager'}, {_join(figures)}")
+        parts = [f"{where}, each system's TFLOPS over DeepSpeed ZeRO-3 offload's at the same batch and kernels: "
+                 f"<b>{'; '.join(said)}</b>"]
+    parts += _no_ratio(_unpaired(at_seq, "deepspeed"), SYSTEM_NAMES["deepspeed"])
+    failed = at_seq[(at_seq["status"] != "ok") & (at_seq["system"] == "deepspeed")]
+    for (label, batch), g in failed.groupby(["label", "batch"]):
+        parts.append(f"{prose(label)} did not run batch {batch} "
+                     f"({tables.short_reason(g['status'].iloc[0], g['error'].iloc[0])})")
+    for claim in claims:
+        batch = f"batch {claim.batch}" if claim.batch else "batch not stated"
+        parts.append(f"the paper's own figure, on its machine and not a ratio of ours: {_papers_ratio(claim)}, "
+                     f"{batch}")
+    sentence = "; ".join(parts) + "."
+    return sentence, _over_deepspeed_figure(ok[ok["seq"] == seq], pairs, path), (
+        "TFLOPS (6NT) of each system at each batch in the latest session, eager and compiled apart (hatched: "
+        "compiled); under each bar's TFLOPS, its ratio to DeepSpeed ZeRO-3 offload's at the same batch and kernels. "
+        "The paper's own ratio is in the sentence above: its figures were measured on its machine.")
+
+
+def _over_deepspeed_figure(ok: pd.DataFrame, pairs: pd.DataFrame, path: Path) -> Path:
+    settings = sorted(ok["compile"].unique())
+    fig, axes = plots._figure(1, len(settings), height=4.4)
+    for ax, compiled in zip(axes[0], settings, strict=True):
+        rows = ok[ok["compile"] == compiled]
+        keys = rows[["params_b", "model", "batch"]].drop_duplicates().sort_values(["params_b", "model", "batch"])
+        several = keys["model"].nunique() > 1
+        groups = [("\n".join([plots.model_tick(model)] * several + [f"batch {batch}"]),
+                   rows[(rows["model"] == model) & (rows["batch"] == batch)].groupby("label")["tflops"].max()
+                   .to_dict()) for _, model, batch in keys.itertuples(index=False)]
+        bars = plots.grouped_bars(ax, groups, values=False)
+        wide = ax.get_window_extent().width * next(iter(bars.values())).get_width() / len(groups) >= 30  # pixels
+        for (i, label), bar in bars.items():  # its TFLOPS and its ratio to DeepSpeed's; on a narrow bar, the ratio
+            _, model, batch = keys.iloc[i]
+            ratio = pairs[(pairs["label"] == label) & (pairs["model"] == model) & (pairs["batch"] == batch)]["ratio"]
+            ratio = f"{ratio.iloc[0]:.2f}x" if len(ratio) else ""
+            text = f"{bar.get_height():.0f}" + (f"\n{ratio}" if ratio else "") if wide else ratio
+            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), xytext=(0, 2),
+                        textcoords="offset points", ha="center", va="bottom", fontsize=8, rotation=0 if wide else 90)
+        ax.set(ylabel="TFLOPS (6NT)", title="compiled" if compiled else "eager")
+    plots._legend_below(fig, axes)
+    return plots._save(fig, path)
+
+
 # ---- host_optimizer: what the host optimizer costs a small batch, per option, and every offload peer at its best ----
 
 def _peer(system: str, label: str) -> str:
@@ -411,11 +508,13 @@ def _peer(system: str, label: str) -> str:
     return SYSTEM_NAMES.get(system, system)
 
 
-def _option(label: str) -> str:
+def _option(label: str, kernels: bool = False) -> str:
     """A MegaTrain label's option as a short phrase: 'megatrain-streamed-mixed-delayed-compiled' -> 'streamed mixed
-    delayed'; the default label is 'as planned'."""
+    delayed'; the default label is 'as planned'. kernels: its kernel setting after it ('streamed mixed eager'), where
+    a session ran both."""
     variant = plots.split_label(label)[1]
-    return variant.replace("-", " ") if variant else "as planned"
+    phrase = variant.replace("-", " ") if variant else "as planned"
+    return f"{phrase} {_kernels(label)}" if kernels else phrase
 
 
 def _small_over_large(mine: pd.DataFrame, small: int, large: int) -> pd.DataFrame:
@@ -445,23 +544,37 @@ def _streamed_exact(mine: pd.DataFrame) -> str | None:
     return exact["label"].iloc[0] if len(exact) else None
 
 
-def _against(theirs: pd.DataFrame, mine: pd.DataFrame, references: list[tuple[str, str]], batches) -> str:
-    """One peer at each batch: its best TFLOPS over its labels and MegaTrain's references' ratios to it, or why it
-    did not run."""
+def _references(mine: pd.DataFrame) -> list[tuple[str, str]]:
+    """MegaTrain's labels a peer is measured against, with their names: as planned, and streamed exact."""
+    default = mine[mine["label"].map(_is_default)]["label"]
+    planned, exact = (default.max() if len(default) else None), _streamed_exact(mine)
+    return [(label, name) for label, name in ((planned, "as planned"), (exact, "streamed exact")) if label]
+
+
+def _against(theirs: pd.DataFrame, mine: pd.DataFrame, batches, kernels: bool) -> str:
+    """One peer at each batch: its best TFLOPS over its labels at each kernel setting it ran, the share of its step
+    its optimizer was exposed where it says, and the ratios of MegaTrain's references at the same kernels to it; or
+    why it did not run. kernels: name the kernel setting (a session that ran both)."""
     figures = []
     for batch in batches:
         at = theirs[theirs["batch"] == batch]
-        best = at[at["status"] == "ok"]["tflops"].max()
-        if pd.isna(best):
+        ran = at[at["status"] == "ok"]
+        if ran.empty:
             if len(at):
                 figures.append(f"batch {batch} {tables.short_reason(at['status'].iloc[0], at['error'].iloc[0])}")
             continue
-        ratios = []
-        for label, name in references:
-            ours = mine[(mine["label"] == label) & (mine["batch"] == batch)]["tflops"].max()
-            if not pd.isna(ours):
-                ratios.append(f"{name} {ours / best:.2f}x")
-        figures.append(f"batch {batch} {best:.0f} TFLOPS" + (f" (MegaTrain {', '.join(ratios)})" if ratios else ""))
+        for compiled, rows in ran.groupby("compile"):
+            top = rows.loc[rows["tflops"].idxmax()]
+            exposed = "" if pd.isna(top["exposed_optim_frac"]) else \
+                f", {top['exposed_optim_frac']:.0%} of its step in its optimizer"
+            ratios = []
+            for label, name in _references(mine[mine["compile"] == compiled]):
+                ours = mine[(mine["label"] == label) & (mine["batch"] == batch)]["tflops"].max()
+                if not pd.isna(ours):
+                    ratios.append(f"{name} {ours / top['tflops']:.2f}x")
+            setting = f" {_kernels(top['label'])}" if kernels else ""
+            figures.append(f"batch {batch}{setting} {top['tflops']:.0f} TFLOPS{exposed}"
+                           + (f" (MegaTrain {', '.join(ratios)})" if ratios else ""))
     return "; ".join(figures)
 
 
@@ -480,12 +593,14 @@ def host_optimizer(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: P
         options = _small_over_large(mine, small, large)
         if options.empty:
             continue
-        panels.append((layers, session, options))
-        said = [f"{_option(label)} {r.ratio:.2f}x" + ("" if pd.isna(r.exposed) else f" ({r.exposed:.0%})")
+        both = session["compile"].nunique() > 1  # eager and compiled cases: each option says its kernels
+        panels.append((layers, session, options, both))
+        said = [f"{_option(label, both)} {r.ratio:.2f}x" + ("" if pd.isna(r.exposed) else f" ({r.exposed:.0%})")
                 for label, r in options.loc[plots.ordered_labels(options.index)].iterrows()]
-        default = mine[mine["label"].map(_is_default)]["label"]
-        planned, exact = (default.max() if len(default) else None), _streamed_exact(mine)
-        references = [(label, name) for label, name in ((planned, "as planned"), (exact, "streamed exact")) if label]
+        # the answer is the suite's main setting's: compiled, where the session ran both
+        main = mine[mine["compile"]] if both and mine["compile"].any() else mine
+        planned = next((label for label, name in _references(main) if name == "as planned"), None)
+        exact = _streamed_exact(main)
         streamed = options.drop(index=[planned] if planned else [], errors="ignore")
         best = streamed["ratio"].idxmax() if len(streamed) else None
         where = (f"at {layers} layers ({session['params_b'].iloc[0]:.2f}B, {session['model_name'].iloc[0]} width, "
@@ -499,17 +614,19 @@ def host_optimizer(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: P
             if best is not None and best != exact:
                 b = options.loc[best]
                 inexact = not _exact_adamw(mine[mine["label"] == best]).all()
-                answer += (f"; the best streamed option, {_option(best)}{' (not exact AdamW)' if inexact else ''}, "
+                answer += (f"; the best streamed option, {_option(best, both)}"
+                           f"{' (not exact AdamW)' if inexact else ''}, "
                            f"{b.ratio:.2f}x" + ("" if pd.isna(b.exposed) else f" ({b.exposed:.0%})"))
         text = (f"{where}{answer}; every option's batch {small} over its batch {large}: {_join(said)} (in brackets "
                 f"the host optimizer's exposed share of the batch-{small} step)")
         peers = session[session["system"] != "megatrain"]
         names = pd.Series([_peer(system, label) for system, label in zip(peers["system"], peers["label"],
                                                                           strict=True)], index=peers.index)
-        against = [f"{peer}: {_against(peers[names == peer], mine, references, (small, large))}"
+        against = [f"{peer}: {_against(peers[names == peer], mine, (small, large), both)}"
                    for peer in sorted(set(names))]
         if against:
-            text += f"; each peer at its best label per batch, and MegaTrain's ratio to it: {'; '.join(against)}"
+            text += (f"; each peer at its best label per batch{' and kernel setting' if both else ''}, and "
+                     f"MegaTrain's ratio to it{' at the same kernels' if both else ''}: {'; '.join(against)}")
         parts.append(text)
     if not panels:
         return "<b>No MegaTrain case ran ok at both batches in a latest session.</b>", None, ""
@@ -523,9 +640,9 @@ def host_optimizer(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: P
 
 
 def _host_optimizer_figure(panels: list, path: Path) -> Path:
-    height = 0.32 * max(len(options) for _, _, options in panels) + 1.4
+    height = 0.32 * max(len(options) for _, _, options, _ in panels) + 1.4
     fig, axes = plots._figure(1, len(panels), height=height)
-    for ax, (layers, session, options) in zip(axes[0], panels, strict=True):
+    for ax, (layers, session, options, both) in zip(axes[0], panels, strict=True):
         labels = plots.ordered_labels(options.index)
         ratios = options.loc[labels, "ratio"].to_numpy()
         bars = ax.barh(range(len(labels)), ratios, height=0.6,
@@ -533,7 +650,7 @@ def _host_optimizer_figure(panels: list, path: Path) -> Path:
         ax.bar_label(bars, labels=[f"{r:.2f}x" + ("" if pd.isna(e) else f", {e:.0%}")
                                    for r, e in zip(ratios, options.loc[labels, "exposed"], strict=True)],
                      padding=3, fontsize=8)
-        ax.set_yticks(range(len(labels)), [_option(label) for label in labels], fontsize=8)
+        ax.set_yticks(range(len(labels)), [_option(label, both) for label in labels], fontsize=8)
         ax.invert_yaxis()
         ax.axvline(0.8, color="black", linestyle=":", linewidth=1)
         ax.set_xlim(0, 1.35)
@@ -587,4 +704,5 @@ def paths(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path):
 
 
 HEADLINES: dict[str, Callable] = {"longest_seq": longest_seq, "largest_model": largest_model,
-                                  "throughput": throughput, "paths": paths, "host_optimizer": host_optimizer}
+                                  "throughput": throughput, "over_deepspeed": over_deepspeed, "paths": paths,
+                                  "host_optimizer": host_optimizer}

@@ -75,6 +75,13 @@ CLAIMS: list[Claim] = [
 ]
 
 
+def counterpart(claim: Claim) -> Claim | None:
+    """The paper's MegaTrain figure a figure of another system stands against in its source (the same model, sequence,
+    hardware and batch): the other half of a ratio the paper states, as 264 against DeepSpeed's 143.6 (its 1.84x)."""
+    return next((c for c in CLAIMS if c.system == "megatrain" and c.source == claim.source and c is not claim and
+                 (c.model, c.seq, c.hardware, c.batch) == (claim.model, claim.seq, claim.hardware, claim.batch)), None)
+
+
 def mismatch(claim: Claim, model_name: str, num_layers: int, seq: int, batch: int) -> str | None:
     """Why a case of ours (registry model, depth, sequence, batch) is not the claim's case, or None when it is: a
     published figure stands beside ours only at the same model, depth, sequence and batch. A source that states no

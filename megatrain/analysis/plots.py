@@ -36,9 +36,9 @@ STREAM_ORDER = ("h2d", "compute", "d2h", "optim")
 
 # One colour per system; a label's variant (its precision or options: megatrain-bf16, megatrain-streamed) is a shade
 # of its system's colour, darker (< 0) or lighter (> 0), the same in every figure.
-SYSTEM_COLORS = {"megatrain": "#d7301f", "native": "#8e82b8", "deepspeed": "#5b83b0", "fsdp": "#6aa583",
-                 "torchao": "#b89b5e"}
-SYSTEM_MARKERS = {"megatrain": "o", "native": "D", "deepspeed": "s", "fsdp": "^", "torchao": "P"}
+SYSTEM_COLORS = {"megatrain": "#d7301f", "paper": "#b5478f", "native": "#8e82b8", "deepspeed": "#5b83b0",
+                 "fsdp": "#6aa583", "torchao": "#b89b5e"}
+SYSTEM_MARKERS = {"megatrain": "o", "paper": "X", "native": "D", "deepspeed": "s", "fsdp": "^", "torchao": "P"}
 OTHER_COLOR = "#8c8c8c"  # a label that names no known system
 # label prefixes that name a system by its mode (suites' labels: 'fsdp2-offload-accumulate-on-gpu'), tried first
 LABEL_PREFIXES = {"fsdp2-offload": "fsdp", "torchao-cpu-offload": "torchao"}
@@ -459,11 +459,13 @@ def _number(value: float) -> str:
 
 
 def grouped_bars(ax, groups: list[tuple[str, dict[str, float]]],
-                 extra: dict[int, list[tuple[float, str]]] | None = None, values: bool | None = None) -> None:
+                 extra: dict[int, list[tuple[float, str]]] | None = None, values: bool | None = None) -> dict:
     """Bars in groups: one (tick, {label: value}) per group, the labels present side by side in legend order, each in
     its label_style; `extra` adds, per group index, bars of (value, legend) drawn in PAPER_STYLE after them.
-    Values are written over the bars where a bar is wide enough to carry one (`values` None), or when asked."""
+    Values are written over the bars where a bar is wide enough to carry one (`values` None), or when asked.
+    Returns each bar by (group index, legend)."""
     extra = extra or {}
+    drawn = {}
     widths = [len(bars) + len(extra.get(i, [])) for i, (_, bars) in enumerate(groups)]
     width = 0.8 / max(widths)
     if values is None:
@@ -473,6 +475,7 @@ def grouped_bars(ax, groups: list[tuple[str, dict[str, float]]],
         entries += [(value, legend, PAPER_STYLE) for value, legend in extra.get(i, [])]
         for j, (value, legend, style) in enumerate(entries):
             (bar,) = ax.bar(i + (j - (len(entries) - 1) / 2) * width, value, width, label=legend, **style)
+            drawn[(i, legend)] = bar
             if values:
                 ax.annotate(_number(value), (bar.get_x() + bar.get_width() / 2, value), xytext=(0, 2),
                             textcoords="offset points", ha="center", va="bottom", fontsize=8)
@@ -480,6 +483,7 @@ def grouped_bars(ax, groups: list[tuple[str, dict[str, float]]],
     ax.set_xlim(-0.5, len(groups) - 0.5)
     ax.margins(y=0.12)
     ax.grid(axis="y", alpha=0.3)
+    return drawn
 
 
 def summary_claims(df: pd.DataFrame) -> dict[tuple[str, int], list[paper.Claim]]:

@@ -17,7 +17,7 @@ from megatrain.models.hf import check_hf_checkpoint
 from megatrain.models.registry import get_model_config
 from megatrain.optim.config import OptimConfig
 from megatrain.options import check_field_types
-from megatrain.systems import SYSTEMS, parse_options
+from megatrain.systems import SYSTEMS, parse_options, system_spec
 from megatrain.train.data import data_files
 from megatrain.train.lr import SCHEDULES
 
@@ -68,6 +68,9 @@ class TrainConfig(CaseFlags):
         check_field_types(self, "train setting")  # a TOML file's values reach here untyped
         if self.system not in SYSTEMS:
             raise ValueError(f"--system must be one of {', '.join(SYSTEMS)}, got {self.system!r}")
+        if not system_spec(self.system).trains:
+            raise ValueError(f"--system {self.system} is a benchmark peer (bench and suites), not a trainer: train "
+                             f"with {', '.join(s for s in SYSTEMS if system_spec(s).trains)}")
         if (self.init_from is None) == (self.model is None) and self.resume is None:
             raise ValueError("give one of --init-from DIR (a Hugging Face checkpoint) or --model NAME (from scratch)")
         if self.model is not None:

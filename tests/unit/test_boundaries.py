@@ -157,7 +157,7 @@ print(" ".join(m for m in sys.modules if m.startswith("deepspeed")))
 
 
 def test_every_system_is_one_spec_with_typed_options():
-    assert set(SYSTEMS) == {"megatrain", "native", "deepspeed", "fsdp", "torchao"}
+    assert set(SYSTEMS) == {"megatrain", "native", "deepspeed", "fsdp", "torchao", "paper"}
     for system in SYSTEMS:
         spec = system_spec(system)
         assert isinstance(spec, SystemSpec) and issubclass(spec.options, CommonOptions), system
@@ -166,7 +166,7 @@ def test_every_system_is_one_spec_with_typed_options():
     assert parse_options("deepspeed", {}).optimizer is None
     assert parse_options("fsdp", {"host_mem_gib": 100}).host_mem_gib == 100
     with pytest.raises(ValueError, match="unknown system 'nativ'; choose one of: native, megatrain, deepspeed, fsdp, "
-                                         "torchao"):
+                                         "torchao, paper"):
         CaseConfig(system="nativ")
 
 
