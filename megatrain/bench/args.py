@@ -25,6 +25,7 @@ class BenchFlags(CaseFlags):
     repeat_batch: bool = flag(CaseConfig.repeat_batch, help="same batch every step")
     gemm_peak_tflops: float | None = flag(None, help="measured GEMM peak for MFU")
     out: str | None = flag(None, help="append the record to this JSONL file")
+    json: bool = flag(False, help="print the record as one JSON line, stdout's last (the suite runner reads it)")
 
     def case(self) -> CaseConfig:
         values = {k: v for k, v in dataclasses.asdict(self).items() if k in CaseConfig.__dataclass_fields__}
