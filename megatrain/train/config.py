@@ -23,8 +23,8 @@ from megatrain.train.lr import SCHEDULES
 
 # the settings a resumed run keeps, each shaping its data, model or saved state; the others may change: the optimizer's
 # and the length from the resumed step on, the device, micro-batch, compile and the system's options only in rounding
-RESUME_FIXES = ("system", "init_from", "model", "tokenizer", "data", "train_on_prompt", "shuffle", "pack", "seq",
-                "batch", "seed", "dtype", "precision", "moments")
+RESUME_FIXES = ("system", "init_from", "model", "tokenizer", "data", "data_split", "train_on_prompt", "shuffle", "pack",
+                "seq", "batch", "seed", "dtype", "precision", "moments")
 
 
 @dataclass
@@ -38,7 +38,10 @@ class TrainConfig(CaseFlags):
     init_from: str | None = flag(None, metavar="DIR",
                                  help="local Hugging Face checkpoint (Qwen2 or Llama, safetensors)")
     model: str | None = flag(None, help="registry shape trained from scratch (python -m megatrain models)")
-    data: list[str] = flag(factory=list, metavar="FILE", help=".jsonl/.txt file or folder, repeatable")
+    data: list[str] = flag(factory=list, metavar="FILE", help=".jsonl/.txt file or folder; or a Hugging Face dataset: "
+                           "a save_to_disk folder, parquet/arrow/json files, a hub name with --data-split; repeatable")
+    data_split: str | None = flag(None, metavar="SPLIT", help="the split of a --data dataset that has several, or of "
+                                  "a hub dataset")
     tokenizer: str | None = flag(None, metavar="DIR", help="local tokenizer directory (default: --init-from's)")
     train_on_prompt: bool = flag(False, help="loss on chat prompts too")
     shuffle: bool = flag(True, help="keep file order")
@@ -62,6 +65,7 @@ class TrainConfig(CaseFlags):
                                     "non-finite loss or gradient norm (default {default}, 0: never)")
     log_every: int = flag(1, metavar="N", help="plain progress line every N steps (default {default})")
     eval_data: list[str] = flag(factory=list, metavar="FILE", help="held-out data, as --data")
+    eval_split: str | None = flag(None, metavar="SPLIT", help="the split of an --eval-data dataset, as --data-split")
     eval_every: int = flag(0, metavar="N", help="held-out loss every N steps (and at the end)")
 
     def __post_init__(self) -> None:
@@ -73,7 +77,7 @@ class TrainConfig(CaseFlags):
         if self.model is not None:
             get_model_config(self.model)
         if not self.data:
-            raise ValueError("--data FILE is required (JSONL or .txt, repeatable, or a folder)")
+            raise ValueError("--data FILE is required (JSONL or .txt, repeatable, a folder, or a Hugging Face dataset)")
         if (self.steps is None) == (self.epochs is None):
             raise ValueError("give one of --steps N or --epochs E")
         if self.lr_schedule not in SCHEDULES:
@@ -180,6 +184,6 @@ def check_available(cfg: TrainConfig) -> None:
             check_hf_checkpoint(cfg.init_from)
         except ValueError as exc:
             raise ValueError(f"--init-from {exc}") from None
-    data_files(cfg.data, "--data")
+    data_files(cfg.data, "--data", cfg.data_split)
     if cfg.eval_data:
-        data_files(cfg.eval_data, "--eval-data")
+        data_files(cfg.eval_data, "--eval-data", cfg.eval_split)

@@ -76,10 +76,11 @@ def train(cfg: TrainConfig, log=print) -> int:
     tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
     label, shape = _model(cfg)
     vocab = (shape or get_model_config(cfg.model)).vocab_size
-    rows = Rows(read_examples(data_files(cfg.data), tokenizer, cfg.train_on_prompt), cfg.seq, vocab, cfg.shuffle,
-                cfg.seed, cfg.pack)
-    eval_rows = Rows(read_examples(data_files(cfg.eval_data, "--eval-data"), tokenizer, cfg.train_on_prompt,
-                                   "--eval-data"), cfg.seq, vocab, False, cfg.seed, cfg.pack, "--eval-data") \
+    rows = Rows(read_examples(data_files(cfg.data, "--data", cfg.data_split), tokenizer, cfg.train_on_prompt), cfg.seq,
+                vocab, cfg.shuffle, cfg.seed, cfg.pack)
+    eval_rows = Rows(read_examples(data_files(cfg.eval_data, "--eval-data", cfg.eval_split), tokenizer,
+                                   cfg.train_on_prompt, "--eval-data"), cfg.seq, vocab, False, cfg.seed, cfg.pack,
+                     "--eval-data") \
         if cfg.eval_data else None
     total = cfg.steps if cfg.steps is not None else math.ceil(cfg.epochs * len(rows) / cfg.batch)
     case = build_case(cfg, total, label, shape)
