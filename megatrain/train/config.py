@@ -20,6 +20,7 @@ from megatrain.options import check_field_types
 from megatrain.systems import SYSTEMS, parse_options
 from megatrain.train.data import data_files
 from megatrain.train.lr import SCHEDULES
+from megatrain.train.report_to import check_report_to
 
 # the settings a resumed run keeps, each shaping its data, model or saved state; the others may change: the optimizer's
 # and the length from the resumed step on, the device, micro-batch, compile and the system's options only in rounding
@@ -67,6 +68,8 @@ class TrainConfig(CaseFlags):
     eval_data: list[str] = flag(factory=list, metavar="FILE", help="held-out data, as --data")
     eval_split: str | None = flag(None, metavar="SPLIT", help="the split of an --eval-data dataset, as --data-split")
     eval_every: int = flag(0, metavar="N", help="held-out loss every N steps (and at the end)")
+    report_to: list[str] = flag(factory=list, metavar="NAME", help="also send metrics.jsonl's lines to tensorboard "
+                                "(OUT/tensorboard), wandb or mlflow, repeatable; each its own extra (default none)")
 
     def __post_init__(self) -> None:
         check_field_types(self, "train setting")  # a TOML file's values reach here untyped
@@ -150,9 +153,14 @@ def resumed_config(run_dir: Path) -> dict:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """The run's settings: the --config file's, the flags' over them, and on --resume the run's own beneath both
-    (refusing a change to what the run trains, RESUME_FIXES)."""
-    values = {**file_values(TrainConfig, args.config), **given(TrainConfig, args)}
+    """The run's settings from train's flags (a parser add_train_arguments made): train_config of those given."""
+    return train_config(given(TrainConfig, args), args.config)
+
+
+def train_config(values: dict, config_file: str | None = None) -> TrainConfig:
+    """The run's settings: the config file's, `values` (by setting name) over them, and on resume the run's own
+    beneath both (refusing a change to what the run trains, RESUME_FIXES)."""
+    values = {**file_values(TrainConfig, config_file), **values}
     if values.get("resume"):
         values = _over_resumed(values, values["resume"])
     try:
@@ -176,7 +184,7 @@ def _over_resumed(asked: dict, run_dir: str) -> dict:
 
 def check_available(cfg: TrainConfig) -> None:
     """What cfg's values alone cannot tell, checked before anything is read or built: the CUDA device, the
-    --init-from checkpoint and the data files, here."""
+    --init-from checkpoint, the data files and the --report-to packages, here."""
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: torch sees no CUDA device on this machine; use --device cpu")
     if cfg.init_from:
@@ -187,3 +195,4 @@ def check_available(cfg: TrainConfig) -> None:
     data_files(cfg.data, "--data", cfg.data_split)
     if cfg.eval_data:
         data_files(cfg.eval_data, "--eval-data", cfg.eval_split)
+    check_report_to(cfg.report_to)
