@@ -40,10 +40,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from megatrain.api import run
     from megatrain.train.config import config_from_args
-    from megatrain.train.loop import train
 
-    return train(config_from_args(args), log=lambda line: print(line, file=sys.stderr, flush=True))
+    return run(config_from_args(args), log=lambda line: print(line, file=sys.stderr, flush=True)).exit_code
 
 
 def cmd_models(args: argparse.Namespace) -> int:
