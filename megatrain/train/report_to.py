@@ -46,7 +46,8 @@ class Reporters:
         self.names, self.out, self.sinks = [n for n in names if n != "none"], out, []
 
     def start(self, run_id: str, start_step: int, settings: dict) -> None:
-        self.sinks = [SINKS[name](self.out, run_id, start_step, settings) for name in self.names]
+        for name in self.names:  # one by one: those started before one that raises are closed all the same
+            self.sinks.append(SINKS[name](self.out, run_id, start_step, settings))
 
     def log(self, line: dict) -> None:
         """One metrics.jsonl line: its numeric fields at its step."""
