@@ -1,8 +1,11 @@
 """The Python API: Trainer reproduces `python -m megatrain train` bit for bit and returns what the run left; Engine,
 driven by a loop of its own, trains as train does, saves and loads bit for bit and exports a checkpoint transformers
-loads. CPU, seconds: pytest tests/unit/test_api.py"""
+loads; scripts/api_example.py runs. CPU, seconds (the example ~30 s, in the subprocess session):
+pytest tests/unit/test_api.py"""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -110,3 +113,16 @@ def test_an_engine_saved_and_loaded_steps_on_bit_for_bit_and_pads_short_batches(
         with pytest.raises(ValueError, match="the batch has no target"):
             engine.step(torch.zeros(0, 8, dtype=torch.long))
     assert cut == straight
+
+
+@pytest.mark.subprocess
+def test_the_api_example_runs(tmp_path):
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "api_example.py"), str(tmp_path / "example")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = proc.stdout.splitlines()
+    assert any(line.startswith("Trainer: 8 steps") for line in said)  # after the run's own lines
+    assert said[-1].startswith("Engine: Hugging Face checkpoint")
+    assert sum(line.startswith("Engine step") for line in said) == 8
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "example" / "engine-hf")
