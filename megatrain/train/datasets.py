@@ -37,10 +37,12 @@ class HFData:
 
 def hf_source(path: Path, split: str | None, flag: str) -> HFData | None:
     """The dataset `path` names for `flag`, or None for what megatrain reads itself (a .jsonl/.txt file, a folder
-    of them, a path that is not there and no hub name). ValueError when it is a dataset and `datasets` is missing."""
+    holding them, a path that is not there and no hub name). ValueError when it is a dataset and `datasets` is
+    missing."""
     if path.is_dir():
-        files = [p for p in path.rglob("*") if p.suffix in BUILDERS]
-        found = any((path / name).exists() for name in SAVED_FILES) or files
+        own = any(p.suffix in (".jsonl", ".txt") for p in path.iterdir())
+        saved = any((path / name).exists() for name in SAVED_FILES)
+        found = saved or not own and any(p.suffix in BUILDERS for p in path.rglob("*"))
     else:
         found = path.suffix in BUILDERS if path.exists() else split is not None and HUB_NAME.fullmatch(str(path))
     if not found:

@@ -110,3 +110,11 @@ def test_no_hub_and_no_datasets_package_are_each_one_line(tmp_path, monkeypatch,
     assert main(["train", *flags, "--data", str(tmp_path / "saved")]) == 2
     assert capsys.readouterr().err.strip() == f"error: --data {tmp_path / 'saved'} is a Hugging Face dataset, which " \
         "needs the datasets package: pip install 'megatrain[data]'"
+
+
+def test_a_folder_with_jsonl_files_stays_read_by_megatrain_beside_a_json_file(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    _jsonl(folder / "rows.jsonl", FORMATS["input_ids"])
+    (folder / "meta.json").write_text("{}")
+    assert data_files([str(folder)]) == [folder / "rows.jsonl"]
