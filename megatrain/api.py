@@ -4,10 +4,10 @@ its --out), and `Engine`, one training system driven a step at a time by another
     import megatrain
 
     result = megatrain.Trainer(init_from="Qwen2.5-0.5B", data="sft.jsonl", steps=100, batch=8, seq=1024,
-                               out="runs/sft", report_to="tensorboard").train()
+                               device="cuda", dtype="bfloat16", out="runs/sft", report_to="tensorboard").train()
     result.losses[-1], result.export  # the last step's loss, the Hugging Face checkpoint
 
-    with megatrain.Engine("Qwen2.5-0.5B", seq=1024, batch=8, lr=1e-5) as engine:
+    with megatrain.Engine("Qwen2.5-0.5B", seq=1024, batch=8, lr=1e-5, device="cuda", dtype="bfloat16") as engine:
         for input_ids, labels in my_batches:  # [rows, tokens], right-padded, labels -100 where no loss
             loss = engine.step(input_ids, labels)
         engine.export("runs/mine/hf")
@@ -95,8 +95,9 @@ class Engine:
     """One training system (MegaTrain's engine by default) over a model, for another program's training loop: each
     `step` is one AdamW step over a batch, the loss (token cross-entropy) computed inside. `model` is a local
     Hugging Face checkpoint directory (its weights loaded) or a registry shape (python -m megatrain models, initialised
-    from `seed`). The settings are train's, with its defaults; `options` are the system's (--option). One process,
-    one device: torchrun ranks are the CLI's."""
+    from `seed`). The settings are train's, by the same names and with its defaults (device cpu: give device="cuda",
+    dtype="bfloat16" on a GPU); `option` holds the system's (--option KEY=VALUE). One process, one device: torchrun
+    ranks are the CLI's."""
 
     def __init__(self, model: str | os.PathLike, *, seq: int = TrainConfig.seq, batch: int = TrainConfig.batch,
                  micro_batch: int = TrainConfig.micro_batch, system: str = TrainConfig.system,
@@ -105,7 +106,7 @@ class Engine:
                  weight_decay: float = TrainConfig.weight_decay, max_grad_norm: float = TrainConfig.max_grad_norm,
                  adam_betas: tuple[float, float] = TrainConfig.adam_betas, adam_eps: float = TrainConfig.adam_eps,
                  moments: str = TrainConfig.moments, seed: int = TrainConfig.seed, compile: bool = False,
-                 options: dict | None = None, log=print):
+                 option: dict | None = None, log=print):
         path = Path(model)
         self.model_dir = path if path.is_dir() else None
         shape = check_hf_checkpoint(path) if self.model_dir else None
@@ -114,7 +115,7 @@ class Engine:
         self.case = CaseConfig(system=system, model=path.name if shape else os.fspath(model), model_shape=shape,
                                batch=batch, micro_batch=micro_batch, seq=seq, steps=1, warmup=0, dtype=dtype,
                                precision=precision, device=device, seed=seed, compile=compile, optim=optim,
-                               options=options or {})
+                               options=option or {})
         for note in preflight(self.case):  # refuses what does not fit this machine
             log(note)
         self.system = build_system(self.case)

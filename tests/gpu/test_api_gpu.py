@@ -32,7 +32,7 @@ def test_an_engine_loop_on_the_gpu_trains_as_train_does_and_resumes_bit_for_bit(
     rows = torch.tensor([json.loads(line)["input_ids"] for line in data.read_text().splitlines()])
     batches = [rows[[(i * BATCH + j) % len(rows) for j in range(BATCH)]] for i in range(STEPS)]
     settings = dict(seq=SEQ + 1, batch=BATCH, micro_batch=2, lr=LR, weight_decay=WD, max_grad_norm=CLIP,
-                    adam_betas=BETAS, adam_eps=EPS, dtype="float32", device="cuda", options=STREAMED)
+                    adam_betas=BETAS, adam_eps=EPS, dtype="float32", device="cuda", option=STREAMED)
     with megatrain.Engine(init, **settings) as engine:
         losses = [engine.step(b) for b in batches[:2]]
         engine.save(tmp_path / "state")
