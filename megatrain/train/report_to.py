@@ -4,8 +4,7 @@ metrics.jsonl name (loss, lr, grad_norm, tokens_per_s, tflops, eval_loss, host_p
 step.
 
 - tensorboard: event files in OUT/tensorboard/; a resumed run purges the steps it trains again.
-- wandb: the run's id is megatrain's (run.json), so a resumed run continues its W&B run; its files go to OUT/wandb/
-  (W&B's folder under the dir it is given);
+- wandb: the run's id is megatrain's (run.json), so a resumed run continues its W&B run; its files go to OUT/wandb/;
   WANDB_PROJECT (default megatrain), WANDB_MODE=offline, WANDB_API_KEY and the rest as W&B reads them.
 - mlflow: one MLflow run per invocation, tagged with megatrain's run id; MLFLOW_TRACKING_URI (default: MLflow's
   local store), MLFLOW_EXPERIMENT_NAME and MLFLOW_RUN_ID as MLflow reads them.
