@@ -7,17 +7,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
-from megatrain.bench.args import BenchFlags
-from megatrain.flags import add_flags, given
-from megatrain.train.config import add_train_arguments
+from megatrain import __version__
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from megatrain.bench.args import BenchFlags
     from megatrain.bench.case import run_case
     from megatrain.bench.record import append_jsonl, summary_line
     from megatrain.engine.distributed import first_rank, launch_size
+    from megatrain.flags import given
     from megatrain.preflight import preflight
 
     flags = BenchFlags(**given(BenchFlags, args))
@@ -37,24 +38,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(summary_line(record))
     if flags.out:
         append_jsonl(flags.out, record)
-    print(json.dumps(record), flush=True)
+    if flags.json:
+        print(json.dumps(record), flush=True)
     return 0 if record["status"] == "ok" else 1
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from megatrain.api import run
     from megatrain.train.config import config_from_args
-    from megatrain.train.loop import train
 
-    return train(config_from_args(args), log=lambda line: print(line, file=sys.stderr, flush=True))
+    return run(config_from_args(args), log=lambda line: print(line, file=sys.stderr, flush=True)).exit_code
 
 
 def cmd_models(args: argparse.Namespace) -> int:
+    from megatrain.bench.record import params_text
     from megatrain.models.registry import MODELS
 
     for name, cfg in MODELS.items():
         experts = f" experts={cfg.num_experts_per_tok}/{cfg.num_experts}x{cfg.moe_intermediate_size} " \
-            f"active={cfg.active_params() / 1e9:.3f}B" if cfg.is_moe else ""
-        print(f"{name:15s} {cfg.num_params() / 1e9:8.3f}B  layers={cfg.num_layers:3d} hidden={cfg.hidden_size:5d} "
+            f"active={params_text(cfg.active_params())}" if cfg.is_moe else ""
+        print(f"{name:15s} {params_text(cfg.num_params()):>8s}  layers={cfg.num_layers:3d} hidden={cfg.hidden_size:5d} "
               f"ffn={cfg.intermediate_size:5d} heads={cfg.num_heads}/{cfg.num_kv_heads} vocab={cfg.vocab_size} "
               f"tied={cfg.tie_embeddings}{experts}")
     return 0
@@ -73,9 +76,18 @@ def cmd_suite(args: argparse.Namespace) -> int:
                   new_run=args.new_run, any_hardware=args.any_hardware)
     except KeyboardInterrupt:
         print(f"\ninterrupted: the running case was killed, every finished case is in {out_dir / 'records.jsonl'}; "
-              "run the same command again to resume", file=sys.stderr)
+              f"to resume: {_resume_command(args, out_dir)}", file=sys.stderr)
         return 130
     return 0
+
+
+def _resume_command(args: argparse.Namespace, out_dir) -> str:
+    """The suite command that resumes the run in out_dir: this one's cases and limits, without --new-run."""
+    argv = ["python", "-m", "megatrain", "suite", args.name, "--out-dir", str(out_dir)]
+    argv += ["--only", args.only] if args.only else []
+    argv += ["--timeout", str(args.timeout)] if args.timeout is not None else []
+    argv += ["--any-hardware"] if args.any_hardware else []
+    return shlex.join(argv)
 
 
 def cmd_probe(args: argparse.Namespace) -> int:
@@ -98,53 +110,84 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _bench_arguments(p: argparse.ArgumentParser) -> None:
+    from megatrain.bench.args import BenchFlags
+    from megatrain.flags import add_flags
+
+    add_flags(p, BenchFlags)
+
+
+def _train_arguments(p: argparse.ArgumentParser) -> None:
+    from megatrain.train.config import add_train_arguments
+
+    add_train_arguments(p)
+
+
+def _suite_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", help="suite name (suites/NAME.toml) or path to a .toml file")
+    p.add_argument("--out-dir", default=None, help="results directory (default results/NAME)")
+    p.add_argument("--only", default=None, metavar="REGEX",
+                   help="run the cases whose '<group> <name> <case_id>' matches")
+    p.add_argument("--timeout", type=float, default=None, metavar="S", help="per-case limit, overrides the suite's")
+    p.add_argument("--dry-run", action="store_true", help="list the cases and their memory plans; run nothing")
+    p.add_argument("--new-run", action="store_true", help="start a new run instead of resuming the latest one")
+    p.add_argument("--any-hardware", action="store_true",
+                   help="also run cases whose hardware profile does not match this machine")
+
+
+def _report_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("suites", nargs="*", help="suite names or results directories (default: every one under results/ "
+                   "except *-local)")
+    p.add_argument("--out", default=None, help="report directory (one suite only; default reports/NAME)")
+
+
+TRAIN_EPILOG = ("Exit codes: 0 done; 1 diverged (--max-nonfinite-steps), or under torchrun a rank ended; 2 invalid "
+                "input, --out in use or holding another run, a damaged checkpoint, a full disk (one line each); 130 "
+                "after Ctrl-C and 143 after SIGTERM, each once the step is finished and saved. On N ranks: torchrun "
+                "--nproc-per-node N -m megatrain train ...")
+# name: (help, its arguments, its function, add_parser's other keywords)
+COMMANDS = {
+    "bench": ("run one benchmark case: its steps and a summary line (--json: its record as the last line)",
+              _bench_arguments, cmd_bench, {}),
+    "train": ("train a model: a Hugging Face checkpoint (or a registry shape) and your data in, metrics, checkpoints "
+              "and a Hugging Face checkpoint out; --resume continues", _train_arguments, cmd_train,
+              {"epilog": TRAIN_EPILOG}),
+    "models": ("list the model registry with exact parameter counts", None, cmd_models, {}),
+    "suite": ("run a suite (suites/NAME.toml), one subprocess and one record per case", _suite_arguments, cmd_suite,
+              {}),
+    "probe": ("measure this machine: PCIe, GEMM, host memory, CPU AdamW (seconds)", None, cmd_probe, {}),
+    "report": ("regenerate HTML reports from records (results/SUITE/records.jsonl)", _report_arguments, cmd_report,
+               {}),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line; with `command`, only the arguments of the command it names are declared (none when it names
+    none): bench's and train's flags take their defaults from modules that import torch, which `--help`, `--version`
+    and the other commands do without."""
     parser = argparse.ArgumentParser(prog="python -m megatrain", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"megatrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    bench = sub.add_parser("bench", help="run one benchmark case; last stdout line is its JSON record")
-    add_flags(bench, BenchFlags)
-    bench.set_defaults(func=cmd_bench)
-    train = sub.add_parser("train", help="train a model: a Hugging Face checkpoint (or a registry shape) and your "
-                           "data in, metrics, checkpoints and a Hugging Face checkpoint out; --resume continues",
-                           epilog="Exit codes: 0 done; 1 diverged (--max-nonfinite-steps), or under torchrun a rank "
-                           "ended; 2 invalid input, --out in use or holding another run, a damaged checkpoint, a full "
-                           "disk (one line each); 130 after Ctrl-C and 143 after SIGTERM, each once the step is "
-                           "finished and saved. On N ranks: torchrun --nproc-per-node N -m megatrain train ...")
-    add_train_arguments(train)
-    train.set_defaults(func=cmd_train)
-    models = sub.add_parser("models", help="list the model registry with exact parameter counts")
-    models.set_defaults(func=cmd_models)
-    suite = sub.add_parser("suite", help="run a suite (suites/NAME.toml), one subprocess and one record per case")
-    suite.add_argument("name", help="suite name (suites/NAME.toml) or path to a .toml file")
-    suite.add_argument("--out-dir", default=None, help="results directory (default results/NAME)")
-    suite.add_argument("--only", default=None, metavar="REGEX",
-                       help="run the cases whose '<group> <name> <case_id>' matches")
-    suite.add_argument("--timeout", type=float, default=None, metavar="S", help="per-case limit, overrides the suite's")
-    suite.add_argument("--dry-run", action="store_true", help="list the cases and their memory plans; run nothing")
-    suite.add_argument("--new-run", action="store_true", help="start a new run instead of resuming the latest one")
-    suite.add_argument("--any-hardware", action="store_true",
-                       help="also run cases whose hardware profile does not match this machine")
-    suite.set_defaults(func=cmd_suite)
-    probe = sub.add_parser("probe", help="measure this machine: PCIe, GEMM, host memory, CPU AdamW (seconds)")
-    probe.set_defaults(func=cmd_probe)
-    report = sub.add_parser("report", help="regenerate HTML reports from records (results/SUITE/records.jsonl)")
-    report.add_argument("suites", nargs="*", help="suite names or results directories (default: every one under "
-                        "results/ except *-local)")
-    report.add_argument("--out", default=None, help="report directory (one suite only; default reports/NAME)")
-    report.set_defaults(func=cmd_report)
+    for name, (help_text, arguments, func, keywords) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, **keywords)
+        p.set_defaults(func=func)
+        if arguments is not None and command in (None, name):
+            arguments(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), "")  # the top level has no option taking a value
+    args = build_parser(command).parse_args(argv)
     try:
         return args.func(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
-        from megatrain.engine.distributed import leave
+        if "torch.distributed" in sys.modules:  # else this process made no process group, and needs no torch
+            from megatrain.engine.distributed import leave
 
-        leave()
+            leave()

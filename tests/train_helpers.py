@@ -14,6 +14,7 @@ import transformers
 from families import family_config
 
 from megatrain.cli import main
+from megatrain.tokenizer import Tokenizer
 
 VOCAB, SEQ, BATCH, STEPS = 128, 16, 4, 10
 LR, WARMUP, MIN_LR, WD, BETAS, EPS, CLIP = 3e-3, 3, 3e-4, 0.1, (0.9, 0.95), 1e-8, 0.5
@@ -38,6 +39,22 @@ def pretokenized(path, rows: int = 24, seed: int = 1, varied: bool = False):
             n = int(torch.randint(3, SEQ + 2, (), generator=gen)) if varied else SEQ + 1
             f.write(json.dumps({"input_ids": torch.randint(0, VOCAB, (n,), generator=gen).tolist()}) + "\n")
     return path
+
+
+def chat_tokenizer(path):
+    """A word-level tokenizer with a ChatML template, saved as a local Hugging Face tokenizer directory."""
+    from tokenizers import Regex, models, pre_tokenizers
+    from tokenizers import Tokenizer as RawTokenizer
+
+    words = ["<unk>", "<|im_start|>", "<|im_end|>", "<eos>", "user", "assistant", "system", "\n", " "] + \
+        [f"w{i}" for i in range(20)]
+    raw = RawTokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Split(Regex(r"<\|im_start\|>|<\|im_end\|>|\n| "), "isolated")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>", unk_token="<unk>")
+    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    fast.save_pretrained(path)
+    return Tokenizer(str(path))
 
 
 def run_train(init, data, out, system="megatrain", steps=STEPS, extra=(), dtype="float32", device="cpu"):

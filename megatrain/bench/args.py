@@ -28,6 +28,7 @@ class BenchFlags(CaseFlags):
     out: str | None = flag(None, help="append the record to this JSONL file")
     ranks: int | None = flag(None, help="processes training the case together, torchrun's --nproc-per-node "
                              "(default: this launch's; 1 without torchrun)")
+    json: bool = flag(False, help="print the record as one JSON line, stdout's last (the suite runner reads it)")
 
     def case(self) -> CaseConfig:
         values = {k: v for k, v in dataclasses.asdict(self).items() if k in CaseConfig.__dataclass_fields__}

@@ -58,7 +58,8 @@ from megatrain.hardware import actual_profile, get_profile, same_machine
 from megatrain.optim.config import OptimConfig
 from megatrain.probe import Machine, measure
 
-SUITES_DIR = WORKSPACE / "suites"
+# the workspace's suites/ where it has one, else the suites the package ships (a checkout's own, an install's copy)
+SUITES_DIR = WORKSPACE / "suites" if (WORKSPACE / "suites").is_dir() else Path(__file__).parents[1] / "suites"
 # where the probe and every case run: a checkout's root, so that `python -m megatrain` is its code; else the workspace
 CASE_CWD = CHECKOUT or WORKSPACE
 FINAL_STATUSES = ("ok", "oom", "skipped")  # error, timeout and killed are run again on resume
@@ -184,7 +185,7 @@ def load_suite(name_or_path: str) -> Suite:
 
 def bench_args(config: CaseConfig, gemm_peak_tflops: float | None = None) -> list[str]:
     """`python -m megatrain bench` arguments that rebuild exactly `config`."""
-    args = flag_argv(replace(BenchFlags.of_case(config), gemm_peak_tflops=gemm_peak_tflops))
+    args = flag_argv(replace(BenchFlags.of_case(config), gemm_peak_tflops=gemm_peak_tflops, json=True))
     if parse(BenchFlags, args).case() != config:
         raise ValueError(f"the bench CLI cannot express this case (optim betas/eps are not flags): {config}")
     return args

@@ -20,11 +20,12 @@ from megatrain.options import check_field_types
 from megatrain.systems import SYSTEMS, parse_options, system_spec
 from megatrain.train.data import data_files
 from megatrain.train.lr import SCHEDULES
+from megatrain.train.report_to import check_report_to
 
 # the settings a resumed run keeps, each shaping its data, model or saved state; the others may change: the optimizer's
 # and the length from the resumed step on, the device, micro-batch, compile and the system's options only in rounding
-RESUME_FIXES = ("system", "init_from", "model", "tokenizer", "data", "train_on_prompt", "shuffle", "pack", "seq",
-                "batch", "seed", "dtype", "precision", "moments")
+RESUME_FIXES = ("system", "init_from", "model", "tokenizer", "data", "data_split", "train_on_prompt", "shuffle", "pack",
+                "seq", "batch", "seed", "dtype", "precision", "moments")
 
 
 @dataclass
@@ -38,7 +39,10 @@ class TrainConfig(CaseFlags):
     init_from: str | None = flag(None, metavar="DIR",
                                  help="local Hugging Face checkpoint (Qwen2 or Llama, safetensors)")
     model: str | None = flag(None, help="registry shape trained from scratch (python -m megatrain models)")
-    data: list[str] = flag(factory=list, metavar="FILE", help=".jsonl/.txt file or folder, repeatable")
+    data: list[str] = flag(factory=list, metavar="FILE", help=".jsonl/.txt file or folder; or a Hugging Face dataset: "
+                           "a save_to_disk folder, parquet/arrow/json files, a hub name with --data-split; repeatable")
+    data_split: str | None = flag(None, metavar="SPLIT", help="the split of a --data dataset that has several, or of "
+                                  "a hub dataset")
     tokenizer: str | None = flag(None, metavar="DIR", help="local tokenizer directory (default: --init-from's)")
     train_on_prompt: bool = flag(False, help="loss on chat prompts too")
     shuffle: bool = flag(True, help="keep file order")
@@ -62,7 +66,10 @@ class TrainConfig(CaseFlags):
                                     "non-finite loss or gradient norm (default {default}, 0: never)")
     log_every: int = flag(1, metavar="N", help="plain progress line every N steps (default {default})")
     eval_data: list[str] = flag(factory=list, metavar="FILE", help="held-out data, as --data")
+    eval_split: str | None = flag(None, metavar="SPLIT", help="the split of an --eval-data dataset, as --data-split")
     eval_every: int = flag(0, metavar="N", help="held-out loss every N steps (and at the end)")
+    report_to: list[str] = flag(factory=list, metavar="NAME", help="also send metrics.jsonl's lines to tensorboard "
+                                "(OUT/tensorboard), wandb or mlflow, repeatable; each its own extra (default none)")
 
     def __post_init__(self) -> None:
         check_field_types(self, "train setting")  # a TOML file's values reach here untyped
@@ -76,7 +83,7 @@ class TrainConfig(CaseFlags):
         if self.model is not None:
             get_model_config(self.model)
         if not self.data:
-            raise ValueError("--data FILE is required (JSONL or .txt, repeatable, or a folder)")
+            raise ValueError("--data FILE is required (JSONL or .txt, repeatable, a folder, or a Hugging Face dataset)")
         if (self.steps is None) == (self.epochs is None):
             raise ValueError("give one of --steps N or --epochs E")
         if self.lr_schedule not in SCHEDULES:
@@ -149,9 +156,14 @@ def resumed_config(run_dir: Path) -> dict:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """The run's settings: the --config file's, the flags' over them, and on --resume the run's own beneath both
-    (refusing a change to what the run trains, RESUME_FIXES)."""
-    values = {**file_values(TrainConfig, args.config), **given(TrainConfig, args)}
+    """The run's settings from train's flags (a parser add_train_arguments made): train_config of those given."""
+    return train_config(given(TrainConfig, args), args.config)
+
+
+def train_config(values: dict, config_file: str | None = None) -> TrainConfig:
+    """The run's settings: the config file's, `values` (by setting name) over them, and on resume the run's own
+    beneath both (refusing a change to what the run trains, RESUME_FIXES)."""
+    values = {**file_values(TrainConfig, config_file), **values}
     if values.get("resume"):
         values = _over_resumed(values, values["resume"])
     try:
@@ -175,7 +187,7 @@ def _over_resumed(asked: dict, run_dir: str) -> dict:
 
 def check_available(cfg: TrainConfig) -> None:
     """What cfg's values alone cannot tell, checked before anything is read or built: the CUDA device, the
-    --init-from checkpoint and the data files, here."""
+    --init-from checkpoint, the data files and the --report-to packages, here."""
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: torch sees no CUDA device on this machine; use --device cpu")
     if cfg.init_from:
@@ -183,6 +195,7 @@ def check_available(cfg: TrainConfig) -> None:
             check_hf_checkpoint(cfg.init_from)
         except ValueError as exc:
             raise ValueError(f"--init-from {exc}") from None
-    data_files(cfg.data, "--data")
+    data_files(cfg.data, "--data", cfg.data_split)
     if cfg.eval_data:
-        data_files(cfg.eval_data, "--eval-data")
+        data_files(cfg.eval_data, "--eval-data", cfg.eval_split)
+    check_report_to(cfg.report_to)

@@ -8,7 +8,8 @@ Formats, by the keys of a JSONL line:
 - {"instruction", "input"?, "output"} (alpaca) and {"messages": [{"role", "content"}]} or
   {"conversations": [{"from", "value"}]} (sharegpt/ChatML): rendered with the tokenizer's chat template;
   the loss is on the assistant's tokens only, unless train_on_prompt.
-A .txt file holds documents separated by blank lines, each like {"text": ...}.
+A .txt file holds documents separated by blank lines, each like {"text": ...}. A Hugging Face dataset's rows are read
+as these lines (megatrain.train.datasets).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from megatrain.models.loss import IGNORE_INDEX
 from megatrain.tokenizer import Tokenizer
+from megatrain.train.datasets import SPLIT_FLAGS, HFData, hf_records, hf_source
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
@@ -32,18 +34,23 @@ class Example:
     where: str = ""  # the flag, file and line it came from, for messages
 
 
-def data_files(paths: list[str], flag: str = "--data") -> list[Path]:
-    """The files named, a folder standing for its .jsonl and .txt files (sorted); flag names them in messages."""
-    files = []
+def data_files(paths: list[str], flag: str = "--data", split: str | None = None) -> list[Path | HFData]:
+    """The files named, a folder standing for its .jsonl and .txt files (sorted), and the Hugging Face datasets named
+    (their `split`); flag names them in messages."""
+    files: list[Path | HFData] = []
     for p in map(Path, paths):
-        if p.is_dir():
+        dataset = hf_source(p, split, flag)
+        if dataset is not None:
+            files.append(dataset)
+        elif p.is_dir():
             files += sorted(f for f in p.iterdir() if f.suffix in (".jsonl", ".txt"))
         elif p.exists():
             files.append(p)
         else:
-            raise ValueError(f"{flag} {p}: no such file or folder")
+            hub = "" if p.suffix else f" (a Hugging Face hub dataset: give its split too, {SPLIT_FLAGS[flag]} SPLIT)"
+            raise ValueError(f"{flag} {p}: no such file or folder{hub}")
     if not files:
-        raise ValueError(f"{flag} {' '.join(paths)}: no .jsonl or .txt files")
+        raise ValueError(f"{flag} {' '.join(paths)}: no .jsonl or .txt files, and no dataset")
     return files
 
 
@@ -106,11 +113,16 @@ def _example(record, where: str, tokenizer: Tokenizer | None, train_on_prompt: b
                      f"messages/conversations (chat); it has {sorted(record)}")
 
 
-def read_examples(files: list[Path], tokenizer: Tokenizer | None, train_on_prompt: bool,
+def read_examples(files: list[Path | HFData], tokenizer: Tokenizer | None, train_on_prompt: bool,
                   flag: str = "--data") -> list[Example]:
-    """Every example of the files, in order; a ValueError names the flag, file and line of the first bad one."""
+    """Every example of the files and datasets, in order; a ValueError names the flag, file and line (dataset and
+    row) of the first bad one."""
     examples = []
     for path in files:
+        if isinstance(path, HFData):
+            examples += [replace(_example(record, where, tokenizer, train_on_prompt), where=where)
+                         for where, record in hf_records(path, flag)]
+            continue
         if path.suffix == ".txt":
             line_no = 1
             for doc in _utf8(path.read_bytes(), f"{flag} {path}", 1).split("\n\n"):

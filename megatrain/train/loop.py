@@ -11,6 +11,7 @@ import shutil
 import signal
 import sys
 import time
+import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 from megatrain.config import CaseConfig
 from megatrain.engine import distributed
 from megatrain.engine.distributed import Ranks
-from megatrain.memory import peak_host_rss_gib
+from megatrain.memory import GIB, peak_host_rss_gib
 from megatrain.models.flops import model_flops
 from megatrain.models.hf import config_from_hf, iter_hf_tensors, read_hf_config, save_hf_checkpoint
 from megatrain.models.loss import IGNORE_INDEX
@@ -32,7 +33,9 @@ from megatrain.train import checkpoint
 from megatrain.train.config import TrainConfig, check_available
 from megatrain.train.data import Rows, data_files, read_examples
 from megatrain.train.lr import lr_at, schedule_notes
+from megatrain.train.report_to import Reporters
 from megatrain.train.rundir import RunDir, aside, fault, recover_dir, written_aside
+from megatrain.train.runlog import LOG_FILE, RunLog
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "generation_config.json", "chat_template.jinja")
@@ -65,7 +68,9 @@ def build_case(cfg: TrainConfig, total_steps: int, label: str, shape) -> CaseCon
 
 def train(cfg: TrainConfig, log=print) -> int:
     """Run (or resume) training as configured; returns the exit code: 0 done, 1 diverged (non-finite for
-    --max-nonfinite-steps steps), 130 after Ctrl-C and 143 after SIGTERM (each finishing its step and saving)."""
+    --max-nonfinite-steps steps), 130 after Ctrl-C and 143 after SIGTERM (each finishing its step and saving).
+    Every line the run says goes to `log` and to OUT/train.log; every metrics line to OUT/metrics.jsonl and to the
+    --report-to integrations."""
     check_available(cfg)
     out = Path(cfg.out)
     if cfg.resume and Path(cfg.resume).resolve() != out.resolve():
@@ -76,20 +81,32 @@ def train(cfg: TrainConfig, log=print) -> int:
     tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
     label, shape = _model(cfg)
     vocab = (shape or get_model_config(cfg.model)).vocab_size
-    rows = Rows(read_examples(data_files(cfg.data), tokenizer, cfg.train_on_prompt), cfg.seq, vocab, cfg.shuffle,
-                cfg.seed, cfg.pack)
-    eval_rows = Rows(read_examples(data_files(cfg.eval_data, "--eval-data"), tokenizer, cfg.train_on_prompt,
-                                   "--eval-data"), cfg.seq, vocab, False, cfg.seed, cfg.pack, "--eval-data") \
+    rows = Rows(read_examples(data_files(cfg.data, "--data", cfg.data_split), tokenizer, cfg.train_on_prompt), cfg.seq,
+                vocab, cfg.shuffle, cfg.seed, cfg.pack)
+    eval_rows = Rows(read_examples(data_files(cfg.eval_data, "--eval-data", cfg.eval_split), tokenizer,
+                                   cfg.train_on_prompt, "--eval-data"), cfg.seq, vocab, False, cfg.seed, cfg.pack,
+                     "--eval-data") \
         if cfg.eval_data else None
     total = cfg.steps if cfg.steps is not None else math.ceil(cfg.epochs * len(rows) / cfg.batch)
     case = build_case(cfg, total, label, shape)
     ranks = distributed.current(cfg.device)  # under torchrun: rank 0 owns --out, every rank trains
-    for note in preflight(case):
-        (log if ranks is None or ranks.first else _silent)(note)
-    run = RunDir(out, cfg.resume is not None, cfg.overwrite) if ranks is None or ranks.first else None
+    first = ranks is None or ranks.first
+    notes = preflight(case)
+    run = RunDir(out, cfg.resume is not None, cfg.overwrite) if first else None
+    runlog = RunLog(log, out / LOG_FILE if first else None)
+    reporters = Reporters(cfg.report_to if first else [], out)
+    code = None
     try:
-        return _train(cfg, run, case, rows, eval_rows, total, tokenizer_dir, log, ranks)
+        for note in notes if first else []:
+            runlog(note)
+        code = _train(cfg, run, case, rows, eval_rows, total, tokenizer_dir, runlog, ranks, reporters)
+        return code
+    except Exception as exc:  # the terminal shows it as the caller reports it; the log keeps it too
+        runlog.to_file(f"error: {exc}" if isinstance(exc, ValueError) else traceback.format_exc().rstrip())
+        raise
     finally:
+        reporters.close(code)
+        runlog.close()
         if run is not None:
             run.close()
 
@@ -123,12 +140,12 @@ def _silent(line: str) -> None:
     """The log of a rank other than 0: rank 0 speaks for the run."""
 
 
-def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: int, tokenizer_dir: str | None, log,
-           ranks: Ranks | None) -> int:
+def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: int, tokenizer_dir: str | None,
+           log: RunLog, ranks: Ranks | None, reporters: Reporters) -> int:
     """The run in --out (run None: a rank other than 0, which takes rank 0's decisions and writes nothing)."""
     out, report = Path(cfg.out), log
     first = ranks is None or ranks.first
-    log = log if first else _silent
+    log = log if first else RunLog(_silent)
     start, resume_from, meta, export_only, run_id = _prepare(cfg, run, case, total, log) if run is not None else \
         (None,) * 5
     if ranks is not None:
@@ -138,6 +155,7 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
     log(f"train: {case.model} on {cfg.system}, {rows.examples} examples {layout} of {cfg.seq + 1} tokens "
         f"({rows.fill:.0%} data, the rest padding), {total} steps of {cfg.batch} x {cfg.seq}"
         + (f" over {ranks.world} ranks" if ranks is not None else ""))
+    reporters.start(run_id, start, _settings(cfg))
     system = build_system(case)
     progress = Progress(start, meta["data_rows_consumed"])
     handlers = {s: signal.signal(s, lambda signum, _: setattr(progress, "signal", signum))  # finish the step, save
@@ -153,7 +171,7 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
                                                                  "was cut short)" if export_only else ""))
         elif cfg.init_from:
             system.load_weights(iter_hf_tensors(cfg.init_from))
-        _run_steps(cfg, system, case, rows, eval_rows, progress, total, out, run_id, log, ranks)
+        _run_steps(cfg, system, case, rows, eval_rows, progress, total, out, run_id, log, ranks, reporters)
         if ranks is not None:  # a signal that reached any rank after the last step stops every rank alike
             progress.signal = ranks.agree(progress.signal)
         if cfg.max_nonfinite_steps and progress.nonfinite_steps >= cfg.max_nonfinite_steps:
@@ -177,7 +195,7 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
         if not first:
             return 0
         with _writing(out / "hf", progress, out):
-            _export(weights, case, out / "hf", tokenizer_dir, {"step": progress.step, "run_id": run_id})
+            export_checkpoint(weights, case, out / "hf", tokenizer_dir, {"step": progress.step, "run_id": run_id})
         memory.update(export_s=time.perf_counter() - t0, host_peak_gib_exported=peak_host_rss_gib())
         with _writing(out / "memory.json", progress, out):
             (out / "memory.json").write_text(json.dumps(memory, indent=1) + "\n")
@@ -195,15 +213,15 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
         system.close()
 
 
-def _run_steps(cfg, system, case, rows, eval_rows, progress: Progress, total, out, run_id, log,
-               ranks: Ranks | None) -> None:
+def _run_steps(cfg, system, case, rows, eval_rows, progress: Progress, total, out, run_id, log: RunLog,
+               ranks: Ranks | None, reporters: Reporters) -> None:
     flops_per_token = model_flops(case.model_config().active_params(), tokens=1)  # the records' 6NT
     first = ranks is None or ranks.first
     bar = None
     if sys.stderr.isatty() and first:
         from tqdm import tqdm
 
-        bar = tqdm(total=total, initial=progress.step, unit="step", dynamic_ncols=True)
+        bar = log.bar = tqdm(total=total, initial=progress.step, unit="step", dynamic_ncols=True)
     metrics = out / "metrics.jsonl"
     while progress.step < total and not (progress.signal if ranks is None else ranks.agree(progress.signal)):
         lr = lr_at(progress.step, total, cfg.lr, cfg.lr_schedule, cfg.warmup_steps, cfg.min_lr)
@@ -225,27 +243,32 @@ def _run_steps(cfg, system, case, rows, eval_rows, progress: Progress, total, ou
         targets = int((labels != IGNORE_INDEX).sum())
         line = {"step": step, "loss": loss, "lr": lr, "grad_norm": system.last_grad_norm, "tokens": tokens,
                 "target_tokens": targets, "tokens_per_s": tokens / step_s, "target_tokens_per_s": targets / step_s,
-                "tflops": flops_per_token * tokens / step_s / 1e12, "step_s": step_s}
+                "tflops": flops_per_token * tokens / step_s / 1e12, "step_s": step_s,
+                "host_peak_gib": peak_host_rss_gib(),
+                **({"gpu_peak_gib": torch.cuda.max_memory_allocated() / GIB} if case.device == "cuda" else {})}
         if first:
             _append(metrics, line, progress, out)
+            reporters.log(line)
         if bar is not None:
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{line['tokens_per_s']:.0f}", lr=f"{lr:.2e}")
             bar.update(1)
-        elif step % cfg.log_every == 0 or step == total:
-            log(f"step {step}/{total}: loss {loss:.4f}, lr {lr:.3e}, grad norm {line['grad_norm']:.3f}, "
-                f"{line['tokens_per_s']:.0f} tok/s, {line['tflops']:.3g} TFLOPS, ETA "
-                f"{(total - step) * step_s:.0f} s")
+        if step % cfg.log_every == 0 or step == total:
+            log.step(f"step {step}/{total}: loss {loss:.4f}, lr {lr:.3e}, grad norm {line['grad_norm']:.3f}, "
+                     f"{line['tokens_per_s']:.0f} tok/s, {line['tflops']:.3g} TFLOPS, ETA "
+                     f"{(total - step) * step_s:.0f} s")
         if cfg.max_nonfinite_steps and progress.nonfinite_steps >= cfg.max_nonfinite_steps:
             break
         if eval_rows is not None and (step % cfg.eval_every == 0 or step == total):
             held_out = _evaluate(system, eval_rows, cfg.batch)
             if first:
                 _append(metrics, {"step": step, **held_out}, progress, out)
+                reporters.log({"step": step, **held_out})
             log(f"step {step}/{total}: held-out loss {held_out['eval_loss']:.4f} over {held_out['eval_tokens']} "
                 "tokens")
         if cfg.save_every and step % cfg.save_every == 0 and step < total and finite:  # never a diverging state
             _save(cfg, system, out, progress, total, run_id)
     if bar is not None:
+        log.bar = None
         bar.close()
 
 
@@ -314,7 +337,7 @@ def _exported_step(out: Path) -> int | None:
     return json.loads(path.read_text())["step"] if path.exists() else None
 
 
-def _export(weights, case: CaseConfig, hf_dir: Path, tokenizer_dir: str | None, provenance: dict) -> None:
+def export_checkpoint(weights, case: CaseConfig, hf_dir: Path, tokenizer_dir: str | None, provenance: dict) -> None:
     """The weights (a system's export_weights) as a Hugging Face checkpoint with the tokenizer files, written aside
     and swapped in whole."""
     dtype = case.torch_dtype

@@ -17,7 +17,7 @@ from pathlib import Path
 RUN_FILE, LOCK_FILE, TRASH = "run.json", ".train.lock", ".discarded"
 # What a run writes into DIR: --overwrite discards only a directory that holds nothing else.
 RUN_ENTRIES = {RUN_FILE, f".{RUN_FILE}.tmp", LOCK_FILE, TRASH, "metrics.jsonl", ".metrics.jsonl.tmp", "memory.json",
-               "checkpoints", "hf", ".hf.tmp", ".hf.old"}
+               "checkpoints", "hf", ".hf.tmp", ".hf.old", "train.log", "tensorboard", "wandb"}
 
 
 def fault(point: str) -> None:

@@ -30,7 +30,7 @@ BASE = dict(system="megatrain", model="tiny", num_layers=4, batch=4, micro_batch
 def _flags(case: dict) -> list[str]:
     flags = ["--system", "megatrain", "--model", "tiny", "--num-layers", "4", "--batch", "4", "--micro-batch", "2",
              "--seq", "256", "--steps", "6", "--device", "cuda", "--dtype", case["dtype"],
-             "--precision", case.get("precision", "mixed")]
+             "--precision", case.get("precision", "mixed"), "--json"]
     for key, value in case["options"].items():
         flags += ["--option", f"{key}={json.dumps(value)}"]
     return flags

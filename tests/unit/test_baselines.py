@@ -161,8 +161,8 @@ def test_deepspeed_compiles_each_layer_structure_once_not_each_layer(model, seq,
 @pytest.mark.subprocess
 def test_cli_bench_runs_the_baseline(system):
     proc = subprocess.run([sys.executable, "-m", "megatrain", "bench", "--system", system, "--model", "tiny",
-                           "--batch", "2", "--seq", "32", "--steps", "2"], cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=300)
+                           "--batch", "2", "--seq", "32", "--steps", "2", "--json"], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     record = json.loads(proc.stdout.strip().splitlines()[-1])
     assert record["status"] == "ok" and len(record["losses"]) == 2

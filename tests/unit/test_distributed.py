@@ -140,7 +140,7 @@ def test_two_simulated_nodes_of_two_ranks_train_as_one_process(one_process):
 @pytest.mark.subprocess
 def test_the_state_is_in_host_memory_once_whatever_the_ranks():
     proc = _ok(torchrun(3, ["bench", "--system", "megatrain", "--model", "tiny", "--batch", "3", "--micro-batch", "1",
-                            "--seq", "8", "--steps", "2"]))
+                            "--seq", "8", "--steps", "2", "--json"]))
     metrics = json.loads(proc.stdout.strip().splitlines()[-1])["metrics"]
     store = metrics["host_store_bytes"]
     assert metrics["ranks"] == 3

@@ -49,10 +49,15 @@ def _bench(*args):
 
 
 @pytest.mark.subprocess
-def test_cli_prints_record_as_last_line_and_appends(tmp_path):
+def test_cli_prints_record_as_last_line_with_json_and_appends(tmp_path):
     out = tmp_path / "r.jsonl"
-    proc = _bench("--system", "native", "--model", "tiny", "--batch", "2", "--seq", "64", "--steps", "5",
-                  "--device", "cpu", "--dtype", "float32", "--seed", "0", "--out", str(out))
+    args = ("--system", "native", "--model", "tiny", "--batch", "2", "--seq", "64", "--steps", "5", "--device", "cpu",
+            "--dtype", "float32", "--seed", "0")
+    plain = _bench(*args)
+    assert plain.returncode == 0, plain.stderr
+    assert not any(line.startswith("{") for line in plain.stdout.splitlines()), "the record only with --json"
+    assert plain.stdout.splitlines()[-1].startswith("native tiny")  # the summary line
+    proc = _bench(*args, "--out", str(out), "--json")
     assert proc.returncode == 0, proc.stderr
     record = json.loads(proc.stdout.strip().splitlines()[-1])
     validate(record)

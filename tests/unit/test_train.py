@@ -26,6 +26,7 @@ from train_helpers import (  # noqa: E402
     VOCAB,
     WARMUP,
     WD,
+    chat_tokenizer,
     hf_model,
     metrics,
     pretokenized,
@@ -36,7 +37,6 @@ from train_helpers import (  # noqa: E402
 from megatrain.cli import main  # noqa: E402
 from megatrain.config import CaseConfig  # noqa: E402
 from megatrain.models.loss import IGNORE_INDEX  # noqa: E402
-from megatrain.tokenizer import Tokenizer  # noqa: E402
 from megatrain.train.config import add_train_arguments, config_from_args  # noqa: E402
 from megatrain.train.data import Rows, read_examples  # noqa: E402
 from megatrain.train.lr import lr_at  # noqa: E402
@@ -181,24 +181,8 @@ def test_cosine_and_linear_schedules_warm_up_then_reach_min_lr():
     assert math.isclose(lr_at(4, 9, 1.0, "linear", 0, 0.0), 0.5)
 
 
-def _chat_tokenizer(path):
-    """A word-level tokenizer with a ChatML template, saved as a local Hugging Face tokenizer directory."""
-    from tokenizers import Regex, models, pre_tokenizers
-    from tokenizers import Tokenizer as RawTokenizer
-
-    words = ["<unk>", "<|im_start|>", "<|im_end|>", "<eos>", "user", "assistant", "system", "\n", " "] + \
-        [f"w{i}" for i in range(20)]
-    raw = RawTokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    raw.pre_tokenizer = pre_tokenizers.Split(Regex(r"<\|im_start\|>|<\|im_end\|>|\n| "), "isolated")
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>", unk_token="<unk>")
-    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    fast.save_pretrained(path)
-    return Tokenizer(str(path))
-
-
 def test_chat_and_alpaca_data_train_only_on_the_assistant_tokens(tmp_path):
-    tok = _chat_tokenizer(tmp_path / "tok")
+    tok = chat_tokenizer(tmp_path / "tok")
     data = tmp_path / "chat.jsonl"
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "w1 w2"},
                                              {"role": "assistant", "content": "w3"}]}) + "\n"

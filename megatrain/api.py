@@ -1,0 +1,189 @@
+"""The Python API: `Trainer`, the `train` command as an object (the same settings, the same run, the same files in
+its --out), and `Engine`, one training system driven a step at a time by another program's loop.
+
+    import megatrain
+
+    result = megatrain.Trainer(init_from="Qwen2.5-0.5B", data="sft.jsonl", steps=100, batch=8, seq=1024,
+                               device="cuda", dtype="bfloat16", out="runs/sft", report_to="tensorboard").train()
+    result.losses[-1], result.export  # the last step's loss, the Hugging Face checkpoint
+
+    with megatrain.Engine("Qwen2.5-0.5B", seq=1024, batch=8, lr=1e-5, device="cuda", dtype="bfloat16") as engine:
+        for input_ids, labels in my_batches:  # [rows, tokens], right-padded, labels -100 where no loss
+            loss = engine.step(input_ids, labels)
+        engine.export("runs/mine/hf")
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import typing
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+
+from megatrain.config import CaseConfig
+from megatrain.models.hf import check_hf_checkpoint, iter_hf_tensors
+from megatrain.models.loss import IGNORE_INDEX
+from megatrain.optim.config import OptimConfig
+from megatrain.preflight import preflight
+from megatrain.systems import build_system
+from megatrain.train import checkpoint
+from megatrain.train.config import TrainConfig, train_config
+from megatrain.train.loop import export_checkpoint, train
+from megatrain.train.rundir import RUN_FILE, written_aside
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a train run left: exit_code as the CLI's (0 done, 1 diverged, 130/143 interrupted and saved); step, the
+    last trained; losses, the training loss of steps 1..step; eval_losses, the held-out loss by step; checkpoint, its
+    latest complete checkpoint (None: none saved); export, the Hugging Face checkpoint this run wrote (None unless
+    it ended done)."""
+
+    exit_code: int
+    step: int
+    losses: list[float]
+    eval_losses: dict[int, float]
+    checkpoint: Path | None
+    export: Path | None
+    out: Path
+    run_id: str
+
+
+class Trainer:
+    """`python -m megatrain train` as an object. Settings are train's flags by their TOML names (`--init-from DIR` is
+    init_from="DIR"), each value as the flag takes it; a list setting (data, eval_data, report_to, ...) also takes
+    one value, a path setting a Path. `config` is a TOML file of settings, under those given here; resume="DIR"
+    continues that run. A wrong setting raises ValueError saying what to change, before anything is read."""
+
+    def __init__(self, config: str | os.PathLike | None = None, **settings):
+        self.config = train_config(_flag_values(settings), None if config is None else os.fspath(config))
+
+    def train(self, log=print) -> TrainResult:
+        """Run (or resume) the training; every line it says goes to `log` (and OUT/train.log)."""
+        return run(self.config, log)
+
+
+def run(cfg: TrainConfig, log=print) -> TrainResult:
+    """Train as cfg says, the CLI's path and Trainer's alike, and read back what the run left in cfg.out."""
+    code = train(cfg, log)
+    out, metrics = Path(cfg.out), Path(cfg.out) / "metrics.jsonl"
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    losses = [m["loss"] for m in lines if "loss" in m]
+    exported = out / "hf" if code == 0 and (out / "hf").is_dir() else None
+    return TrainResult(code, len(losses), losses, {m["step"]: m["eval_loss"] for m in lines if "eval_loss" in m},
+                       checkpoint.latest(out / "checkpoints"), exported, out,
+                       json.loads((out / RUN_FILE).read_text())["run_id"])
+
+
+def _flag_values(settings: dict) -> dict:
+    """Keyword settings as the flags give them: one value of a list setting as a list, paths as strings."""
+    hints = typing.get_type_hints(TrainConfig)
+    lists = {f.name for f in fields(TrainConfig) if typing.get_origin(hints[f.name]) is list}
+    values = {}
+    for key, value in settings.items():
+        if key in lists and isinstance(value, str | os.PathLike):
+            value = [value]
+        values[key] = [os.fspath(v) if isinstance(v, os.PathLike) else v for v in value] \
+            if isinstance(value, list) else os.fspath(value) if isinstance(value, os.PathLike) else value
+    return values
+
+
+class Engine:
+    """One training system (MegaTrain's engine by default) over a model, for another program's training loop: each
+    `step` is one AdamW step over a batch, the loss (token cross-entropy) computed inside. `model` is a local
+    Hugging Face checkpoint directory (its weights loaded) or a registry shape (python -m megatrain models, initialised
+    from `seed`). The settings are train's, by the same names and with its defaults (device cpu: give device="cuda",
+    dtype="bfloat16" on a GPU); `option` holds the system's (--option KEY=VALUE). One process, one device: torchrun
+    ranks are the CLI's."""
+
+    def __init__(self, model: str | os.PathLike, *, seq: int = TrainConfig.seq, batch: int = TrainConfig.batch,
+                 micro_batch: int = TrainConfig.micro_batch, system: str = TrainConfig.system,
+                 device: str = TrainConfig.device, dtype: str = TrainConfig.dtype,
+                 precision: str = TrainConfig.precision, lr: float = TrainConfig.lr,
+                 weight_decay: float = TrainConfig.weight_decay, max_grad_norm: float = TrainConfig.max_grad_norm,
+                 adam_betas: tuple[float, float] = TrainConfig.adam_betas, adam_eps: float = TrainConfig.adam_eps,
+                 moments: str = TrainConfig.moments, seed: int = TrainConfig.seed, compile: bool = False,
+                 option: dict | None = None, log=print):
+        path = Path(model)
+        self.model_dir = path if path.is_dir() else None
+        shape = check_hf_checkpoint(path) if self.model_dir else None
+        optim = OptimConfig(lr=lr, beta1=adam_betas[0], beta2=adam_betas[1], eps=adam_eps, weight_decay=weight_decay,
+                            max_grad_norm=max_grad_norm, moments=moments)
+        self.case = CaseConfig(system=system, model=path.name if shape else os.fspath(model), model_shape=shape,
+                               batch=batch, micro_batch=micro_batch, seq=seq, steps=1, warmup=0, dtype=dtype,
+                               precision=precision, device=device, seed=seed, compile=compile, optim=optim,
+                               options=option or {})
+        for note in preflight(self.case):  # refuses what does not fit this machine
+            log(note)
+        self.system = build_system(self.case)
+        if self.model_dir:
+            self.system.load_weights(iter_hf_tensors(self.model_dir))
+
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
+        """One optimizer step over input_ids [rows, tokens] (at most batch x seq, right-padded; fewer are padded with
+        rows and tokens that are no target); labels as Hugging Face's causal models take them: the same shape, the
+        model shifts them, -100 where no loss (None: every next token). Returns the mean token loss."""
+        return self.system.step(*self._batch(input_ids, labels))
+
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
+        """The mean token loss of a batch, as `step` reads it, without gradients or an update."""
+        return self.system.evaluate(*self._batch(input_ids, labels))
+
+    @property
+    def last_grad_norm(self) -> float:
+        """The global gradient norm of the last step, before clipping."""
+        return self.system.last_grad_norm
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the following steps (a schedule is the caller's)."""
+        self.system.set_lr(lr)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """The full training state (weights, AdamW moments, step counts) into the directory `path`, swapped in whole
+        once written (an existing one is replaced); `load` continues from it."""
+        with written_aside(Path(path)) as tmp:
+            self.system.save_state(tmp)
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Continue from a `save` directory: the next step is as if training had never stopped."""
+        self.system.load_state(Path(path))
+
+    def export(self, path: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None) -> Path:
+        """The current weights as a Hugging Face checkpoint in `path` (in the compute dtype), with the tokenizer files
+        of tokenizer_dir (default: the model directory's)."""
+        tokenizer = tokenizer_dir or self.model_dir
+        export_checkpoint(self.system.export_weights(), self.case, Path(path),
+                          None if tokenizer is None else os.fspath(tokenizer), {"engine": self.case.model})
+        return Path(path)
+
+    def close(self) -> None:
+        """Release the system's memory, threads and pinned buffers."""
+        self.system.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _batch(self, input_ids: torch.Tensor, labels: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), each [batch, seq]: targets[:, i] is the token after inputs[:, i]; padding is no
+        target."""
+        rows, tokens = input_ids.shape
+        batch, seq = self.case.batch, self.case.seq
+        if rows > batch or tokens > seq:
+            raise ValueError(f"a batch of {rows} x {tokens} tokens is larger than the engine's batch x seq, {batch} x "
+                             f"{seq}: give Engine(batch=, seq=) the largest batch you step")
+        labels = input_ids if labels is None else labels
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels {tuple(labels.shape)} and input_ids {tuple(input_ids.shape)} differ in shape")
+        inputs = torch.zeros(batch, seq, dtype=torch.long)
+        targets = torch.full((batch, seq), IGNORE_INDEX, dtype=torch.long)
+        inputs[:rows, :tokens] = input_ids
+        targets[:rows, :tokens - 1] = labels[:, 1:]
+        if not (targets != IGNORE_INDEX).any():
+            raise ValueError("the batch has no target: every label is -100, or rows of one token")
+        return inputs, targets

@@ -1,0 +1,45 @@
+"""OUT/train.log: every line a run says, as its terminal showed them without the progress bar, appended by each
+invocation (a resumed run continues its log)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+LOG_FILE = "train.log"
+
+
+class RunLog:
+    """A run's lines: to the terminal through `say`, and to `path` (None: no file, as on ranks other than 0). While a
+    progress bar shows the steps (`bar`), a line is written above it (tqdm's external write mode) and the steps' own
+    lines go to the file alone."""
+
+    def __init__(self, say: Callable[[str], None], path: Path | None = None):
+        self.say, self.bar = say, None
+        self.file = path.open("a", encoding="utf-8") if path is not None else None
+
+    def __call__(self, line: str) -> None:
+        self.to_file(line)
+        if self.bar is None:
+            self.say(line)
+            return
+        with self.bar.external_write_mode(file=sys.stderr):  # the bar is cleared, the line said, the bar redrawn
+            self.say(line)
+
+    def step(self, line: str) -> None:
+        """A step's progress line: the bar shows it on the terminal where there is one."""
+        if self.bar is None:
+            self(line)
+        else:
+            self.to_file(line)
+
+    def to_file(self, line: str) -> None:
+        """A line the terminal shows by other means (an error the caller prints)."""
+        if self.file is not None:
+            self.file.write(line + "\n")
+            self.file.flush()  # a kill loses no line said
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()

@@ -1,0 +1,128 @@
+"""The Python API: Trainer reproduces `python -m megatrain train` bit for bit and returns what the run left; Engine,
+driven by a loop of its own, trains as train does, saves and loads bit for bit and exports a checkpoint transformers
+loads; scripts/api_example.py runs. CPU, seconds (the example ~30 s, in the subprocess session):
+pytest tests/unit/test_api.py"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from train_helpers import (  # noqa: E402
+    BATCH,
+    BETAS,
+    CLIP,
+    EPS,
+    LR,
+    MIN_LR,
+    SEQ,
+    WARMUP,
+    WD,
+    hf_model,
+    metrics,
+    pretokenized,
+    train_args,
+)
+
+import megatrain  # noqa: E402
+from megatrain.cli import main  # noqa: E402
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    root = tmp_path_factory.mktemp("case")
+    return hf_model("llama", root / "init"), pretokenized(root / "data.jsonl", rows=12)
+
+
+def test_trainer_reproduces_the_cli_bit_for_bit_and_returns_the_run(tmp_path, case):
+    init, data = case
+    held_out = ["--eval-data", str(data), "--eval-every", "2"]
+    assert main(train_args(init, data, tmp_path / "cli", steps=STEPS, extra=held_out)) == 0
+    result = megatrain.Trainer(
+        init_from=Path(init), data=data, shuffle=False, seq=SEQ, batch=BATCH, micro_batch=2, steps=STEPS, lr=LR,
+        lr_schedule="cosine", warmup_steps=WARMUP, min_lr=MIN_LR, weight_decay=WD, adam_betas=BETAS, adam_eps=EPS,
+        max_grad_norm=CLIP, out=tmp_path / "api", dtype="float32", device="cpu", eval_data=str(data), eval_every=2,
+    ).train()
+    cli = metrics(tmp_path / "cli")
+    assert result.losses == [m["loss"] for m in cli if "loss" in m] == [m["loss"] for m in metrics(tmp_path / "api")
+                                                                          if "loss" in m]
+    assert result.eval_losses == {m["step"]: m["eval_loss"] for m in cli if "eval_loss" in m} and \
+        list(result.eval_losses) == [2, 4]
+    assert (result.exit_code, result.step) == (0, STEPS)
+    assert result.checkpoint == tmp_path / "api" / "checkpoints" / f"step-{STEPS}"
+    assert result.export == tmp_path / "api" / "hf" and (result.export / "config.json").exists()
+    assert result.run_id == json.loads((tmp_path / "api" / "run.json").read_text())["run_id"]
+
+
+def test_trainer_refuses_a_wrong_setting_before_anything_is_read(tmp_path):
+    with pytest.raises(ValueError, match="--lr must be a finite number > 0"):
+        megatrain.Trainer(model="tiny", data="x.jsonl", steps=1, lr=0.0, out=tmp_path / "run")
+    with pytest.raises(ValueError, match="bad train setting:.*'lerning_rate'"):
+        megatrain.Trainer(model="tiny", data="x.jsonl", steps=1, lerning_rate=1e-3)
+    assert not (tmp_path / "run").exists()
+
+
+def _engine_batches(data):
+    """train's batches of rows (seq + 1 tokens each), in file order and round again."""
+    rows = torch.tensor([json.loads(line)["input_ids"] for line in data.read_text().splitlines()])
+    return [rows[[(i * BATCH + j) % len(rows) for j in range(BATCH)]] for i in range(STEPS)]
+
+
+def test_an_engine_loop_trains_as_train_does(tmp_path, case):
+    """Rows of seq + 1 tokens: the engine's seq is seq + 1 (its last position predicts nothing), train's seq; the
+    same tokens predicted, so the same losses to float rounding (other shapes, other kernels)."""
+    init, data = case
+    constant = ["--lr-schedule", "constant", "--warmup-steps", "0"]
+    assert main(train_args(init, data, tmp_path / "cli", steps=STEPS, extra=constant)) == 0
+    with megatrain.Engine(init, seq=SEQ + 1, batch=BATCH, micro_batch=2, lr=LR, weight_decay=WD,
+                          max_grad_norm=CLIP, adam_betas=BETAS, adam_eps=EPS, dtype="float32",
+                          device="cpu") as engine:
+        losses = [engine.step(rows) for rows in _engine_batches(data)]
+        engine.export(tmp_path / "engine-hf")
+    ref = [m["loss"] for m in metrics(tmp_path / "cli")]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=0)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "engine-hf")
+    trained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "cli" / "hf")
+    for (name, p), q in zip(exported.named_parameters(), trained.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_an_engine_saved_and_loaded_steps_on_bit_for_bit_and_pads_short_batches(tmp_path):
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 256, (3, 7), generator=gen) for _ in range(4)]  # fewer rows and tokens than 4 x 8
+    settings = dict(seq=8, batch=4, lr=1e-3, device="cpu", dtype="float32")
+    with megatrain.Engine("tiny", **settings) as engine:
+        straight = [engine.step(b) for b in batches[:2]]
+        engine.save(tmp_path / "state")
+        straight += [engine.step(b) for b in batches[2:]]
+    with megatrain.Engine("tiny", **settings) as engine:  # a fresh engine, of the same seed's initial weights
+        engine.load(tmp_path / "state")
+        cut = straight[:2] + [engine.step(b) for b in batches[2:]]
+        labels = batches[0].clone()
+        labels[:, :4] = -100
+        assert engine.evaluate(batches[0], labels) != engine.evaluate(batches[0])  # labels mask as in transformers
+        with pytest.raises(ValueError, match="larger than the engine's batch x seq, 4 x 8"):
+            engine.step(torch.zeros(5, 8, dtype=torch.long))
+        with pytest.raises(ValueError, match="the batch has no target"):
+            engine.step(torch.zeros(0, 8, dtype=torch.long))
+    assert cut == straight
+
+
+@pytest.mark.subprocess
+def test_the_api_example_runs(tmp_path):
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "api_example.py"), str(tmp_path / "example")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = proc.stdout.splitlines()
+    assert any(line.startswith("Trainer: 8 steps") for line in said)  # after the run's own lines
+    assert said[-1].startswith("Engine: Hugging Face checkpoint")
+    assert sum(line.startswith("Engine step") for line in said) == 8
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "example" / "engine-hf")

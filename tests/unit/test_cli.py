@@ -1,0 +1,79 @@
+"""The command line around the commands: --version, a --help that imports no torch, the registry's sizes, the suite's
+resume line, and a wheel that carries the suites. CPU, seconds (the wheel build ~20 s, in the subprocess session):
+pytest tests/unit/test_cli.py"""
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import megatrain
+import megatrain.bench.suite
+from megatrain.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_version_names_the_package_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"megatrain {megatrain.__version__}"
+
+
+def test_help_lists_every_command_without_importing_torch():
+    code = ("import sys\nfrom megatrain.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    *help_lines, imported = proc.stdout.splitlines()
+    assert imported == "False"
+    assert all(f"    {name}" in "\n".join(help_lines) for name in ("bench", "train", "models", "suite", "report"))
+
+
+def test_models_prints_the_tiny_shapes_in_thousands(capsys):
+    assert main(["models"]) == 0
+    sizes = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()}
+    assert sizes["tiny"] == "162.6K" and sizes["qwen2.5-14b"] == "14.770B"
+    assert not any(size.startswith("0.000") for size in sizes.values())
+
+
+def test_an_interrupted_suite_names_the_command_that_resumes_it(tmp_path, monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(megatrain.bench.suite, "run_suite", interrupted)
+    out = tmp_path / "smoke-local"
+    assert main(["suite", "smoke", "--out-dir", str(out), "--new-run", "--only", "native"]) == 130
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert said.endswith(f"to resume: python -m megatrain suite smoke --out-dir {out} --only native")
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_a_wheel_carries_the_suites_and_runs_one_from_an_install(tmp_path):
+    source = tmp_path / "source"  # a copy: the build leaves build/ and an egg-info beside the sources it builds
+    for name in ("megatrain", "baselines", "suites"):
+        shutil.copytree(ROOT / name, source / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path / "dist"), str(source)], check=True, capture_output=True, timeout=300)
+    wheel = next((tmp_path / "dist").glob("megatrain-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert sorted(n for n in names if n.startswith("megatrain/suites/")) == \
+        sorted(f"megatrain/suites/{p.name}" for p in (ROOT / "suites").glob("*.toml"))
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
+                   check=True, capture_output=True, timeout=300)
+    work = tmp_path / "elsewhere"  # no suites/ here: the installed package's own
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRAIN_WORKSPACE"}
+    proc = subprocess.run([sys.executable, "-m", "megatrain", "suite", "smoke", "--dry-run"], cwd=work,
+                          env={**env, "PYTHONPATH": str(site)}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = proc.stdout + proc.stderr
+    assert f"records: {work.resolve() / 'results' / 'smoke'}" in said and "native" in said  # the install's, run here
