@@ -703,6 +703,58 @@ def paths(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path):
     return sentence + ".", figure, "Every case of the latest records by system and status (ok, skipped, failed)."
 
 
+# ---- multi_gpu: how much faster N GPUs of one host train than one, per system, and MegaTrain over each peer ----
+
+def multi_gpu(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path):
+    session = scope[scope["session"] == scope["session"].max()]
+    ok = session[session["status"] == "ok"].assign(per_gpu_batch=lambda f: f["batch"] // f["ranks"])
+    figure = plots.tflops_vs_gpus(session, path)
+    if ok.empty:
+        return "<b>No case ran ok in the latest session.</b>", figure, ""
+    profile = get_profile(ok["hardware"].iloc[0])
+    parts = [f"On the {profile.gpu} GPUs of one host ({profile.host_mem_gib:.0f} GiB)"]
+    for (_, model, seq, per_gpu), g in ok.groupby(["params_b", "model", "seq", "per_gpu_batch"]):
+        parts.append(_scaling_clause(g, f"{model}, seq {seq}, {per_gpu} sequences per GPU"))
+    caption = ("TFLOPS (6NT) of all the GPUs together, per system, on 1, 2 and 4 GPUs of one host at the same "
+               "sequences per GPU (the global batch grows with the GPUs); hatched: compiled. Host memory is the "
+               "node's: PSS summed over every rank, which counts a page the ranks share once.")
+    return "; ".join(parts) + ".", figure, caption
+
+
+def _scaling_clause(g: pd.DataFrame, where: str) -> str:
+    """One model and batch per GPU: each system's speed-up over its own one GPU, MegaTrain over each peer on the most
+    GPUs both ran at equal kernels, and the node's host memory."""
+    tflops = g.groupby(["label", "ranks"])["tflops"].max()
+    pss = g.groupby(["label", "ranks"])["node_pss_gib"].max()
+    labels = plots.ordered_labels(g["label"].unique())
+    several = sorted(r for r in g["ranks"].unique() if r > 1)
+    faster = []
+    for label in labels:
+        steps = [f"{tflops[(label, r)] / tflops[(label, 1)]:.2f}x on {r}" for r in several
+                 if (label, 1) in tflops and (label, r) in tflops]
+        if steps:
+            faster.append(f"{prose(label)} {', '.join(steps)} ({tflops[(label, 1)]:.0f} TFLOPS on one)")
+    clause = f"at {where} ({_join(sorted({_kernels(label) for label in labels}))}): "
+    clause += f"<b>speed over its own one GPU: {_join(faster)}</b>" if faster else \
+        "no system ran on both one GPU and several"
+    over = []
+    for label in labels:
+        system, variant, compiled = plots.split_label(label)
+        reference = "megatrain" + (plots.COMPILED_SUFFIX if compiled else "")
+        common = [r for r in several if (label, r) in tflops and (reference, r) in tflops]
+        if system != "megatrain" and common:
+            r = common[-1]
+            over.append(f"{tflops[(reference, r)] / tflops[(label, r)]:.2f}x {prose(label)}'s on {r} GPUs")
+    if over:
+        clause += f"; <b>MegaTrain runs {_join(over)}</b>"
+    memory = [f"{prose(label)} {pss[(label, several[-1])]:.0f} GiB on {several[-1]} GPUs "
+              f"({pss[(label, 1)]:.0f} on one)" for label in labels
+              if several and (label, 1) in pss and (label, several[-1]) in pss and pd.notna(pss[(label, 1)])]
+    if memory:
+        clause += f"; the node's host memory: {_join(memory)}"
+    return clause
+
+
 HEADLINES: dict[str, Callable] = {"longest_seq": longest_seq, "largest_model": largest_model,
                                   "throughput": throughput, "over_deepspeed": over_deepspeed, "paths": paths,
-                                  "host_optimizer": host_optimizer}
+                                  "host_optimizer": host_optimizer, "multi_gpu": multi_gpu}

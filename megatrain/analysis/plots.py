@@ -527,6 +527,30 @@ def summary_tflops(df: pd.DataFrame, path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def gpus_tick(ranks: int) -> str:
+    return f"{ranks} GPU" + ("s" if ranks > 1 else "")
+
+
+def tflops_vs_gpus(df: pd.DataFrame, path: Path) -> Path | None:
+    """TFLOPS (6NT, the whole node's) per system on 1, 2 and 4 GPUs of one host, one panel per model and batch per
+    GPU at the main sequence length (a missing bar: that system did not run ok there)."""
+    ok = _ok(df)
+    if ok.empty:
+        return None
+    ok = ok[ok["seq"] == _main_seq(ok)].assign(per_gpu_batch=lambda f: f["batch"] // f["ranks"])
+    keys = ok[["params_b", "model", "per_gpu_batch"]].drop_duplicates().sort_values(["params_b", "model",
+                                                                                    "per_gpu_batch"])
+    fig, axes = _figure(ncols=len(keys), width=min(WIDTH_IN, 4.2 * len(keys) + 1), height=4.4)
+    for ax, (_, model, per_gpu) in zip(axes[0], keys.itertuples(index=False), strict=True):
+        rows = ok[(ok["model"] == model) & (ok["per_gpu_batch"] == per_gpu)]
+        groups = [(gpus_tick(ranks), g.groupby("label")["tflops"].max().to_dict())
+                  for ranks, g in rows.groupby("ranks")]
+        grouped_bars(ax, groups)
+        ax.set(ylabel="TFLOPS (6NT), all GPUs", title=f"{model}, {per_gpu} sequences per GPU")
+    _legend_below(fig, axes)
+    return _save(fig, path)
+
+
 def summary_memory(df: pd.DataFrame, path: Path) -> Path | None:
     """Peak GPU and host memory per system and model, at the largest batch each system ran ok."""
     ok = _ok(df)

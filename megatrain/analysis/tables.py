@@ -67,7 +67,8 @@ def records_frame(records: list[dict]) -> pd.DataFrame:
             "dtype": r["dtype"], "device": r["config"]["device"], "model": model_label(r), "model_name": r["model"],
             "num_layers": r["num_layers"], "params_b": r["num_params"] / 1e9,
             "active_b": r.get("active_params", r["num_params"]) / 1e9, "batch": r["batch"],
-            "micro_batch": r["micro_batch"], "seq": r["seq"], "status": status, "error": error,
+            "micro_batch": r["micro_batch"], "seq": r["seq"], "ranks": r["config"].get("ranks", 1),
+            "status": status, "error": error,
             "tflops": r["tflops"], "tflops_no_embed": _tflops_no_embed(r), "mfu": r.get("mfu"),
             "tflops_all_experts": r.get("tflops_all_experts"),
             "hw_tflops": _rate(r, "hw_tflops"), "paper_tflops": _rate(r, "paper_tflops"),
@@ -83,6 +84,7 @@ def records_frame(records: list[dict]) -> pd.DataFrame:
             "update_delay": (r.get("system_config") or {}).get("update_delay", 0) if r["system"] == "megatrain"
             else None, "moments": (r["config"].get("optim") or {}).get("moments", "fp32"),
             "exposed_optim_frac": (r.get("metrics") or {}).get("exposed_optim_frac"),
+            "node_pss_gib": trace.get("peak_node_pss_gib"),  # every rank's, a shared page once
             "trace_path": trace.get("path"), "has_timeline": bool((r.get("metrics") or {}).get("timeline")),
             "gpu_mem_gib": r["env"].get("gpu_mem_gib"), "commit": r["env"]["commit"],
             "host_kind": r["env"].get("hostname_kind"), "gpu": r["env"]["gpu"],
@@ -152,7 +154,7 @@ def _sessions(df: pd.DataFrame) -> pd.Series:
 
 
 # What a table row shows: a newer record of the same row replaces the older one (say, one run with more steps).
-ROW_KEY = ["hardware", "label", "compile", "precision", "model", "num_layers", "seq", "batch", "micro_batch"]
+ROW_KEY = ["hardware", "label", "compile", "precision", "model", "num_layers", "seq", "batch", "micro_batch", "ranks"]
 
 
 def latest_records(df: pd.DataFrame) -> pd.DataFrame:

@@ -616,3 +616,24 @@ def test_throughput_says_side_by_side_models_apart_from_each_systems_deepest(tmp
     assert ("the deepest each trained here: MegaTrain (bf16) qwen2.5-7b 10 layers" in head.sentence and
             "; 11 skipped, host memory)" in head.sentence), head.sentence
     assert "plain PyTorch (bf16) qwen2.5-7b 15 layers" in head.sentence and "every rung ran" in head.sentence
+
+
+def test_multi_gpu_opens_with_each_systems_speed_over_its_one_gpu_and_megatrain_over_each_peer(tmp_path):
+    def ranked(system, ranks, tflops, pss_gib, compiled=False, label=None):
+        r = _record(system, 64 * ranks, tflops, model="qwen2.5-7b", suite="multi_gpu",
+                    case_id=f"{system}-{ranks}-{compiled}", trace={"peak_node_pss_gib": pss_gib})
+        r["config"].update(ranks=ranks, compile=compiled)
+        r["suite"]["label"] = (label or system) + ("-compiled" if compiled else "")
+        return r
+
+    records = [ranked("megatrain", 1, 400.0, 115.0), ranked("megatrain", 2, 784.0, 117.0),
+               ranked("deepspeed", 1, 250.0, 178.0), ranked("deepspeed", 2, 291.0, 180.0),
+               ranked("megatrain", 1, 420.0, 115.0, compiled=True),
+               ranked("deepspeed", 2, 300.0, 180.0, compiled=True)]  # no compiled pair on 1 GPU: no speed-up
+    head = headline.headline("multi_gpu", tables.latest_records(tables.records_frame(records)), tmp_path)
+    assert "at qwen2.5-7b, seq 1024, 64 sequences per GPU (compiled and eager): <b>speed over its own one GPU: " \
+           "MegaTrain 1.96x on 2 (400 TFLOPS on one) and DeepSpeed ZeRO-3 offload 1.16x on 2 (250 TFLOPS on one)</b>" \
+           in head.sentence
+    # at equal kernels only: compiled MegaTrain ran no 2-GPU case beside compiled DeepSpeed's
+    assert "<b>MegaTrain runs 2.69x DeepSpeed ZeRO-3 offload's on 2 GPUs</b>" in head.sentence
+    assert "MegaTrain 117 GiB on 2 GPUs (115 on one)" in head.sentence and head.figure.exists()
