@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from megatrain.analysis import headline, plots, scaling_report, tables
+from megatrain.analysis import headline, plots, results_md, scaling_report, tables
 from megatrain.bench.env import WORKSPACE
 from megatrain.bench.suite import read_suite_records
 from megatrain.engine.plan import PROCESS_OVERHEAD_BYTES
@@ -319,7 +319,8 @@ def write_report(results_dir: Path, out_dir: Path, all_runs: bool = False) -> Pa
 
 
 def write_reports(suites: list[str], out: str | None = None) -> list[Path]:
-    """Reports for suite names or results directories; none given: every committed results/<suite>/."""
+    """Reports for suite names or results directories; none given: every committed results/<suite>/, and
+    docs/RESULTS.md (megatrain.analysis.results_md) from them."""
     results_root = WORKSPACE / "results"
     if suites:
         dirs = [Path(s) if Path(s).is_dir() else results_root / s for s in suites]
@@ -331,4 +332,7 @@ def write_reports(suites: list[str], out: str | None = None) -> list[Path]:
                   "not a suite run)")
     if out is not None and len(dirs) != 1:
         raise ValueError("--out names one report directory; give exactly one suite with it")
-    return [write_report(d, Path(out) if out else WORKSPACE / "reports" / d.name) for d in dirs]
+    written = [write_report(d, Path(out) if out else WORKSPACE / "reports" / d.name) for d in dirs]
+    if not suites:
+        written.append(results_md.write(results_root, WORKSPACE / "docs"))
+    return written

@@ -21,7 +21,7 @@ from megatrain.analysis import headline, plots, tables
 from megatrain.analysis.report import write_report
 from megatrain.bench.env import WORKSPACE
 from megatrain.bench.record import Record, append_jsonl
-from megatrain.bench.suite import SUITES_DIR
+from megatrain.bench.suite import SUITES_DIR, read_suite_records
 from megatrain.config import CaseConfig
 from megatrain.models.flops import model_flops, paper_flops
 from megatrain.models.registry import get_model_config
@@ -262,7 +262,9 @@ def test_report_loads_in_a_headless_browser_without_errors(tmp_path):
     assert len(result["images"]) >= 5
 
 
-COMMITTED = sorted(p.parent.name for p in (WORKSPACE / "reports").glob("*/index.html"))
+# the suites whose committed records answer a question (their reports are generated, not committed)
+COMMITTED = sorted(p.parent.name for p in (WORKSPACE / "results").glob("*/records.jsonl")
+                   if (SUITES_DIR / f"{p.parent.name}.toml").exists() and read_suite_records(p))
 
 
 @pytest.mark.subprocess
@@ -270,7 +272,7 @@ COMMITTED = sorted(p.parent.name for p in (WORKSPACE / "reports").glob("*/index.
 @pytest.mark.parametrize("suite", COMMITTED)
 def test_a_committed_report_reads_at_laptop_width(suite, tmp_path):
     report = tmp_path / suite
-    shutil.copytree(WORKSPACE / "reports" / suite, report)
+    write_report(WORKSPACE / "results" / suite, report)
     result = _browse(report / "index.html", tmp_path / "profile")
     _reads_at_laptop_width(result)
     assert result["images"] and result["images"][0]["src"] == "headline.png", "the report opens with its answer"
@@ -637,3 +639,18 @@ def test_multi_gpu_opens_with_each_systems_speed_over_its_one_gpu_and_megatrain_
     # at equal kernels only: compiled MegaTrain ran no 2-GPU case beside compiled DeepSpeed's
     assert "<b>MegaTrain runs 2.69x DeepSpeed ZeRO-3 offload's on 2 GPUs</b>" in head.sentence
     assert "MegaTrain 117 GiB on 2 GPUs (115 on one)" in head.sentence and head.figure.exists()
+
+
+def test_results_md_asks_each_suites_question_and_answers_it_from_the_records(tmp_path):
+    from megatrain.analysis import results_md
+
+    results = tmp_path / "results"
+    for r in [_record("megatrain", 96, 320.0), _record("deepspeed", 96, 200.0),
+              _record("fsdp", 96, 160.0)]:
+        append_jsonl(results / "reproduce_14b" / "records.jsonl", r)
+    append_jsonl(results / "smoke-local" / "records.jsonl", _record("megatrain", 2, 1.0, suite="smoke"))
+    page = results_md.write(results, tmp_path / "docs").read_text()
+    assert "## The paper's 1.84x" in page and "**eager, MegaTrain 1.60x (batch 96)" in page
+    assert "<b>" not in page and "](figures/reproduce_14b.png)" in page and "smoke" not in page.split("# Measured")[1]
+    assert (tmp_path / "docs" / "figures" / "reproduce_14b.png").exists()
+    assert "records: [`results/reproduce_14b/records.jsonl`]" in page

@@ -1,0 +1,73 @@
+"""docs/RESULTS.md: every suite's question, its answer from the committed records and the answer's figure, as a page
+a code host shows (Markdown and PNG; the HTML reports under reports/ are generated, not committed).
+
+`python -m megatrain report` (every suite, as `nox -s report` runs it) rewrites the page and docs/figures/<suite>.png
+from results/<suite>/records.jsonl; like the reports, it is never edited by hand.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from megatrain.analysis import headline, tables
+from megatrain.bench.suite import read_suite_records
+from megatrain.hardware import get_profile
+
+# the suites in the order the page asks their questions: the paper's claims first, then what a user decides by
+ORDER = ("reproduce_14b", "paper_peer", "multi_gpu", "smoke_gpu", "scaling", "context", "moe", "host_optimizer",
+         "families")
+INTRO = """# Measured results
+
+Each section is one suite's question and its answer, written by `python -m megatrain report` from the records in
+`results/<suite>/records.jsonl` (never by hand). Ratios compare systems measured in one session on one machine, at
+the same model, batch and kernels (eager or compiled alike). A record names its commit, machine and versions; the
+full report of a suite, with every case, table and figure, is `python -m megatrain report SUITE`
+(`reports/SUITE/index.html`).
+"""
+
+
+def markdown(sentence_html: str) -> str:
+    """A headline sentence (HTML: <b>, <code>, escaped text) as Markdown."""
+    text = re.sub(r"</?b>", "**", sentence_html)
+    text = re.sub(r"</?code>", "`", text)
+    return html.unescape(re.sub(r"<[^>]+>", "", text))
+
+
+def _section(suite: str, results_dir: Path, figures_dir: Path) -> str | None:
+    """The suite's section, its figure copied into figures_dir; None for a suite that asks no question."""
+    records = read_suite_records(results_dir / "records.jsonl")
+    if not records or headline.report_spec(suite) is None:
+        return None
+    scope = tables.latest_records(tables.records_frame(records))
+    with tempfile.TemporaryDirectory() as tmp:
+        head = headline.headline(suite, scope, Path(tmp))
+        figure = None
+        if head.figure is not None and head.figure.exists():
+            figure = figures_dir / f"{suite}.png"
+            shutil.copyfile(head.figure, figure)
+    latest = scope[scope["session"] == scope["session"].max()]
+    profile = get_profile(latest["hardware"].iloc[0])
+    commits = ", ".join(sorted({str(c)[:7] for c in latest["commit"]}))
+    lines = [f"## {head.question}", "", markdown(head.sentence), ""]
+    if figure is not None:
+        lines += [f"![{suite}: the answer's figure](figures/{figure.name})", "", f"*{head.caption}*", ""]
+    lines += [f"Session `{latest['session'].iloc[0]}`: {len(latest)} cases on {profile.description} at commit "
+              f"{commits}; records: [`results/{suite}/records.jsonl`](../results/{suite}/records.jsonl).", ""]
+    return "\n".join(lines)
+
+
+def write(results_root: Path, docs_dir: Path) -> Path:
+    """Rewrite docs_dir/RESULTS.md and docs_dir/figures/ from every suite's records under results_root."""
+    figures_dir = docs_dir / "figures"
+    shutil.rmtree(figures_dir, ignore_errors=True)
+    figures_dir.mkdir(parents=True)
+    present = {p.parent.name for p in results_root.glob("*/records.jsonl") if not p.parent.name.endswith("-local")}
+    suites = [s for s in ORDER if s in present] + sorted(present - set(ORDER))
+    sections = [s for s in (_section(suite, results_root / suite, figures_dir) for suite in suites) if s]
+    path = docs_dir / "RESULTS.md"
+    path.write_text(INTRO + "\n" + "\n".join(sections))
+    return path
