@@ -251,8 +251,8 @@ def test_each_system_matches_native_on_documents_of_varied_length(tmp_path, syst
     assert (sum(m["target_tokens"] for m in ours) > 6 * BATCH * SEQ * 0.6) == pack, "packing fills the rows"
 
 
-def test_the_readme_toml_example_is_a_valid_train_config(tmp_path):
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+def test_the_guides_toml_example_is_a_valid_train_config(tmp_path):
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "GUIDE.md").read_text()
     (tmp_path / "sft.toml").write_text(readme.split("```toml\n", 1)[1].split("```", 1)[0])
     parser = argparse.ArgumentParser()
     add_train_arguments(parser)
