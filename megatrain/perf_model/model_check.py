@@ -116,9 +116,12 @@ def engine_records() -> list[tuple[str, dict]]:
 
 def unmodelled(r: dict) -> str | None:
     """What of a record's case the model leaves out, if anything: compact AdamW moments (the host kernel's rate for
-    them is no ingredient)."""
+    them is no ingredient), several ranks (the model is one GPU's; the ranks' reduce-scatter and sharded updates are
+    no ingredient)."""
     if ((r.get("config") or {}).get("optim") or {}).get("moments", "fp32") != "fp32":
         return "compact AdamW moments"
+    if (r.get("config") or {}).get("ranks", 1) > 1:
+        return "several ranks"
     return None
 
 
