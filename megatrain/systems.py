@@ -50,6 +50,8 @@ class SystemSpec:
             memory (a device or launch it does not support), {fits: False, reason} alone, as for a missing package.
         checkpoint_bytes: case -> bytes of one save_state checkpoint (the weights and the optimizer state).
         package: the package it needs beyond torch, also the name of its pip extra; None when it needs none.
+        pickled: glob patterns (relative to a save_state directory) of the files load_state unpickles, which can run
+            code: a resume loads them only from a checkpoint this user wrote here (megatrain.train.trust).
     """
 
     factory: Callable[[CaseConfig], TrainSystem]
@@ -57,6 +59,7 @@ class SystemSpec:
     plan_memory: Callable[[CaseConfig, Budget], dict]
     checkpoint_bytes: Callable[[CaseConfig], int]
     package: str | None = None
+    pickled: tuple[str, ...] = ()
 
 
 def system_spec(system: str) -> SystemSpec:

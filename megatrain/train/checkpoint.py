@@ -15,6 +15,7 @@ from pathlib import Path
 
 from megatrain.config import CaseConfig
 from megatrain.memory import GIB
+from megatrain.train import trust
 from megatrain.train.rundir import recover_dir, remove_dir, written_aside
 
 META_FILE = "trainer.json"  # written last: its presence marks a complete checkpoint
@@ -30,14 +31,16 @@ def _step(d: Path) -> int:
     return int(d.name.removeprefix("step-"))
 
 
-def save(root: Path, step: int, write_state, meta: dict, keep: int) -> Path:
+def save(root: Path, step: int, write_state, meta: dict, keep: int, sign: bool = False) -> Path:
     """write_state(dir) writes the system's state; meta (step, data position, RNG, config) and the files' checksums
-    go beside it. The new checkpoint is complete before the oldest of this run's beyond `keep` is deleted."""
+    go beside it, with sign (a state holding pickles) this user's HMAC of both (megatrain.train.trust). The new
+    checkpoint is complete before the oldest of this run's beyond `keep` is deleted."""
     final = step_dir(root, step)
     with written_aside(final) as tmp:
         write_state(tmp)
         names = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
-        (tmp / META_FILE).write_text(json.dumps({**meta, "files": checksums(tmp, names)}, indent=1) + "\n")
+        record = {**meta, "files": checksums(tmp, names)}
+        (tmp / META_FILE).write_text(json.dumps(trust.signed(record) if sign else record, indent=1) + "\n")
     older = [d for d in complete(root) if d != final]
     assert all(_step(d) < step for d in older), "a resume removes the checkpoints after its own"
     for d in older[:max(len(older) - (keep - 1), 0)]:

@@ -57,6 +57,8 @@ class TrainConfig(CaseFlags):
     resume: str | None = flag(None, metavar="DIR", help="continue the run in DIR (its latest complete checkpoint)")
     resume_fallback: bool = flag(False, help="resume from the checkpoint before when the latest fails its checksums "
                                              "(deleting it)")
+    trust_checkpoint: bool = flag(False, help="resume although the checkpoint holds pickles (DeepSpeed's, FSDP's: "
+                                  "loading them runs code) that another user or machine wrote")
     overwrite: bool = flag(False, help="discard the run already in --out and start a new one (default: refuse)")
     max_nonfinite_steps: int = flag(3, metavar="K", help="stop (exit 1, no export) after K steps in a row with a "
                                     "non-finite loss or gradient norm (default {default}, 0: never)")

@@ -26,9 +26,9 @@ from megatrain.models.hf import config_from_hf, iter_hf_tensors, read_hf_config,
 from megatrain.models.loss import IGNORE_INDEX
 from megatrain.models.registry import get_model_config
 from megatrain.preflight import preflight
-from megatrain.systems import build_system
+from megatrain.systems import build_system, system_spec
 from megatrain.tokenizer import Tokenizer
-from megatrain.train import checkpoint
+from megatrain.train import checkpoint, trust
 from megatrain.train.config import TrainConfig, check_available
 from megatrain.train.data import Rows, data_files, read_examples
 from megatrain.train.lr import lr_at, schedule_notes
@@ -38,7 +38,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json", "chat_template.jinja")
 EXPORT_SHARD_BYTES = 2**29  # the most a Hugging Face export holds in memory beyond training's own state
 EXPORT_FILE = "megatrain_export.json"  # in hf/: the step exported and the run, beside the Hugging Face files
-PER_INVOCATION = ("overwrite", "resume_fallback")  # how this command treats the directory: not the run's settings
+# how this command treats the directory and its checkpoint: not the run's settings
+PER_INVOCATION = ("overwrite", "resume_fallback", "trust_checkpoint")
 
 
 @dataclass
@@ -103,6 +104,7 @@ def _prepare(cfg: TrainConfig, run: RunDir, case, total: int, log) -> tuple:
         checkpoint.recover(out / "checkpoints")
         recover_dir(out / "hf")
         resume_from, meta = checkpoint.resume_point(out / "checkpoints", cfg.resume_fallback, log)
+        trust.check_trusted(resume_from, meta, system_spec(cfg.system).pickled, cfg.trust_checkpoint)
     start = meta["step"]
     for note in schedule_notes(cfg, total, meta["total_steps"] if resume_from is not None else None):
         log(note)
@@ -306,7 +308,8 @@ def _save(cfg: TrainConfig, system, out: Path, progress: Progress, total: int, r
     meta = {"step": progress.step, "total_steps": total, "data_rows_consumed": progress.rows_consumed,
             "torch_rng": torch.get_rng_state().tolist(), "run_id": run_id, "train_config": _settings(cfg)}
     with _writing(out / "checkpoints", progress, out):
-        return checkpoint.save(out / "checkpoints", progress.step, system.save_state, meta, cfg.keep)
+        return checkpoint.save(out / "checkpoints", progress.step, system.save_state, meta, cfg.keep,
+                               sign=bool(system_spec(cfg.system).pickled))
 
 
 def _exported_step(out: Path) -> int | None:
