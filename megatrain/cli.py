@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 
 from megatrain.bench.args import BenchFlags
 from megatrain.flags import add_flags, given
@@ -132,7 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _warning_line(message, category, filename, lineno, line=None) -> str:
+    """A warning as the command line prints it: one line, without the source line that raised it."""
+    return f"warning: {message}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
+    warnings.formatwarning = _warning_line
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -140,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before a command's own handling of Ctrl-C began, or in one that has none
+        print("\ninterrupted (Ctrl-C)", file=sys.stderr)
+        return 130
     finally:
         from megatrain.engine.distributed import leave
 

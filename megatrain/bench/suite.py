@@ -51,7 +51,7 @@ from pathlib import Path
 
 from megatrain.bench.args import BenchFlags
 from megatrain.bench.env import CHECKOUT, WORKSPACE, git_commit
-from megatrain.bench.record import Record, append_jsonl, read_jsonl, relative_paths, summary_line
+from megatrain.bench.record import Record, append_jsonl, problem, read_jsonl, relative_paths, summary_line
 from megatrain.config import CaseConfig
 from megatrain.flags import flag_argv, parse
 from megatrain.hardware import actual_profile, get_profile, same_machine
@@ -297,11 +297,35 @@ def _oom_killed(before: int | None) -> str | None:
     return f"the cgroup's OOM counter rose {before} -> {after}" if after > before else None
 
 
+# what the runner's resume and the report read of a record's suite block and environment
+SUITE_BLOCK_KEYS = ("name", "run_id", "case_id", "group", "label", "hardware", "machine", "started_at", "command")
+ENV_KEYS = ("commit", "dirty", "python", "torch", "cuda", "deepspeed", "transformers", "gpu", "driver", "cpu",
+            "cpu_cores", "host_mem_gib")
+_ID = re.compile(r"[\w.-]+")  # a run or case id: it names files (traces, figures)
+
+
+def _suite_record_problem(record: dict) -> str | None:
+    """What makes a record with a suite block unreadable to the runner and the report, or None."""
+    block, env = record["suite"], record.get("env")
+    if not isinstance(block, dict):
+        return "has a suite block that is not an object"
+    if missing := [k for k in SUITE_BLOCK_KEYS if k not in block]:
+        return f"lacks suite.{missing[0]}"
+    if not all(_ID.fullmatch(str(block[k])) for k in ("run_id", "case_id")):
+        return f"has suite.run_id {str(block['run_id'])[:40]!r} or case_id {str(block['case_id'])[:40]!r}, not " \
+            "letters, digits, '.', '_' and '-'"
+    if isinstance(env, dict) and (missing := [k for k in ENV_KEYS if k not in env]):
+        return f"lacks env.{missing[0]}"
+    return problem(record)
+
+
 def read_suite_records(path: Path) -> list[dict]:
     """The runner's records in a JSONL file (records a bare `bench --out` appended carry no suite block), their
     run ids as strings: a hand-written or tool-written record may hold one as a number (20261124), which would
-    not sort or compare with the runner's."""
-    records = [r for r in read_jsonl(path) if "suite" in r]
+    not sort or compare with the runner's. A record the runner or the report cannot read is skipped with a warning
+    naming its file and line."""
+    records = read_jsonl(path, check=lambda r: _suite_record_problem(r) if "suite" in r else None)
+    records = [r for r in records if "suite" in r]
     for r in records:
         r["suite"]["run_id"] = str(r["suite"]["run_id"])
     return records
