@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from megatrain.models.config import FAMILIES, MOE_FAMILIES, ModelConfig
@@ -393,7 +395,7 @@ def save_hf_checkpoint(model_or_state_dict: torch.nn.Module | Mapping[str, torch
     for file, names in zip(files, shards, strict=True):
         tensors = {key: t.detach().to("cpu", dtype or t.dtype).contiguous() for n in names
                    for key, t in to_hf_tensors(cfg, n, state[n])}
-        save_file(tensors, out_dir / file, metadata={"format": "pt"})
+        _save_file(tensors, out_dir / file)
         weight_map.update(dict.fromkeys(tensors, file))
         del tensors
     if len(files) > 1:
@@ -402,6 +404,17 @@ def save_hf_checkpoint(model_or_state_dict: torch.nn.Module | Mapping[str, torch
     # A previous save's single file or index would point loaders at stale weights.
     (out_dir / (SINGLE_FILE if len(files) > 1 else INDEX_FILE)).unlink(missing_ok=True)
     return [out_dir / f for f in files]
+
+
+def _save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' save_file; an I/O failure (a full disk) raised as the OSError it is, not as a SafetensorError."""
+    try:
+        save_file(tensors, path, metadata={"format": "pt"})
+    except SafetensorError as exc:
+        found = re.search(r"\(os error (\d+)\)", str(exc))
+        if found is None:
+            raise
+        raise OSError(int(found[1]), os.strerror(int(found[1])), str(path)) from None
 
 
 def _weight_files(path: Path) -> list[Path]:

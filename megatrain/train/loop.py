@@ -22,7 +22,7 @@ from megatrain.engine import distributed
 from megatrain.engine.distributed import Ranks
 from megatrain.memory import peak_host_rss_gib
 from megatrain.models.flops import model_flops
-from megatrain.models.hf import config_from_hf, iter_hf_tensors, read_hf_config, save_hf_checkpoint
+from megatrain.models.hf import INDEX_FILE, config_from_hf, iter_hf_tensors, read_hf_config, save_hf_checkpoint
 from megatrain.models.loss import IGNORE_INDEX
 from megatrain.models.registry import get_model_config
 from megatrain.preflight import preflight
@@ -72,6 +72,9 @@ def train(cfg: TrainConfig, log=print) -> int:
     if cfg.resume and Path(cfg.resume).resolve() != out.resolve():
         raise ValueError(f"--resume {cfg.resume} continues the run in that directory, not in --out {cfg.out}: drop "
                          "--out (to branch a run, copy its directory and resume the copy)")
+    if cfg.init_from and not cfg.resume and Path(cfg.init_from).resolve().is_relative_to(out.resolve()):
+        raise ValueError(f"--init-from {cfg.init_from} is inside --out {cfg.out}, which a new run empties (and whose "
+                         "hf/ its export replaces): copy the checkpoint out of it first, or choose another --out")
     tokenizer_dir = cfg.tokenizer or (cfg.init_from if cfg.init_from and
                                       (Path(cfg.init_from) / "tokenizer.json").exists() else None)
     tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
@@ -158,12 +161,14 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
         _run_steps(cfg, system, case, rows, eval_rows, progress, total, out, run_id, log, ranks)
         if ranks is not None:  # a signal that reached any rank after the last step stops every rank alike
             progress.signal = ranks.agree(progress.signal)
-        if cfg.max_nonfinite_steps and progress.nonfinite_steps >= cfg.max_nonfinite_steps:
+        if progress.nonfinite_steps:  # the periodic save's rule: a state whose last step was not finite is kept nowhere
             last = checkpoint.latest(out / "checkpoints")
-            log(f"diverged: the loss or gradient norm was not finite for {progress.nonfinite_steps} steps in a row "
-                f"(to step {progress.step}); stopped without saving that state or exporting; the last checkpoint "
-                f"saved while training was finite: {last or 'none'}")
-            return 1
+            diverged = cfg.max_nonfinite_steps and progress.nonfinite_steps >= cfg.max_nonfinite_steps
+            n = progress.nonfinite_steps
+            log(("diverged: " if diverged else "") + f"the loss or gradient norm was not finite for {n} "
+                f"step{'s' * (n > 1)} in a row (to step {progress.step}); stopped without saving that state or "
+                f"exporting; the last checkpoint saved while training was finite: {last or 'none'}")
+            return 128 + progress.signal if progress.signal and not diverged else 1
         memory["host_peak_gib_trained"] = peak_host_rss_gib()
         if cfg.save and progress.step > start:
             t0 = time.perf_counter()
@@ -273,8 +278,9 @@ def _writing(where: Path, progress: Progress, out: Path):
             raise
         last = checkpoint.latest(out / "checkpoints")
         raise ValueError(f"disk full writing {where} at step {progress.step}: "
-                         + (f"the last complete checkpoint, {last}, is intact" if last else "no checkpoint yet")
-                         + f"; free space, then --resume {out}") from None
+                         + (f"the last complete checkpoint, {last}, is intact; free space, then --resume {out}" if last
+                            else "no checkpoint to resume from (none saved yet, or --no-save): free space, then train "
+                            "again with --overwrite")) from None
 
 
 def _append(path: Path, line: dict, progress: Progress, out: Path) -> None:
@@ -328,3 +334,16 @@ def _export(weights, case: CaseConfig, hf_dir: Path, tokenizer_dir: str | None, 
             if (Path(tokenizer_dir) / name).exists():
                 shutil.copy(Path(tokenizer_dir) / name, tmp / name)
         (tmp / EXPORT_FILE).write_text(json.dumps(provenance) + "\n")
+        _keep_others(hf_dir, tmp)
+
+
+def _keep_others(old: Path, new: Path) -> None:
+    """Carry into the new export, as hard links, what no export writes that someone put in the old one (a README, a
+    model card): the swap would delete it."""
+    ours = {"config.json", INDEX_FILE, EXPORT_FILE, *TOKENIZER_FILES}
+    for entry in sorted(old.iterdir()) if old.is_dir() else ():
+        if entry.name not in ours and entry.suffix != ".safetensors" and not (new / entry.name).exists():
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.copytree(entry, new / entry.name, symlinks=True, copy_function=os.link)
+            else:
+                os.link(entry, new / entry.name, follow_symlinks=False)
