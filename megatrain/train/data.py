@@ -14,6 +14,7 @@ A .txt file holds documents separated by blank lines, each like {"text": ...}.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -33,13 +34,23 @@ class Example:
 
 
 def data_files(paths: list[str], flag: str = "--data") -> list[Path]:
-    """The files named, a folder standing for its .jsonl and .txt files (sorted); flag names them in messages."""
+    """The files named, a folder standing for its .jsonl and .txt files (sorted); flag names them in messages. Only
+    regular files are read (a FIFO would block forever): another entry of a folder is skipped with a warning, another
+    path named is refused."""
     files = []
     for p in map(Path, paths):
         if p.is_dir():
-            files += sorted(f for f in p.iterdir() if f.suffix in (".jsonl", ".txt"))
-        elif p.exists():
+            for f in sorted(f for f in p.iterdir() if f.suffix in (".jsonl", ".txt")):
+                if f.is_file():
+                    files.append(f)
+                else:
+                    warnings.warn(f"{flag} {p}: skipped {f.name}, not a regular file (a folder, a FIFO, a broken or "
+                                  "looping link)", stacklevel=1)  # this line's: said once however often listed
+        elif p.is_file():
             files.append(p)
+        elif p.exists() or p.is_symlink():
+            raise ValueError(f"{flag} {p} is not a regular file (a FIFO, a device, a broken or looping link): name a "
+                             "file or a folder of them")
         else:
             raise ValueError(f"{flag} {p}: no such file or folder")
     if not files:

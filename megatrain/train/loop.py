@@ -31,6 +31,8 @@ from megatrain.tokenizer import Tokenizer
 from megatrain.train import checkpoint, trust
 from megatrain.train.config import TrainConfig, check_available
 from megatrain.train.data import Rows, data_files, read_examples
+from megatrain.train.fingerprint import changed as fingerprint_change
+from megatrain.train.fingerprint import fingerprints
 from megatrain.train.lr import lr_at, schedule_notes
 from megatrain.train.rundir import RunDir, aside, fault, recover_dir, written_aside
 
@@ -80,11 +82,11 @@ def train(cfg: TrainConfig, log=print) -> int:
     tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
     label, shape = _model(cfg)
     vocab = (shape or get_model_config(cfg.model)).vocab_size
-    rows = Rows(read_examples(data_files(cfg.data), tokenizer, cfg.train_on_prompt), cfg.seq, vocab, cfg.shuffle,
-                cfg.seed, cfg.pack)
-    eval_rows = Rows(read_examples(data_files(cfg.eval_data, "--eval-data"), tokenizer, cfg.train_on_prompt,
-                                   "--eval-data"), cfg.seq, vocab, False, cfg.seed, cfg.pack, "--eval-data") \
-        if cfg.eval_data else None
+    files, eval_files = data_files(cfg.data), data_files(cfg.eval_data, "--eval-data") if cfg.eval_data else []
+    prints = fingerprints(files + eval_files)  # before reading: a file changed meanwhile reads as changed
+    rows = Rows(read_examples(files, tokenizer, cfg.train_on_prompt), cfg.seq, vocab, cfg.shuffle, cfg.seed, cfg.pack)
+    eval_rows = Rows(read_examples(eval_files, tokenizer, cfg.train_on_prompt, "--eval-data"), cfg.seq, vocab, False,
+                     cfg.seed, cfg.pack, "--eval-data") if cfg.eval_data else None
     total = cfg.steps if cfg.steps is not None else math.ceil(cfg.epochs * len(rows) / cfg.batch)
     case = build_case(cfg, total, label, shape)
     ranks = distributed.current(cfg.device)  # under torchrun: rank 0 owns --out, every rank trains
@@ -92,18 +94,23 @@ def train(cfg: TrainConfig, log=print) -> int:
         (log if ranks is None or ranks.first else _silent)(note)
     run = RunDir(out, cfg.resume is not None, cfg.overwrite) if ranks is None or ranks.first else None
     try:
-        return _train(cfg, run, case, rows, eval_rows, total, tokenizer_dir, log, ranks)
+        return _train(cfg, run, case, rows, eval_rows, total, tokenizer_dir, log, ranks, prints)
     finally:
         if run is not None:
             run.close()
 
 
-def _prepare(cfg: TrainConfig, run: RunDir, case, total: int, log) -> tuple:
+def _prepare(cfg: TrainConfig, run: RunDir, case, total: int, log, prints: dict) -> tuple:
     """(start step, checkpoint resumed from or None, its trainer.json, export only, run id): a resumed run's
-    leftovers recovered, what cannot run refused, the run started in --out."""
+    leftovers recovered, what cannot run refused (data files whose fingerprints `prints` differ from the run's
+    start's among them), the run started in --out."""
     out = run.out
     resume_from, meta = None, {"step": 0, "data_rows_consumed": 0}
     if cfg.resume:
+        recorded = run.recorded().get("data_files")
+        if recorded is not None and (change := fingerprint_change(recorded, prints)):
+            raise ValueError(f"--resume {out}: the data changed: {change}; resuming would train other rows at the "
+                             "recorded data position: restore the file, or start a new run in another --out")
         checkpoint.recover(out / "checkpoints")
         recover_dir(out / "hf")
         resume_from, meta = checkpoint.resume_point(out / "checkpoints", cfg.resume_fallback, log)
@@ -119,7 +126,7 @@ def _prepare(cfg: TrainConfig, run: RunDir, case, total: int, log) -> tuple:
     export_bytes = case.model_config().num_params() * case.dtype_bytes  # the export keeps the compute dtype
     # The old export is deleted only once the new one is complete.
     checkpoint.check_disk(case, out, saves, cfg.keep, export_bytes * (1 + (out / "hf").exists()))
-    run_id = run.start(_settings(cfg))
+    run_id = run.start(_settings(cfg), data_files=prints)
     _repair_metrics(out / "metrics.jsonl", start)
     return start, resume_from, meta, export_only, run_id
 
@@ -129,13 +136,13 @@ def _silent(line: str) -> None:
 
 
 def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: int, tokenizer_dir: str | None, log,
-           ranks: Ranks | None) -> int:
+           ranks: Ranks | None, prints: dict) -> int:
     """The run in --out (run None: a rank other than 0, which takes rank 0's decisions and writes nothing)."""
     out, report = Path(cfg.out), log
     first = ranks is None or ranks.first
     log = log if first else _silent
-    start, resume_from, meta, export_only, run_id = _prepare(cfg, run, case, total, log) if run is not None else \
-        (None,) * 5
+    start, resume_from, meta, export_only, run_id = _prepare(cfg, run, case, total, log, prints) \
+        if run is not None else (None,) * 5
     if ranks is not None:
         start, resume_from, meta, export_only, run_id = ranks.from_first((start, resume_from, meta, export_only,
                                                                            run_id))
@@ -175,9 +182,13 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
             _save(cfg, system, out, progress, total, run_id)
             memory.update(save_s=time.perf_counter() - t0, host_peak_gib_saved=peak_host_rss_gib())
         if progress.signal:
-            log(f"interrupted ({signal.Signals(progress.signal).name}): checkpoint at step {progress.step} in "
-                f"{out / 'checkpoints'}; --resume {out} continues" if cfg.save else
-                f"interrupted at step {progress.step}; no checkpoint (--no-save)")
+            if progress.step == start:  # nothing trained since the start or the resumed checkpoint: nothing saved
+                kept = f"nothing trained; {resume_from} stands, --resume {out} continues" if resume_from is not None \
+                    else "nothing trained, no checkpoint: run the same command again"
+            else:
+                kept = f"checkpoint at step {progress.step} in {out / 'checkpoints'}; --resume {out} continues" \
+                    if cfg.save else "no checkpoint (--no-save)"
+            log(f"interrupted ({signal.Signals(progress.signal).name}) at step {progress.step}: {kept}")
             return 128 + progress.signal
         t0 = time.perf_counter()
         weights = system.export_weights()  # with several ranks, every rank's part: the weights are on rank 0
@@ -269,18 +280,21 @@ def _evaluate(system, rows: Rows, batch: int) -> dict:
 
 @contextmanager
 def _writing(where: Path, progress: Progress, out: Path):
-    """A full disk while writing `where` ends the run with one line (exit 2): the step reached and the last
-    complete checkpoint, which is intact (checkpoints are swapped in only when complete)."""
+    """A full disk, or a place made read-only, while writing `where` ends the run with one line (exit 2): the step
+    reached and the last complete checkpoint, which is intact (checkpoints are swapped in only when complete)."""
     try:
         yield
     except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        if not full and exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
             raise
         last = checkpoint.latest(out / "checkpoints")
-        raise ValueError(f"disk full writing {where} at step {progress.step}: "
-                         + (f"the last complete checkpoint, {last}, is intact; free space, then --resume {out}" if last
-                            else "no checkpoint to resume from (none saved yet, or --no-save): free space, then train "
-                            "again with --overwrite")) from None
+        fix = "free space" if full else "make it writable"
+        raise ValueError(("disk full writing " if full else f"cannot write ({exc.strerror}) ") + f"{where} at step "
+                         f"{progress.step}: " + (f"the last complete checkpoint, {last}, is intact; {fix}, then "
+                                                 f"--resume {out}" if last else
+                                                 "no checkpoint to resume from (none saved yet, or --no-save): "
+                                                 f"{fix}, then train again with --overwrite")) from None
 
 
 def _append(path: Path, line: dict, progress: Progress, out: Path) -> None:
@@ -293,13 +307,25 @@ def _repair_metrics(path: Path, through_step: int) -> None:
     trained again: metrics then hold one line per step (and per held-out evaluation)."""
     if not path.exists():
         return
-    text = path.read_text()
-    kept = "".join(line for line in text[:text.rfind("\n") + 1].splitlines(keepends=True)
-                   if json.loads(line)["step"] <= through_step)
+    text = path.read_text(errors="replace")
+    lines = text[:text.rfind("\n") + 1].splitlines(keepends=True)
+    kept = "".join(line for number, line in enumerate(lines, 1) if _metrics_step(path, number, line) <= through_step)
     if kept != text:
         tmp = aside(path, "tmp")
         tmp.write_text(kept)
         os.replace(tmp, path)
+
+
+def _metrics_step(path: Path, number: int, line: str) -> int:
+    """The step of line `number` of metrics.jsonl; ValueError naming it when it is not a line a run writes."""
+    try:
+        step = json.loads(line).get("step")
+    except (json.JSONDecodeError, AttributeError):
+        step = None
+    if type(step) is not int:
+        raise ValueError(f"{path}:{number} is not a metrics line a run writes ({line.strip()[:60]!r}): delete that "
+                         "line, then resume")
+    return step
 
 
 def _settings(cfg: TrainConfig) -> dict:
@@ -319,8 +345,17 @@ def _save(cfg: TrainConfig, system, out: Path, progress: Progress, total: int, r
 
 
 def _exported_step(out: Path) -> int | None:
+    """The step hf/ holds (None: no export yet); ValueError naming the file when it is not one an export writes."""
     path = out / "hf" / EXPORT_FILE
-    return json.loads(path.read_text())["step"] if path.exists() else None
+    if not path.exists():
+        return None
+    try:
+        step = json.loads(path.read_bytes()).get("step")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        step = None
+    if type(step) is not int:
+        raise ValueError(f"{path} is not what an export writes: delete it (the next export writes it again)")
+    return step
 
 
 def _export(weights, case: CaseConfig, hf_dir: Path, tokenizer_dir: str | None, provenance: dict) -> None:
