@@ -53,11 +53,13 @@ class Progress:
     nonfinite_steps: int = 0  # consecutive steps, up to this one, whose loss or gradient norm was not finite
 
 
-def _model(cfg: TrainConfig) -> tuple[str, object]:
-    """(label, shape or None for a registry name); the shape's family is the Hugging Face model_type of the export."""
+def _model(cfg: TrainConfig) -> tuple[str, object, dict | None]:
+    """(label, shape or None for a registry name, --init-from's config.json or None); the shape's family is the
+    Hugging Face model_type of the export, whose config.json starts from the source's."""
     if cfg.init_from:
-        return Path(cfg.init_from).name, config_from_hf(read_hf_config(cfg.init_from))
-    return cfg.model, None
+        source = read_hf_config(cfg.init_from)
+        return Path(cfg.init_from).name, config_from_hf(source), source
+    return cfg.model, None, None
 
 
 def build_case(cfg: TrainConfig, total_steps: int, label: str, shape) -> CaseConfig:
@@ -80,7 +82,7 @@ def train(cfg: TrainConfig, log=print) -> int:
     tokenizer_dir = cfg.tokenizer or (cfg.init_from if cfg.init_from and
                                       (Path(cfg.init_from) / "tokenizer.json").exists() else None)
     tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
-    label, shape = _model(cfg)
+    label, shape, source_config = _model(cfg)
     vocab = (shape or get_model_config(cfg.model)).vocab_size
     files, eval_files = data_files(cfg.data), data_files(cfg.eval_data, "--eval-data") if cfg.eval_data else []
     prints = fingerprints(files + eval_files)  # before reading: a file changed meanwhile reads as changed
@@ -94,7 +96,7 @@ def train(cfg: TrainConfig, log=print) -> int:
         (log if ranks is None or ranks.first else _silent)(note)
     run = RunDir(out, cfg.resume is not None, cfg.overwrite) if ranks is None or ranks.first else None
     try:
-        return _train(cfg, run, case, rows, eval_rows, total, tokenizer_dir, log, ranks, prints)
+        return _train(cfg, run, case, rows, eval_rows, total, tokenizer_dir, log, ranks, prints, source_config)
     finally:
         if run is not None:
             run.close()
@@ -136,7 +138,7 @@ def _silent(line: str) -> None:
 
 
 def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: int, tokenizer_dir: str | None, log,
-           ranks: Ranks | None, prints: dict) -> int:
+           ranks: Ranks | None, prints: dict, source_config: dict | None) -> int:
     """The run in --out (run None: a rank other than 0, which takes rank 0's decisions and writes nothing)."""
     out, report = Path(cfg.out), log
     first = ranks is None or ranks.first
@@ -195,7 +197,7 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
         if not first:
             return 0
         with _writing(out / "hf", progress, out):
-            _export(weights, case, out / "hf", tokenizer_dir, {"step": progress.step, "run_id": run_id})
+            _export(weights, case, out / "hf", source_config, tokenizer_dir, {"step": progress.step, "run_id": run_id})
         memory.update(export_s=time.perf_counter() - t0, host_peak_gib_exported=peak_host_rss_gib())
         with _writing(out / "memory.json", progress, out):
             (out / "memory.json").write_text(json.dumps(memory, indent=1) + "\n")
@@ -358,13 +360,13 @@ def _exported_step(out: Path) -> int | None:
     return step
 
 
-def _export(weights, case: CaseConfig, hf_dir: Path, tokenizer_dir: str | None, provenance: dict) -> None:
+def _export(weights, case: CaseConfig, hf_dir: Path, source_config: dict | None, tokenizer_dir: str | None,
+            provenance: dict) -> None:
     """The weights (a system's export_weights) as a Hugging Face checkpoint with the tokenizer files, written aside
-    and swapped in whole."""
-    dtype = case.torch_dtype
+    and swapped in whole; its config.json starts from source_config (the checkpoint's trained from), if any."""
     with written_aside(hf_dir) as tmp:
-        save_hf_checkpoint(weights, case.model_config(), tmp,
-                           max_shard_bytes=EXPORT_SHARD_BYTES, dtype=dtype)
+        save_hf_checkpoint(weights, case.model_config(), tmp, max_shard_bytes=EXPORT_SHARD_BYTES,
+                           dtype=case.torch_dtype, source_config=source_config)
         for name in TOKENIZER_FILES if tokenizer_dir else ():
             if (Path(tokenizer_dir) / name).exists():
                 shutil.copy(Path(tokenizer_dir) / name, tmp / name)
