@@ -6,6 +6,7 @@ Exit codes: 0 success, 1 the case ran but failed (OOM, error), 2 invalid input.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import warnings
@@ -17,12 +18,14 @@ from megatrain.train.config import add_train_arguments
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from megatrain.bench.case import run_case
-    from megatrain.bench.record import append_jsonl, summary_line
+    from megatrain.bench.record import append_jsonl, check_appendable, summary_line
     from megatrain.engine.distributed import first_rank
     from megatrain.preflight import preflight
 
     flags = BenchFlags(**given(BenchFlags, args))
     case = flags.case()
+    if flags.out:
+        check_appendable(flags.out)
     first = first_rank(case.device)  # under torchrun every rank runs the case and rank 0 reports it
     notes = preflight(case)  # on every rank: each refuses what does not fit
     for note in notes if first else []:
@@ -61,13 +64,14 @@ def cmd_suite(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from megatrain.bench.env import WORKSPACE
-    from megatrain.bench.suite import load_suite, run_suite
+    from megatrain.bench.suite import load_suite, run_suite, sole_runner
 
     suite = load_suite(args.name)
     out_dir = Path(args.out_dir) if args.out_dir else WORKSPACE / "results" / suite.name
     try:
-        run_suite(suite, out_dir, only=args.only, timeout_s=args.timeout, dry_run=args.dry_run,
-                  new_run=args.new_run, any_hardware=args.any_hardware)
+        with contextlib.nullcontext() if args.dry_run else sole_runner(out_dir):
+            run_suite(suite, out_dir, only=args.only, timeout_s=args.timeout, dry_run=args.dry_run,
+                      new_run=args.new_run, any_hardware=args.any_hardware)
     except KeyboardInterrupt:
         print(f"\ninterrupted: the running case was killed, every finished case is in {out_dir / 'records.jsonl'}; "
               "run the same command again to resume", file=sys.stderr)

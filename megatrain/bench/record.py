@@ -147,6 +147,24 @@ def validate(record: dict) -> None:
     assert problem(record) is None, problem(record)
 
 
+def check_appendable(path: str | Path, flag: str = "--out") -> None:
+    """Refuse (ValueError) a records file that append_jsonl could not write, before a case runs: its record would be
+    lost after the run. Leaves no file behind that was not there."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a folder: name a JSONL file (records are appended to it)")
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("ab"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot write there ({exc.strerror}): name a file in a writable folder") \
+            from None
+    if not existed:
+        path.unlink()
+
+
 def append_jsonl(path: str | Path, record: dict) -> None:
     """Append `record` as one line. A torn last line (a kill mid-write left no newline) is ended first, so it stays
     one bad line that read_jsonl skips instead of swallowing this record."""

@@ -34,6 +34,7 @@ fresh run_id and runs everything.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import itertools
 import json
@@ -50,12 +51,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megatrain.bench.args import BenchFlags
-from megatrain.bench.env import CHECKOUT, WORKSPACE, git_commit
+from megatrain.bench.env import CHECKOUT, WORKSPACE, same_code
 from megatrain.bench.record import Record, append_jsonl, problem, read_jsonl, relative_paths, summary_line
 from megatrain.config import CaseConfig
 from megatrain.flags import flag_argv, parse
 from megatrain.hardware import actual_profile, get_profile, same_machine
 from megatrain.optim.config import OptimConfig
+from megatrain.options import check_values
 from megatrain.probe import Machine, measure
 
 SUITES_DIR = WORKSPACE / "suites"
@@ -114,11 +116,36 @@ def _as_list(value) -> list:
     return value if isinstance(value, list) else [value]
 
 
+def _check_group_types(group: dict) -> None:
+    """Each value of a group (each item of a product key's list) of the type its key takes: ValueError naming it."""
+    for key, value in group.items():
+        if key in PRODUCT_KEYS and key != "hardware":
+            for item in _as_list(value):
+                check_values(CaseConfig, {PRODUCT_KEYS[key]: item}, "case setting")
+        elif key == "optim" and not isinstance(value, dict):
+            raise ValueError(f"optim={value!r}: expected a table of AdamW settings")
+        elif key in CASE_FIELDS and key != "optim":
+            check_values(CaseConfig, {key: value}, "case setting")
+        elif key == "timeout_s" and (not isinstance(value, int | float) or isinstance(value, bool)):
+            raise ValueError(f"timeout_s={value!r}: expected a number of seconds")
+        elif key in GROUP_KEYS - {"timeout_s"} and not isinstance(value, str):
+            raise ValueError(f"{key}={value!r}: expected a string")
+
+
+def _label(template: str, config: CaseConfig) -> str:
+    try:
+        return template.format(system=config.system, precision=config.precision)
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ValueError(f"label {template!r} cannot be filled ({exc!r}): a label may name {{system}} and "
+                         "{precision}") from None
+
+
 def _expand_group(group: dict, index: int, default_timeout_s: float) -> list[SuiteCase]:
     unknown = set(group) - set(PRODUCT_KEYS) - GROUP_KEYS - CASE_FIELDS
     if unknown:
         raise ValueError(f"group {index}: unknown keys {sorted(unknown)}; use {sorted(PRODUCT_KEYS)}, "
                          f"{sorted(GROUP_KEYS)} or CaseConfig fields")
+    _check_group_types(group)
     for key in ("systems", "models", "hardware"):
         if key not in group:
             raise ValueError(f"group {index}: {key!r} is required")
@@ -146,7 +173,7 @@ def _expand_group(group: dict, index: int, default_timeout_s: float) -> list[Sui
             chain = json.dumps({"group": name, "hardware": hardware,
                                 **{k: v for k, v in config.to_dict().items() if k not in (ladder, "micro_batch")}},
                                sort_keys=True)
-        cases.append(SuiteCase(config, hardware, name, label.format(system=config.system, precision=config.precision),
+        cases.append(SuiteCase(config, hardware, name, _label(label, config),
                                float(group.get("timeout_s", default_timeout_s)), chain))
     return cases
 
@@ -163,6 +190,13 @@ def load_suite(name_or_path: str) -> Suite:
         spec = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:  # its message names the line and column
         raise ValueError(f"{path}: not valid TOML: {exc}") from None
+    for key, kind, what in (("description", str, "a string"), ("hardware", str | list, "hardware profile names"),
+                            ("timeout_s", int | float, "a number of seconds"), ("defaults", dict, "a table"),
+                            ("cases", list, "[[cases]] tables")):
+        if key in spec and (not isinstance(spec[key], kind) or isinstance(spec[key], bool)):
+            raise ValueError(f"{path}: {key} = {json.dumps(spec[key], default=str)[:60]} must be {what}")
+    if bad := [i for i, group in enumerate(spec.get("cases", [])) if not isinstance(group, dict)]:
+        raise ValueError(f"{path}: cases entry {bad[0]} is not a table: write each group as a [[cases]] table")
     defaults = spec.get("defaults", {})
     timeout_s = spec.get("timeout_s", 600)
     cases = []
@@ -336,18 +370,35 @@ def new_run_id() -> str:
 
 
 def _current_run(records: list[dict], machine: Machine) -> str | None:
-    """run_id of the latest run in these records if it ran on the same kind of machine and commit.
+    """run_id of the latest run in these records if it ran on the same kind of machine and code.
 
-    A run is one commit: cases added to a suite after a commit (or code changed under it) start a new
-    run, so that no run mixes two versions of the code.
+    A run is one version of the code (a commit and its uncommitted changes): cases added to a suite after a commit
+    (or code changed under it, committed or not) start a new run, so that no run mixes two versions of the code.
     """
     if not records:
         return None
     last = records[-1]
-    same_commit = last["env"].get("commit") == git_commit()[0]
-    if same_commit and same_machine(Machine.from_dict(last["suite"]["machine"]), machine):
+    if same_code(last["env"]) and same_machine(Machine.from_dict(last["suite"]["machine"]), machine):
         return last["suite"]["run_id"]
     return None
+
+
+@contextlib.contextmanager
+def sole_runner(out_dir: Path):
+    """Sole use of out_dir by this suite runner: an flock on the directory, which the kernel drops when the runner
+    ends however it ends. Two runners there would run every case twice at once, each slowing the other, and record
+    both ok."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out_dir, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"--out-dir {out_dir} is in use by another suite runner: wait for it to end, or choose "
+                             "another --out-dir") from None
+        yield
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager

@@ -178,3 +178,56 @@ def test_a_checkpoints_folder_made_read_only_mid_run_ends_in_one_line(files, tmp
     line = one_error(capsys)
     assert f"cannot write (Read-only file system) {out / 'checkpoints'} at step 2" in line
     assert "checkpoints/step-1, is intact; make it writable, then --resume" in line
+
+
+SUITE = """description = "mistakes"
+hardware = "cpu-ci"
+[defaults]
+systems = "native"
+models = "tiny"
+device = "cpu"
+steps = 1
+"""
+
+
+@pytest.mark.parametrize("text, says", [
+    ('description = "x"\ncases = 5\n', "cases = 5 must be [[cases]] tables"),
+    ('description = "x"\ncases = [1]\n', "cases entry 0 is not a table"),
+    ('description = "x"\ndefaults = 3\n[[cases]]\nsystems = "native"\n', "defaults = 3 must be a table"),
+    ('timeout_s = "soon"\n', 'timeout_s = "soon" must be a number of seconds'),
+    (SUITE + '[[cases]]\nlabel = "{nope}"\n', "label '{nope}' cannot be filled"),
+    (SUITE + "[[cases]]\nlabel = 5\n", "label=5: expected a string"),
+    (SUITE + '[[cases]]\nbatch = "two"\n', "case setting batch='two': expected an integer"),
+    (SUITE + '[[cases]]\nladder = "batch"\nbatch = [1, "a"]\n', "case setting batch='a': expected an integer"),
+    (SUITE + "[[cases]]\noptim = 5\n", "optim=5: expected a table"),
+])
+def test_a_suite_file_mistake_is_one_line_naming_the_file(tmp_path, capsys, text, says):
+    (tmp_path / "s.toml").write_text(text)
+    assert main(["suite", str(tmp_path / "s.toml"), "--out-dir", str(tmp_path / "out"), "--dry-run"]) == 2
+    line = one_error(capsys)
+    assert line.startswith(f"error: {tmp_path / 's.toml'}: ") and says in line
+
+
+def test_a_second_suite_runner_on_one_out_dir_is_refused(tmp_path, capsys):
+    from megatrain.bench.suite import sole_runner
+
+    (tmp_path / "s.toml").write_text(SUITE + '[[cases]]\nname = "a"\n')
+    with sole_runner(tmp_path / "out"):  # another runner's, alive
+        assert main(["suite", str(tmp_path / "s.toml"), "--out-dir", str(tmp_path / "out")]) == 2
+    assert f"--out-dir {tmp_path / 'out'} is in use by another suite runner" in one_error(capsys)
+    with sole_runner(tmp_path / "out"):
+        pass  # the kernel dropped the first lock with its descriptor: this one takes it
+
+
+BENCH = ["bench", "--system", "native", "--model", "tiny", "--batch", "2", "--seq", "8", "--steps", "1",
+         "--warmup", "0", "--device", "cpu"]
+
+
+def test_bench_refuses_an_out_it_cannot_append_to_before_running(tmp_path, capsys, monkeypatch):
+    ran = []
+    monkeypatch.setattr("megatrain.bench.case.run_case", lambda *a, **k: ran.append(1))
+    assert main([*BENCH, "--out", "/proc/megatrain/records.jsonl"]) == 2
+    assert "--out /proc/megatrain/records.jsonl: cannot write there" in one_error(capsys)
+    assert main([*BENCH, "--out", str(tmp_path)]) == 2
+    assert f"--out {tmp_path} is a folder" in one_error(capsys)
+    assert ran == [] and list(tmp_path.iterdir()) == []
