@@ -21,11 +21,13 @@ RUN_ENTRIES = {RUN_FILE, f".{RUN_FILE}.tmp", LOCK_FILE, TRASH, "metrics.jsonl", 
 
 
 def fault(point: str) -> None:
-    """Test hook: MEGATRAIN_FAULT=point kills this process there with SIGKILL (no handler runs). Points:
-    written-NAME (the new NAME complete aside, nothing renamed) and swap-NAME (the old NAME moved aside, the new one
-    not yet renamed in), NAME being step-N or hf; rank-R-step-N (under torchrun, rank R once it trained step N)."""
-    if os.environ.get("MEGATRAIN_FAULT") == point:
-        os.kill(os.getpid(), signal.SIGKILL)
+    """Test hook: MEGATRAIN_FAULT=point kills this process there with SIGKILL (no handler runs), and
+    MEGATRAIN_FAULT=stop-point stops it (SIGSTOP: alive, answering no one). Points: written-NAME (the new NAME
+    complete aside, nothing renamed) and swap-NAME (the old NAME moved aside, the new one not yet renamed in), NAME
+    being step-N or hf; rank-R-step-N (under torchrun, rank R once it trained step N)."""
+    asked = os.environ.get("MEGATRAIN_FAULT")
+    if asked in (point, f"stop-{point}"):
+        os.kill(os.getpid(), signal.SIGKILL if asked == point else signal.SIGSTOP)
 
 
 def aside(final: Path, kind: str) -> Path:
