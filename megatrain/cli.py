@@ -108,10 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=cmd_bench)
     train = sub.add_parser("train", help="train a model: a Hugging Face checkpoint (or a registry shape) and your "
                            "data in, metrics, checkpoints and a Hugging Face checkpoint out; --resume continues",
-                           epilog="Exit codes: 0 done; 1 diverged (--max-nonfinite-steps), or under torchrun a rank "
-                           "ended; 2 invalid input, --out in use or holding another run, a damaged checkpoint, a full "
-                           "disk (one line each); 130 after Ctrl-C and 143 after SIGTERM, each once the step is "
-                           "finished and saved. On N ranks: torchrun --nproc-per-node N -m megatrain train ...")
+                           epilog="Exit codes: 0 done; 1 diverged (--max-nonfinite-steps) or ended on a step that "
+                           "was not finite (nothing saved or exported), or under torchrun a rank ended or stopped "
+                           "answering (MEGATRAIN_RANK_TIMEOUT_S); 2 invalid input, --out in use or holding another "
+                           "run, a damaged checkpoint or one in a pickle format another user wrote "
+                           "(--trust-checkpoint), data changed since the run started, a full or read-only disk (one "
+                           "line each); 130 after "
+                           "Ctrl-C and 143 after SIGTERM, each once the step is finished and saved. On N ranks: "
+                           "torchrun --nproc-per-node N -m megatrain train ...")
     add_train_arguments(train)
     train.set_defaults(func=cmd_train)
     models = sub.add_parser("models", help="list the model registry with exact parameter counts")
