@@ -76,19 +76,21 @@ def train(cfg: TrainConfig, log=print) -> int:
     if cfg.resume and Path(cfg.resume).resolve() != out.resolve():
         raise ValueError(f"--resume {cfg.resume} continues the run in that directory, not in --out {cfg.out}: drop "
                          "--out (to branch a run, copy its directory and resume the copy)")
-    if cfg.init_from and not cfg.resume and Path(cfg.init_from).resolve().is_relative_to(out.resolve()):
-        raise ValueError(f"--init-from {cfg.init_from} is inside --out {cfg.out}, which a new run empties (and whose "
-                         "hf/ its export replaces): copy the checkpoint out of it first, or choose another --out")
+    for flag, source in (("--init-from", cfg.init_from), ("--tokenizer", cfg.tokenizer)):
+        if source and not cfg.resume and Path(source).resolve().is_relative_to(out.resolve()):
+            raise ValueError(f"{flag} {source} is inside --out {cfg.out}, which a new run empties (and whose hf/ its "
+                             "export replaces): copy it out of there first, or choose another --out")
     tokenizer_dir = cfg.tokenizer or (cfg.init_from if cfg.init_from and
                                       (Path(cfg.init_from) / "tokenizer.json").exists() else None)
     tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
     label, shape, source_config = _model(cfg)
     vocab = (shape or get_model_config(cfg.model)).vocab_size
-    files, eval_files = data_files(cfg.data), data_files(cfg.eval_data, "--eval-data") if cfg.eval_data else []
-    prints = fingerprints(files + eval_files)  # before reading: a file changed meanwhile reads as changed
+    files = data_files(cfg.data)
+    prints = fingerprints(files)  # before reading: a file changed meanwhile reads as changed
     rows = Rows(read_examples(files, tokenizer, cfg.train_on_prompt), cfg.seq, vocab, cfg.shuffle, cfg.seed, cfg.pack)
-    eval_rows = Rows(read_examples(eval_files, tokenizer, cfg.train_on_prompt, "--eval-data"), cfg.seq, vocab, False,
-                     cfg.seed, cfg.pack, "--eval-data") if cfg.eval_data else None
+    eval_rows = Rows(read_examples(data_files(cfg.eval_data, "--eval-data"), tokenizer, cfg.train_on_prompt,
+                                   "--eval-data"), cfg.seq, vocab, False, cfg.seed, cfg.pack, "--eval-data") \
+        if cfg.eval_data else None
     total = cfg.steps if cfg.steps is not None else math.ceil(cfg.epochs * len(rows) / cfg.batch)
     case = build_case(cfg, total, label, shape)
     ranks = distributed.current(cfg.device)  # under torchrun: rank 0 owns --out, every rank trains
@@ -104,8 +106,8 @@ def train(cfg: TrainConfig, log=print) -> int:
 
 def _prepare(cfg: TrainConfig, run: RunDir, case, total: int, log, prints: dict) -> tuple:
     """(start step, checkpoint resumed from or None, its trainer.json, export only, run id): a resumed run's
-    leftovers recovered, what cannot run refused (data files whose fingerprints `prints` differ from the run's
-    start's among them), the run started in --out."""
+    leftovers recovered, what cannot run refused (training data whose fingerprints `prints` differ from the run's
+    start's among them: held-out data may change), the run started in --out."""
     out = run.out
     resume_from, meta = None, {"step": 0, "data_rows_consumed": 0}
     if cfg.resume:

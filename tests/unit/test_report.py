@@ -23,7 +23,7 @@ from megatrain.analysis import headline, plots, tables
 from megatrain.analysis.report import html_table, write_report
 from megatrain.bench.env import WORKSPACE
 from megatrain.bench.record import Record, append_jsonl
-from megatrain.bench.suite import SUITES_DIR
+from megatrain.bench.suite import SUITES_DIR, read_suite_records
 from megatrain.cli import main
 from megatrain.config import CaseConfig
 from megatrain.models.flops import model_flops, paper_flops
@@ -335,23 +335,33 @@ def test_every_record_string_reaches_the_page_escaped(tmp_path):
     (lambda r: r.update(batch="two"), "has batch \"two\", not an integer"),
     (lambda r: r["suite"].update(case_id="../../x"), "has suite.run_id"),
 ])
-def test_a_record_the_report_cannot_read_is_skipped_naming_file_and_line(tmp_path, capsys, monkeypatch, damage,
-                                                                        says):
+def test_a_record_the_runner_and_report_cannot_read_is_skipped_naming_file_and_line(tmp_path, damage, says):
+    path = tmp_path / "records.jsonl"
+    for r in _records():
+        append_jsonl(path, r)
+    bad = json.loads(json.dumps(_record("native", 16, 100.0)))  # a copy: its env is the process's one cached dict
+    damage(bad)
+    append_jsonl(path, bad)
+    with pytest.warns(UserWarning, match=rf"records\.jsonl:10: skipped a line that is a record that {says}"):
+        assert len(read_suite_records(path)) == 9
+
+
+def test_a_results_folder_with_unreadable_records_still_reports_and_says_where_in_one_line(tmp_path, capsys,
+                                                                                           monkeypatch):
     results = tmp_path / "results"
     for r in _records():
         append_jsonl(results / "records.jsonl", r)
-    bad = json.loads(json.dumps(_record("native", 16, 100.0)))  # a copy: its env is the process's one cached dict
-    damage(bad)
-    append_jsonl(results / "records.jsonl", bad)
-    with pytest.warns(UserWarning, match=rf"records\.jsonl:10: skipped a line that is a record that {says}"):
-        assert write_report(results, tmp_path / "report").exists()
-    (results / "records.jsonl").write_text(json.dumps(bad) + "\n")
+    append_jsonl(results / "records.jsonl", {**_record("native", 16, 100.0), "status": None})
+    with pytest.warns(UserWarning, match=r"records\.jsonl:10: skipped"):
+        assert "Summary" in write_report(results, tmp_path / "report").read_text()
+    (results / "records.jsonl").write_text(json.dumps({**_record("native", 16, 100.0), "env": None}) + "\n")
     # printed as outside pytest, which records warnings instead
     monkeypatch.setattr(warnings, "showwarning", lambda message, category, filename, lineno, file=None, line=None:
                         sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line)))
     assert main(["report", str(results), "--out", str(tmp_path / "again")]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert err[0].startswith(f"warning: {results / 'records.jsonl'}:1: skipped") and says in err[0]
+    assert err[0] == f"warning: {results / 'records.jsonl'}:1: skipped a line that is a record that has env null, " \
+        "not an object"
     assert len(err) == 2 and err[1].startswith("error: no suite record in"), err
 
 
