@@ -453,4 +453,4 @@ class DeepSpeedSystem:
 SPEC = SystemSpec(factory=DeepSpeedSystem, options=DeepSpeedOptions,
                   plan_memory=functools.partial(estimate_plan, memory_bytes, refusal=zenflow_refusal),
                   checkpoint_bytes=checkpoint_bytes,
-                  package="deepspeed")
+                  package="deepspeed", pickled=("**/*.pt",))  # torch.load(weights_only=False) of every .pt

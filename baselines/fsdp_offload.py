@@ -235,4 +235,4 @@ class FSDPSystem:
 
 
 SPEC = SystemSpec(factory=FSDPSystem, options=FSDPOptions, plan_memory=functools.partial(estimate_plan, memory_bytes),
-                  checkpoint_bytes=checkpoint_bytes)
+                  checkpoint_bytes=checkpoint_bytes, pickled=("fsdp/.metadata",))  # dcp reads it with pickle

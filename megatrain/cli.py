@@ -6,9 +6,11 @@ Exit codes: 0 success, 1 the case ran but failed (OOM, error), 2 invalid input.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 import sys
+import warnings
 
 from megatrain import __version__
 
@@ -16,7 +18,7 @@ from megatrain import __version__
 def cmd_bench(args: argparse.Namespace) -> int:
     from megatrain.bench.args import BenchFlags
     from megatrain.bench.case import run_case
-    from megatrain.bench.record import append_jsonl, summary_line
+    from megatrain.bench.record import append_jsonl, check_appendable, summary_line
     from megatrain.engine.distributed import first_rank, launch_size
     from megatrain.flags import given
     from megatrain.preflight import preflight
@@ -27,6 +29,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if case.ranks != world:
         raise ValueError(f"--ranks {case.ranks} but this launch has {world} process(es): start it with "
                          f"torchrun --nproc-per-node {case.ranks} -m megatrain bench ... (or drop --ranks)")
+    if flags.out:
+        check_appendable(flags.out)
     first = first_rank(case.device)  # under torchrun every rank runs the case and rank 0 reports it
     notes = preflight(case)  # on every rank: each refuses what does not fit
     for note in notes if first else []:
@@ -67,13 +71,14 @@ def cmd_suite(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from megatrain.bench.env import WORKSPACE
-    from megatrain.bench.suite import load_suite, run_suite
+    from megatrain.bench.suite import load_suite, run_suite, sole_runner
 
     suite = load_suite(args.name)
     out_dir = Path(args.out_dir) if args.out_dir else WORKSPACE / "results" / suite.name
     try:
-        run_suite(suite, out_dir, only=args.only, timeout_s=args.timeout, dry_run=args.dry_run,
-                  new_run=args.new_run, any_hardware=args.any_hardware)
+        with contextlib.nullcontext() if args.dry_run else sole_runner(out_dir):
+            run_suite(suite, out_dir, only=args.only, timeout_s=args.timeout, dry_run=args.dry_run,
+                      new_run=args.new_run, any_hardware=args.any_hardware)
     except KeyboardInterrupt:
         print(f"\ninterrupted: the running case was killed, every finished case is in {out_dir / 'records.jsonl'}; "
               f"to resume: {_resume_command(args, out_dir)}", file=sys.stderr)
@@ -141,10 +146,12 @@ def _report_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="report directory (one suite only; default reports/NAME)")
 
 
-TRAIN_EPILOG = ("Exit codes: 0 done; 1 diverged (--max-nonfinite-steps), or under torchrun a rank ended; 2 invalid "
-                "input, --out in use or holding another run, a damaged checkpoint, a full disk (one line each); 130 "
-                "after Ctrl-C and 143 after SIGTERM, each once the step is finished and saved. On N ranks: torchrun "
-                "--nproc-per-node N -m megatrain train ...")
+TRAIN_EPILOG = ("Exit codes: 0 done; 1 diverged (--max-nonfinite-steps) or ended on a step that was not finite "
+                "(nothing saved or exported), or under torchrun a rank ended or stopped answering "
+                "(MEGATRAIN_RANK_TIMEOUT_S); 2 invalid input, --out in use or holding another run, a damaged "
+                "checkpoint or one in a pickle format another user wrote (--trust-checkpoint), data changed since the "
+                "run started, a full or read-only disk (one line each); 130 after Ctrl-C and 143 after SIGTERM, each "
+                "once the step is finished and saved. On N ranks: torchrun --nproc-per-node N -m megatrain train ...")
 # name: (help, its arguments, its function, add_parser's other keywords)
 COMMANDS = {
     "bench": ("run one benchmark case: its steps and a summary line (--json: its record as the last line)",
@@ -177,7 +184,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _warning_line(message, category, filename, lineno, line=None) -> str:
+    """A warning as the command line prints it: one line, without the source line that raised it."""
+    return f"warning: {message}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
+    warnings.formatwarning = _warning_line
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), "")  # the top level has no option taking a value
     args = build_parser(command).parse_args(argv)
@@ -186,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before a command's own handling of Ctrl-C began, or in one that has none
+        print("\ninterrupted (Ctrl-C)", file=sys.stderr)
+        return 130
     finally:
         if "torch.distributed" in sys.modules:  # else this process made no process group, and needs no torch
             from megatrain.engine.distributed import leave

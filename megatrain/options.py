@@ -28,11 +28,16 @@ class CommonOptions:
 
 def check_field_types(obj, label: str) -> None:
     """Each field of the dataclass obj against its annotation: ValueError '{label} NAME=VALUE: expected TYPE'."""
-    hints = typing.get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if not _is_a(value, hints[f.name]):
-            raise ValueError(f"{label} {f.name}={value!r}: expected {_describe(hints[f.name])}")
+    check_values(type(obj), {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}, label)
+
+
+def check_values(cls, values: dict, label: str) -> None:
+    """Each value against the annotation of the field of its name in dataclass cls (other names are not checked), as
+    check_field_types, before an instance is made of them."""
+    hints = typing.get_type_hints(cls)
+    for name, value in values.items():
+        if name in hints and not _is_a(value, hints[name]):
+            raise ValueError(f"{label} {name}={value!r}: expected {_describe(hints[name])}")
 
 
 def _is_a(value, hint) -> bool:
@@ -41,6 +46,8 @@ def _is_a(value, hint) -> bool:
         return any(_is_a(value, h) for h in args)
     if origin is list:
         return isinstance(value, list) and all(_is_a(v, args[0]) for v in value)
+    if origin is tuple and args[-1:] == (Ellipsis,):  # tuple[X, ...]: any length
+        return isinstance(value, (list, tuple)) and all(_is_a(v, args[0]) for v in value)
     if origin is tuple:  # a TOML or JSON array stands for a tuple
         return isinstance(value, (list, tuple)) and len(value) == len(args) and all(map(_is_a, value, args))
     if origin is Literal:

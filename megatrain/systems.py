@@ -53,6 +53,8 @@ class SystemSpec:
         package: the package it needs beyond torch, also the name of its pip extra; None when it needs none.
         trains: False for a benchmark peer only (bench and suites), which `train` refuses: it has no evaluation,
             export or resume.
+        pickled: glob patterns (relative to a save_state directory) of the files load_state unpickles, which can run
+            code: a resume loads them only from a checkpoint this user wrote here (megatrain.train.trust).
     """
 
     factory: Callable[[CaseConfig], TrainSystem]
@@ -61,6 +63,7 @@ class SystemSpec:
     checkpoint_bytes: Callable[[CaseConfig], int]
     package: str | None = None
     trains: bool = True
+    pickled: tuple[str, ...] = ()
 
 
 def system_spec(system: str) -> SystemSpec:

@@ -23,7 +23,11 @@ class Tokenizer:
         self.path = Path(path)
         if not (self.path / "tokenizer.json").exists():
             raise ValueError(f"--tokenizer {path}: no tokenizer.json there (a local Hugging Face tokenizer directory)")
-        self.backend = Backend.from_file(str(self.path / "tokenizer.json"))
+        try:
+            self.backend = Backend.from_file(str(self.path / "tokenizer.json"))
+        except Exception as exc:  # the tokenizers package raises a bare Exception for any file it cannot parse
+            raise ValueError(f"{self.path / 'tokenizer.json'} is not a tokenizer the tokenizers package reads "
+                             f"({exc})") from None
         eos = self._eos_name()
         self.eos = self.backend.token_to_id(eos) if eos else None
         self._chat = None  # the transformers tokenizer, loaded by the first chat
@@ -31,7 +35,11 @@ class Tokenizer:
     def _eos_name(self) -> str | None:
         for name in CONFIG_FILES:
             file = self.path / name
-            eos = json.loads(file.read_text()).get("eos_token") if file.exists() else None
+            try:
+                config = json.loads(file.read_bytes()) if file.exists() else {}
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise ValueError(f"{file} is not valid JSON ({exc})") from None
+            eos = config.get("eos_token") if isinstance(config, dict) else None
             if eos:
                 return eos["content"] if isinstance(eos, dict) else eos
         return next((t for t in EOS_NAMES if self.backend.token_to_id(t) is not None), None)

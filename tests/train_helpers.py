@@ -1,11 +1,13 @@
 """Shared by the CPU and GPU train tests: a tiny Hugging Face model and pre-tokenized data on disk, and the train
 command over them."""
 
+import ctypes
 import json
 import os
 import signal
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -135,3 +137,33 @@ def train_any(system, init, data, out, extra=(), interrupt=0, resume=False, step
         if resume:
             return main(["train", "--resume", str(out)])
         return run_train(init, data, out, system=system, steps=steps, extra=extra, dtype=dtype, device=device)
+
+
+MS_RDONLY, MS_REMOUNT, MS_BIND = 1, 32, 4096
+
+
+@contextmanager
+def tmpfs(path, options: str, read_only: bool = False):
+    """A tmpfs mounted at path (root, where the sandbox allows it); skips the test otherwise."""
+    path.mkdir()
+    if _libc.mount(b"tmpfs", str(path).encode(), b"tmpfs", MS_RDONLY if read_only else 0, options.encode()) != 0:
+        pytest.skip(f"mounting a tmpfs is not permitted here ({os.strerror(ctypes.get_errno())})")
+    try:
+        yield path
+    finally:
+        unmount(path)
+
+
+def make_read_only(path) -> None:
+    """Bind-mount directory path read-only over itself (as a folder made read-only mid-run, which root's writes
+    ignore a chmod of); undone by unmount(path)."""
+    for source, flags in ((str(path).encode(), MS_BIND), (None, MS_BIND | MS_REMOUNT | MS_RDONLY)):
+        if _libc.mount(source, str(path).encode(), None, flags, None) != 0:
+            pytest.skip(f"bind mounts are not permitted here ({os.strerror(ctypes.get_errno())})")
+
+
+def unmount(path) -> None:
+    _libc.umount2(str(path).encode(), 2)  # MNT_DETACH
+
+
+_libc = ctypes.CDLL(None, use_errno=True)

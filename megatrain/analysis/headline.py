@@ -35,6 +35,10 @@ DEEPSPEED_MODES = {"zero-offload": "DeepSpeed ZeRO-Offload",
                    "zenflow": "DeepSpeed ZenFlow over ZeRO-Offload (bounded staleness)"}
 
 
+# The answer's bold, in the plain text each headline writes; the text is escaped as a whole, its record strings with it
+BOLD, END_BOLD = "\u0002", "\u0003"
+
+
 @dataclass(frozen=True)
 class Headline:
     kind: str  # a key of HEADLINES
@@ -78,7 +82,8 @@ def headline(suite: str, scope: pd.DataFrame, out_dir: Path) -> Headline | None:
     spec = report_spec(suite)
     if spec is None:
         return None
-    sentence, figure, caption = HEADLINES[spec.headline](scope, spec.paper, out_dir / "headline.png")
+    text, figure, caption = HEADLINES[spec.headline](scope, spec.paper, out_dir / "headline.png")
+    sentence = html.escape(text, quote=False).replace(BOLD, "<b>").replace(END_BOLD, "</b>")
     return Headline(spec.headline, spec.question, sentence, figure, caption)
 
 
@@ -86,7 +91,7 @@ def prose(label: str) -> str:
     """A label as a sentence names it: 'megatrain-bf16-compiled' -> 'MegaTrain (bf16, compiled)'."""
     system, variant, compiled = plots.split_label(label)
     if system is None:
-        return html.escape(label)
+        return label
     name = SYSTEM_NAMES[system]
     if system == "deepspeed" and variant in DEEPSPEED_MODES:  # a mode, not a variant of ZeRO-3 offload
         name, variant = DEEPSPEED_MODES[variant], None
@@ -152,11 +157,11 @@ def longest_seq(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path
     table = _longest(scope)
     trained = sorted((t for t in table if t.case is not None), key=lambda t: (-t.case["seq"], t.case["step_time_s"]))
     if not trained:
-        return "<b>No system trained any sequence length here.</b>", None, ""
+        return f"{BOLD}No system trained any sequence length here.{END_BOLD}", None, ""
     best = trained[0]
     case = best.case
-    parts = [f"On {_machine(scope)}, <b>{prose(best.label)} trains the {case['model']} shape at "
-             f"{plots.seq_tick(case['seq'])} tokens</b> (batch {case['batch']}), {_seconds(case['step_time_s'])} "
+    parts = [f"On {_machine(scope)}, {BOLD}{prose(best.label)} trains the {case['model']} shape at "
+             f"{plots.seq_tick(case['seq'])} tokens{END_BOLD} (batch {case['batch']}), {_seconds(case['step_time_s'])} "
              "a step"]
     for claim in claims:
         differs = _claim_mismatch(claim, scope)
@@ -164,7 +169,7 @@ def longest_seq(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path
             parts[-1] += (f", against the paper's {_seconds(paper.step_time_s(claim))} on a {claim.hardware} at the "
                           "same model, sequence and batch")
         else:
-            parts.append(f"the paper's {html.escape(claim.what)} ({_seconds(paper.step_time_s(claim))} on a "
+            parts.append(f"the paper's {claim.what} ({_seconds(paper.step_time_s(claim))} on a "
                          f"{claim.hardware}) is not comparable: {differs}")
     for other in trained[1:]:
         stop = f" ({plots.seq_tick(other.next_seq)}: {other.why})" if other.next_seq else ""
@@ -229,7 +234,7 @@ def largest_model(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Pa
     table = scaling_report.largest_models(scope)
     trained = table[table["params (B)"].notna()] if len(table) else table
     if trained.empty:
-        return "<b>No size ladder trained a model here.</b>", None, ""
+        return f"{BOLD}No size ladder trained a model here.{END_BOLD}", None, ""
     order = {label: i for i, label in enumerate(plots.ordered_labels(table["system"]))}
     table = table.sort_values(["profile", "system"], key=lambda c: c.map(order) if c.name == "system" else c)
     parts = []
@@ -244,8 +249,8 @@ def largest_model(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Pa
         moments = set(scope[scope["label"] == best["system"]]["moments"].dropna()) - {"fp32"}
         compact = f"; {_join(sorted(moments))} AdamW moments, an option that is not exact AdamW: results/moments" \
             if moments else ""
-        parts.append(f"on {get_profile(profile).description}, <b>{name(best['system'])} trains up to "
-                     f"{best['params (B)']:.1f}B parameters</b> ({best['largest trained']}{compact})"
+        parts.append(f"on {get_profile(profile).description}, {BOLD}{name(best['system'])} trains up to "
+                     f"{best['params (B)']:.1f}B parameters{END_BOLD} ({best['largest trained']}{compact})"
                      + (f": the largest model, {_join(others)}" if others else "")
                      + (f", every system {_kernels(best['system'])}" if same_kernels else "")
                      + (f"; the next larger rung of each: {_join(stops)}" if stops else ""))
@@ -361,7 +366,7 @@ def throughput(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path)
     ok = session[session["status"] == "ok"]
     figure = plots.summary_tflops(session, path)
     if ok.empty:
-        return "<b>No case ran ok in the latest session.</b>", figure, ""
+        return f"{BOLD}No case ran ok in the latest session.{END_BOLD}", figure, ""
     seq = plots._main_seq(ok)
     at_seq = session[session["seq"] == seq]
     pairs = _over(at_seq, "megatrain")
@@ -375,14 +380,15 @@ def throughput(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path)
              (str(batches[0]) if len(batches) == 1 else f"{batches[0]} to {batches[-1]}"))
     if ratios.empty:
         top = ok.loc[ok["tflops"].idxmax()]
-        parts = [f"On {_machine(session)}, at {where}, <b>{prose(top['label'])} runs {top['tflops']:.0f} TFLOPS</b>"]
+        parts = [f"On {_machine(session)}, at {where}, {BOLD}{prose(top['label'])} runs {top['tflops']:.0f} "
+                 f"TFLOPS{END_BOLD}"]
     else:
         said = []
         for other in plots.ordered_labels(ratios["label"].str.removesuffix(plots.COMPILED_SUFFIX)):
             mine = 1 / ratios[ratios["label"].str.removesuffix(plots.COMPILED_SUFFIX) == other]["ratio"]
             said.append(f"{_span(mine)} as fast as {prose(other)}")
         settings = sorted({_kernels(label) for label in ratios["reference"]})
-        parts = [f"On {_machine(session)}, at {where}, <b>MegaTrain trains {_join(said)}</b> "
+        parts = [f"On {_machine(session)}, at {where}, {BOLD}MegaTrain trains {_join(said)}{END_BOLD} "
                  f"(TFLOPS at equal batch and kernels, {' and '.join(settings)})"]
         cases = ratios.drop_duplicates(["model", "batch", "reference"])
         if len(cases) > 1:
@@ -437,15 +443,15 @@ def over_deepspeed(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: P
     session = scope[scope["session"] == scope["session"].max()]
     ok = session[session["status"] == "ok"]
     if ok.empty:
-        return "<b>No case ran ok in the latest session.</b>", None, ""
+        return f"{BOLD}No case ran ok in the latest session.{END_BOLD}", None, ""
     seq = plots._main_seq(ok)
     at_seq = session[session["seq"] == seq]
     pairs = _over(at_seq, "deepspeed")
     where = f"On {_machine(session)}, at {_join(sorted(at_seq['model'].unique()))}, seq {seq}"
     if pairs.empty:
         ran = _join([prose(label) for label in plots.ordered_labels(ok[ok["seq"] == seq]["label"])])
-        parts = [f"{where}, <b>no system ran beside DeepSpeed ZeRO-3 offload at the same batch and kernels</b> in the "
-                 f"latest session ({ran} ran): no ratio to it is stated"]
+        parts = [f"{where}, {BOLD}no system ran beside DeepSpeed ZeRO-3 offload at the same batch and kernels"
+                 f"{END_BOLD} in the latest session ({ran} ran): no ratio to it is stated"]
     else:
         said = []
         for compiled, g in pairs.groupby("compiled"):  # eager first
@@ -457,7 +463,7 @@ def over_deepspeed(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: P
                 figures.append(f"{prose(label.removesuffix(plots.COMPILED_SUFFIX))} {_span(rows['ratio'])} ({at})")
             said.append(f"{'compiled' if compiled else 'eager'}, {_join(figures)}")
         parts = [f"{where}, each system's TFLOPS over DeepSpeed ZeRO-3 offload's at the same batch and kernels: "
-                 f"<b>{'; '.join(said)}</b>"]
+                 f"{BOLD}{'; '.join(said)}{END_BOLD}"]
     parts += _no_ratio(_unpaired(at_seq, "deepspeed"), SYSTEM_NAMES["deepspeed"])
     failed = at_seq[(at_seq["status"] != "ok") & (at_seq["system"] == "deepspeed")]
     for (label, batch), g in failed.groupby(["label", "batch"]):
@@ -608,9 +614,9 @@ def host_optimizer(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: P
         answer = ""
         if exact in options.index:  # the answer first: exact AdamW streamed, then the best streamed option
             e = options.loc[exact]
-            answer = (f", <b>streamed with exact AdamW, batch {small} runs at {e.ratio:.2f}x of batch {large}'s "
+            answer = (f", {BOLD}streamed with exact AdamW, batch {small} runs at {e.ratio:.2f}x of batch {large}'s "
                       f"TFLOPS" + ("" if pd.isna(e.exposed) else f", {e.exposed:.0%} of its step waiting on the host "
-                                   "optimizer") + "</b>")
+                                   "optimizer") + END_BOLD)
             if best is not None and best != exact:
                 b = options.loc[best]
                 inexact = not _exact_adamw(mine[mine["label"] == best]).all()
@@ -629,7 +635,7 @@ def host_optimizer(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: P
                      f"MegaTrain's ratio to it{' at the same kernels' if both else ''}: {'; '.join(against)}")
         parts.append(text)
     if not panels:
-        return "<b>No MegaTrain case ran ok at both batches in a latest session.</b>", None, ""
+        return f"{BOLD}No MegaTrain case ran ok at both batches in a latest session.{END_BOLD}", None, ""
     figure = _host_optimizer_figure(panels, path)
     caption = ("MegaTrain's TFLOPS at the small batch over the large one, per option, in each depth's latest session; "
                "the label beside each bar: the host optimizer's exposed share of the small batch's step. Options "
@@ -693,7 +699,7 @@ def paths(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path):
     failed = scope[scope["status"] != "ok"]
     bad = [f"{prose(label)}, {len(g)} {tables.short_reason(status, g['error'].iloc[0])}"
            for label in labels for status, g in failed[failed["label"] == label].groupby("status")]
-    sentence = f"On {where}, <b>{n_ok} of {n} cases ran ok</b>"
+    sentence = f"On {where}, {BOLD}{n_ok} of {n} cases ran ok{END_BOLD}"
     if clean:
         sentence += f": {_join(clean)} each built, trained and recorded, each case in a process of its own"
     if bad:
@@ -710,7 +716,7 @@ def multi_gpu(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path):
     ok = session[session["status"] == "ok"].assign(per_gpu_batch=lambda f: f["batch"] // f["ranks"])
     figure = plots.tflops_vs_gpus(session, path)
     if ok.empty:
-        return "<b>No case ran ok in the latest session.</b>", figure, ""
+        return f"{BOLD}No case ran ok in the latest session.{END_BOLD}", figure, ""
     profile = get_profile(ok["hardware"].iloc[0])
     parts = [f"On the {profile.gpu} GPUs of one host ({profile.host_mem_gib:.0f} GiB)"]
     for (_, model, seq, per_gpu), g in ok.groupby(["params_b", "model", "seq", "per_gpu_batch"]):
@@ -735,7 +741,7 @@ def _scaling_clause(g: pd.DataFrame, where: str) -> str:
         if steps:
             faster.append(f"{prose(label)} {', '.join(steps)} ({tflops[(label, 1)]:.0f} TFLOPS on one)")
     clause = f"at {where} ({_join(sorted({_kernels(label) for label in labels}))}): "
-    clause += f"<b>speed over its own one GPU: {_join(faster)}</b>" if faster else \
+    clause += f"{BOLD}speed over its own one GPU: {_join(faster)}{END_BOLD}" if faster else \
         "no system ran on both one GPU and several"
     over = []
     for label in labels:
@@ -746,7 +752,7 @@ def _scaling_clause(g: pd.DataFrame, where: str) -> str:
             r = common[-1]
             over.append(f"{tflops[(reference, r)] / tflops[(label, r)]:.2f}x {prose(label)}'s on {r} GPUs")
     if over:
-        clause += f"; <b>MegaTrain runs {_join(over)}</b>"
+        clause += f"; {BOLD}MegaTrain runs {_join(over)}{END_BOLD}"
     memory = [f"{prose(label)} {pss[(label, several[-1])]:.0f} GiB on {several[-1]} GPUs "
               f"({pss[(label, 1)]:.0f} on one)" for label in labels
               if several and (label, 1) in pss and (label, several[-1]) in pss and pd.notna(pss[(label, 1)])]

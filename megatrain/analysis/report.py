@@ -18,6 +18,7 @@ import pandas as pd
 
 from megatrain.analysis import headline, plots, results_md, scaling_report, tables
 from megatrain.bench.env import WORKSPACE
+from megatrain.bench.record import STATUSES
 from megatrain.bench.suite import read_suite_records
 from megatrain.engine.plan import PROCESS_OVERHEAD_BYTES
 from megatrain.hardware import get_profile
@@ -74,7 +75,8 @@ def html_table(df: pd.DataFrame) -> str:
         cells = []
         for col in df.columns:
             text = html.escape(_fmt(row[col]))
-            cls = ("text " if col in TEXT_COLUMNS else "") + (str(row[col]) if col in ("status", "our status") else "")
+            status = col in ("status", "our status") and isinstance(row[col], str) and row[col] in STATUSES
+            cls = ("text " if col in TEXT_COLUMNS else "") + (row[col] if status else "")
             cells.append(f"<td class='{cls.strip()}'>{text}</td>")
         rows.append("<tr>" + "".join(cells) + "</tr>")
     dense = " class='dense'" if len(df.columns) > DENSE_COLUMNS else ""
@@ -103,6 +105,11 @@ def _runs_section(records: list[dict], scope: pd.DataFrame) -> str:
     return "".join(parts)
 
 
+def _case_html(row: pd.Series) -> str:
+    """A case in a few words, escaped: its label, model, batch and sequence length."""
+    return html.escape(f"{row['label']} {row['model']} b{row['batch']} s{row['seq']}")
+
+
 def _failures_section(scope: pd.DataFrame, by_key: dict) -> str:
     bad = scope[scope["status"] != "ok"].sort_values(["status", "label", "model", "batch"])
     if bad.empty:
@@ -111,9 +118,9 @@ def _failures_section(scope: pd.DataFrame, by_key: dict) -> str:
     for _, row in bad.iterrows():
         r = by_key[(row["run_id"], row["case_id"])]
         detail = r.get("stderr_tail") or r.get("traceback") or ""
-        summary = (f"<span class='{row['status']}'>{row['status']}</span> {html.escape(row['label'])} "
-                   f"{html.escape(row['model'])} b{row['batch']} s{row['seq']}: "
-                   f"{html.escape((row['error'] or '')[:300])}")
+        status = row["status"] if row["status"] in STATUSES else ""
+        summary = (f"<span class='{status}'>{html.escape(row['status'])}</span> {_case_html(row)}: "
+                   f"{html.escape(str(row['error'] or '')[:300])}")
         items.append(f"<details><summary>{summary}</summary><pre>{html.escape(detail)}</pre></details>"
                      if detail else f"<p>{summary}</p>")
     return "".join(items)
@@ -133,9 +140,9 @@ def _reconstructed_section(scope: pd.DataFrame, by_key: dict) -> str:
     rows = scope[scope["reconstructed"]]
     if rows.empty:
         return ""
-    items = [f"<p><b>{html.escape(row['label'])} {html.escape(row['model'])} b{row['batch']} s{row['seq']}</b>: "
-             f"{html.escape(by_key[(row['run_id'], row['case_id'])]['reconstructed'])}</p>"
-             for _, row in rows.iterrows()]
+    notes = [str(by_key[(row["run_id"], row["case_id"])]["reconstructed"]) for _, row in rows.iterrows()]
+    items = [f"<p><b>{_case_html(row)}</b>: {html.escape(note)}</p>"
+             for (_, row), note in zip(rows.iterrows(), notes, strict=True)]
     return "<h3>Records rebuilt from the run's log</h3>" + "".join(items)
 
 
@@ -164,8 +171,8 @@ def _figures(scope: pd.DataFrame, by_key: dict, results_dir: Path, out_dir: Path
 
 
 def _figure_html(png: Path, caption: str) -> str:
-    return f"<figure><img src='{png.name}' alt='{html.escape(caption)}'><figcaption>{html.escape(caption)}" \
-           "</figcaption></figure>"
+    return f"<figure><img src='{html.escape(png.name)}' alt='{html.escape(caption)}'>" \
+           f"<figcaption>{html.escape(caption)}</figcaption></figure>"
 
 
 def _opening(head: headline.Headline | None) -> list[str]:
@@ -259,9 +266,12 @@ def _results_note(scope: pd.DataFrame) -> str:
 
 def write_report(results_dir: Path, out_dir: Path, all_runs: bool = False) -> Path:
     """Write out_dir/index.html (and its PNGs) from results_dir/records.jsonl; returns the HTML path."""
-    records = read_suite_records(results_dir / "records.jsonl")
+    path = results_dir / "records.jsonl"
+    records = read_suite_records(path)
     if not records:
-        raise ValueError(f"no records in {results_dir / 'records.jsonl'}; run the suite first")
+        raise ValueError(f"no suite record in {path} can be read (the warnings above name each line skipped): fix "
+                         "or remove them" if path.exists() and path.read_bytes().strip() else
+                         f"no records in {path}; run the suite first")
     df = tables.records_frame(records)
     scope = df if all_runs else tables.latest_records(df)
     by_key = {(r["suite"]["run_id"], r["suite"]["case_id"]): r for r in records}

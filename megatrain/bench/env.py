@@ -4,6 +4,7 @@ working files are."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import platform
 import subprocess
@@ -39,6 +40,30 @@ def git_commit() -> tuple[str, bool | None]:
         return "unknown", None
 
 
+def git_diff_sha256() -> str | None:
+    """sha256 of the checkout's uncommitted changes to tracked files (`git diff HEAD`); None where there are none,
+    or where they cannot be read (MEGATRAIN_COMMIT given, an installed package)."""
+    if os.environ.get("MEGATRAIN_COMMIT") or CHECKOUT is None:
+        return None
+    try:
+        diff = subprocess.run(["git", "diff", "HEAD", "--binary"], cwd=CHECKOUT, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return hashlib.sha256(diff).hexdigest() if diff else None
+
+
+def same_code(env: dict) -> bool:
+    """Whether a record's environment `env` was measured on the code that runs here: the same commit, and either
+    neither tree changed or both carry the same uncommitted changes (changes that cannot be read match nothing)."""
+    commit, dirty = git_commit()
+    if env.get("commit") != commit:
+        return False
+    if not dirty and not env.get("dirty"):
+        return True
+    diff = git_diff_sha256()
+    return diff is not None and env.get("diff_sha256") == diff
+
+
 def _version(pkg: str) -> str | None:
     try:
         return metadata.version(pkg)
@@ -53,6 +78,7 @@ def environment() -> dict:
     env = {
         "commit": commit,
         "dirty": dirty,
+        "diff_sha256": git_diff_sha256(),  # which uncommitted changes, when dirty
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

@@ -126,10 +126,43 @@ class Record:
                 **({"stderr_tail": self.stderr_tail} if self.stderr_tail is not None else {})}
 
 
-def validate(record: dict) -> None:
+def problem(record: dict) -> str | None:
+    """What makes `record` unreadable as a record (a key missing, a status or value of another kind), or None."""
     missing = [k for k in REQUIRED_KEYS if k not in record]
-    assert not missing, f"record lacks {missing}"
-    assert record["status"] in STATUSES, record["status"]
+    if missing:
+        return f"lacks {', '.join(missing)}"
+    if record["status"] not in STATUSES:
+        return f"has status {str(record['status'])[:40]!r}, not one of {', '.join(STATUSES)}"
+    kinds = {"system": str, "model": str, "num_params": int, "batch": int, "seq": int, "tokens_per_step": int,
+             "losses": list, "env": dict, "config": dict}
+    wrong = [k for k, kind in kinds.items() if not isinstance(record[k], kind) or isinstance(record[k], bool)]
+    wrong += [k for k in REQUIRED_KEYS if k not in kinds and k != "status"
+              and not (record[k] is None or isinstance(record[k], int | float) and not isinstance(record[k], bool))]
+    names = {str: "a string", int: "an integer", float: "a number or null", list: "a list", dict: "an object"}
+    return f"has {wrong[0]} {json.dumps(record[wrong[0]])[:40]}, not {names[kinds.get(wrong[0], float)]}" \
+        if wrong else None
+
+
+def validate(record: dict) -> None:
+    assert problem(record) is None, problem(record)
+
+
+def check_appendable(path: str | Path, flag: str = "--out") -> None:
+    """Refuse (ValueError) a records file that append_jsonl could not write, before a case runs: its record would be
+    lost after the run. Leaves no file behind that was not there."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a folder: name a JSONL file (records are appended to it)")
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("ab"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot write there ({exc.strerror}): name a file in a writable folder") \
+            from None
+    if not existed:
+        path.unlink()
 
 
 def append_jsonl(path: str | Path, record: dict) -> None:
@@ -147,22 +180,27 @@ def append_jsonl(path: str | Path, record: dict) -> None:
         f.write(line)  # one write: the newline guard and the record land together
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
-    """The records of a JSONL file. A line that is not a JSON object (a write cut short, a hand edit) is skipped
-    with a warning naming the file and line, so one bad line never makes a results folder unusable."""
+def read_jsonl(path: str | Path, check=None) -> list[dict]:
+    """The records of a JSONL file. A line that is not a JSON object (a write cut short, a hand edit, bytes that are
+    not UTF-8), or whose object check(record) finds a problem with (a sentence, else None), is skipped with a warning
+    naming the file and line, so one bad line never makes a results folder unusable."""
     path = Path(path)
     if not path.exists():
         return []
     records = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
+    for number, raw in enumerate(path.read_bytes().splitlines(), 1):
+        if not raw.strip():
             continue
         try:
-            record = json.loads(line)
+            record = json.loads(raw.decode())
+        except UnicodeDecodeError:
+            record, why = None, "not UTF-8 text"
         except json.JSONDecodeError as exc:
             record, why = None, f"not JSON ({exc.msg} at column {exc.colno})"
         else:
             why = "not a JSON object"
+        if isinstance(record, dict) and check is not None and (found := check(record)):
+            record, why = None, f"a record that {found}"
         if not isinstance(record, dict):
             warnings.warn(f"{path}:{number}: skipped a line that is {why}", stacklevel=2)
             continue

@@ -34,6 +34,7 @@ fresh run_id and runs everything.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import itertools
 import json
@@ -50,12 +51,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megatrain.bench.args import BenchFlags
-from megatrain.bench.env import CHECKOUT, WORKSPACE, git_commit
-from megatrain.bench.record import Record, append_jsonl, read_jsonl, relative_paths, summary_line
+from megatrain.bench.env import CHECKOUT, WORKSPACE, same_code
+from megatrain.bench.record import Record, append_jsonl, problem, read_jsonl, relative_paths, summary_line
 from megatrain.config import CaseConfig
 from megatrain.flags import flag_argv, parse
 from megatrain.hardware import actual_profile, get_profile, same_machine
 from megatrain.optim.config import OptimConfig
+from megatrain.options import check_values
 from megatrain.probe import Machine, measure
 
 # the workspace's suites/ where it has one, else the suites the package ships (a checkout's own, an install's copy)
@@ -116,11 +118,36 @@ def _as_list(value) -> list:
     return value if isinstance(value, list) else [value]
 
 
+def _check_group_types(group: dict) -> None:
+    """Each value of a group (each item of a product key's list) of the type its key takes: ValueError naming it."""
+    for key, value in group.items():
+        if key in PRODUCT_KEYS and key != "hardware":
+            for item in _as_list(value):
+                check_values(CaseConfig, {PRODUCT_KEYS[key]: item}, "case setting")
+        elif key == "optim" and not isinstance(value, dict):
+            raise ValueError(f"optim={value!r}: expected a table of AdamW settings")
+        elif key in CASE_FIELDS and key != "optim":
+            check_values(CaseConfig, {key: value}, "case setting")
+        elif key == "timeout_s" and (not isinstance(value, int | float) or isinstance(value, bool)):
+            raise ValueError(f"timeout_s={value!r}: expected a number of seconds")
+        elif key in GROUP_KEYS - {"timeout_s"} and not isinstance(value, str):
+            raise ValueError(f"{key}={value!r}: expected a string")
+
+
+def _label(template: str, config: CaseConfig) -> str:
+    try:
+        return template.format(system=config.system, precision=config.precision)
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ValueError(f"label {template!r} cannot be filled ({exc!r}): a label may name {{system}} and "
+                         "{precision}") from None
+
+
 def _expand_group(group: dict, index: int, default_timeout_s: float) -> list[SuiteCase]:
     unknown = set(group) - set(PRODUCT_KEYS) - GROUP_KEYS - CASE_FIELDS
     if unknown:
         raise ValueError(f"group {index}: unknown keys {sorted(unknown)}; use {sorted(PRODUCT_KEYS)}, "
                          f"{sorted(GROUP_KEYS)} or CaseConfig fields")
+    _check_group_types(group)
     for key in ("systems", "models", "hardware"):
         if key not in group:
             raise ValueError(f"group {index}: {key!r} is required")
@@ -148,7 +175,7 @@ def _expand_group(group: dict, index: int, default_timeout_s: float) -> list[Sui
             chain = json.dumps({"group": name, "hardware": hardware,
                                 **{k: v for k, v in config.to_dict().items() if k not in (ladder, "micro_batch")}},
                                sort_keys=True)
-        cases.append(SuiteCase(config, hardware, name, label.format(system=config.system, precision=config.precision),
+        cases.append(SuiteCase(config, hardware, name, _label(label, config),
                                float(group.get("timeout_s", default_timeout_s)), chain))
     return cases
 
@@ -165,6 +192,13 @@ def load_suite(name_or_path: str) -> Suite:
         spec = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:  # its message names the line and column
         raise ValueError(f"{path}: not valid TOML: {exc}") from None
+    for key, kind, what in (("description", str, "a string"), ("hardware", str | list, "hardware profile names"),
+                            ("timeout_s", int | float, "a number of seconds"), ("defaults", dict, "a table"),
+                            ("cases", list, "[[cases]] tables")):
+        if key in spec and (not isinstance(spec[key], kind) or isinstance(spec[key], bool)):
+            raise ValueError(f"{path}: {key} = {json.dumps(spec[key], default=str)[:60]} must be {what}")
+    if bad := [i for i, group in enumerate(spec.get("cases", [])) if not isinstance(group, dict)]:
+        raise ValueError(f"{path}: cases entry {bad[0]} is not a table: write each group as a [[cases]] table")
     defaults = spec.get("defaults", {})
     timeout_s = spec.get("timeout_s", 600)
     cases = []
@@ -299,11 +333,35 @@ def _oom_killed(before: int | None) -> str | None:
     return f"the cgroup's OOM counter rose {before} -> {after}" if after > before else None
 
 
+# what the runner's resume and the report read of a record's suite block and environment
+SUITE_BLOCK_KEYS = ("name", "run_id", "case_id", "group", "label", "hardware", "machine", "started_at", "command")
+ENV_KEYS = ("commit", "dirty", "python", "torch", "cuda", "deepspeed", "transformers", "gpu", "driver", "cpu",
+            "cpu_cores", "host_mem_gib")
+_ID = re.compile(r"[\w.-]+")  # a run or case id: it names files (traces, figures)
+
+
+def _suite_record_problem(record: dict) -> str | None:
+    """What makes a record with a suite block unreadable to the runner and the report, or None."""
+    block, env = record["suite"], record.get("env")
+    if not isinstance(block, dict):
+        return "has a suite block that is not an object"
+    if missing := [k for k in SUITE_BLOCK_KEYS if k not in block]:
+        return f"lacks suite.{missing[0]}"
+    if not all(_ID.fullmatch(str(block[k])) for k in ("run_id", "case_id")):
+        return f"has suite.run_id {str(block['run_id'])[:40]!r} or case_id {str(block['case_id'])[:40]!r}, not " \
+            "letters, digits, '.', '_' and '-'"
+    if isinstance(env, dict) and (missing := [k for k in ENV_KEYS if k not in env]):
+        return f"lacks env.{missing[0]}"
+    return problem(record)
+
+
 def read_suite_records(path: Path) -> list[dict]:
     """The runner's records in a JSONL file (records a bare `bench --out` appended carry no suite block), their
     run ids as strings: a hand-written or tool-written record may hold one as a number (20261124), which would
-    not sort or compare with the runner's."""
-    records = [r for r in read_jsonl(path) if "suite" in r]
+    not sort or compare with the runner's. A record the runner or the report cannot read is skipped with a warning
+    naming its file and line."""
+    records = read_jsonl(path, check=lambda r: _suite_record_problem(r) if "suite" in r else None)
+    records = [r for r in records if "suite" in r]
     for r in records:
         r["suite"]["run_id"] = str(r["suite"]["run_id"])
     return records
@@ -314,18 +372,35 @@ def new_run_id() -> str:
 
 
 def _current_run(records: list[dict], machine: Machine) -> str | None:
-    """run_id of the latest run in these records if it ran on the same kind of machine and commit.
+    """run_id of the latest run in these records if it ran on the same kind of machine and code.
 
-    A run is one commit: cases added to a suite after a commit (or code changed under it) start a new
-    run, so that no run mixes two versions of the code.
+    A run is one version of the code (a commit and its uncommitted changes): cases added to a suite after a commit
+    (or code changed under it, committed or not) start a new run, so that no run mixes two versions of the code.
     """
     if not records:
         return None
     last = records[-1]
-    same_commit = last["env"].get("commit") == git_commit()[0]
-    if same_commit and same_machine(Machine.from_dict(last["suite"]["machine"]), machine):
+    if same_code(last["env"]) and same_machine(Machine.from_dict(last["suite"]["machine"]), machine):
         return last["suite"]["run_id"]
     return None
+
+
+@contextlib.contextmanager
+def sole_runner(out_dir: Path):
+    """Sole use of out_dir by this suite runner: an flock on the directory, which the kernel drops when the runner
+    ends however it ends. Two runners there would run every case twice at once, each slowing the other, and record
+    both ok."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out_dir, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"--out-dir {out_dir} is in use by another suite runner: wait for it to end, or choose "
+                             "another --out-dir") from None
+        yield
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager

@@ -27,6 +27,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,35 @@ from megatrain.engine.layout import ALIGN
 
 
 class RankLost(RuntimeError):
-    """Another rank ended mid-run (a collective's connection closed, or its share of an update never came)."""
+    """Another rank ended, or stopped answering, mid-run (a collective's connection closed or timed out, or its share
+    of an update never came)."""
+
+
+# How long a rank waits on another (a collective, its share of an update) before the run stops naming it: torch's own
+# default for gloo; a rank may wait this long while rank 0 verifies or writes a checkpoint of the largest models
+RANK_TIMEOUT_ENV = "MEGATRAIN_RANK_TIMEOUT_S"
+
+
+def rank_timeout_s() -> float:
+    """MEGATRAIN_RANK_TIMEOUT_S, else 1800 s."""
+    value = os.environ.get(RANK_TIMEOUT_ENV, "1800")
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise ValueError(f"{RANK_TIMEOUT_ENV} must be a number of seconds > 0, got {value!r}")
+    return seconds
+
+
+def process_state(pid: int) -> str:
+    """'running', 'stopped' (SIGSTOP, a debugger) or 'ended' (gone, or a zombie not yet reaped) for a process of
+    this host."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return "ended"
+    return "ended" if state in ("Z", "X") else "stopped" if state in ("T", "t") else "running"
 
 
 def reduce_scatter():
@@ -54,7 +83,7 @@ def _collective(method: Callable) -> Callable:
         except torch.OutOfMemoryError:
             raise
         except RuntimeError as exc:
-            raise RankLost(f"rank {self.rank} of {self.world} lost another rank mid-step: "
+            raise RankLost(f"rank {self.rank} of {self.world} lost {self.unanswering()} mid-step: "
                            f"{str(exc).splitlines()[0]}") from None
     return call
 
@@ -117,12 +146,21 @@ class Ranks:
     node: dist.ProcessGroup | None = None  # the node's ranks, for gradients (several nodes only)
     node_control: dist.ProcessGroup | None = None  # the node's ranks, gloo
     peers: dist.ProcessGroup | None = None  # this local rank on every node: shards summed across nodes
+    pids: tuple[int, ...] = ()  # each rank's process id (those of this node's ranks can be looked at)
 
     def __post_init__(self) -> None:
         if not self.local_world:  # one node: the world
             object.__setattr__(self, "local_world", self.world)
             object.__setattr__(self, "local_rank", self.rank)
             object.__setattr__(self, "node_control", self.control)
+
+    def unanswering(self) -> str:
+        """The other ranks of this node that stopped or ended, in words ('rank 1 (pid 4242, stopped)'), as a
+        collective that failed names none; 'another rank' when none of them did (one on another node)."""
+        node = range(self.rank - self.local_rank, self.rank - self.local_rank + self.local_world)
+        states = {r: process_state(pid) for r, pid in enumerate(self.pids) if r in node and r != self.rank}
+        return ", ".join(f"rank {r} (pid {self.pids[r]}, {state})" for r, state in states.items()
+                         if state != "running") or "another rank"
 
     @property
     def first(self) -> bool:
@@ -239,22 +277,25 @@ def current(device: str) -> Ranks | None:
     if cuda:
         torch.cuda.set_device(local_rank)
     # gloo beside NCCL on CUDA for the CPU tensors of a collective: FSDP2's offloaded shards (clipping's norm)
+    timeout = datetime.timedelta(seconds=rank_timeout_s())
     dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo",
-                            device_id=torch.device("cuda", local_rank) if cuda else None)
+                            device_id=torch.device("cuda", local_rank) if cuda else None, timeout=timeout)
     rank, world, local_world = dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    control = dist.new_group(backend="gloo") if cuda else None
+    control = dist.new_group(backend="gloo", timeout=timeout) if cuda else None
     global _leave_group
     _leave_group = control
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid(), group=control)
     if local_world == world:
-        return Ranks(rank, world, device, control)
+        return Ranks(rank, world, device, control, pids=tuple(pids))
     if world % local_world or rank != int(os.environ["GROUP_RANK"]) * local_world + local_rank:
         raise ValueError("several nodes need the same --nproc-per-node on each, and ranks numbered node by node")
     nodes = [list(range(n, n + local_world)) for n in range(0, world, local_world)]
     node, _ = dist.new_subgroups_by_enumeration(nodes)
     node_control = dist.new_subgroups_by_enumeration(nodes, backend="gloo")[0] if cuda else node
     peers, _ = dist.new_subgroups_by_enumeration([list(range(r, world, local_world)) for r in range(local_world)])
-    return Ranks(rank, world, device, control, local_rank, local_world, node, node_control, peers)
+    return Ranks(rank, world, device, control, local_rank, local_world, node, node_control, peers, tuple(pids))
 
 
 def first_rank(device: str) -> bool:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from megatrain.engine.distributed import RankLost, Ranks
+from megatrain.engine.distributed import RANK_TIMEOUT_ENV, RankLost, Ranks, process_state, rank_timeout_s
 from megatrain.engine.host_optimizer import HostOptimizer
 from megatrain.engine.layout import Unit
 from megatrain.engine.store import HostStore
@@ -76,15 +76,6 @@ class SharedHostStore(HostStore):
         self.ranks.barrier(node=True)
 
 
-def _alive(pid: int) -> bool:
-    """Whether process pid runs (a zombie, ended but not yet reaped by torchrun, does not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state not in ("Z", "X")
-
-
 class ShardedHostOptimizer(HostOptimizer):
     """The host optimizer of one rank: its shard of every streamed unit; wait(u) returns once every rank's shard
     of unit u's pending update has landed."""
@@ -95,6 +86,7 @@ class ShardedHostOptimizer(HostOptimizer):
         super().__init__(store, *args, **kwargs)
         self.ranks = store.ranks
         self.submitted = 0  # updates queued by this process: every rank queues the same ones
+        self.limit_s = rank_timeout_s()  # the longest wait for another rank's share of an update
 
     def shard(self, unit: Unit) -> tuple[int, int]:
         return self.ranks.shard(unit.numel)
@@ -116,8 +108,10 @@ class ShardedHostOptimizer(HostOptimizer):
         while len(behind := (counts < self.submitted).nonzero()):
             rank = int(behind[0])
             pid = int(self.store.pids[rank])
-            if not _alive(pid):
-                raise RankLost(f"rank {rank} (pid {pid}) ended before its share of unit {unit_index}'s update")
+            state = process_state(pid)
+            if state == "ended" or time.perf_counter() - t0 > self.limit_s:
+                raise RankLost(f"local rank {rank} (pid {pid}, {state}) has not done its share of unit {unit_index}'s "
+                               "update" + (f" in {self.limit_s:g} s ({RANK_TIMEOUT_ENV})" if state != "ended" else ""))
             time.sleep(pause)
             pause = min(2 * pause, 1e-3)
         return waited + time.perf_counter() - t0

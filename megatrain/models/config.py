@@ -94,6 +94,10 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model {name} must be >= 1, got {getattr(self, name)}")
+        if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
+            raise ValueError(f"rope_theta must be a finite number > 0, got {self.rope_theta}")
+        if not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
+            raise ValueError(f"rms_norm_eps must be a finite number > 0, got {self.rms_norm_eps}")
         if self.head_dim == 0:
             if self.hidden_size % self.num_heads:
                 raise ValueError(

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from megatrain.models.config import FAMILIES, MOE_FAMILIES, ModelConfig
@@ -48,6 +50,12 @@ _ROPE_KEYS = {"default": set(), "linear": {"factor"}, "dynamic": {"factor"},
               "yarn": {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
                        "mscale", "mscale_all_dim", "truncate"}}
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# the config.json keys read as counts and as numbers: a value of another type is refused by name
+_INT_KEYS = (*REQUIRED_KEYS, "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window",
+             "max_window_layers", "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+             "original_max_position_embeddings")
+_NUMBER_KEYS = ("rope_theta", "rms_norm_eps", "router_aux_loss_coef", "swiglu_limit", "swiglu_alpha",
+                "partial_rotary_factor")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -82,14 +90,19 @@ def read_hf_config(path: str | Path) -> dict:
 
 
 def check_hf_checkpoint(path: str | Path) -> ModelConfig:
-    """The shape of the checkpoint in directory `path`, its config read and translated and its weight files found,
-    without reading a tensor; a ValueError, starting with the path, names what is missing or unsupported."""
+    """The shape of the checkpoint in directory `path`, its config read and translated, and every weight the model
+    reads found in its files' headers with the shape the config implies, without reading a tensor; a ValueError,
+    starting with the path, names what is missing, damaged or unsupported."""
     hf = read_hf_config(path)
     try:
         cfg = config_from_hf(hf)
+        expected = _expected_shapes(cfg)
+        with contextlib.ExitStack() as stack:
+            for name, tensor in _read_weights(cfg, _Checkpoint(_weight_files(Path(path)), stack, meta=True)):
+                if tensor.shape != (shape := expected[name]):
+                    raise ValueError(f"{name} has shape {tuple(tensor.shape)}, the config implies {tuple(shape)}")
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
-    _weight_files(Path(path))
     return cfg
 
 
@@ -188,6 +201,10 @@ def config_from_hf(hf: Mapping) -> ModelConfig:
     missing = [k for k in REQUIRED_KEYS if k not in hf]
     if missing:
         raise ValueError(f"config.json lacks {', '.join(missing)}")
+    for keys, kind, what in ((_INT_KEYS, int, "an integer"), (_NUMBER_KEYS, int | float, "a number")):
+        for key in keys:
+            if hf.get(key) is not None and (not isinstance(hf[key], kind) or isinstance(hf[key], bool)):
+                raise ValueError(f"config.json {key}={json.dumps(hf[key])} must be {what}")
     theta, scaling = _rope_from_hf(hf)
     defaults = _DEFAULTS[family]
     window, types = _attention_layers(hf, family, hf["num_hidden_layers"])
@@ -349,10 +366,20 @@ def _plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]
     return shards
 
 
+def exported_config(source: Mapping, cfg: ModelConfig, dtype: torch.dtype) -> dict:
+    """The config.json of an export of a model trained from the checkpoint whose config.json is `source`: the source
+    whole (its token ids, generation and tokenizer settings, keys we do not read), with the weights' dtype, and
+    without a quantization_config (the export's experts are plain tensors)."""
+    hf = {k: v for k, v in source.items() if k != "quantization_config"}
+    hf.update(torch_dtype=_dtype_name(dtype), dtype=_dtype_name(dtype))
+    assert config_from_hf(hf) == cfg, "the export is of the source's shape"
+    return hf
+
+
 @torch.no_grad()
 def save_hf_checkpoint(model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor], cfg: ModelConfig,
                        out_dir: str | Path, max_shard_bytes: int = 5 * 2**30,
-                       dtype: torch.dtype | None = None) -> list[Path]:
+                       dtype: torch.dtype | None = None, source_config: Mapping | None = None) -> list[Path]:
     """Write a Hugging Face checkpoint: config.json and safetensors shards (plus an index if several).
 
     Only one shard is copied at a time (to CPU, dtype and contiguity), so saving from a model or
@@ -364,6 +391,8 @@ def save_hf_checkpoint(model_or_state_dict: torch.nn.Module | Mapping[str, torch
         out_dir: directory to create or overwrite files in.
         max_shard_bytes: largest shard file in bytes (a single larger tensor gets a shard of its own).
         dtype: dtype to store; None keeps each tensor's dtype.
+        source_config: the config.json of the checkpoint the model was trained from, which the export's starts from
+            (exported_config); None writes one from cfg (config_to_hf).
 
     Returns:
         paths of the weight files written.
@@ -384,7 +413,8 @@ def save_hf_checkpoint(model_or_state_dict: torch.nn.Module | Mapping[str, torch
     shards = _plan_shards(sizes, max_shard_bytes)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    config = config_to_hf(cfg, dtype or state["embed_tokens.weight"].dtype)
+    stored = dtype or state["embed_tokens.weight"].dtype
+    config = config_to_hf(cfg, stored) if source_config is None else exported_config(source_config, cfg, stored)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
     files = [SINGLE_FILE] if len(shards) == 1 else [
@@ -393,7 +423,7 @@ def save_hf_checkpoint(model_or_state_dict: torch.nn.Module | Mapping[str, torch
     for file, names in zip(files, shards, strict=True):
         tensors = {key: t.detach().to("cpu", dtype or t.dtype).contiguous() for n in names
                    for key, t in to_hf_tensors(cfg, n, state[n])}
-        save_file(tensors, out_dir / file, metadata={"format": "pt"})
+        _save_file(tensors, out_dir / file)
         weight_map.update(dict.fromkeys(tensors, file))
         del tensors
     if len(files) > 1:
@@ -404,13 +434,31 @@ def save_hf_checkpoint(model_or_state_dict: torch.nn.Module | Mapping[str, torch
     return [out_dir / f for f in files]
 
 
+def _save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' save_file; an I/O failure (a full disk) raised as the OSError it is, not as a SafetensorError."""
+    try:
+        save_file(tensors, path, metadata={"format": "pt"})
+    except SafetensorError as exc:
+        found = re.search(r"\(os error (\d+)\)", str(exc))
+        if found is None:
+            raise
+        raise OSError(int(found[1]), os.strerror(int(found[1])), str(path)) from None
+
+
 def _weight_files(path: Path) -> list[Path]:
     """The safetensors files of a checkpoint, the single file first as transformers looks for it."""
     if (path / SINGLE_FILE).exists():
         return [path / SINGLE_FILE]
     if (path / INDEX_FILE).exists():
-        weight_map = _read_json(path / INDEX_FILE)["weight_map"]
-        return [path / f for f in sorted(set(weight_map.values()))]
+        index = _read_json(path / INDEX_FILE)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{path / INDEX_FILE} has no weight_map of tensor names to shard files")
+        files = [path / f for f in sorted(set(weight_map.values()))]
+        if missing := [f.name for f in files if not f.is_file()]:
+            raise ValueError(f"{path / INDEX_FILE} names shard {missing[0]}, which is not in {path}"
+                             + (f" ({len(missing) - 1} more missing)" if len(missing) > 1 else ""))
+        return files
     raise ValueError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}; only safetensors checkpoints are read")
 
 
@@ -446,13 +494,24 @@ def to_hf_tensors(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> list[tup
     return [(key, tensor)]
 
 
-class _Checkpoint:
-    """The tensors of a checkpoint's safetensors files by key, each file opened once; counts the keys read."""
+# safetensors' dtype names, for tensors read as headers only (meta)
+_STORED_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                  "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                  "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
-    def __init__(self, files: list[Path], stack: contextlib.ExitStack):
-        self.file_of = {}
+
+class _Checkpoint:
+    """The tensors of a checkpoint's safetensors files by key, each file opened once (a damaged header refused by
+    file name); counts the keys read. meta=True reads only the headers: meta tensors of the stored shapes."""
+
+    def __init__(self, files: list[Path], stack: contextlib.ExitStack, meta: bool = False):
+        self.file_of, self.meta = {}, meta
         for file in files:
-            handle = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+            try:
+                handle = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+            except SafetensorError as exc:  # truncated, empty, a header of another size or not JSON
+                raise ValueError(f"{file.name} is not a readable safetensors file ({exc}): download or export it "
+                                 "again") from None
             self.file_of.update(dict.fromkeys(handle.keys(), handle))
         self.read_keys: set[str] = set()
 
@@ -463,6 +522,10 @@ class _Checkpoint:
         if key not in self.file_of:
             raise ValueError(f"the checkpoint has no tensor {key!r}")
         self.read_keys.add(key)
+        if self.meta:
+            stored = self.file_of[key].get_slice(key)
+            dtype = _STORED_DTYPES.get(stored.get_dtype(), torch.uint8)  # one the model takes: refused on load
+            return torch.empty(stored.get_shape(), dtype=dtype, device="meta")
         return self.file_of[key].get_tensor(key)
 
 
@@ -500,15 +563,20 @@ def iter_hf_tensors(path: str | Path, dtype: torch.dtype | None = None) -> Itera
     path = Path(path)
     cfg = config_from_hf(read_hf_config(path))
     with contextlib.ExitStack() as stack:
-        read = _Checkpoint(_weight_files(path), stack)
-        for name in _expected_shapes(cfg):
-            tensor = _from_checkpoint(cfg, name, read)
+        for name, tensor in _read_weights(cfg, _Checkpoint(_weight_files(path), stack)):
             yield name, tensor if dtype is None else tensor.to(dtype)
-        ignored = {k for k in read.file_of if k.endswith("rotary_emb.inv_freq")}
-        ignored |= {"lm_head.weight"} if cfg.tie_embeddings else set()
-        if unexpected := sorted(set(read.file_of) - read.read_keys - ignored):
-            raise ValueError(f"checkpoint {path} holds tensors this model does not have: {unexpected[:8]}"
-                             f"{' ...' if len(unexpected) > 8 else ''}")
+
+
+def _read_weights(cfg: ModelConfig, read: _Checkpoint) -> Iterator[tuple[str, torch.Tensor]]:
+    """(our name, tensor) of every parameter of cfg from `read`, in the model's order; then any tensor left unread
+    that transformers does not leave out either is refused by name."""
+    for name in _expected_shapes(cfg):
+        yield name, _from_checkpoint(cfg, name, read)
+    ignored = {k for k in read.file_of if k.endswith("rotary_emb.inv_freq")}
+    ignored |= {"lm_head.weight"} if cfg.tie_embeddings else set()
+    if unexpected := sorted(set(read.file_of) - read.read_keys - ignored):
+        raise ValueError(f"the checkpoint holds tensors this model does not have: {unexpected[:8]}"
+                         f"{' ...' if len(unexpected) > 8 else ''}")
 
 
 @torch.no_grad()

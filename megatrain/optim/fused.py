@@ -3,8 +3,9 @@ bandwidth probe built with it (csrc/host_bandwidth.cpp).
 
 The build lives in a directory of its own per torch version and install, C++ ABI, Python version and sources (so
 torch installs never share a build, and checkouts never rebuild each other's), under torch's extensions root
-(TORCH_EXTENSIONS_DIR, else torch's default). Builders take an flock there, which the kernel drops when its holder
-dies: a builder killed mid-build cannot leave the next one waiting forever on torch's own lock file.
+(TORCH_EXTENSIONS_DIR, else torch's default); it must be this user's and writable by no other. Builders take an flock
+there, which the kernel drops when its holder dies: a builder killed mid-build cannot leave the next one waiting
+forever on torch's own lock file.
 
 Falls back to torch's fused AdamW (more passes over memory, same result) where no C++ compiler
 is available; `available()` says which one runs.
@@ -62,13 +63,27 @@ def _build_lock(build_dir: Path):
         yield
 
 
+def _check_private(build_dir: Path) -> None:
+    """Refuse (ValueError) a build directory, or a built library in it, that another user owns or may write: they
+    could plant the library this process loads and runs (a TORCH_EXTENSIONS_DIR shared between users)."""
+    for path in (build_dir, build_dir / f"{_NAME}.so"):
+        if not path.exists():
+            continue
+        st = path.stat()
+        if st.st_uid != os.getuid() or st.st_mode & 0o022:
+            who = f"owned by uid {st.st_uid}" if st.st_uid != os.getuid() else "writable by others"
+            raise ValueError(f"the host AdamW kernel's build {path} is {who}, so another user could plant the code "
+                             "it loads: delete it, or set TORCH_EXTENSIONS_DIR to a directory of your own")
+
+
 @functools.lru_cache(maxsize=1)
 def _module():
     from torch.utils.cpp_extension import load
 
     build_dir = build_directory()
     try:
-        build_dir.mkdir(parents=True, exist_ok=True)
+        build_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+        _check_private(build_dir)
         with _build_lock(build_dir):
             # No live builder holds torch's lock file now: it is a dead builder's, on which load() would wait forever.
             (build_dir / "lock").unlink(missing_ok=True)
@@ -85,6 +100,8 @@ def _module():
             # copies: load() appends torch's libraries to the lists it is given, which would change the key above
             return load(name=_NAME, sources=sources, build_directory=str(build_dir),
                         extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS), verbose=False)
+    except ValueError:  # _check_private's refusal: for the user to act on, not a missing compiler
+        raise
     except Exception as exc:  # no compiler or ninja: the torch path computes the same update
         warnings.warn(f"one-pass host AdamW kernel unavailable ({exc}); using torch fused AdamW", stacklevel=2)
         return None

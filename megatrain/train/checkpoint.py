@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,11 +16,16 @@ from pathlib import Path
 
 from megatrain.config import CaseConfig
 from megatrain.memory import GIB
+from megatrain.train import trust
 from megatrain.train.rundir import recover_dir, remove_dir, written_aside
 
 META_FILE = "trainer.json"  # written last: its presence marks a complete checkpoint
 HASH_BLOCK_BYTES = 2**28  # files are hashed in blocks, in parallel threads: tens of GiB in seconds, not minutes
 READ_BYTES = 2**22
+
+
+META_KEYS = ("step", "total_steps", "data_rows_consumed", "torch_rng", "train_config")  # what a resume reads
+STEP_NAME = re.compile(r"step-(\d+)")  # a checkpoint's directory; another name (a copy, step-8.bak) is not one
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -30,14 +36,28 @@ def _step(d: Path) -> int:
     return int(d.name.removeprefix("step-"))
 
 
-def save(root: Path, step: int, write_state, meta: dict, keep: int) -> Path:
+def read_meta(d: Path) -> dict:
+    """The trainer.json of checkpoint d; ValueError naming it when it is not what a checkpoint writes."""
+    path = d / META_FILE
+    try:
+        meta = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(meta, dict) or (missing := [k for k in META_KEYS if k not in meta]):
+        raise ValueError(f"{path} lacks {', '.join(missing) if isinstance(meta, dict) else 'an object'}")
+    return meta
+
+
+def save(root: Path, step: int, write_state, meta: dict, keep: int, sign: bool = False) -> Path:
     """write_state(dir) writes the system's state; meta (step, data position, RNG, config) and the files' checksums
-    go beside it. The new checkpoint is complete before the oldest of this run's beyond `keep` is deleted."""
+    go beside it, with sign (a state holding pickles) this user's HMAC of both (megatrain.train.trust). The new
+    checkpoint is complete before the oldest of this run's beyond `keep` is deleted."""
     final = step_dir(root, step)
     with written_aside(final) as tmp:
         write_state(tmp)
         names = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
-        (tmp / META_FILE).write_text(json.dumps({**meta, "files": checksums(tmp, names)}, indent=1) + "\n")
+        record = {**meta, "files": checksums(tmp, names)}
+        (tmp / META_FILE).write_text(json.dumps(trust.signed(record) if sign else record, indent=1) + "\n")
     older = [d for d in complete(root) if d != final]
     assert all(_step(d) < step for d in older), "a resume removes the checkpoints after its own"
     for d in older[:max(len(older) - (keep - 1), 0)]:
@@ -49,7 +69,8 @@ def complete(root: Path) -> list[Path]:
     """Complete checkpoints, oldest first."""
     if not root.exists():
         return []
-    return sorted((d for d in root.glob("step-*") if (d / META_FILE).exists()), key=_step)
+    return sorted((d for d in root.glob("step-*") if STEP_NAME.fullmatch(d.name) and (d / META_FILE).exists()),
+                  key=_step)
 
 
 def latest(root: Path) -> Path | None:
@@ -84,8 +105,12 @@ def checksums(d: Path, names: list[str]) -> dict[str, dict]:
 
 
 def verify(d: Path) -> str | None:
-    """What is wrong with checkpoint d (a file missing, of another size or not matching its checksum), or None."""
-    files = json.loads((d / META_FILE).read_text()).get("files")
+    """What is wrong with checkpoint d (its trainer.json unreadable, a file missing, of another size or not matching
+    its checksum), or None."""
+    try:
+        files = read_meta(d).get("files")
+    except ValueError as exc:
+        return str(exc)
     if files is None:
         return f"{d / META_FILE} has no checksums (an older megatrain wrote it)"
     for name, want in files.items():
@@ -107,8 +132,8 @@ def resume_point(root: Path, fallback: bool, log) -> tuple[Path, dict]:
         t0 = time.perf_counter()
         problem = verify(d)
         seconds = time.perf_counter() - t0
-        if seconds > 1:
-            size = sum(f["bytes"] for f in json.loads((d / META_FILE).read_text())["files"].values())
+        if seconds > 1 and problem is None:
+            size = sum(f["bytes"] for f in read_meta(d)["files"].values())
             log(f"checked {d.name}'s {size / GIB:.1f} GiB against its checksums in {seconds:.0f} s")
         if problem is None:
             break
@@ -123,7 +148,7 @@ def resume_point(root: Path, fallback: bool, log) -> tuple[Path, dict]:
     if failed:
         log(f"resuming from {d.name} (--resume-fallback): " + "; ".join(f"{bad.name} deleted, {problem}"
                                                                         for bad, problem in failed))
-    return d, json.loads((d / META_FILE).read_text())
+    return d, read_meta(d)
 
 
 def state_bytes(case: CaseConfig) -> int:

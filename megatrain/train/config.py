@@ -4,7 +4,6 @@ underscores; flags given on the command line override the file."""
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from megatrain.train.data import data_files
 from megatrain.train.lr import SCHEDULES
 from megatrain.train.report_to import check_report_to
 
+PATH_SETTINGS = ("init_from", "tokenizer", "data", "eval_data", "out", "resume")
 # the settings a resumed run keeps, each shaping its data, model or saved state; the others may change: the optimizer's
 # and the length from the resumed step on, the device, micro-batch, compile and the system's options only in rounding
 RESUME_FIXES = ("system", "init_from", "model", "tokenizer", "data", "data_split", "train_on_prompt", "shuffle", "pack",
@@ -61,6 +61,8 @@ class TrainConfig(CaseFlags):
     resume: str | None = flag(None, metavar="DIR", help="continue the run in DIR (its latest complete checkpoint)")
     resume_fallback: bool = flag(False, help="resume from the checkpoint before when the latest fails its checksums "
                                              "(deleting it)")
+    trust_checkpoint: bool = flag(False, help="resume although the checkpoint holds pickles (DeepSpeed's, FSDP's: "
+                                  "loading them runs code) that another user or machine wrote")
     overwrite: bool = flag(False, help="discard the run already in --out and start a new one (default: refuse)")
     max_nonfinite_steps: int = flag(3, metavar="K", help="stop (exit 1, no export) after K steps in a row with a "
                                     "non-finite loss or gradient norm (default {default}, 0: never)")
@@ -145,14 +147,40 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     add_flags(p, TrainConfig)
 
 
-def resumed_config(run_dir: Path) -> dict:
-    """The settings a run in run_dir was started with, from its latest complete checkpoint."""
-    from megatrain.train.checkpoint import META_FILE, latest
+def resumed_config(run_dir: Path, fallback: bool = False) -> dict:
+    """The settings a run in run_dir was started with, from its latest complete checkpoint (with fallback, the latest
+    whose trainer.json reads: the resume itself deletes those that do not)."""
+    from megatrain.train.checkpoint import complete, read_meta
 
-    found = latest(run_dir / "checkpoints")
-    if found is None:
+    found = complete(run_dir / "checkpoints")
+    if not found:
         raise ValueError(f"--resume {run_dir}: no complete checkpoint under {run_dir / 'checkpoints'}")
-    return json.loads((found / META_FILE).read_text())["train_config"]
+    for d in reversed(found):
+        try:
+            settings = read_meta(d)["train_config"]
+        except ValueError as exc:
+            if not fallback:
+                raise ValueError(f"{exc}: checkpoint {d} is damaged; --resume-fallback resumes from the one before") \
+                    from None
+            if d == found[0]:
+                raise ValueError(f"no checkpoint under {run_dir / 'checkpoints'} has a readable trainer.json ({exc}, "
+                                 "and every later one)") from None
+            continue
+        if not isinstance(settings, dict):
+            raise ValueError(f"{d / 'trainer.json'}: train_config is not an object")
+        return settings
+
+
+def _resolved(values: dict) -> dict:
+    """values with --out, --resume and every path setting that names an existing file or folder made absolute: a run
+    stores its settings, and resumes from any working directory. A value of the wrong type stays for TrainConfig to
+    refuse."""
+    def absolute(key: str, value):
+        path = Path(value).expanduser() if isinstance(value, str) else None
+        return str(path.resolve()) if path is not None and (key in ("out", "resume") or path.exists()) else value
+
+    return {k: ([absolute(k, p) for p in v] if isinstance(v, list) else absolute(k, v)) if k in PATH_SETTINGS else v
+            for k, v in values.items()}
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -162,18 +190,20 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def train_config(values: dict, config_file: str | None = None) -> TrainConfig:
     """The run's settings: the config file's, `values` (by setting name) over them, and on resume the run's own
-    beneath both (refusing a change to what the run trains, RESUME_FIXES)."""
-    values = {**file_values(TrainConfig, config_file), **values}
+    beneath both (refusing a change to what the run trains, RESUME_FIXES); paths absolute."""
+    values = _resolved({**file_values(TrainConfig, config_file), **values})
     if values.get("resume"):
-        values = _over_resumed(values, values["resume"])
+        if not isinstance(values["resume"], str):
+            raise ValueError(f"train setting resume={values['resume']!r}: expected a string (the run's directory)")
+        values = _over_resumed(values, values["resume"], values.get("resume_fallback") is True)
     try:
         return TrainConfig(**values)
     except TypeError as exc:  # a key of a checkpoint's settings this version does not have
         raise ValueError(f"bad train setting: {exc}") from None
 
 
-def _over_resumed(asked: dict, run_dir: str) -> dict:
-    resumed = resumed_config(Path(run_dir))
+def _over_resumed(asked: dict, run_dir: str, fallback: bool) -> dict:
+    resumed = _resolved(resumed_config(Path(run_dir), fallback))  # paths stored relative (an older run): as from here
     changed = [f"{k} {resumed.get(k)!r} -> {asked[k]!r}" for k in RESUME_FIXES
                if k in asked and asked[k] != resumed.get(k)]
     if changed:

@@ -15,6 +15,7 @@ as these lines (megatrain.train.datasets).
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -36,16 +37,25 @@ class Example:
 
 def data_files(paths: list[str], flag: str = "--data", split: str | None = None) -> list[Path | HFData]:
     """The files named, a folder standing for its .jsonl and .txt files (sorted), and the Hugging Face datasets named
-    (their `split`); flag names them in messages."""
+    (their `split`); flag names them in messages. Only regular files are read (a FIFO would block forever): another
+    entry of a folder is skipped with a warning, another path named is refused."""
     files: list[Path | HFData] = []
     for p in map(Path, paths):
         dataset = hf_source(p, split, flag)
         if dataset is not None:
             files.append(dataset)
         elif p.is_dir():
-            files += sorted(f for f in p.iterdir() if f.suffix in (".jsonl", ".txt"))
-        elif p.exists():
+            for f in sorted(f for f in p.iterdir() if f.suffix in (".jsonl", ".txt")):
+                if f.is_file():
+                    files.append(f)
+                else:
+                    warnings.warn(f"{flag} {p}: skipped {f.name}, not a regular file (a folder, a FIFO, a broken or "
+                                  "looping link)", stacklevel=1)  # this line's: said once however often listed
+        elif p.is_file():
             files.append(p)
+        elif p.exists() or p.is_symlink():
+            raise ValueError(f"{flag} {p} is not a regular file (a FIFO, a device, a broken or looping link): name a "
+                             "file or a folder of them")
         else:
             hub = "" if p.suffix else f" (a Hugging Face hub dataset: give its split too, {SPLIT_FLAGS[flag]} SPLIT)"
             raise ValueError(f"{flag} {p}: no such file or folder{hub}")

@@ -23,15 +23,17 @@ from megatrain.engine import distributed
 from megatrain.engine.distributed import Ranks
 from megatrain.memory import GIB, peak_host_rss_gib
 from megatrain.models.flops import model_flops
-from megatrain.models.hf import config_from_hf, iter_hf_tensors, read_hf_config, save_hf_checkpoint
+from megatrain.models.hf import INDEX_FILE, config_from_hf, iter_hf_tensors, read_hf_config, save_hf_checkpoint
 from megatrain.models.loss import IGNORE_INDEX
 from megatrain.models.registry import get_model_config
 from megatrain.preflight import preflight
-from megatrain.systems import build_system
+from megatrain.systems import build_system, system_spec
 from megatrain.tokenizer import Tokenizer
-from megatrain.train import checkpoint
+from megatrain.train import checkpoint, trust
 from megatrain.train.config import TrainConfig, check_available
 from megatrain.train.data import Rows, data_files, read_examples
+from megatrain.train.fingerprint import changed as fingerprint_change
+from megatrain.train.fingerprint import fingerprints
 from megatrain.train.lr import lr_at, schedule_notes
 from megatrain.train.report_to import Reporters
 from megatrain.train.rundir import RunDir, aside, fault, recover_dir, written_aside
@@ -41,7 +43,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json", "chat_template.jinja")
 EXPORT_SHARD_BYTES = 2**29  # the most a Hugging Face export holds in memory beyond training's own state
 EXPORT_FILE = "megatrain_export.json"  # in hf/: the step exported and the run, beside the Hugging Face files
-PER_INVOCATION = ("overwrite", "resume_fallback")  # how this command treats the directory: not the run's settings
+# how this command treats the directory and its checkpoint: not the run's settings
+PER_INVOCATION = ("overwrite", "resume_fallback", "trust_checkpoint")
 
 
 @dataclass
@@ -53,11 +56,13 @@ class Progress:
     nonfinite_steps: int = 0  # consecutive steps, up to this one, whose loss or gradient norm was not finite
 
 
-def _model(cfg: TrainConfig) -> tuple[str, object]:
-    """(label, shape or None for a registry name); the shape's family is the Hugging Face model_type of the export."""
+def _model(cfg: TrainConfig) -> tuple[str, object, dict | None]:
+    """(label, shape or None for a registry name, --init-from's config.json or None); the shape's family is the
+    Hugging Face model_type of the export, whose config.json starts from the source's."""
     if cfg.init_from:
-        return Path(cfg.init_from).name, config_from_hf(read_hf_config(cfg.init_from))
-    return cfg.model, None
+        source = read_hf_config(cfg.init_from)
+        return Path(cfg.init_from).name, config_from_hf(source), source
+    return cfg.model, None, None
 
 
 def build_case(cfg: TrainConfig, total_steps: int, label: str, shape) -> CaseConfig:
@@ -76,13 +81,18 @@ def train(cfg: TrainConfig, log=print) -> int:
     if cfg.resume and Path(cfg.resume).resolve() != out.resolve():
         raise ValueError(f"--resume {cfg.resume} continues the run in that directory, not in --out {cfg.out}: drop "
                          "--out (to branch a run, copy its directory and resume the copy)")
+    for flag, source in (("--init-from", cfg.init_from), ("--tokenizer", cfg.tokenizer)):
+        if source and not cfg.resume and Path(source).resolve().is_relative_to(out.resolve()):
+            raise ValueError(f"{flag} {source} is inside --out {cfg.out}, which a new run empties (and whose hf/ its "
+                             "export replaces): copy it out of there first, or choose another --out")
     tokenizer_dir = cfg.tokenizer or (cfg.init_from if cfg.init_from and
                                       (Path(cfg.init_from) / "tokenizer.json").exists() else None)
     tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
-    label, shape = _model(cfg)
+    label, shape, source_config = _model(cfg)
     vocab = (shape or get_model_config(cfg.model)).vocab_size
-    rows = Rows(read_examples(data_files(cfg.data, "--data", cfg.data_split), tokenizer, cfg.train_on_prompt), cfg.seq,
-                vocab, cfg.shuffle, cfg.seed, cfg.pack)
+    files = data_files(cfg.data, "--data", cfg.data_split)
+    prints = fingerprints(files)  # before reading: a file changed meanwhile reads as changed
+    rows = Rows(read_examples(files, tokenizer, cfg.train_on_prompt), cfg.seq, vocab, cfg.shuffle, cfg.seed, cfg.pack)
     eval_rows = Rows(read_examples(data_files(cfg.eval_data, "--eval-data", cfg.eval_split), tokenizer,
                                    cfg.train_on_prompt, "--eval-data"), cfg.seq, vocab, False, cfg.seed, cfg.pack,
                      "--eval-data") \
@@ -99,7 +109,8 @@ def train(cfg: TrainConfig, log=print) -> int:
     try:
         for note in notes if first else []:
             runlog(note)
-        code = _train(cfg, run, case, rows, eval_rows, total, tokenizer_dir, runlog, ranks, reporters)
+        code = _train(cfg, run, case, rows, eval_rows, total, tokenizer_dir, runlog, ranks, reporters, prints,
+                      source_config)
         return code
     except Exception as exc:  # the terminal shows it as the caller reports it; the log keeps it too
         runlog.to_file(f"error: {exc}" if isinstance(exc, ValueError) else traceback.format_exc().rstrip())
@@ -111,15 +122,21 @@ def train(cfg: TrainConfig, log=print) -> int:
             run.close()
 
 
-def _prepare(cfg: TrainConfig, run: RunDir, case, total: int, log) -> tuple:
+def _prepare(cfg: TrainConfig, run: RunDir, case, total: int, log, prints: dict) -> tuple:
     """(start step, checkpoint resumed from or None, its trainer.json, export only, run id): a resumed run's
-    leftovers recovered, what cannot run refused, the run started in --out."""
+    leftovers recovered, what cannot run refused (training data whose fingerprints `prints` differ from the run's
+    start's among them: held-out data may change), the run started in --out."""
     out = run.out
     resume_from, meta = None, {"step": 0, "data_rows_consumed": 0}
     if cfg.resume:
+        recorded = run.recorded().get("data_files")
+        if recorded is not None and (change := fingerprint_change(recorded, prints)):
+            raise ValueError(f"--resume {out}: the data changed: {change}; resuming would train other rows at the "
+                             "recorded data position: restore the file, or start a new run in another --out")
         checkpoint.recover(out / "checkpoints")
         recover_dir(out / "hf")
         resume_from, meta = checkpoint.resume_point(out / "checkpoints", cfg.resume_fallback, log)
+        trust.check_trusted(resume_from, meta, system_spec(cfg.system).pickled, cfg.trust_checkpoint)
     start = meta["step"]
     for note in schedule_notes(cfg, total, meta["total_steps"] if resume_from is not None else None):
         log(note)
@@ -131,7 +148,7 @@ def _prepare(cfg: TrainConfig, run: RunDir, case, total: int, log) -> tuple:
     export_bytes = case.model_config().num_params() * case.dtype_bytes  # the export keeps the compute dtype
     # The old export is deleted only once the new one is complete.
     checkpoint.check_disk(case, out, saves, cfg.keep, export_bytes * (1 + (out / "hf").exists()))
-    run_id = run.start(_settings(cfg))
+    run_id = run.start(_settings(cfg), data_files=prints)
     _repair_metrics(out / "metrics.jsonl", start)
     return start, resume_from, meta, export_only, run_id
 
@@ -141,13 +158,13 @@ def _silent(line: str) -> None:
 
 
 def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: int, tokenizer_dir: str | None,
-           log: RunLog, ranks: Ranks | None, reporters: Reporters) -> int:
+           log: RunLog, ranks: Ranks | None, reporters: Reporters, prints: dict, source_config: dict | None) -> int:
     """The run in --out (run None: a rank other than 0, which takes rank 0's decisions and writes nothing)."""
     out, report = Path(cfg.out), log
     first = ranks is None or ranks.first
     log = log if first else RunLog(_silent)
-    start, resume_from, meta, export_only, run_id = _prepare(cfg, run, case, total, log) if run is not None else \
-        (None,) * 5
+    start, resume_from, meta, export_only, run_id = _prepare(cfg, run, case, total, log, prints) \
+        if run is not None else (None,) * 5
     if ranks is not None:
         start, resume_from, meta, export_only, run_id = ranks.from_first((start, resume_from, meta, export_only,
                                                                            run_id))
@@ -174,28 +191,35 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
         _run_steps(cfg, system, case, rows, eval_rows, progress, total, out, run_id, log, ranks, reporters)
         if ranks is not None:  # a signal that reached any rank after the last step stops every rank alike
             progress.signal = ranks.agree(progress.signal)
-        if cfg.max_nonfinite_steps and progress.nonfinite_steps >= cfg.max_nonfinite_steps:
+        if progress.nonfinite_steps:  # the periodic save's rule: a state whose last step was not finite is kept nowhere
             last = checkpoint.latest(out / "checkpoints")
-            log(f"diverged: the loss or gradient norm was not finite for {progress.nonfinite_steps} steps in a row "
-                f"(to step {progress.step}); stopped without saving that state or exporting; the last checkpoint "
-                f"saved while training was finite: {last or 'none'}")
-            return 1
+            diverged = cfg.max_nonfinite_steps and progress.nonfinite_steps >= cfg.max_nonfinite_steps
+            n = progress.nonfinite_steps
+            log(("diverged: " if diverged else "") + f"the loss or gradient norm was not finite for {n} "
+                f"step{'s' * (n > 1)} in a row (to step {progress.step}); stopped without saving that state or "
+                f"exporting; the last checkpoint saved while training was finite: {last or 'none'}")
+            return 128 + progress.signal if progress.signal and not diverged else 1
         memory["host_peak_gib_trained"] = peak_host_rss_gib()
         if cfg.save and progress.step > start:
             t0 = time.perf_counter()
             _save(cfg, system, out, progress, total, run_id)
             memory.update(save_s=time.perf_counter() - t0, host_peak_gib_saved=peak_host_rss_gib())
         if progress.signal:
-            log(f"interrupted ({signal.Signals(progress.signal).name}): checkpoint at step {progress.step} in "
-                f"{out / 'checkpoints'}; --resume {out} continues" if cfg.save else
-                f"interrupted at step {progress.step}; no checkpoint (--no-save)")
+            if progress.step == start:  # nothing trained since the start or the resumed checkpoint: nothing saved
+                kept = f"nothing trained; {resume_from} stands, --resume {out} continues" if resume_from is not None \
+                    else "nothing trained, no checkpoint: run the same command again"
+            else:
+                kept = f"checkpoint at step {progress.step} in {out / 'checkpoints'}; --resume {out} continues" \
+                    if cfg.save else "no checkpoint (--no-save)"
+            log(f"interrupted ({signal.Signals(progress.signal).name}) at step {progress.step}: {kept}")
             return 128 + progress.signal
         t0 = time.perf_counter()
         weights = system.export_weights()  # with several ranks, every rank's part: the weights are on rank 0
         if not first:
             return 0
         with _writing(out / "hf", progress, out):
-            export_checkpoint(weights, case, out / "hf", tokenizer_dir, {"step": progress.step, "run_id": run_id})
+            export_checkpoint(weights, case, out / "hf", tokenizer_dir, {"step": progress.step, "run_id": run_id},
+                              source_config)
         memory.update(export_s=time.perf_counter() - t0, host_peak_gib_exported=peak_host_rss_gib())
         with _writing(out / "memory.json", progress, out):
             (out / "memory.json").write_text(json.dumps(memory, indent=1) + "\n")
@@ -285,17 +309,21 @@ def _evaluate(system, rows: Rows, batch: int) -> dict:
 
 @contextmanager
 def _writing(where: Path, progress: Progress, out: Path):
-    """A full disk while writing `where` ends the run with one line (exit 2): the step reached and the last
-    complete checkpoint, which is intact (checkpoints are swapped in only when complete)."""
+    """A full disk, or a place made read-only, while writing `where` ends the run with one line (exit 2): the step
+    reached and the last complete checkpoint, which is intact (checkpoints are swapped in only when complete)."""
     try:
         yield
     except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        if not full and exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
             raise
         last = checkpoint.latest(out / "checkpoints")
-        raise ValueError(f"disk full writing {where} at step {progress.step}: "
-                         + (f"the last complete checkpoint, {last}, is intact" if last else "no checkpoint yet")
-                         + f"; free space, then --resume {out}") from None
+        fix = "free space" if full else "make it writable"
+        raise ValueError(("disk full writing " if full else f"cannot write ({exc.strerror}) ") + f"{where} at step "
+                         f"{progress.step}: " + (f"the last complete checkpoint, {last}, is intact; {fix}, then "
+                                                 f"--resume {out}" if last else
+                                                 "no checkpoint to resume from (none saved yet, or --no-save): "
+                                                 f"{fix}, then train again with --overwrite")) from None
 
 
 def _append(path: Path, line: dict, progress: Progress, out: Path) -> None:
@@ -308,13 +336,25 @@ def _repair_metrics(path: Path, through_step: int) -> None:
     trained again: metrics then hold one line per step (and per held-out evaluation)."""
     if not path.exists():
         return
-    text = path.read_text()
-    kept = "".join(line for line in text[:text.rfind("\n") + 1].splitlines(keepends=True)
-                   if json.loads(line)["step"] <= through_step)
+    text = path.read_text(errors="replace")
+    lines = text[:text.rfind("\n") + 1].splitlines(keepends=True)
+    kept = "".join(line for number, line in enumerate(lines, 1) if _metrics_step(path, number, line) <= through_step)
     if kept != text:
         tmp = aside(path, "tmp")
         tmp.write_text(kept)
         os.replace(tmp, path)
+
+
+def _metrics_step(path: Path, number: int, line: str) -> int:
+    """The step of line `number` of metrics.jsonl; ValueError naming it when it is not a line a run writes."""
+    try:
+        step = json.loads(line).get("step")
+    except (json.JSONDecodeError, AttributeError):
+        step = None
+    if type(step) is not int:
+        raise ValueError(f"{path}:{number} is not a metrics line a run writes ({line.strip()[:60]!r}): delete that "
+                         "line, then resume")
+    return step
 
 
 def _settings(cfg: TrainConfig) -> dict:
@@ -329,22 +369,45 @@ def _save(cfg: TrainConfig, system, out: Path, progress: Progress, total: int, r
     meta = {"step": progress.step, "total_steps": total, "data_rows_consumed": progress.rows_consumed,
             "torch_rng": torch.get_rng_state().tolist(), "run_id": run_id, "train_config": _settings(cfg)}
     with _writing(out / "checkpoints", progress, out):
-        return checkpoint.save(out / "checkpoints", progress.step, system.save_state, meta, cfg.keep)
+        return checkpoint.save(out / "checkpoints", progress.step, system.save_state, meta, cfg.keep,
+                               sign=bool(system_spec(cfg.system).pickled))
 
 
 def _exported_step(out: Path) -> int | None:
+    """The step hf/ holds (None: no export yet); ValueError naming the file when it is not one an export writes."""
     path = out / "hf" / EXPORT_FILE
-    return json.loads(path.read_text())["step"] if path.exists() else None
+    if not path.exists():
+        return None
+    try:
+        step = json.loads(path.read_bytes()).get("step")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        step = None
+    if type(step) is not int:
+        raise ValueError(f"{path} is not what an export writes: delete it (the next export writes it again)")
+    return step
 
 
-def export_checkpoint(weights, case: CaseConfig, hf_dir: Path, tokenizer_dir: str | None, provenance: dict) -> None:
+def export_checkpoint(weights, case: CaseConfig, hf_dir: Path, tokenizer_dir: str | None, provenance: dict,
+                      source_config: dict | None = None) -> None:
     """The weights (a system's export_weights) as a Hugging Face checkpoint with the tokenizer files, written aside
-    and swapped in whole."""
-    dtype = case.torch_dtype
+    and swapped in whole; its config.json starts from source_config (the checkpoint's trained from), if any."""
     with written_aside(hf_dir) as tmp:
-        save_hf_checkpoint(weights, case.model_config(), tmp,
-                           max_shard_bytes=EXPORT_SHARD_BYTES, dtype=dtype)
+        save_hf_checkpoint(weights, case.model_config(), tmp, max_shard_bytes=EXPORT_SHARD_BYTES,
+                           dtype=case.torch_dtype, source_config=source_config)
         for name in TOKENIZER_FILES if tokenizer_dir else ():
             if (Path(tokenizer_dir) / name).exists():
                 shutil.copy(Path(tokenizer_dir) / name, tmp / name)
         (tmp / EXPORT_FILE).write_text(json.dumps(provenance) + "\n")
+        _keep_others(hf_dir, tmp)
+
+
+def _keep_others(old: Path, new: Path) -> None:
+    """Carry into the new export, as hard links, what no export writes that someone put in the old one (a README, a
+    model card): the swap would delete it."""
+    ours = {"config.json", INDEX_FILE, EXPORT_FILE, *TOKENIZER_FILES}
+    for entry in sorted(old.iterdir()) if old.is_dir() else ():
+        if entry.name not in ours and entry.suffix != ".safetensors" and not (new / entry.name).exists():
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.copytree(entry, new / entry.name, symlinks=True, copy_function=os.link)
+            else:
+                os.link(entry, new / entry.name, follow_symlinks=False)

@@ -21,11 +21,13 @@ RUN_ENTRIES = {RUN_FILE, f".{RUN_FILE}.tmp", LOCK_FILE, TRASH, "metrics.jsonl", 
 
 
 def fault(point: str) -> None:
-    """Test hook: MEGATRAIN_FAULT=point kills this process there with SIGKILL (no handler runs). Points:
-    written-NAME (the new NAME complete aside, nothing renamed) and swap-NAME (the old NAME moved aside, the new one
-    not yet renamed in), NAME being step-N or hf; rank-R-step-N (under torchrun, rank R once it trained step N)."""
-    if os.environ.get("MEGATRAIN_FAULT") == point:
-        os.kill(os.getpid(), signal.SIGKILL)
+    """Test hook: MEGATRAIN_FAULT=point kills this process there with SIGKILL (no handler runs), and
+    MEGATRAIN_FAULT=stop-point stops it (SIGSTOP: alive, answering no one). Points: written-NAME (the new NAME
+    complete aside, nothing renamed) and swap-NAME (the old NAME moved aside, the new one not yet renamed in), NAME
+    being step-N or hf; rank-R-step-N (under torchrun, rank R once it trained step N)."""
+    asked = os.environ.get("MEGATRAIN_FAULT")
+    if asked in (point, f"stop-{point}"):
+        os.kill(os.getpid(), signal.SIGKILL if asked == point else signal.SIGSTOP)
 
 
 def aside(final: Path, kind: str) -> Path:
@@ -110,6 +112,10 @@ class RunDir:
             raise ValueError(f"--out {out} is in use by another train process: wait for it to end, or choose "
                              "another --out") from None
         entries = sorted(p for p in out.iterdir() if p.name != LOCK_FILE)
+        if not resume and {p.name for p in entries} <= {RUN_FILE, f".{RUN_FILE}.tmp"}:
+            for entry in entries:  # a run that stopped before its first step: nothing of it to keep
+                entry.unlink()
+            entries = []
         if resume or not entries:
             return
         if not overwrite:
@@ -128,18 +134,33 @@ class RunDir:
                 entry.rename(trash / entry.name)
         shutil.rmtree(trash)
 
-    def start(self, settings: dict) -> str:
-        """The run's id: recorded in run.json by a new run (with its creation time and settings), read on resume."""
+    def recorded(self) -> dict:
+        """run.json as the run's start wrote it ({} before a run started here, or from before run.json existed)."""
+        path = self.out / RUN_FILE
+        if not path.exists():
+            return {}
+        try:
+            record = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not valid JSON ({exc}): the run's identity is lost; start a new run in "
+                             "another --out") from None
+        if not isinstance(record, dict) or not isinstance(record.get("run_id"), str):
+            raise ValueError(f"{path} holds no run_id: start a new run in another --out")
+        return record
+
+    def start(self, settings: dict, **facts) -> str:
+        """The run's id: recorded in run.json by a new run (with its creation time, settings and `facts`), read on
+        resume."""
         path = self.out / RUN_FILE
         if not path.exists():  # a new run, or one from before run.json existed
             text = json.dumps(settings, sort_keys=True)
             record = {"run_id": uuid.uuid4().hex, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                      "settings_sha256": hashlib.sha256(text.encode()).hexdigest(), "settings": settings}
+                      "settings_sha256": hashlib.sha256(text.encode()).hexdigest(), "settings": settings, **facts}
             tmp = aside(path, "tmp")
             tmp.write_text(json.dumps(record, indent=1) + "\n")
             os.replace(tmp, path)
         self.started = True
-        return json.loads(path.read_text())["run_id"]
+        return self.recorded()["run_id"]
 
     def close(self) -> None:
         """Release the lock; a directory this process created for a run that never started is removed."""

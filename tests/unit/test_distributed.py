@@ -4,10 +4,15 @@ state, and a rank that dies leaves the last checkpoint to resume from. CPU only;
 
 import json
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
+import types
 
 import pytest
 import torch
@@ -15,7 +20,7 @@ from safetensors.torch import load_file
 from train_helpers import LR, ROOT, hf_model, metrics, pretokenized, run_train, train_args
 
 from megatrain.engine.config import EngineConfig
-from megatrain.engine.distributed import Ranks, per_rank
+from megatrain.engine.distributed import RANK_TIMEOUT_ENV, RankLost, Ranks, per_rank
 from megatrain.engine.host_optimizer import HostOptimizer
 from megatrain.engine.plan import GPU_RESERVE_BYTES, PROCESS_OVERHEAD_BYTES, check_fits, plan_memory
 from megatrain.engine.store import HostStore
@@ -166,6 +171,52 @@ def test_a_dead_rank_stops_the_run_and_its_resume_is_bitwise_the_uninterrupted_o
     assert all(torch.equal(a, b) for a, b in zip(_weights(cut).values(), _weights(straight).values(), strict=True))
     _ok(torchrun(3, ["train", "--resume", other_n]))  # one copy of the state: any number of ranks resumes it
     _assert_close_runs(other_n, straight)
+
+
+@pytest.mark.subprocess
+def test_a_stopped_rank_ends_the_run_in_one_line_naming_it_within_the_rank_timeout(one_process, monkeypatch):
+    """SIGSTOP: alive, holding its sockets, answering no one; the other rank waited forever (its share of an update)
+    or 30 minutes (a collective)."""
+    init, data, root = one_process
+    out = root / "stopped"
+    monkeypatch.setenv(RANK_TIMEOUT_ENV, "5")
+    proc = launch(["--nproc-per-node", "2"], train_args(init, data, out, steps=6, extra=SAVES),
+                  fault="stop-rank-1-step-3")
+    try:
+        t0 = time.monotonic()
+        line = next((line for line in proc.stderr if line.startswith("error: ")), "")
+        took_s = time.monotonic() - t0
+        stopped = re.search(r"rank 1 \(pid (\d+), stopped\)", line)
+        assert stopped, line
+        os.kill(int(stopped[1]), signal.SIGKILL)  # as whoever stopped it would, so that torchrun ends now
+        assert proc.wait(timeout=120) != 0
+    finally:
+        proc.kill()
+    assert took_s < 60, "five seconds of waiting, the rest starting up"
+    assert f"its last complete checkpoint {out / 'checkpoints' / 'step-2'} is intact" in line
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2"]
+
+
+def test_the_wait_for_a_stopped_ranks_share_of_an_update_is_bounded_and_names_it():
+    from megatrain.engine.shared_store import ShardedHostOptimizer
+
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        os.kill(other.pid, signal.SIGSTOP)
+        waiting = ShardedHostOptimizer.__new__(ShardedHostOptimizer)  # the wait alone: no store, no worker
+        done = threading.Event()
+        done.set()
+        waiting.done, waiting._error, waiting.skip, waiting.submitted, waiting.limit_s = [done], None, set(), 1, 0.3
+        waiting.store = types.SimpleNamespace(updates=torch.tensor([[1], [0]]), pids=torch.tensor([os.getpid(),
+                                                                                                    other.pid]))
+        t0 = time.monotonic()
+        with pytest.raises(RankLost, match=rf"local rank 1 \(pid {other.pid}, stopped\) has not done its share of "
+                                           rf"unit 0's update in 0.3 s \({RANK_TIMEOUT_ENV}\)"):
+            waiting.wait(0)
+        assert time.monotonic() - t0 < 5
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_shards_tile_each_unit_in_aligned_pieces_and_the_last_rank_takes_the_rest():

@@ -4,6 +4,8 @@ CPU with a C++ compiler and ninja; the slow test builds the kernel once (~30 s, 
 pytest tests/unit/test_fused_build.py
 """
 
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -66,5 +68,25 @@ def test_loading_leaves_the_build_directory_where_it_was(tmp_path, monkeypatch):
         before = fused.build_directory()
         assert fused.available()
         assert fused.build_directory() == before
+    finally:
+        fused._module.cache_clear()
+
+
+@pytest.mark.parametrize("unsafe", ["writable by others", "owned by uid"])
+def test_a_build_another_user_could_plant_code_in_is_refused(tmp_path, monkeypatch, unsafe):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # shared: a /tmp, a group's scratch
+    build_dir = fused.build_directory()
+    build_dir.mkdir()
+    if unsafe == "writable by others":
+        build_dir.chmod(0o777)
+    elif os.getuid() == 0:
+        os.chown(build_dir, 65534, 65534)
+    else:
+        pytest.skip("only root can give a directory to another user")
+    fused._module.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=f"build {re.escape(str(build_dir))} is {unsafe}.*TORCH_EXTENSIONS_DIR"):
+            fused.available()
+        assert list(build_dir.iterdir()) == [], "nothing was built or loaded there"
     finally:
         fused._module.cache_clear()

@@ -108,6 +108,22 @@ def test_transformers_loads_our_checkpoint(tmp_path, name, max_shard_bytes):
     assert_same_logits(hf, ours, cfg.vocab_size, seq=4 * ORIGINAL)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_export_of_a_checkpoint_keeps_its_config_whole(tmp_path, kind):
+    """Token ids, generation and tokenizer settings and keys we never read come back as the source had them (they
+    came back as transformers' defaults: Llama's bos/eos 1/2, Qwen3's None); only the dtype is the export's."""
+    model = hf_model(kind, tied=False)
+    model.config.update({"bos_token_id": 100, "eos_token_id": [101, 102], "pad_token_id": 103, "megatrain_test": 1})
+    model.save_pretrained(tmp_path / "source")
+    source = json.loads((tmp_path / "source" / "config.json").read_text())
+    cfg, weights = load_hf_checkpoint(tmp_path / "source")
+    save_hf_checkpoint(weights, cfg, tmp_path / "export", dtype=torch.bfloat16, source_config=source)
+    exported = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert exported == {**source, "dtype": "bfloat16", "torch_dtype": "bfloat16"}
+    loaded = transformers.AutoConfig.from_pretrained(tmp_path / "export")
+    assert (loaded.bos_token_id, loaded.eos_token_id, loaded.pad_token_id) == (100, [101, 102], 103)
+
+
 def test_save_from_plain_dict_in_bf16_round_trips(tmp_path):
     cfg = get_model_config("tiny")
     model = Transformer(cfg)

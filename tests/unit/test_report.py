@@ -12,16 +12,19 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import warnings
 
 import matplotlib.pyplot as plt
+import pandas as pd
 import pytest
 
 from megatrain.analysis import headline, plots, tables
-from megatrain.analysis.report import write_report
+from megatrain.analysis.report import html_table, write_report
 from megatrain.bench.env import WORKSPACE
 from megatrain.bench.record import Record, append_jsonl
 from megatrain.bench.suite import SUITES_DIR, read_suite_records
+from megatrain.cli import main
 from megatrain.config import CaseConfig
 from megatrain.models.flops import model_flops, paper_flops
 from megatrain.models.registry import get_model_config
@@ -301,6 +304,80 @@ def test_report_skips_a_corrupt_line_and_says_where(tmp_path):
     with pytest.warns(UserWarning, match=r"records\.jsonl:10: skipped"):
         page = write_report(results, tmp_path / "report")
     assert "Summary" in page.read_text()
+
+
+PAYLOAD = "<img src=x onerror=alert(1)>'\""  # markup in a record string: shown as text, never run
+
+
+def test_every_record_string_reaches_the_page_escaped(tmp_path):
+    results = tmp_path / "results"
+    made = [_record("megatrain", 2, 1.0, device="cpu", suite="smoke"),
+            _record("native", 2, 0, status="error", device="cpu", suite="smoke")]
+    records = [json.loads(json.dumps(r)) for r in made]  # copies: a record's env is the process's one cached dict
+    for r in records:
+        r["suite"].update(label=f"{r['system']}-{PAYLOAD}", group=PAYLOAD, command=PAYLOAD, name=PAYLOAD)
+        r["env"].update(gpu=PAYLOAD, cpu=PAYLOAD, commit=PAYLOAD, torch=PAYLOAD)
+        r.update(error=PAYLOAD, stderr_tail=PAYLOAD, reconstructed=PAYLOAD)
+        append_jsonl(results / "records.jsonl", r)
+    page = write_report(results, tmp_path / "report").read_text()
+    assert "<img src=x" not in page and "&lt;img src=x onerror=alert(1)&gt;" in page
+    assert "<img src='" in page, "the figures are still there"
+    table = html_table(pd.DataFrame({"status": [PAYLOAD, "ok"], "our status": ["ok", PAYLOAD]}))
+    assert "<img src=x" not in table and PAYLOAD.replace("<", "&lt;")[:20] in table and "class='text ok'" in table
+    sentence = headline.headline("smoke", tables.records_frame(records).assign(label=PAYLOAD), tmp_path).sentence
+    assert "<img src=x" not in sentence and "<b>" in sentence
+
+
+@pytest.mark.parametrize("damage, says", [
+    (lambda r: r["suite"].pop("run_id"), "lacks suite.run_id"),
+    (lambda r: r.pop("status"), "lacks status"),
+    (lambda r: r.pop("env"), "lacks env"),
+    (lambda r: r["env"].pop("commit"), "lacks env.commit"),
+    (lambda r: r.update(status=PAYLOAD), "has status"),
+    (lambda r: r.update(batch="two"), "has batch \"two\", not an integer"),
+    (lambda r: r["suite"].update(case_id="../../x"), "has suite.run_id"),
+])
+def test_a_record_the_runner_and_report_cannot_read_is_skipped_naming_file_and_line(tmp_path, damage, says):
+    path = tmp_path / "records.jsonl"
+    for r in _records():
+        append_jsonl(path, r)
+    bad = json.loads(json.dumps(_record("native", 16, 100.0)))  # a copy: its env is the process's one cached dict
+    damage(bad)
+    append_jsonl(path, bad)
+    with pytest.warns(UserWarning, match=rf"records\.jsonl:10: skipped a line that is a record that {says}"):
+        assert len(read_suite_records(path)) == 9
+
+
+def test_a_results_folder_with_unreadable_records_still_reports_and_says_where_in_one_line(tmp_path, capsys,
+                                                                                           monkeypatch):
+    results = tmp_path / "results"
+    for r in _records():
+        append_jsonl(results / "records.jsonl", r)
+    append_jsonl(results / "records.jsonl", {**_record("native", 16, 100.0), "status": None})
+    with pytest.warns(UserWarning, match=r"records\.jsonl:10: skipped"):
+        assert "Summary" in write_report(results, tmp_path / "report").read_text()
+    (results / "records.jsonl").write_text(json.dumps({**_record("native", 16, 100.0), "env": None}) + "\n")
+    # printed as outside pytest, which records warnings instead
+    monkeypatch.setattr(warnings, "showwarning", lambda message, category, filename, lineno, file=None, line=None:
+                        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line)))
+    assert main(["report", str(results), "--out", str(tmp_path / "again")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"warning: {results / 'records.jsonl'}:1: skipped a line that is a record that has env null, " \
+        "not an object"
+    assert len(err) == 2 and err[1].startswith("error: no suite record in"), err
+
+
+def test_random_bytes_for_records_are_skipped_line_by_line(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "records.jsonl").write_bytes(b"\xc0\xff" + bytes(range(256)) * 4)
+    with pytest.warns(UserWarning, match=r"records\.jsonl:1: skipped a line that is not UTF-8"):
+        with pytest.raises(ValueError, match="no suite record in .* can be read"):
+            write_report(results, tmp_path / "report")
+    for r in _records():
+        append_jsonl(results / "records.jsonl", r)
+    with pytest.warns(UserWarning):
+        assert "Summary" in write_report(results, tmp_path / "report").read_text()
 
 
 def test_a_run_id_written_as_a_number_reads_as_a_string(tmp_path):

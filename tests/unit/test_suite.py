@@ -315,3 +315,25 @@ def test_the_trace_sums_the_pss_of_every_process_of_the_case(tmp_path):
     summary = sampler.stop()
     child.wait()
     assert summary["node_processes"] >= 2 and summary["peak_node_pss_gib"] >= len(held) / 2**30
+
+
+def test_a_run_resumes_only_on_the_same_code_uncommitted_changes_included(tmp_path, monkeypatch):
+    """A checkout with uncommitted changes: the runner resumes the run of these very changes, not of others."""
+    from megatrain.bench import env
+
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "code.py").write_text("x = 1\n")
+    subprocess.run(["git", "-C", str(tmp_path), "add", "code.py"], check=True)
+    subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c"],
+                   check=True)
+    monkeypatch.delenv("MEGATRAIN_COMMIT", raising=False)
+    monkeypatch.setattr(env, "CHECKOUT", tmp_path)
+    clean = {"commit": env.git_commit()[0], "dirty": False, "diff_sha256": env.git_diff_sha256()}
+    assert env.same_code(clean) and clean["diff_sha256"] is None
+    (tmp_path / "code.py").write_text("x = 2\n")
+    edited = {**clean, "dirty": True, "diff_sha256": env.git_diff_sha256()}
+    assert not env.same_code(clean), "a run of the clean tree does not resume under uncommitted changes"
+    assert env.same_code(edited)
+    (tmp_path / "code.py").write_text("x = 3\n")
+    assert not env.same_code(edited), "nor a run of other uncommitted changes"
+    assert not env.same_code({**edited, "diff_sha256": None}), "changes that cannot be read match nothing"

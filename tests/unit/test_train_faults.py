@@ -3,7 +3,6 @@ checksum with a fallback, SIGTERM, divergence, torn metrics, bad or full disks (
 kill -9 at named points (MEGATRAIN_FAULT). CPU, about a minute; the ones marked subprocess spawn python -m megatrain:
 pytest tests/unit/test_train_faults.py"""
 
-import ctypes
 import errno
 import json
 import math
@@ -13,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 
 import pytest
 
@@ -27,6 +25,7 @@ from train_helpers import (  # noqa: E402
     metrics,
     pretokenized,
     run_train,
+    tmpfs,
     train_args,
 )
 
@@ -171,6 +170,38 @@ def test_resume_takes_the_recorded_data_position(straight, tmp_path, monkeypatch
     assert firsts == [7, 11]
 
 
+def test_a_resume_refuses_data_that_changed_since_the_run_started(straight, tmp_path, capsys):
+    init, data, _, _ = straight
+    mine = tmp_path / "data.jsonl"
+    shutil.copy(data, mine)
+    out = tmp_path / "run"
+    assert run_train(init, mine, out, steps=2, extra=SAVES) == 0
+    original, stat = mine.read_bytes(), mine.stat()
+    lines = original.splitlines(keepends=True)
+    mine.write_bytes(lines[1] + lines[0] + b"".join(lines[2:]))  # other rows at the recorded position, same size
+    assert _resume(out, "--steps", "3") == 2
+    assert f"the data changed: {mine} holds other bytes than when the run started (the same number)" in _error(capsys)
+    mine.write_bytes(original)
+    assert _resume(out, "--steps", "3") == 2
+    assert "was modified since the run started (its size and sampled blocks are the same" in _error(capsys)
+    os.utime(mine, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert _resume(out, "--steps", "3") == 0
+
+
+def test_a_run_started_with_relative_paths_resumes_from_anywhere(straight, tmp_path, monkeypatch):
+    init, data, _, _ = straight
+    shutil.copytree(init, tmp_path / "init")
+    shutil.copy(data, tmp_path / "data.jsonl")
+    monkeypatch.chdir(tmp_path)
+    assert run_train("init", "data.jsonl", "run", steps=2, extra=SAVES) == 0
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert _resume(tmp_path / "run", "--steps", "3") == 0
+    (tmp_path / "run").rename(tmp_path / "moved")
+    assert _resume(tmp_path / "moved", "--steps", "4") == 0 and len(metrics(tmp_path / "moved")) == 4
+
+
 def test_a_resume_with_nothing_to_train_or_into_another_out_is_refused(straight, tmp_path, capsys):
     out = tmp_path / "run"
     shutil.copytree(straight[3], out)
@@ -192,20 +223,37 @@ def test_a_diverging_run_stops_with_its_last_finite_checkpoint_and_no_export(str
     (kept,) = _entries(out / "checkpoints")
     last = lines[int(kept.removeprefix("step-")) - 1]
     assert math.isfinite(last["loss"]) and math.isfinite(last["grad_norm"])
-    assert run_train(init, data, tmp_path / "on", steps=12, extra=["--lr", "1e3", "--max-nonfinite-steps", "0"]) == 0
+    on = tmp_path / "on"
+    assert run_train(init, data, on, steps=12, extra=["--lr", "1e3", "--max-nonfinite-steps", "0"]) == 1
+    assert len(metrics(on)) == 12 and not (on / "hf").exists(), "never stopped, and its end kept nowhere"
 
 
-@contextmanager
-def _tmpfs(path, options: str, read_only: bool = False):
-    """A tmpfs mounted at path (root, where the sandbox allows it); skips the test otherwise."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    path.mkdir()
-    if libc.mount(b"tmpfs", str(path).encode(), b"tmpfs", int(read_only), options.encode()) != 0:
-        pytest.skip(f"mounting a tmpfs is not permitted here ({os.strerror(ctypes.get_errno())})")
-    try:
-        yield path
-    finally:
-        libc.umount2(str(path).encode(), 2)  # MNT_DETACH
+@pytest.mark.filterwarnings("ignore:.*update skipped:UserWarning")
+def test_a_run_ending_on_a_non_finite_step_keeps_its_last_good_checkpoint_and_export(straight, tmp_path, capsys):
+    out = tmp_path / "nf"
+    shutil.copytree(straight[3], out)  # 8 good steps, exported
+    assert _resume(out, "--steps", "10", "--lr", "1e30", "--keep", "1") == 1
+    assert "not finite for 1 step in a row (to step 10); stopped without saving" in capsys.readouterr().err
+    assert not math.isfinite(metrics(out)[-1]["loss"]), "the last step was not finite"
+    assert _entries(out / "checkpoints") == ["step-4", "step-6", "step-8"] and _exported_step(out) == 8
+
+
+def test_an_init_from_inside_out_is_refused_before_anything_is_deleted(straight, tmp_path, capsys):
+    _, data, _, done = straight
+    out = tmp_path / "run"
+    shutil.copytree(done, out)
+    assert run_train(out / "hf", data, out, steps=2, extra=["--overwrite"]) == 2
+    assert "is inside --out" in _error(capsys) and _exported_step(out) == 8
+
+
+def test_files_no_export_writes_stay_in_hf_across_exports(straight, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(straight[3], out)
+    (out / "hf" / "README.md").write_text("# my model\n")
+    (out / "hf" / "eval").mkdir()
+    (out / "hf" / "eval" / "scores.json").write_text("{}")
+    assert _resume(out, "--steps", "9") == 0 and _exported_step(out) == 9
+    assert (out / "hf" / "README.md").read_text() == "# my model\n" and (out / "hf" / "eval" / "scores.json").exists()
 
 
 def test_an_out_that_cannot_hold_a_run_is_refused_in_one_line(straight, tmp_path, capsys):
@@ -215,13 +263,13 @@ def test_an_out_that_cannot_hold_a_run_is_refused_in_one_line(straight, tmp_path
     assert run_train(init, data, "/proc/megatrain-run", steps=1) == 2
     line = _error(capsys)
     assert "cannot write there" in line and "GiB" not in line
-    with _tmpfs(tmp_path / "ro", "size=1m", read_only=True) as ro:
+    with tmpfs(tmp_path / "ro", "size=1m", read_only=True) as ro:
         assert run_train(init, data, ro / "run", steps=1) == 2 and "Read-only file system" in _error(capsys)
 
 
 def test_a_full_disk_mid_run_ends_in_one_line_and_the_run_resumes(straight, tmp_path, capsys):
     init, data, losses, _ = straight
-    with _tmpfs(tmp_path / "disk", "size=8m") as disk:
+    with tmpfs(tmp_path / "disk", "size=8m") as disk:
         out, filler = disk / "run", disk / "filler"
 
         def fill():
@@ -242,6 +290,39 @@ def test_a_full_disk_mid_run_ends_in_one_line_and_the_run_resumes(straight, tmp_
         assert _entries(out / "checkpoints") == ["step-2"], "the partial checkpoint is deleted"
         filler.unlink()
         assert _resume(out) == 0 and _losses_once_each(out) == losses
+
+
+def _fill(path, leave_bytes: int = 0) -> None:
+    """Fill the disk under path, then free leave_bytes of it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, bytes(2**16)):
+            pass
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    finally:
+        os.ftruncate(fd, max(os.fstat(fd).st_size - leave_bytes, 0))
+        os.close(fd)
+
+
+@pytest.mark.parametrize("saves", [True, False])
+def test_a_full_disk_during_the_export_ends_in_one_line(straight, tmp_path, capsys, saves):
+    init, data, _, done = straight
+    size = lambda d: sum(f.stat().st_size for f in d.rglob("*") if f.is_file())  # noqa: E731
+    room = (size(done / "checkpoints" / "step-8") if saves else 0) + size(done / "hf") // 2
+    with tmpfs(tmp_path / "disk", "size=8m") as disk:
+        out = disk / "run"
+        with pytest.MonkeyPatch.context() as mp:  # room for the last step's metrics and checkpoint, not the export
+            at_step(mp, 2, lambda: _fill(disk / "filler", leave_bytes=room))
+            assert run_train(init, data, out, steps=2, extra=[] if saves else ["--no-save"]) == 2
+        line = _error(capsys)
+        assert f"disk full writing {out / 'hf'} at step 2" in line
+        if not saves:
+            assert "no checkpoint to resume from (none saved yet, or --no-save)" in line
+            return
+        assert "step-2, is intact" in line and not (out / "hf").exists()
+        (disk / "filler").unlink()
+        assert _resume(out) == 0 and _exported_step(out) == 2
 
 
 def _killed(args, fault):

@@ -128,7 +128,7 @@ def started(tmp_path, data, monkeypatch):
     a checkpoint's meta keeps them)."""
     saved = json.loads(json.dumps(dataclasses.asdict(TrainConfig(model="tiny", data=[str(data)], steps=4,
                                                                  out=str(tmp_path / "run")))))
-    monkeypatch.setattr(train_config, "resumed_config", lambda run_dir: dict(saved))
+    monkeypatch.setattr(train_config, "resumed_config", lambda run_dir, fallback=False: dict(saved))
     return tmp_path / "run"
 
 

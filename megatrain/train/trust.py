@@ -1,0 +1,79 @@
+"""Whether `train --resume` may load a checkpoint whose format can run code (a pickle: DeepSpeed's `*.pt`, torch
+distributed checkpoint's `.metadata`): only if this user wrote it on this machine, or with --trust-checkpoint.
+
+A checkpoint of such a system carries in its trainer.json an HMAC-SHA256, under a key of this user's, of the rest of
+trainer.json, which holds the checksum of every file: a checkpoint copied from elsewhere, or edited (its checksums
+recomputed), fails it. The key is 32 random bytes made on first use in the user's config directory
+($XDG_CONFIG_HOME/megatrain/checkpoint.key, else ~/.config/megatrain/checkpoint.key), readable by this user only.
+Formats that cannot run code (our raw tiles, safetensors, `torch.load(weights_only=True)`) need no key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+from pathlib import Path
+
+KEY_FILE = "checkpoint.key"
+SIGNATURE = "hmac_sha256"  # the key of trainer.json that holds the HMAC of the rest of it
+
+
+def key_path() -> Path:
+    """The user's checkpoint key: $XDG_CONFIG_HOME/megatrain/checkpoint.key, else under ~/.config."""
+    config = os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config"
+    return Path(config) / "megatrain" / KEY_FILE
+
+
+def _key(create: bool) -> bytes | None:
+    """The user's key (made, with create, if there is none yet); ValueError for a key another user could have read
+    or written, which proves nothing."""
+    path = key_path()
+    if not path.exists() and create:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # another train process made it meanwhile: that one is the key
+            pass
+        else:
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(32))
+    if not path.exists():
+        return None
+    st = path.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise ValueError(f"{path}, the key that proves a checkpoint was written here, must be this user's and "
+                         f"readable by no one else (owner uid {st.st_uid}, mode {st.st_mode & 0o777:o}): "
+                         f"chown it to yourself and chmod 600 it, or delete it (checkpoints it signed then need "
+                         "--trust-checkpoint)")
+    return path.read_bytes()
+
+
+def _digest(key: bytes, meta: dict) -> str:
+    body = json.dumps({k: v for k, v in meta.items() if k != SIGNATURE}, sort_keys=True, separators=(",", ":"))
+    return hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
+
+
+def signed(meta: dict) -> dict:
+    """trainer.json's content `meta` (its file checksums included) with this user's HMAC of it."""
+    return {**meta, SIGNATURE: _digest(_key(create=True), meta)}
+
+
+def check_trusted(checkpoint: Path, meta: dict, pickled: tuple[str, ...], trust: bool) -> None:
+    """Refuse (ValueError) to load a checkpoint whose files include pickles (`pickled`: glob patterns relative to
+    it) unless its trainer.json `meta` carries this user's HMAC, every such file among its checksummed ones, or
+    `trust` (--trust-checkpoint) says to load it anyway."""
+    if not pickled or trust:
+        return
+    found = sorted(p.relative_to(checkpoint).as_posix() for pattern in pickled for p in checkpoint.glob(pattern))
+    key, signature = _key(create=False), meta.get(SIGNATURE)
+    if key is not None and isinstance(signature, str) and hmac.compare_digest(signature, _digest(key, meta)) \
+            and set(found) <= set(meta.get("files") or {}):
+        return
+    first = checkpoint / (found[0] if found else pickled[0])
+    why = "it carries no signature" if signature is None else f"its signature is not this user's key's ({key_path()})"
+    raise ValueError(f"{first} is a pickle, and loading it runs whatever code it holds; this checkpoint was not "
+                     f"written by this user on this machine, or was changed since ({why}): pass --trust-checkpoint "
+                     "to load it if you trust whoever made it")

@@ -1,0 +1,123 @@
+"""A resume loads a checkpoint in a format that can run code (pickles) only if this user wrote it here, else only
+with --trust-checkpoint; formats that cannot run code need no key. CPU, seconds (the DeepSpeed and FSDP ones spawn a
+process each, about a minute): pytest tests/unit/test_trust.py"""
+
+import dataclasses
+import hashlib
+import json
+import os
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from train_helpers import hf_model, pretokenized, run_train, train_any  # noqa: E402
+
+from baselines import native  # noqa: E402
+from megatrain import systems  # noqa: E402
+from megatrain.cli import main  # noqa: E402
+from megatrain.train import trust  # noqa: E402
+
+# native's own state is read with weights_only=True; registered under this name, its .pt files count as pickles
+PICKLING = dataclasses.replace(native.SPEC, pickled=("*.pt",))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trust")
+    return hf_model("qwen2", root / "init"), pretokenized(root / "data.jsonl", rows=8)
+
+
+@pytest.fixture
+def pickling(monkeypatch):
+    monkeypatch.setitem(systems.SYSTEMS, "pickling", f"{__name__}:PICKLING")
+
+
+def _another_user(monkeypatch, tmp_path):
+    """This process as a user of another key (a copy of the run directory on another account or machine)."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "elsewhere"))
+
+
+def _error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (line,) = [line for line in err.splitlines() if line.startswith("error: ")]
+    return line
+
+
+def test_a_pickle_checkpoint_written_here_resumes_and_from_elsewhere_needs_trust_checkpoint(files, tmp_path, pickling,
+                                                                                          monkeypatch, capsys):
+    init, data = files
+    out = tmp_path / "run"
+    assert run_train(init, data, out, system="pickling", steps=2) == 0
+    meta = json.loads((out / "checkpoints" / "step-2" / "trainer.json").read_text())
+    assert trust.SIGNATURE in meta and oct(trust.key_path().stat().st_mode & 0o777) == "0o600"
+    assert main(["train", "--resume", str(out), "--steps", "3"]) == 0, "written by this user here: no flag needed"
+    _another_user(monkeypatch, tmp_path)
+    assert main(["train", "--resume", str(out), "--steps", "4"]) == 2
+    line = _error(capsys)
+    assert "step-3/native_state.pt is a pickle" in line and "--trust-checkpoint" in line
+    assert not trust.key_path().exists(), "a refusal makes no key"
+    assert main(["train", "--resume", str(out), "--steps", "4", "--trust-checkpoint"]) == 0
+
+
+def test_a_pickle_swapped_in_with_its_checksum_recomputed_is_refused(files, tmp_path, pickling, capsys):
+    init, data = files
+    out = tmp_path / "run"
+    assert run_train(init, data, out, system="pickling", steps=2) == 0
+    step = out / "checkpoints" / "step-2"
+    evil = step / "native_state.pt"
+    evil.write_bytes(evil.read_bytes() + b"\0")  # anything: the checksums are plain sha256 anyone can recompute
+    meta = json.loads((step / "trainer.json").read_text())
+    meta["files"]["native_state.pt"] = {"bytes": evil.stat().st_size,
+                                        "sha256": [hashlib.sha256(evil.read_bytes()).hexdigest()]}
+    (step / "trainer.json").write_text(json.dumps(meta))
+    assert main(["train", "--resume", str(out), "--steps", "3"]) == 2
+    assert "its signature is not this user's key's" in _error(capsys)
+
+
+def test_a_pickle_planted_beside_a_signed_checkpoint_is_refused(files, tmp_path, pickling, capsys):
+    init, data = files
+    out = tmp_path / "run"
+    assert run_train(init, data, out, system="pickling", steps=2) == 0
+    step = out / "checkpoints" / "step-2"
+    (step / "extra.pt").write_bytes((step / "native_state.pt").read_bytes())  # in no checksum, so in no signature
+    assert main(["train", "--resume", str(out), "--steps", "3"]) == 2
+    assert "step-2/extra.pt is a pickle" in _error(capsys)
+
+
+def test_formats_that_cannot_run_code_resume_from_anyone_and_need_no_key(files, tmp_path, monkeypatch):
+    init, data = files
+    runs = {system: tmp_path / system for system in ("megatrain", "native")}
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "writer"))
+    for system, out in runs.items():
+        assert run_train(init, data, out, system=system, steps=2) == 0
+    assert not trust.key_path().exists(), "raw tiles and weights_only=True need no signature"
+    _another_user(monkeypatch, tmp_path)
+    for out in runs.values():
+        assert main(["train", "--resume", str(out), "--steps", "3"]) == 0
+    assert not trust.key_path().exists()
+
+
+def test_a_key_others_can_read_is_refused(files, tmp_path, pickling, monkeypatch, capsys):
+    init, data = files
+    _another_user(monkeypatch, tmp_path)
+    trust.key_path().parent.mkdir(parents=True)
+    trust.key_path().write_bytes(os.urandom(32))
+    trust.key_path().chmod(0o644)
+    assert run_train(init, data, tmp_path / "run", system="pickling", steps=1) == 2
+    assert "chmod 600" in _error(capsys)
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("system, pickle_file", [("deepspeed", ".pt is a pickle"), ("fsdp", "fsdp/.metadata is a")])
+def test_deepspeed_and_fsdp_checkpoints_from_elsewhere_are_refused_before_anything_loads(files, tmp_path, monkeypatch,
+                                                                                        capsys, system, pickle_file):
+    if system == "deepspeed":
+        pytest.importorskip("deepspeed")
+    init, data = files
+    out = tmp_path / "run"
+    assert train_any(system, init, data, out, steps=1) == 0
+    _another_user(monkeypatch, tmp_path)
+    assert main(["train", "--resume", str(out), "--steps", "2"]) == 2  # refused before the system is built
+    assert pickle_file in _error(capsys)
