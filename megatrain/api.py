@@ -28,11 +28,13 @@ from megatrain.models.hf import check_hf_checkpoint, iter_hf_tensors
 from megatrain.models.loss import IGNORE_INDEX
 from megatrain.optim.config import OptimConfig
 from megatrain.preflight import preflight
-from megatrain.systems import build_system
-from megatrain.train import checkpoint
+from megatrain.systems import build_system, system_spec
+from megatrain.train import checkpoint, trust
 from megatrain.train.config import TrainConfig, train_config
 from megatrain.train.loop import export_checkpoint, train
 from megatrain.train.rundir import RUN_FILE, written_aside
+
+STATE_FILE = "engine_state.json"  # Engine.save's: its files' checksums (and this user's signature, for pickles)
 
 
 @dataclass(frozen=True)
@@ -143,13 +145,30 @@ class Engine:
 
     def save(self, path: str | os.PathLike) -> None:
         """The full training state (weights, AdamW moments, step counts) into the directory `path`, swapped in whole
-        once written (an existing one is replaced); `load` continues from it."""
+        once written (an existing one is replaced), with its files' checksums (signed with this user's key where the
+        system's state holds pickles, as train's checkpoints are); `load` continues from it."""
         with written_aside(Path(path)) as tmp:
             self.system.save_state(tmp)
+            names = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
+            record = {"files": checkpoint.checksums(tmp, names)}
+            sign = bool(system_spec(self.case.system).pickled)
+            (tmp / STATE_FILE).write_text(json.dumps(trust.signed(record) if sign else record, indent=1) + "\n")
 
-    def load(self, path: str | os.PathLike) -> None:
-        """Continue from a `save` directory: the next step is as if training had never stopped."""
-        self.system.load_state(Path(path))
+    def load(self, path: str | os.PathLike, trust_checkpoint: bool = False) -> None:
+        """Continue from a `save` directory: the next step is as if training had never stopped. A state whose files
+        do not match their checksums is refused; one holding pickles (DeepSpeed's, FSDP's) loads only if this user
+        saved it here, or with trust_checkpoint (loading a pickle runs whatever code it holds)."""
+        d = Path(path)
+        try:
+            record = json.loads((d / STATE_FILE).read_bytes())
+        except (OSError, ValueError):
+            raise ValueError(f"{d} is not what Engine.save writes: {STATE_FILE} is missing or unreadable") from None
+        if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
+            raise ValueError(f"{d / STATE_FILE} lists no files: it is not what Engine.save writes")
+        if problem := checkpoint.mismatch(d, record["files"]):
+            raise ValueError(f"{problem}: the state in {d} was changed or damaged since it was saved")
+        trust.check_trusted(d, record, system_spec(self.case.system).pickled, trust_checkpoint)
+        self.system.load_state(d)
 
     def export(self, path: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None) -> Path:
         """The current weights as a Hugging Face checkpoint in `path` (in the compute dtype), with the tokenizer files

@@ -113,6 +113,12 @@ def verify(d: Path) -> str | None:
         return str(exc)
     if files is None:
         return f"{d / META_FILE} has no checksums (an older megatrain wrote it)"
+    return mismatch(d, files)
+
+
+def mismatch(d: Path, files: dict[str, dict]) -> str | None:
+    """Which of the files under d (checksums' output) is missing, of another size or not matching its checksum, in
+    words, or None."""
     for name, want in files.items():
         if not (d / name).is_file():
             return f"{d / name} is missing"

@@ -126,3 +126,29 @@ def test_the_api_example_runs(tmp_path):
     assert said[-1].startswith("Engine: Hugging Face checkpoint")
     assert sum(line.startswith("Engine step") for line in said) == 8
     transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "example" / "engine-hf")
+
+
+def test_an_engine_loads_no_changed_state_and_no_pickle_another_user_saved(tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from megatrain import api, systems
+
+    # the engine's own state holds no pickle; here it stands for one that does (DeepSpeed's, FSDP's)
+    spec = replace(systems.system_spec("megatrain"), pickled=("**/*.bin",))
+    monkeypatch.setattr(api, "system_spec", lambda name: spec)
+    settings = dict(seq=8, batch=4, lr=1e-3, device="cpu", dtype="float32")
+    with megatrain.Engine("tiny", **settings) as engine:
+        engine.save(tmp_path / "state")
+        assert list((tmp_path / "state").rglob("*.bin")), "a file the stand-in pattern names"
+    with megatrain.Engine("tiny", **settings) as engine:
+        engine.load(tmp_path / "state")  # this user's, unchanged
+        monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "another-user"))
+        with pytest.raises(ValueError, match="not written by this user .* pass --trust-checkpoint"):
+            engine.load(tmp_path / "state")
+        engine.load(tmp_path / "state", trust_checkpoint=True)
+        victim = next(p for p in (tmp_path / "state").rglob("*") if p.is_file() and p.name != api.STATE_FILE)
+        damaged = bytearray(victim.read_bytes())
+        damaged[0] ^= 0xFF
+        victim.write_bytes(bytes(damaged))
+        with pytest.raises(ValueError, match="does not match its checksum: the state in .* was changed"):
+            engine.load(tmp_path / "state", trust_checkpoint=True)
