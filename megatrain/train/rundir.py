@@ -14,10 +14,16 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
+from megatrain.train.report_to import TENSORBOARD_DIR
+from megatrain.train.runlog import LOG_FILE
+
 RUN_FILE, LOCK_FILE, TRASH = "run.json", ".train.lock", ".discarded"
+# what a run writes before its first step (its settings, its log, the dashboards' folders): a run stopped there left
+# nothing of it to keep
+BEFORE_FIRST_STEP = {RUN_FILE, f".{RUN_FILE}.tmp", LOG_FILE, TENSORBOARD_DIR, "wandb"}
 # What a run writes into DIR: --overwrite discards only a directory that holds nothing else.
-RUN_ENTRIES = {RUN_FILE, f".{RUN_FILE}.tmp", LOCK_FILE, TRASH, "metrics.jsonl", ".metrics.jsonl.tmp", "memory.json",
-               "checkpoints", "hf", ".hf.tmp", ".hf.old", "train.log", "tensorboard", "wandb"}
+RUN_ENTRIES = BEFORE_FIRST_STEP | {LOCK_FILE, TRASH, "metrics.jsonl", ".metrics.jsonl.tmp", "memory.json",
+                                   "checkpoints", "hf", ".hf.tmp", ".hf.old"}
 
 
 def fault(point: str) -> None:
@@ -112,9 +118,9 @@ class RunDir:
             raise ValueError(f"--out {out} is in use by another train process: wait for it to end, or choose "
                              "another --out") from None
         entries = sorted(p for p in out.iterdir() if p.name != LOCK_FILE)
-        if not resume and {p.name for p in entries} <= {RUN_FILE, f".{RUN_FILE}.tmp"}:
+        if not resume and {p.name for p in entries} <= BEFORE_FIRST_STEP:
             for entry in entries:  # a run that stopped before its first step: nothing of it to keep
-                entry.unlink()
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
             entries = []
         if resume or not entries:
             return
