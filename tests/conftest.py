@@ -1,4 +1,5 @@
 import os
+import tempfile
 
 import pytest
 import torch
@@ -9,11 +10,10 @@ if not torch.cuda.is_available():  # every suite run probes the machine: on CPU,
     os.environ.setdefault(QUICK_ENV, "1")
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _private_config_dir(tmp_path_factory):
-    """The tests' checkpoint key (megatrain.train.trust) in a directory of their own, never the user's; the
-    processes they start inherit it."""
-    os.environ["XDG_CONFIG_HOME"] = str(tmp_path_factory.mktemp("config"))
+# The tests' checkpoint key (megatrain.train.trust) in a directory of their own, never the user's, set before any
+# test module is imported: the processes they start inherit it, those started with an environment a module copied
+# at import included (a session fixture came after those copies, so their processes signed with the user's key).
+os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="megatrain-tests-config-")
 
 
 def pytest_collection_modifyitems(config, items):
