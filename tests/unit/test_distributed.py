@@ -45,8 +45,9 @@ def launch(launcher: list[str], args: list[str], fault: str | None = None) -> su
 
 
 def torchrun(nproc: int, args: list[str], fault: str | None = None) -> subprocess.CompletedProcess:
-    """`torchrun --nproc-per-node nproc -m megatrain ARGS`, run to its end."""
-    proc = launch(["--nproc-per-node", str(nproc)], args, fault)
+    """`torchrun --standalone --nproc-per-node nproc -m megatrain ARGS`, run to its end (--standalone: a free port,
+    so launches of tests run side by side cannot take each other's)."""
+    proc = launch(["--standalone", "--nproc-per-node", str(nproc)], args, fault)
     stdout, stderr = proc.communicate(timeout=300)
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
@@ -180,7 +181,7 @@ def test_a_stopped_rank_ends_the_run_in_one_line_naming_it_within_the_rank_timeo
     init, data, root = one_process
     out = root / "stopped"
     monkeypatch.setenv(RANK_TIMEOUT_ENV, "5")
-    proc = launch(["--nproc-per-node", "2"], train_args(init, data, out, steps=6, extra=SAVES),
+    proc = launch(["--standalone", "--nproc-per-node", "2"], train_args(init, data, out, steps=6, extra=SAVES),
                   fault="stop-rank-1-step-3")
     try:
         t0 = time.monotonic()

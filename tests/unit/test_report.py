@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import pandas as pd
@@ -270,16 +271,31 @@ COMMITTED = sorted(p.parent.name for p in (WORKSPACE / "results").glob("*/record
                    if (SUITES_DIR / f"{p.parent.name}.toml").exists() and read_suite_records(p))
 
 
+@pytest.fixture(scope="module")
+def regenerated(tmp_path_factory):
+    """regenerated(suite): the suite's report written from its committed records (as `nox -s report` does) into a
+    temporary directory, once for the tests that read it, overlapping text in its figures an error."""
+    root, pages = tmp_path_factory.mktemp("reports"), {}
+
+    def report(suite: str) -> Path:
+        if suite not in pages:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", plots.LabelOverlap)
+                pages[suite] = write_report(WORKSPACE / "results" / suite, root / suite)
+        return pages[suite]
+
+    return report
+
+
 @pytest.mark.subprocess
 @pytest.mark.skipif(_chromium() is None, reason="needs chromium (apt-get install -y chromium)")
 @pytest.mark.parametrize("suite", COMMITTED)
-def test_a_committed_report_reads_at_laptop_width(suite, tmp_path):
-    report = tmp_path / suite
-    write_report(WORKSPACE / "results" / suite, report)
-    result = _browse(report / "index.html", tmp_path / "profile")
+def test_a_committed_report_reads_at_laptop_width(suite, regenerated, tmp_path):
+    page = regenerated(suite)
+    result = _browse(page, tmp_path / "profile")
     _reads_at_laptop_width(result)
     assert result["images"] and result["images"][0]["src"] == "headline.png", "the report opens with its answer"
-    _screenshot(report / "index.html", tmp_path / f"{suite}.png", tmp_path / "profile")
+    _screenshot(page, tmp_path / f"{suite}.png", tmp_path / "profile")
     print(f"screenshot: {tmp_path / f'{suite}.png'}")
 
 
@@ -486,13 +502,10 @@ def test_every_figure_the_reports_make_has_no_overlapping_text(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("suite", COMMITTED)
-def test_a_committed_report_regenerates_without_overlapping_text(suite, tmp_path):
-    """Every figure of a committed report, drawn again from its committed records (as `nox -s report` does, here into
-    a temporary directory), opening with the answer to its suite's question."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", plots.LabelOverlap)
-        page = write_report(WORKSPACE / "results" / suite, tmp_path / suite)
-    assert re.search(r"<p class='answer'>.+?</p><figure><img src='headline.png'", page.read_text())
+def test_a_committed_report_regenerates_without_overlapping_text(suite, regenerated):
+    """Every figure of a committed report, drawn again from its committed records, opening with the answer to its
+    suite's question."""
+    assert re.search(r"<p class='answer'>.+?</p><figure><img src='headline.png'", regenerated(suite).read_text())
 
 
 def _context_records(run_id="20260101-000000-aaaa"):
