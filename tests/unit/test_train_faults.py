@@ -271,19 +271,8 @@ def test_a_full_disk_mid_run_ends_in_one_line_and_the_run_resumes(straight, tmp_
     init, data, losses, _ = straight
     with tmpfs(tmp_path / "disk", "size=8m") as disk:
         out, filler = disk / "run", disk / "filler"
-
-        def fill():
-            fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
-            try:
-                while os.write(fd, bytes(2**16)):
-                    pass
-            except OSError as exc:
-                assert exc.errno == errno.ENOSPC
-            finally:
-                os.close(fd)
-
         with pytest.MonkeyPatch.context() as mp:
-            at_step(mp, 3, fill)
+            at_step(mp, 3, lambda: _fill(filler))
             assert run_train(init, data, out, steps=8, extra=SAVES) == 2
         line = _error(capsys)
         assert "disk full writing" in line and "step-2, is intact" in line
