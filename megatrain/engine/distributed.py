@@ -25,6 +25,7 @@ import datetime
 import functools
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -154,13 +155,19 @@ class Ranks:
             object.__setattr__(self, "local_rank", self.rank)
             object.__setattr__(self, "node_control", self.control)
 
-    def unanswering(self) -> str:
+    def unanswering(self, settle_s: float = 2.0) -> str:
         """The other ranks of this node that stopped or ended, in words ('rank 1 (pid 4242, stopped)'), as a
-        collective that failed names none; 'another rank' when none of them did (one on another node)."""
+        collective that failed names none; 'another rank' when none of them did (one on another node). A killed
+        process closes its sockets before it is a zombie, so its peer may hear of it while it still reads as
+        running: the states are read again for up to settle_s."""
         node = range(self.rank - self.local_rank, self.rank - self.local_rank + self.local_world)
-        states = {r: process_state(pid) for r, pid in enumerate(self.pids) if r in node and r != self.rank}
-        return ", ".join(f"rank {r} (pid {self.pids[r]}, {state})" for r, state in states.items()
-                         if state != "running") or "another rank"
+        deadline = time.monotonic() + settle_s
+        while True:
+            states = {r: process_state(pid) for r, pid in enumerate(self.pids) if r in node and r != self.rank}
+            named = [f"rank {r} (pid {self.pids[r]}, {state})" for r, state in states.items() if state != "running"]
+            if named or time.monotonic() >= deadline:
+                return ", ".join(named) or "another rank"
+            time.sleep(0.05)
 
     @property
     def first(self) -> bool:

@@ -297,3 +297,15 @@ def test_gradients_reduce_scatter_where_torch_names_it_reduce_scatter_tensor(mon
         assert torch.equal(shard, grad)  # one rank: the whole sum is its own gradient
     finally:
         dist.destroy_process_group()
+
+
+def test_a_peer_heard_of_before_it_reads_as_ended_is_named_once_it_does():
+    """A killed rank closes its sockets before it is a zombie: the rank that heard of it waits a moment to name it
+    (under load the collective's error came first, and the line said only 'another rank')."""
+    ending = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    try:
+        ranks = Ranks(0, 2, torch.device("cpu"), None, pids=(os.getpid(), ending.pid))
+        assert ranks.unanswering(settle_s=0.0) == "another rank"  # still running when first looked at
+        assert ranks.unanswering() == f"rank 1 (pid {ending.pid}, ended)"
+    finally:
+        ending.wait()
