@@ -465,8 +465,8 @@ def over_deepspeed(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: P
         parts = [f"{where}, each system's TFLOPS over DeepSpeed ZeRO-3 offload's at the same batch and kernels: "
                  f"{BOLD}{'; '.join(said)}{END_BOLD}"]
     parts += _no_ratio(_unpaired(at_seq, "deepspeed"), SYSTEM_NAMES["deepspeed"])
-    failed = at_seq[(at_seq["status"] != "ok") & (at_seq["system"] == "deepspeed")]
-    for (label, batch), g in failed.groupby(["label", "batch"]):
+    failed = at_seq[at_seq["status"] != "ok"]  # every system's: a ratio missing because ours failed is said too
+    for (label, batch), g in failed.groupby(["label", "batch"], sort=False):
         parts.append(f"{prose(label)} did not run batch {batch} "
                      f"({tables.short_reason(g['status'].iloc[0], g['error'].iloc[0])})")
     for claim in claims:
@@ -712,19 +712,26 @@ def paths(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path):
 # ---- multi_gpu: how much faster N GPUs of one host train than one, per system, and MegaTrain over each peer ----
 
 def multi_gpu(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path):
-    session = scope[scope["session"] == scope["session"].max()]
-    ok = session[session["status"] == "ok"].assign(per_gpu_batch=lambda f: f["batch"] // f["ranks"])
-    figure = plots.tflops_vs_gpus(session, path)
-    if ok.empty:
-        return f"{BOLD}No case ran ok in the latest session.{END_BOLD}", figure, ""
-    profile = get_profile(ok["hardware"].iloc[0])
-    parts = [f"On the {profile.gpu} GPUs of one host ({profile.host_mem_gib:.0f} GiB)"]
-    for (_, model, seq, per_gpu), g in ok.groupby(["params_b", "model", "seq", "per_gpu_batch"]):
-        parts.append(_scaling_clause(g, f"{model}, seq {seq}, {per_gpu} sequences per GPU"))
+    """Each session that ran several GPUs, newest first (a ratio only within a session: one host, one commit)."""
+    ok = scope[scope["status"] == "ok"].assign(per_gpu_batch=lambda f: f["batch"] // f["ranks"])
+    sessions = [s for s in sorted(ok["session"].unique(), reverse=True) if (ok[ok["session"] == s]["ranks"] > 1).any()]
+    if not sessions:
+        latest = scope[scope["session"] == scope["session"].max()]
+        return f"{BOLD}No session ran a case on several GPUs ok.{END_BOLD}", plots.tflops_vs_gpus(latest, path), ""
+    figure = plots.tflops_vs_gpus(scope[scope["session"].isin(sessions)], path)
+    parts = []
+    for session in sessions:
+        rows = ok[ok["session"] == session]
+        profile = get_profile(rows["hardware"].iloc[0])
+        clauses = [_scaling_clause(g, f"{model}, seq {seq}, {per_gpu} sequences per GPU") for (_, model, seq, per_gpu), g
+                   in rows.groupby(["params_b", "model", "seq", "per_gpu_batch"])]
+        parts.append(f"On the {profile.gpu} GPUs of one host ({profile.host_mem_gib:.0f} GiB; session {session}), "
+                     + "; ".join(clauses) + ".")
     caption = ("TFLOPS (6NT) of all the GPUs together, per system, on 1, 2 and 4 GPUs of one host at the same "
-               "sequences per GPU (the global batch grows with the GPUs); hatched: compiled. Host memory is the "
-               "node's: PSS summed over every rank, which counts a page the ranks share once.")
-    return "; ".join(parts) + ".", figure, caption
+               "sequences per GPU (the global batch grows with the GPUs), one panel per session (a host and a "
+               "commit); hatched: compiled. Host memory is the node's: PSS summed over every rank, which counts a "
+               "page the ranks share once.")
+    return " ".join(parts), figure, caption
 
 
 def _scaling_clause(g: pd.DataFrame, where: str) -> str:

@@ -29,6 +29,7 @@ from matplotlib.text import Text  # noqa: E402
 from matplotlib.ticker import NullLocator  # noqa: E402
 
 from megatrain.analysis import paper  # noqa: E402
+from megatrain.hardware import get_profile  # noqa: E402
 
 DPI = 110
 WIDTH_IN = 10.5  # a full-width figure: at DPI, the report's 1168 px column without scaling
@@ -532,21 +533,27 @@ def gpus_tick(ranks: int) -> str:
 
 
 def tflops_vs_gpus(df: pd.DataFrame, path: Path) -> Path | None:
-    """TFLOPS (6NT, the whole node's) per system on 1, 2 and 4 GPUs of one host, one panel per model and batch per
-    GPU at the main sequence length (a missing bar: that system did not run ok there)."""
+    """TFLOPS (6NT, the whole node's) per system on 1, 2 and 4 GPUs of one host, one panel per session (a host and a
+    commit: bars of two sessions are never side by side), model and batch per GPU at the main sequence length (a
+    missing bar: that system did not run ok there)."""
     ok = _ok(df)
     if ok.empty:
         return None
     ok = ok[ok["seq"] == _main_seq(ok)].assign(per_gpu_batch=lambda f: f["batch"] // f["ranks"])
-    keys = ok[["params_b", "model", "per_gpu_batch"]].drop_duplicates().sort_values(["params_b", "model",
-                                                                                    "per_gpu_batch"])
-    fig, axes = _figure(ncols=len(keys), width=min(WIDTH_IN, 4.2 * len(keys) + 1), height=4.4)
-    for ax, (_, model, per_gpu) in zip(axes[0], keys.itertuples(index=False), strict=True):
-        rows = ok[(ok["model"] == model) & (ok["per_gpu_batch"] == per_gpu)]
+    keys = ok[["session", "hardware", "params_b", "model", "per_gpu_batch"]].drop_duplicates().sort_values(
+        ["session", "params_b", "model", "per_gpu_batch"], ascending=[False, True, True, True])
+    sessions = keys["session"].nunique()
+    fig, axes = _figure(ncols=len(keys), width=min(WIDTH_IN, 4.2 * len(keys) + 1), height=4.4 + 0.3 * (sessions > 1))
+    for ax, (session, hardware, _, model, per_gpu) in zip(axes[0], keys.itertuples(index=False), strict=True):
+        rows = ok[(ok["session"] == session) & (ok["model"] == model) & (ok["per_gpu_batch"] == per_gpu)]
         groups = [(gpus_tick(ranks), g.groupby("label")["tflops"].max().to_dict())
                   for ranks, g in rows.groupby("ranks")]
         grouped_bars(ax, groups)
-        ax.set(ylabel="TFLOPS (6NT), all GPUs", title=f"{model}, {per_gpu} sequences per GPU")
+        title = f"{model}, {per_gpu} sequences per GPU"
+        if sessions > 1:
+            profile = get_profile(hardware)
+            title += f"\n{profile.gpu}s of a {profile.host_mem_gib:.0f} GiB host"
+        ax.set(ylabel="TFLOPS (6NT), all GPUs", title=title)
     _legend_below(fig, axes)
     return _save(fig, path)
 

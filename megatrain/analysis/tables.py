@@ -112,6 +112,7 @@ def short_reason(status: str, error: str | None) -> str:
     """A case that did not run ok, in a few words: its status and the memory it lacked, where its error names one."""
     text = (error or "").lower()
     lacked = next((what for what in ("host memory", "GPU memory") if what.lower() in text), None)
+    lacked = lacked or ("GPU memory" if "cuda out of memory" in text else None)
     return f"{status}, {lacked}" if lacked else "not available here" if "cannot run here" in text else status
 
 

@@ -549,7 +549,7 @@ def test_reproduce_14b_opens_with_each_systems_ratio_to_deepspeed_at_equal_kerne
     assert "each system's TFLOPS over DeepSpeed ZeRO-3 offload's at the same batch and kernels: <b>eager, MegaTrain " \
            "1.50-1.60x (batches 16-96), the paper's code 0.71-0.75x (batches 16-96) and FSDP2 offload 0.80x (batch " \
            "96); compiled, MegaTrain 1.67x (batch 16)</b>" in head.sentence
-    assert "DeepSpeed ZeRO-3 offload (compiled) did not run batch 96 (oom)" in head.sentence
+    assert "DeepSpeed ZeRO-3 offload (compiled) did not run batch 96 (oom, GPU memory)" in head.sentence
     # the paper's figure as the paper's, never set against ours; ours never across kernel settings (330 / 200)
     assert "the paper's own figure, on its machine and not a ratio of ours: 1.84x (MegaTrain 264 against DeepSpeed " \
            "ZeRO-3 offload 143.6 TFLOPS, GH200 96 GB), batch not stated." in head.sentence
@@ -729,6 +729,32 @@ def test_multi_gpu_opens_with_each_systems_speed_over_its_one_gpu_and_megatrain_
     # at equal kernels only: compiled MegaTrain ran no 2-GPU case beside compiled DeepSpeed's
     assert "<b>MegaTrain runs 2.69x DeepSpeed ZeRO-3 offload's on 2 GPUs</b>" in head.sentence
     assert "MegaTrain 117 GiB on 2 GPUs (115 on one)" in head.sentence and head.figure.exists()
+
+
+def test_multi_gpu_speaks_for_each_session_that_ran_several_gpus_never_across_them(tmp_path):
+    def ranked(system, ranks, tflops, run_id):
+        r = _record(system, 64 * ranks, tflops, model="qwen2.5-7b", suite="multi_gpu", run_id=run_id,
+                    case_id=f"{system}-{ranks}", trace={"peak_node_pss_gib": 115.0})
+        r["config"].update(ranks=ranks)
+        r["env"] = {**r["env"], "commit": run_id[-4:] * 10}  # another commit: another session
+        return r
+
+    old, new = "20260101-000000-aaaa", "20260102-000000-bbbb"
+    records = [ranked("megatrain", 1, 400.0, old), ranked("megatrain", 2, 784.0, old),
+               ranked("deepspeed", 1, 250.0, old), ranked("deepspeed", 2, 291.0, old),
+               ranked("megatrain", 1, 407.0, new), ranked("megatrain", 4, 1546.0, new)]
+    head = headline.headline("multi_gpu", tables.records_frame(records), tmp_path)
+    first, second = head.sentence.split(f"session {new}")[1].split(f"session {old}")
+    assert "MegaTrain 3.80x on 4 (407 TFLOPS on one)" in first and "DeepSpeed" not in first
+    assert "MegaTrain 1.96x on 2 (400 TFLOPS on one)" in second and "2.69x DeepSpeed ZeRO-3 offload's" in second
+    assert head.figure.exists()
+
+
+def test_over_deepspeed_says_why_a_system_has_no_ratio_when_it_failed_beside_deepspeed(tmp_path):
+    records = [_record("megatrain", 96, 0, status="oom"), _record("deepspeed", 96, 330.0)]
+    records[0]["error"] = "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.53 GiB."
+    head = headline.headline("reproduce_14b", tables.records_frame(records), tmp_path)
+    assert "MegaTrain did not run batch 96 (oom, GPU memory)" in head.sentence
 
 
 def test_results_md_asks_each_suites_question_and_answers_it_from_the_records(tmp_path):
