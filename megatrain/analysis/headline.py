@@ -723,8 +723,9 @@ def multi_gpu(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path):
     for session in sessions:
         rows = ok[ok["session"] == session]
         profile = get_profile(rows["hardware"].iloc[0])
-        clauses = [_scaling_clause(g, f"{model}, seq {seq}, {per_gpu} sequences per GPU") for (_, model, seq, per_gpu), g
-                   in rows.groupby(["params_b", "model", "seq", "per_gpu_batch"])]
+        groups = rows.groupby(["params_b", "model", "seq", "per_gpu_batch"])
+        clauses = [_scaling_clause(g, f"{model}, seq {seq}, {per_gpu} sequences per GPU")
+                   for (_, model, seq, per_gpu), g in groups]
         parts.append(f"On the {profile.gpu} GPUs of one host ({profile.host_mem_gib:.0f} GiB; session {session}), "
                      + "; ".join(clauses) + ".")
     caption = ("TFLOPS (6NT) of all the GPUs together, per system, on 1, 2 and 4 GPUs of one host at the same "
