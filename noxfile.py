@@ -2,6 +2,7 @@
 in the environment nox itself runs in (python=False, the interpreter is nox's own): a per-session virtualenv would
 download a fresh (CUDA) torch. Set up first with scripts/setup.sh, then run .venv/bin/python -m nox."""
 
+import logging
 import sys
 from pathlib import Path
 
@@ -9,6 +10,8 @@ import nox
 
 nox.options.sessions = ["tests"]
 PY = sys.executable
+# nox looks for uv on every session, to build virtualenvs these sessions never make (python=False), and says so
+logging.getLogger("nox").addFilter(lambda record: record.getMessage() != "uv binary not found.")
 
 
 @nox.session(python=False)
