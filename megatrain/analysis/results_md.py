@@ -49,15 +49,22 @@ def _section(suite: str, results_dir: Path, figures_dir: Path) -> str | None:
         if head.figure is not None and head.figure.exists():
             figure = figures_dir / f"{suite}.png"
             shutil.copyfile(head.figure, figure)
-    latest = scope[scope["session"] == scope["session"].max()]
-    profile = get_profile(latest["hardware"].iloc[0])
-    commits = ", ".join(sorted({str(c)[:7] for c in latest["commit"]}))
     lines = [f"## {head.question}", "", markdown(head.sentence), ""]
     if figure is not None:
         lines += [f"![{suite}: the answer's figure](figures/{figure.name})", "", f"*{head.caption}*", ""]
-    lines += [f"Session `{latest['session'].iloc[0]}`: {len(latest)} cases on {profile.description} at commit "
-              f"{commits}; records: [`results/{suite}/records.jsonl`](../results/{suite}/records.jsonl).", ""]
+    sessions = [_session(rows) for _, rows in sorted(scope.groupby("session"), key=lambda kv: kv[0], reverse=True)]
+    earlier = f"; earlier sessions in the records: {'; '.join(sessions[1:])}" if len(sessions) > 1 else ""
+    lines += [f"Latest session {sessions[0]}{earlier}. Records: "
+              f"[`results/{suite}/records.jsonl`](../results/{suite}/records.jsonl).", ""]
     return "\n".join(lines)
+
+
+def _session(rows) -> str:
+    """A measuring session in a few words: its name, cases, machine and commit."""
+    commits = ", ".join(sorted({str(c)[:7] for c in rows["commit"]}))
+    cases = f"{len(rows)} case{'s' * (len(rows) != 1)}"
+    machine = get_profile(rows["hardware"].iloc[0]).description
+    return f"`{rows['session'].iloc[0]}` ({cases} on {machine} at commit {commits})"
 
 
 def write(results_root: Path, docs_dir: Path) -> Path:

@@ -769,4 +769,5 @@ def test_results_md_asks_each_suites_question_and_answers_it_from_the_records(tm
     assert "## The paper's 1.84x" in page and "**eager, MegaTrain 1.60x (batch 96)" in page
     assert "<b>" not in page and "](figures/reproduce_14b.png)" in page and "smoke" not in page.split("# Measured")[1]
     assert (tmp_path / "docs" / "figures" / "reproduce_14b.png").exists()
-    assert "records: [`results/reproduce_14b/records.jsonl`]" in page
+    assert "Latest session `20260101-000000-aaaa` (3 cases on " in page
+    assert "Records: [`results/reproduce_14b/records.jsonl`]" in page
