@@ -7,7 +7,8 @@ init, loss normalisation (valid tokens of the whole step), AdamW groups and glob
 
 Everything the harness knows about a system before building it is its SystemSpec, declared in the system's own
 file; SYSTEMS names where each spec lives and imports it only when asked, so the engine never imports a baseline.
-Adding a system is its file (the system class and its SPEC) and one line in SYSTEMS.
+Adding a system is its file (the system class and its SPEC) and one line in SYSTEMS, which also says how reports name
+and draw it.
 """
 
 from __future__ import annotations
@@ -27,14 +28,26 @@ from megatrain.options import CommonOptions
 if TYPE_CHECKING:  # annotations only: megatrain.config imports this registry to check a case's system and options
     from megatrain.config import CaseConfig
 
-# system name -> "module:attribute" of its SystemSpec
+@dataclass(frozen=True)
+class Registered:
+    """A system's line in the registry: where its SystemSpec lives ("module:attribute", imported only when asked
+    for) and how the reports show it: its name in sentences, its colour (a hue of its own; a label's variants are
+    shades of it) and its marker in figures. A system registered without them is drawn grey under its key."""
+
+    spec: str
+    name: str | None = None
+    color: str | None = None
+    marker: str | None = None
+
+
+# The one registry of systems, in the order reports list them (MegaTrain first)
 SYSTEMS = {
-    "native": "baselines.native:SPEC",
-    "megatrain": "megatrain.engine.trainer:SPEC",
-    "deepspeed": "baselines.deepspeed_zero3:SPEC",
-    "fsdp": "baselines.fsdp_offload:SPEC",
-    "torchao": "baselines.torchao_offload:SPEC",
-    "paper": "baselines.paper_code:SPEC",
+    "megatrain": Registered("megatrain.engine.trainer:SPEC", "MegaTrain", "#d7301f", "o"),
+    "paper": Registered("baselines.paper_code:SPEC", "the paper's code", "#b5478f", "X"),
+    "native": Registered("baselines.native:SPEC", "plain PyTorch", "#8e82b8", "D"),
+    "deepspeed": Registered("baselines.deepspeed_zero3:SPEC", "DeepSpeed ZeRO-3 offload", "#5b83b0", "s"),
+    "fsdp": Registered("baselines.fsdp_offload:SPEC", "FSDP2 offload", "#6aa583", "^"),
+    "torchao": Registered("baselines.torchao_offload:SPEC", "torchao CPU-offload optimizer", "#b89b5e", "P"),
 }
 
 
@@ -70,7 +83,7 @@ def system_spec(system: str) -> SystemSpec:
     """The spec of `system`, importing its module (a baseline's only when asked for); ValueError for an unknown name."""
     if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; choose one of: {', '.join(SYSTEMS)}")
-    module, name = SYSTEMS[system].split(":")
+    module, name = SYSTEMS[system].spec.split(":")
     return getattr(importlib.import_module(module), name)
 
 

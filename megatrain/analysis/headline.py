@@ -25,11 +25,10 @@ from megatrain.analysis import paper, plots, scaling_report, tables
 from megatrain.bench.suite import SUITES_DIR
 from megatrain.hardware import get_profile
 from megatrain.models.registry import MODELS
+from megatrain.systems import SYSTEMS
 
-# Systems as a sentence names them; figures and tables use the labels.
-SYSTEM_NAMES = {"megatrain": "MegaTrain", "paper": "the paper's code", "native": "plain PyTorch",
-                "deepspeed": "DeepSpeed ZeRO-3 offload", "fsdp": "FSDP2 offload",
-                "torchao": "torchao CPU-offload optimizer"}
+# Systems as a sentence names them (their registry lines); figures and tables use the labels.
+SYSTEM_NAMES = {system: line.name or system for system, line in SYSTEMS.items()}
 # DeepSpeed's other offload modes, by their label's variant (suites/host_optimizer.toml)
 DEEPSPEED_MODES = {"zero-offload": "DeepSpeed ZeRO-Offload",
                    "zenflow": "DeepSpeed ZenFlow over ZeRO-Offload (bounded staleness)"}

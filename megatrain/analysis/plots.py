@@ -30,17 +30,18 @@ from matplotlib.ticker import NullLocator  # noqa: E402
 
 from megatrain.analysis import paper  # noqa: E402
 from megatrain.hardware import get_profile  # noqa: E402
+from megatrain.systems import SYSTEMS  # noqa: E402
 
 DPI = 110
 WIDTH_IN = 10.5  # a full-width figure: at DPI, the report's 1168 px column without scaling
 STREAM_ORDER = ("h2d", "compute", "d2h", "optim")
 
-# One colour per system; a label's variant (its precision or options: megatrain-bf16, megatrain-streamed) is a shade
-# of its system's colour, darker (< 0) or lighter (> 0), the same in every figure.
-SYSTEM_COLORS = {"megatrain": "#d7301f", "paper": "#b5478f", "native": "#8e82b8", "deepspeed": "#5b83b0",
-                 "fsdp": "#6aa583", "torchao": "#b89b5e"}
-SYSTEM_MARKERS = {"megatrain": "o", "paper": "X", "native": "D", "deepspeed": "s", "fsdp": "^", "torchao": "P"}
+# One colour per system (its registry line, megatrain.systems.SYSTEMS, in the registry's order); a label's variant
+# (its precision or options: megatrain-bf16, megatrain-streamed) is a shade of its system's colour, darker (< 0) or
+# lighter (> 0), the same in every figure.
 OTHER_COLOR = "#8c8c8c"  # a label that names no known system
+SYSTEM_COLORS = {system: line.color or OTHER_COLOR for system, line in SYSTEMS.items()}
+SYSTEM_MARKERS = {system: line.marker or "v" for system, line in SYSTEMS.items()}
 # label prefixes that name a system by its mode (suites' labels: 'fsdp2-offload-accumulate-on-gpu'), tried first
 LABEL_PREFIXES = {"fsdp2-offload": "fsdp", "torchao-cpu-offload": "torchao"}
 VARIANT_SHADES = {"": 0.0, "bf16": -0.35, "streamed": 0.5, "bf16-streamed": 0.3, "actoffload": -0.6}

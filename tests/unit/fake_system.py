@@ -60,5 +60,5 @@ if __name__ == "__main__":
     import megatrain.systems
     from megatrain.cli import main
 
-    megatrain.systems.SYSTEMS["native"] = "fake_system:SPEC"
+    megatrain.systems.SYSTEMS["native"] = megatrain.systems.Registered("fake_system:SPEC")
     sys.exit(main(["bench", *sys.argv[1:]]))

@@ -18,7 +18,7 @@ from megatrain.data import make_batches
 from megatrain.engine.config import MegaTrainOptions
 from megatrain.options import CommonOptions
 from megatrain.probe import Machine
-from megatrain.systems import SYSTEMS, SystemSpec, build_system, parse_options, system_spec
+from megatrain.systems import SYSTEMS, Registered, SystemSpec, build_system, parse_options, system_spec
 from megatrain.train.checkpoint import state_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -165,15 +165,15 @@ def test_every_system_is_one_spec_with_typed_options():
         MegaTrainOptions(resident_layers=3, offload_activations=True)
     assert parse_options("deepspeed", {}).optimizer is None
     assert parse_options("fsdp", {"host_mem_gib": 100}).host_mem_gib == 100
-    with pytest.raises(ValueError, match="unknown system 'nativ'; choose one of: native, megatrain, deepspeed, fsdp, "
-                                         "torchao, paper"):
+    with pytest.raises(ValueError, match="unknown system 'nativ'; choose one of: megatrain, paper, native, deepspeed, "
+                                         "fsdp, torchao"):
         CaseConfig(system="nativ")
 
 
 def test_a_system_added_with_one_registry_entry_is_known_everywhere(monkeypatch):
     """tests/unit/fake_system.py's SPEC registered under a new name: the case, its options, the pre-flight, the
     checkpoint size and the build all find it through the registry alone."""
-    monkeypatch.setitem(SYSTEMS, "failing", "fake_system:SPEC")
+    monkeypatch.setitem(SYSTEMS, "failing", Registered("fake_system:SPEC"))
     case = CaseConfig(system="failing", model="tiny", batch=2, seq=8, steps=1, options={"mlp_chunk_tokens": 4})
     assert case.opts.mlp_chunk_tokens == 4
     with pytest.raises(ValueError, match="failing has no option 'resident_layers' \\(an option of megatrain\\)"):

@@ -128,7 +128,7 @@ def test_bench_without_the_code_exits_2_with_one_line(tmp_path):
 
 def test_train_refuses_a_benchmark_peer():
     with pytest.raises(ValueError, match="--system paper is a benchmark peer \\(bench and suites\\), not a trainer: "
-                                         "train with native, megatrain, deepspeed, fsdp, torchao$"):
+                                         "train with megatrain, native, deepspeed, fsdp, torchao$"):
         TrainConfig(system="paper", model="tiny", data=["rows.jsonl"], steps=1)
 
 

@@ -30,7 +30,7 @@ def files(tmp_path_factory):
 
 @pytest.fixture
 def pickling(monkeypatch):
-    monkeypatch.setitem(systems.SYSTEMS, "pickling", f"{__name__}:PICKLING")
+    monkeypatch.setitem(systems.SYSTEMS, "pickling", systems.Registered(f"{__name__}:PICKLING"))
 
 
 def _another_user(monkeypatch, tmp_path):
