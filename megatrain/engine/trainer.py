@@ -88,9 +88,9 @@ class StreamingSystem:
             "activation_checkpointing": self._checkpointing(),
             "offloaded_layers": self.schedule.acts.offloaded,
             "recomputed_inputs": self.schedule.acts.recomputed,
-            "mlp_chunk_tokens": self.schedule.layer_template.module.mlp.chunk_tokens,
-            "compile": self.schedule.layer_template.compiled,
-            "compile_check": compile_check(fell_back=not self.schedule.layer_template.compiled)
+            "mlp_chunk_tokens": self.schedule.program.mlp_chunk_tokens,
+            "compile": self.schedule.program.compiled,
+            "compile_check": compile_check(fell_back=not self.schedule.program.compiled)
             if self.config.compile else None,
             "resident_units": sorted(self.schedule.resident),
             "plan": {k: v for k, v in dataclasses.asdict(self.plan).items() if k != "host_tiles_bytes_per_param"},
