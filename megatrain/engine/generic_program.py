@@ -12,9 +12,8 @@ embedding unit's backward runs that preamble again with gradients (its embedding
 tokens, not a [V, H] matrix, come back). The head is the model's own norm, LM head and logit transform, chunked
 (megatrain.models.generic.head).
 
-Packed rows pass per-document position ids, from which transformers builds document masks (a position that does not
-follow its predecessor starts a document); a model with layers other than attention (linear attention, state-space,
-convolution) would carry state across documents, and is refused packed rows.
+Packed rows pass per-document position ids, from which transformers builds document masks (models.generic.module.
+position_ids; a model with layers other than attention is refused packed rows).
 """
 
 from __future__ import annotations
@@ -27,12 +26,11 @@ from torch.func import functional_call
 
 from megatrain.engine.layout import Unit
 from megatrain.engine.templates import CompiledCall, add_rows
-from megatrain.models.generic.config import CHUNKED, GenericConfig
+from megatrain.models.generic.config import GenericConfig
 from megatrain.models.generic.head import chunked_loss, cross_entropy_sum
+from megatrain.models.generic.module import position_ids
 from megatrain.models.generic.skeleton import PER_LAYER_ATTRIBUTES, Skeleton, head_logits
-from megatrain.models.masks import FULL, SLIDING, document_positions
-
-ATTENTION_TYPES = (FULL, SLIDING, CHUNKED)  # layer types whose attention takes document masks
+from megatrain.models.hf import persistent_buffers
 
 
 @dataclass
@@ -84,11 +82,11 @@ class GenericProgram:
         # the same under the causal LM's names, for the head (a final norm's buffers; the rest is not read there)
         self.head_buffers = {skeleton.base_prefix + n: b for n, b in self.base_buffers.items()}
         self.layer_buffers = [skeleton.layer_buffers(i, device) for i in range(cfg.num_layers)]
+        self._persistent = list(persistent_buffers(skeleton.model))
         first = {}
         for i, s in enumerate(skeleton.structure):
             first.setdefault(s, i)
         self.templates = {s: ModuleTemplate(skeleton.layers[i], config.compile) for s, i in first.items()}
-        self.attention_only = all(t in ATTENTION_TYPES for t in cfg.layer_types)
 
     @property
     def compiled(self) -> bool:
@@ -97,15 +95,8 @@ class GenericProgram:
     mlp_chunk_tokens = 0
 
     def contexts(self, segments_BS: torch.Tensor | None, micro_batches: int) -> list[Context]:
-        """Each micro-batch's position ids: 0..S-1, or for packed rows restarting at every document."""
-        if segments_BS is not None and not bool((segments_BS == segments_BS[:, :1]).all()):
-            if not self.attention_only:
-                kinds = sorted(set(self.cfg.layer_types) - set(ATTENTION_TYPES))
-                raise ValueError(f"{self.cfg.family}'s {', '.join(kinds)} layers would carry state from one packed "
-                                 "document into the next: train it with --no-pack")
-            positions = document_positions(segments_BS.to(self.device))
-        else:
-            positions = torch.arange(self.seq, device=self.device).expand(micro_batches * self.micro_batch, -1)
+        """Each micro-batch's position ids (megatrain.models.generic.module.position_ids)."""
+        positions = position_ids(self.cfg, micro_batches * self.micro_batch, self.seq, segments_BS, self.device)
         return [Context(positions[i:i + self.micro_batch]) for i in range(0, positions.shape[0], self.micro_batch)]
 
     def embed(self, params: dict, tokens_BS: torch.Tensor, context: Context) -> torch.Tensor:
@@ -145,3 +136,15 @@ class GenericProgram:
                                      normalizer)
 
         return chunked_loss(chunk_loss, params, h_BSH, labels_BS, self.cfg.vocab_size)
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers a checkpoint holds (a router's score correction), by full name, on the device."""
+        prefix, layers = self.skeleton.base_prefix, self.skeleton.layers_prefix
+        found = {}
+        for name in self._persistent:
+            if name.startswith(layers):
+                index, local = name.removeprefix(layers).split(".", 1)
+                found[name] = self.layer_buffers[int(index)][local]
+            else:
+                found[name] = self.base_buffers[name.removeprefix(prefix)]
+        return found

@@ -120,7 +120,8 @@ class HandWrittenProgram:
 
     The schedule calls a program's `contexts` once per step (what each micro-batch's layers need besides their
     input), `embed` and `embed_backward` for the embedding unit, `layer` for each decoder layer and `head_loss` for
-    the head (megatrain.engine.generic_program is the other program: transformers' own modules)."""
+    the head; the trainer loads, exports and saves its `buffers` beside the streamed weights
+    (megatrain.engine.generic_program is the other program: transformers' own modules)."""
 
     head_weight_name = "lm_head.weight"  # the head unit's matrix; a tied head borrows the embedding's
     embed_weight_name = "embed_tokens.weight"
@@ -168,6 +169,10 @@ class HandWrittenProgram:
 
     def head_loss(self, params: dict, h_BSH: torch.Tensor, labels_BS: torch.Tensor, normalizer: int) -> torch.Tensor:
         return self.head.loss(params["norm.weight"], params[self.head_weight_name], h_BSH, labels_BS, normalizer)
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The model's weights that are not trained but a checkpoint holds, by name, where they live: none here."""
+        return {}
 
 
 def build_program(config, device: torch.device):

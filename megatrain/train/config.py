@@ -23,8 +23,8 @@ from megatrain.train.lr import SCHEDULES
 
 # the settings a resumed run keeps, each shaping its data, model or saved state; the others may change: the optimizer's
 # and the length from the resumed step on, the device, micro-batch, compile and the system's options only in rounding
-RESUME_FIXES = ("system", "init_from", "model", "tokenizer", "data", "train_on_prompt", "shuffle", "pack", "seq",
-                "batch", "seed", "dtype", "precision", "moments")
+RESUME_FIXES = ("system", "init_from", "generic", "model", "tokenizer", "data", "train_on_prompt", "shuffle", "pack",
+                "seq", "batch", "seed", "dtype", "precision", "moments")
 
 
 @dataclass
@@ -38,6 +38,8 @@ class TrainConfig(CaseFlags):
     init_from: str | None = flag(None, metavar="DIR",
                                  help="local Hugging Face checkpoint (Qwen2 or Llama, safetensors)")
     model: str | None = flag(None, help="registry shape trained from scratch (python -m megatrain models)")
+    generic: bool = flag(False, help="train --init-from through transformers' own modules even where a hand-written "
+                                     "model of its family exists")
     data: list[str] = flag(factory=list, metavar="FILE", help=".jsonl/.txt file or folder, repeatable")
     tokenizer: str | None = flag(None, metavar="DIR", help="local tokenizer directory (default: --init-from's)")
     train_on_prompt: bool = flag(False, help="loss on chat prompts too")
@@ -177,7 +179,7 @@ def check_available(cfg: TrainConfig) -> None:
         raise ValueError("--device cuda: torch sees no CUDA device on this machine; use --device cpu")
     if cfg.init_from:
         try:
-            check_hf_checkpoint(cfg.init_from)
+            check_hf_checkpoint(cfg.init_from, cfg.generic)
         except ValueError as exc:
             raise ValueError(f"--init-from {exc}") from None
     data_files(cfg.data, "--data")

@@ -22,7 +22,9 @@ from megatrain.engine import distributed
 from megatrain.engine.distributed import Ranks
 from megatrain.memory import peak_host_rss_gib
 from megatrain.models.flops import model_flops
-from megatrain.models.hf import config_from_hf, iter_hf_tensors, read_hf_config, save_hf_checkpoint
+from megatrain.models.generic import GenericConfig
+from megatrain.models.generic.module import packing_refusal
+from megatrain.models.hf import iter_weights, read_hf_config, save_weights, shape_from_hf
 from megatrain.models.loss import IGNORE_INDEX
 from megatrain.models.registry import get_model_config
 from megatrain.preflight import preflight
@@ -51,9 +53,10 @@ class Progress:
 
 
 def _model(cfg: TrainConfig) -> tuple[str, object]:
-    """(label, shape or None for a registry name); the shape's family is the Hugging Face model_type of the export."""
+    """(label, shape or None for a registry name); the shape's family is the Hugging Face model_type of the export,
+    the hand-written model's or transformers' own modules' (shape_from_hf)."""
     if cfg.init_from:
-        return Path(cfg.init_from).name, config_from_hf(read_hf_config(cfg.init_from))
+        return Path(cfg.init_from).name, shape_from_hf(read_hf_config(cfg.init_from), cfg.generic)
     return cfg.model, None
 
 
@@ -75,12 +78,16 @@ def train(cfg: TrainConfig, log=print) -> int:
                                       (Path(cfg.init_from) / "tokenizer.json").exists() else None)
     tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
     label, shape = _model(cfg)
-    vocab = (shape or get_model_config(cfg.model)).vocab_size
+    model = shape or get_model_config(cfg.model)
+    vocab = model.vocab_size
     rows = Rows(read_examples(data_files(cfg.data), tokenizer, cfg.train_on_prompt), cfg.seq, vocab, cfg.shuffle,
                 cfg.seed, cfg.pack)
     eval_rows = Rows(read_examples(data_files(cfg.eval_data, "--eval-data"), tokenizer, cfg.train_on_prompt,
                                    "--eval-data"), cfg.seq, vocab, False, cfg.seed, cfg.pack, "--eval-data") \
         if cfg.eval_data else None
+    packs = any(bool((r.segments[:, :-1] != r.segments[:, :1]).any()) for r in (rows, eval_rows) if r is not None)
+    if packs and isinstance(model, GenericConfig) and (why := packing_refusal(model)):
+        raise ValueError(why)  # before anything is built, not at the first packed row
     total = cfg.steps if cfg.steps is not None else math.ceil(cfg.epochs * len(rows) / cfg.batch)
     case = build_case(cfg, total, label, shape)
     ranks = distributed.current(cfg.device)  # under torchrun: rank 0 owns --out, every rank trains
@@ -152,7 +159,7 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
             log(f"resumed from {resume_from} at step {start}" + ("; nothing to train, exporting it (its export "
                                                                  "was cut short)" if export_only else ""))
         elif cfg.init_from:
-            system.load_weights(iter_hf_tensors(cfg.init_from))
+            system.load_weights(iter_weights(cfg.init_from, case.model_config()))
         _run_steps(cfg, system, case, rows, eval_rows, progress, total, out, run_id, log, ranks)
         if ranks is not None:  # a signal that reached any rank after the last step stops every rank alike
             progress.signal = ranks.agree(progress.signal)
@@ -319,8 +326,7 @@ def _export(weights, case: CaseConfig, hf_dir: Path, tokenizer_dir: str | None, 
     and swapped in whole."""
     dtype = case.torch_dtype
     with written_aside(hf_dir) as tmp:
-        save_hf_checkpoint(weights, case.model_config(), tmp,
-                           max_shard_bytes=EXPORT_SHARD_BYTES, dtype=dtype)
+        save_weights(weights, case.model_config(), tmp, max_shard_bytes=EXPORT_SHARD_BYTES, dtype=dtype)
         for name in TOKENIZER_FILES if tokenizer_dir else ():
             if (Path(tokenizer_dir) / name).exists():
                 shutil.copy(Path(tokenizer_dir) / name, tmp / name)

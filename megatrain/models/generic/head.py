@@ -27,8 +27,8 @@ def cross_entropy_sum(logits_1TV: torch.Tensor, labels_T: torch.Tensor, normaliz
 
 class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, chunk_loss: ChunkLoss, names: list[str], chunk: int, h_TH, labels_T, *params):
-        need = ctx.needs_input_grad[3] or any(ctx.needs_input_grad[5:])
+    def forward(ctx, chunk_loss: ChunkLoss, names: list[str], bound: bool, chunk: int, h_TH, labels_T, *params):
+        need = ctx.needs_input_grad[4] or any(ctx.needs_input_grad[6:])
         total = torch.zeros((), dtype=torch.float32, device=h_TH.device)
         grad_h = torch.empty_like(h_TH) if need else None
         grads = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in params] if need else []
@@ -39,7 +39,7 @@ class _ChunkedLoss(torch.autograd.Function):
                 continue
             with torch.enable_grad():
                 h_leaf = h_c.detach().requires_grad_()
-                leaves = [p.detach().requires_grad_() for p in params]
+                leaves = [p.detach().requires_grad_() for p in params] if bound else list(params)
                 loss = chunk_loss(dict(zip(names, leaves, strict=True)), h_leaf[None], y_c)
                 g_h, *g_params = torch.autograd.grad(loss, [h_leaf, *leaves], allow_unused=True,
                                                      materialize_grads=True)
@@ -54,14 +54,18 @@ class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, *grads = ctx.saved_tensors
-        return (None, None, None, grad_h * grad_out.to(grad_h.dtype), None,
+        return (None, None, None, None, grad_h * grad_out.to(grad_h.dtype), None,
                 *(g * grad_out.to(g.dtype) for g in grads))
 
 
 def chunked_loss(chunk_loss: ChunkLoss, params: dict[str, torch.Tensor], h_BSH: torch.Tensor, labels_BS: torch.Tensor,
-                 vocab_size: int) -> torch.Tensor:
+                 vocab_size: int, bound: bool = True) -> torch.Tensor:
     """The loss of hidden states h_BSH against labels_BS, chunk by chunk of tokens (half the plain head's chunk:
-    autograd keeps a chunk's logits a few times over), differentiable with respect to h_BSH and `params`."""
+    autograd keeps a chunk's logits a few times over), differentiable with respect to h_BSH and `params`.
+
+    bound: chunk_loss is given the parameters to compute with (the engine's bound views, each chunk's gradients taken
+    with respect to a detached copy of the view); else they are a module's own, which its forward reads itself (a
+    sharding system's hooks gather them), and chunk_loss's gradients are taken with respect to them."""
     chunk = max(1, chunk_tokens_for(vocab_size) // 2)
-    return _ChunkedLoss.apply(chunk_loss, list(params), chunk, h_BSH.flatten(0, 1), labels_BS.flatten(),
+    return _ChunkedLoss.apply(chunk_loss, list(params), bound, chunk, h_BSH.flatten(0, 1), labels_BS.flatten(),
                               *params.values())

@@ -84,7 +84,8 @@ def build_causal_lm(cfg: GenericConfig, device: torch.device | str, dtype: torch
             for name, buffer in module._buffers.items():
                 if buffer is not None:
                     module._buffers[name] = torch.empty_like(buffer, device="cpu")
-        model.initialize_weights()
+        with torch.device("cpu"):  # what the initialisation computes, on the CPU too (whatever device is default)
+            model.initialize_weights()
     return model.eval()
 
 
@@ -217,12 +218,19 @@ class Skeleton(Parts):
         params = {local: _zeros_requiring_grad(shape) for local, shape in self.units[0].shapes}
         params.update(self.base_buffers("cpu"))
         ids, positions = torch.zeros(1, 8, dtype=torch.long), torch.arange(8)[None]
+        problems, failures = [], []
         for tuple_outputs in (False, True):
-            calls, out = self.capture(params, ids, positions, tuple_outputs)
+            try:
+                calls, out = self.capture(params, ids, positions, tuple_outputs)
+            except Exception as exc:  # the model's own code, given recorders where it expects its layers
+                failures.append(f"its forward does not run with its decoder layers replaced ({type(exc).__name__}: "
+                                f"{exc})")
+                continue
             problem = _preamble_problem(calls, out, len(self.layers))
             if problem is None:
                 return
-        raise ValueError(problem)
+            problems.append(problem)
+        raise ValueError((problems or failures)[0])
 
     def base_buffers(self, device: torch.device | str) -> dict[str, torch.Tensor]:
         """The decoder's buffers outside its layers (rotary frequencies, an embedding scale), names in the base."""
@@ -269,13 +277,14 @@ def _preamble_problem(calls: list[LayerCall], out, num_layers: int) -> str | Non
     if order != list(range(num_layers)):
         return f"its forward calls the decoder layers in the order {order}, not each once in order"
     for i, (_, hidden, args, kwargs) in enumerate(calls):
+        inputs = {**{f"positional input {j + 1}": a for j, a in enumerate(args)}, **kwargs}
+        if shared := [k for k, v in inputs.items() if isinstance(v, Cache) or _any_tensor(v, _requires_grad)]:
+            return (f"its decoder layers read inputs computed from the weights, from another layer or shared "
+                    f"between layers ({', '.join(shared)}: per-layer inputs, KV sharing)")
         if args:
             return f"its forward passes decoder layer {i} {len(args)} positional inputs besides the hidden states"
         if hidden is not calls[max(i - 1, 0)][1]:
             return f"its forward changes the hidden states between decoder layers {i - 1} and {i}"
-        if shared := [k for k, v in kwargs.items() if isinstance(v, Cache) or _any_tensor(v, _requires_grad)]:
-            return (f"its decoder layers read inputs computed from the weights, from another layer or shared "
-                    f"between layers ({', '.join(shared)}: per-layer inputs, KV sharing)")
     last = getattr(out, "last_hidden_state", None)
     if last is not calls[-1][1]:
         return "its forward changes the last layer's output other than by the final norm"

@@ -1,0 +1,47 @@
+"""A generic model's checkpoints, read and written by transformers itself: whatever layout a family publishes (experts
+one by one or fused, renamed keys) is transformers' conversion to and from its modules, not ours.
+
+Reading loads the checkpoint with from_pretrained on the host (its safetensors only, in its stored dtype) and hands
+over its weights one at a time: the host holds that copy of the model beside the training state while it loads.
+Writing is save_pretrained of the same class, from the weights by name, with the config.json it was read from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+from megatrain.models.generic.config import GenericConfig
+from megatrain.models.generic.skeleton import build_causal_lm, transformers_config
+from megatrain.models.hf import named_weights, persistent_buffers
+
+
+def iter_generic_weights(path: str | Path, cfg: GenericConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every parameter and persistent buffer of the checkpoint in directory `path`, as transformers
+    loads it (from_pretrained on the host, safetensors only)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, config=transformers_config(cfg), dtype="auto",
+                                                 use_safetensors=True)
+    weights = named_weights(model)
+    del model
+    for name in list(weights):  # each released once the caller has copied it
+        yield name, weights.pop(name)
+
+
+@torch.no_grad()
+def save_generic_checkpoint(weights: Mapping[str, torch.Tensor], cfg: GenericConfig, out_dir: str | Path,
+                            max_shard_bytes: int, dtype: torch.dtype) -> None:
+    """Write `weights` (every parameter and persistent buffer by name) as the family's own checkpoint: transformers'
+    save_pretrained of the same class, the config.json `cfg` was read from; the parameters in `dtype`, the buffers in
+    their own."""
+    model = build_causal_lm(cfg, "meta")
+    buffers = persistent_buffers(model)
+    expected = named_weights(model)
+    if missing := sorted(set(expected) - set(weights)):
+        raise ValueError(f"weights missing for the export: {missing[:8]}")
+    state = {name: weights[name].detach().to("cpu", None if name in buffers else dtype) for name in expected}
+    model.config.dtype = dtype
+    model.save_pretrained(out_dir, state_dict=state, max_shard_size=max_shard_bytes, safe_serialization=True)
