@@ -46,7 +46,7 @@ from megatrain.compile_check import compile_check
 from megatrain.config import CaseConfig
 from megatrain.engine.distributed import accumulation_steps
 from megatrain.engine.templates import CompiledCall, LayerTemplate
-from megatrain.models import DecoderLayer, Transformer, build_model
+from megatrain.models import DecoderLayer, GenericConfig, Transformer, build_model
 from megatrain.models.hf import copy_named_weights, persistent_buffers, reset_buffers
 from megatrain.models.init import init_module, init_param
 from megatrain.models.moe import MoE
@@ -217,8 +217,11 @@ def _full_shape(p: torch.nn.Parameter) -> torch.Size:
 
 def _zero3_model(ds, case: CaseConfig, config: dict) -> torch.nn.Module:
     """The model built partitioned (zero.Init), initialised one gathered unit at a time."""
+    cfg = case.model_config()
+    if isinstance(cfg, GenericConfig):  # transformers imported (and the model checked) before zero.Init: its tensor
+        cfg.check()  # patches break torch._dynamo's first import, which transformers' modeling makes
     with ds.zero.Init(config_dict_or_path=config):
-        model = build_model(case.model_config(), activation_checkpointing=True)
+        model = build_model(cfg, activation_checkpointing=True)
     for group in _init_units(model):
         with ds.zero.GatheredParameters([p for _, p in group], modifier_rank=0):
             for name, p in group:

@@ -122,10 +122,25 @@ MODELS: dict[str, ModelConfig] = {
 }
 
 
-# Models trained through transformers' own modules (megatrain.models.generic), by their config.json: the twins of two
-# hand-written shapes (the two paths compared on one model), and published shapes of families only that path trains
-# (their config.json files as released: Gemma-3-27B's text config, Qwen3-Next-80B-A3B, DeepSeek-V2-Lite).
+# Models trained through transformers' own modules (megatrain.models.generic), by their config.json: tiny ones, the
+# twins of two hand-written shapes (the two paths compared on one model), and published shapes of families only that
+# path trains (their config.json files as released: Gemma-3-27B's text config, Qwen3-Next-80B-A3B, DeepSeek-V2-Lite).
+_TINY_HF = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, tie_word_embeddings=False)
 HF_CONFIGS: dict[str, dict] = {
+    # the generic path's three kinds at the tiny size (the GPU suite's): dense with sliding layers and softcapped
+    # logits, MLA with shared and routed experts after a dense layer, linear and full attention over experts
+    "tiny-hf-gemma3": dict(_TINY_HF, model_type="gemma3_text", sliding_window=64, query_pre_attn_scalar=16,
+                           final_logit_softcapping=30.0, tie_word_embeddings=True,
+                           layer_types=["sliding_attention", "full_attention"] * 2),
+    "tiny-hf-deepseek-v3": dict(_TINY_HF, model_type="deepseek_v3", num_key_value_heads=4, moe_intermediate_size=32,
+                                first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_group=1,
+                                topk_group=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+                                qk_nope_head_dim=8, v_head_dim=16),
+    "tiny-hf-qwen3-next": dict(_TINY_HF, model_type="qwen3_next", num_experts=8, num_experts_per_tok=2,
+                               moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_num_value_heads=4,
+                               linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                               layer_types=["linear_attention", "full_attention"] * 2),
     "llama3.1-8b-hf": config_to_hf(MODELS["llama3.1-8b"]),
     "qwen3-8b-hf": config_to_hf(MODELS["qwen3-8b"]),
     "gemma-3-27b": dict(model_type="gemma3_text", vocab_size=262208, hidden_size=5376, intermediate_size=21504,

@@ -72,14 +72,20 @@ def transformers_config(cfg: GenericConfig):
 
 def build_causal_lm(cfg: GenericConfig, device: torch.device | str, dtype: torch.dtype = torch.float32) -> nn.Module:
     """transformers' causal LM of `cfg` built on `device` in `dtype`, in eval mode (no dropout, as from_pretrained
-    leaves a model). On the meta device its buffers (rotary frequencies, embedding scales, router biases) are made on
-    the CPU and filled by transformers' own initialisation, as from_pretrained fills them."""
+    leaves a model). Its weights are left to the caller (every system initialises them by name, or loads them);
+    transformers' initialisation is skipped, as its own DeepSpeed path skips it (it would write into ZeRO-3's empty
+    partitions). On the meta device its buffers (rotary frequencies, embedding scales, router biases) are made on the
+    CPU and filled by transformers' own initialisation, as from_pretrained fills them."""
     from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
 
     config = transformers_config(cfg)
-    with torch.device(device):
+    meta = torch.device(device).type == "meta"
+    with torch.device(device), contextlib.nullcontext() if meta else no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    if torch.device(device).type == "meta":
+    if not meta:
+        model.tie_weights()  # init_weights ties them, and no_init_weights skipped it
+    if meta:
         for module in model.modules():
             for name, buffer in module._buffers.items():
                 if buffer is not None:
