@@ -47,7 +47,8 @@ from megatrain.config import CaseConfig
 from megatrain.engine.distributed import accumulation_steps
 from megatrain.engine.templates import CompiledCall, LayerTemplate
 from megatrain.models import DecoderLayer, GenericConfig, Transformer, build_model
-from megatrain.models.hf import copy_named_weights, persistent_buffers, reset_buffers
+from megatrain.models.generic.module import reset_buffers
+from megatrain.models.hf import copy_named_weights, persistent_buffers
 from megatrain.models.init import init_module, init_param
 from megatrain.models.moe import MoE
 from megatrain.optim.groups import adamw_param_groups

@@ -30,7 +30,8 @@ from megatrain.compile_check import compile_check
 from megatrain.config import CaseConfig
 from megatrain.engine.distributed import accumulation_steps
 from megatrain.models import build_model
-from megatrain.models.hf import copy_named_weights, persistent_buffers, reset_buffers
+from megatrain.models.generic.module import reset_buffers
+from megatrain.models.hf import copy_named_weights, persistent_buffers
 from megatrain.models.init import init_param
 from megatrain.optim.groups import torch_adamw
 from megatrain.optim.state_bytes import FP32_BYTES, checkpoint_bytes_per_param, state_bytes_per_param

@@ -18,6 +18,7 @@ position_ids; a model with layers other than attention is refused packed rows).
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -49,7 +50,11 @@ class ModuleTemplate(CompiledCall):
     def __init__(self, module: nn.Module, compile_layer: bool):
         self.module = module
         self.indexed = [m for m in module.modules() if any(hasattr(m, a) for a in PER_LAYER_ATTRIBUTES)]
-        super().__init__(self._layer, compile_layer)
+        # a code object of its own: Dynamo caches graphs per code object, so each template's (forward, recompute and
+        # backward, per mask kind) count against its own recompile limit, not one that every template shares
+        own = ModuleTemplate._layer.__code__.replace(co_name=f"_layer_{id(self):x}")
+        super().__init__(types.MethodType(types.FunctionType(own, ModuleTemplate._layer.__globals__), self),
+                         compile_layer)
 
     def _layer(self, params: dict, x_BSH: torch.Tensor, kwargs: dict) -> torch.Tensor:
         out = functional_call(self.module, params, (x_BSH,), kwargs)

@@ -35,15 +35,22 @@ import torch
 from megatrain.engine.activations import ActivationStore
 from megatrain.engine.config import EngineConfig
 from megatrain.engine.distributed import Ranks
+from megatrain.engine.generic_program import GenericProgram
 from megatrain.engine.host_optimizer import HostOptimizer, torch_adamw_unit
 from megatrain.engine.layout import Unit
 from megatrain.engine.resident import ResidentUnit
 from megatrain.engine.store import OPT_CHUNK, HostStore
 from megatrain.engine.streams import StreamSet
-from megatrain.engine.templates import bind, build_program
+from megatrain.engine.templates import HandWrittenProgram, bind
 from megatrain.engine.uses import Use, use_order
+from megatrain.models import ModelConfig
 from megatrain.models.moe import load_balancing_grad, load_balancing_loss
 from megatrain.optim.host_adamw import FlatAdamW
+
+
+def build_program(config: EngineConfig, device: torch.device) -> HandWrittenProgram | GenericProgram:
+    """The program of config.model: the hand-written one, or transformers' own modules for a generic model."""
+    return (HandWrittenProgram if isinstance(config.model, ModelConfig) else GenericProgram)(config, device)
 
 
 @dataclass

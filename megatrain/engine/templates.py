@@ -173,12 +173,3 @@ class HandWrittenProgram:
     def buffers(self) -> dict[str, torch.Tensor]:
         """The model's weights that are not trained but a checkpoint holds, by name, where they live: none here."""
         return {}
-
-
-def build_program(config, device: torch.device):
-    """The program of config.model: the hand-written one, or transformers' own modules for a generic model."""
-    if isinstance(config.model, ModelConfig):
-        return HandWrittenProgram(config, device)
-    from megatrain.engine.generic_program import GenericProgram
-
-    return GenericProgram(config, device)

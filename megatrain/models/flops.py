@@ -20,7 +20,10 @@
 
 from __future__ import annotations
 
-from megatrain.models.config import ModelConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: each config counts its layers' attended pairs with attended_pairs below
+    from megatrain.models.config import ModelConfig
 
 
 def model_flops(num_params: int, tokens: int) -> float:

@@ -18,7 +18,6 @@ import json
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -28,9 +27,6 @@ from megatrain.models.config import FAMILIES, MOE_FAMILIES, ModelConfig
 from megatrain.models.masks import FULL, SLIDING
 from megatrain.models.rope import RopeScaling
 from megatrain.models.transformer import Transformer
-
-if TYPE_CHECKING:  # annotations only: the generic path imports transformers, which only it needs
-    from megatrain.models.generic import GenericConfig
 
 SUPPORTED_MODEL_TYPES = FAMILIES
 _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -83,53 +79,6 @@ def read_hf_config(path: str | Path) -> dict:
     if not isinstance(hf, dict):
         raise ValueError(f"{path / 'config.json'} is not a JSON object")
     return hf
-
-
-def check_hf_checkpoint(path: str | Path, generic: bool = False) -> ModelConfig | GenericConfig:
-    """The model of the checkpoint in directory `path` (shape_from_hf), its config read and translated and its
-    weight files found, without reading a tensor; a ValueError, starting with the path, names what is missing or
-    unsupported."""
-    hf = read_hf_config(path)
-    try:
-        cfg = shape_from_hf(hf, generic)
-    except ValueError as exc:
-        raise ValueError(f"{path}: {exc}") from None
-    _weight_files(Path(path))
-    return cfg
-
-
-def shape_from_hf(hf: Mapping, generic: bool = False) -> ModelConfig | GenericConfig:
-    """The model a config.json trains as: our hand-written one where it implements every setting (the fast path),
-    else transformers' own modules streamed (megatrain.models.generic; with generic, always); a ValueError says why
-    neither can."""
-    if not generic:
-        try:
-            return config_from_hf(hf)
-        except ValueError:
-            pass
-    from megatrain.models.generic import GenericConfig
-
-    return GenericConfig.from_hf(hf).check()
-
-
-def iter_weights(path: str | Path, shape: ModelConfig | GenericConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every weight of the checkpoint in `path`, by the names of `shape`'s model."""
-    if isinstance(shape, ModelConfig):
-        return iter_hf_tensors(path)
-    from megatrain.models.generic.checkpoint import iter_generic_weights
-
-    return iter_generic_weights(path, shape)
-
-
-def save_weights(weights: Mapping[str, torch.Tensor], shape: ModelConfig | GenericConfig, out_dir: str | Path,
-                 max_shard_bytes: int, dtype: torch.dtype) -> None:
-    """`weights` (by the names of `shape`'s model) written as the family's own Hugging Face checkpoint."""
-    if isinstance(shape, ModelConfig):
-        save_hf_checkpoint(weights, shape, out_dir, max_shard_bytes=max_shard_bytes, dtype=dtype)
-        return
-    from megatrain.models.generic.checkpoint import save_generic_checkpoint
-
-    save_generic_checkpoint(weights, shape, out_dir, max_shard_bytes, dtype)
 
 
 def _rope_from_hf(hf: Mapping) -> tuple[float, RopeScaling | None]:
@@ -443,7 +392,7 @@ def save_hf_checkpoint(model_or_state_dict: torch.nn.Module | Mapping[str, torch
     return [out_dir / f for f in files]
 
 
-def _weight_files(path: Path) -> list[Path]:
+def weight_files(path: Path) -> list[Path]:
     """The safetensors files of a checkpoint, the single file first as transformers looks for it."""
     if (path / SINGLE_FILE).exists():
         return [path / SINGLE_FILE]
@@ -539,7 +488,7 @@ def iter_hf_tensors(path: str | Path, dtype: torch.dtype | None = None) -> Itera
     path = Path(path)
     cfg = config_from_hf(read_hf_config(path))
     with contextlib.ExitStack() as stack:
-        read = _Checkpoint(_weight_files(path), stack)
+        read = _Checkpoint(weight_files(path), stack)
         for name in _expected_shapes(cfg):
             tensor = _from_checkpoint(cfg, name, read)
             yield name, tensor if dtype is None else tensor.to(dtype)
@@ -559,20 +508,6 @@ def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def named_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What a checkpoint of `module` holds: its parameters (tied ones once) and its persistent buffers, by name."""
     return {**dict(module.named_parameters()), **persistent_buffers(module)}
-
-
-@torch.no_grad()
-def reset_buffers(module: torch.nn.Module, device: torch.device) -> None:
-    """A module's buffers as its constructor makes them, on `device` (after to_empty, which leaves them unset): a
-    transformers model's rotary tables, embedding scale, router biases; our Transformer has none."""
-    if not any(True for _ in module.buffers()):
-        return
-    from megatrain.models.generic.skeleton import build_causal_lm
-
-    built = dict(build_causal_lm(module.cfg, "meta").named_buffers())
-    for name, buffer in list(module.named_buffers()):
-        owner, _, leaf = name.rpartition(".")
-        module.get_submodule(owner)._buffers[leaf] = built[name].to(device, buffer.dtype)
 
 
 @torch.no_grad()

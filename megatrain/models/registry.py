@@ -133,7 +133,8 @@ HF_CONFIGS: dict[str, dict] = {
     "tiny-hf-gemma3": dict(_TINY_HF, model_type="gemma3_text", sliding_window=64, query_pre_attn_scalar=16,
                            final_logit_softcapping=30.0, tie_word_embeddings=True,
                            layer_types=["sliding_attention", "full_attention"] * 2),
-    "tiny-hf-deepseek-v3": dict(_TINY_HF, model_type="deepseek_v3", num_key_value_heads=4, moe_intermediate_size=32,
+    "tiny-hf-deepseek-v3": dict(_TINY_HF, model_type="deepseek_v3", num_key_value_heads=4, head_dim=8,  # its rope's
+                                moe_intermediate_size=32,
                                 first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_group=1,
                                 topk_group=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
                                 qk_nope_head_dim=8, v_head_dim=16),

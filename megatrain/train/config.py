@@ -13,7 +13,7 @@ import torch
 
 from megatrain.config import DEVICES, DTYPES, PRECISIONS
 from megatrain.flags import CaseFlags, add_flags, file_values, flag, given
-from megatrain.models.hf import check_hf_checkpoint
+from megatrain.models.generic.checkpoint import check_checkpoint
 from megatrain.models.registry import get_model_config
 from megatrain.optim.config import OptimConfig
 from megatrain.options import check_field_types
@@ -179,7 +179,7 @@ def check_available(cfg: TrainConfig) -> None:
         raise ValueError("--device cuda: torch sees no CUDA device on this machine; use --device cpu")
     if cfg.init_from:
         try:
-            check_hf_checkpoint(cfg.init_from, cfg.generic)
+            check_checkpoint(cfg.init_from, cfg.generic)
         except ValueError as exc:
             raise ValueError(f"--init-from {exc}") from None
     data_files(cfg.data, "--data")

@@ -23,8 +23,9 @@ from megatrain.engine.distributed import Ranks
 from megatrain.memory import peak_host_rss_gib
 from megatrain.models.flops import model_flops
 from megatrain.models.generic import GenericConfig
+from megatrain.models.generic.checkpoint import iter_weights, save_weights, shape_from_hf
 from megatrain.models.generic.module import packing_refusal
-from megatrain.models.hf import iter_weights, read_hf_config, save_weights, shape_from_hf
+from megatrain.models.hf import read_hf_config
 from megatrain.models.loss import IGNORE_INDEX
 from megatrain.models.registry import get_model_config
 from megatrain.preflight import preflight

@@ -1,4 +1,6 @@
-"""A generic model's checkpoints, read and written by transformers itself: whatever layout a family publishes (experts
+"""A checkpoint's model, the hand-written one or transformers' own (shape_from_hf), and its weights in and out.
+
+A generic model's checkpoints are read and written by transformers itself: whatever layout a family publishes (experts
 one by one or fused, renamed keys) is transformers' conversion to and from its modules, not ours.
 
 Reading loads the checkpoint with from_pretrained on the host (its safetensors only, in its stored dtype) and hands
@@ -13,9 +15,18 @@ from pathlib import Path
 
 import torch
 
+from megatrain.models.config import ModelConfig
 from megatrain.models.generic.config import GenericConfig
 from megatrain.models.generic.skeleton import build_causal_lm, transformers_config
-from megatrain.models.hf import named_weights, persistent_buffers
+from megatrain.models.hf import (
+    config_from_hf,
+    iter_hf_tensors,
+    named_weights,
+    persistent_buffers,
+    read_hf_config,
+    save_hf_checkpoint,
+    weight_files,
+)
 
 
 def iter_generic_weights(path: str | Path, cfg: GenericConfig) -> Iterator[tuple[str, torch.Tensor]]:
@@ -45,3 +56,42 @@ def save_generic_checkpoint(weights: Mapping[str, torch.Tensor], cfg: GenericCon
     state = {name: weights[name].detach().to("cpu", None if name in buffers else dtype) for name in expected}
     model.config.dtype = dtype
     model.save_pretrained(out_dir, state_dict=state, max_shard_size=max_shard_bytes, safe_serialization=True)
+
+
+def check_checkpoint(path: str | Path, generic: bool = False) -> ModelConfig | GenericConfig:
+    """The model of the checkpoint in directory `path` (shape_from_hf), its config read and translated and its
+    weight files found, without reading a tensor; a ValueError, starting with the path, names what is missing or
+    unsupported."""
+    hf = read_hf_config(path)
+    try:
+        cfg = shape_from_hf(hf, generic)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    weight_files(Path(path))
+    return cfg
+
+
+def shape_from_hf(hf: Mapping, generic: bool = False) -> ModelConfig | GenericConfig:
+    """The model a config.json trains as: our hand-written one where it implements every setting (the fast path),
+    else transformers' own modules streamed (megatrain.models.generic; with generic, always); a ValueError says why
+    neither can."""
+    if not generic:
+        try:
+            return config_from_hf(hf)
+        except ValueError:
+            pass
+    return GenericConfig.from_hf(hf).check()
+
+
+def iter_weights(path: str | Path, shape: ModelConfig | GenericConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every weight of the checkpoint in `path`, by the names of `shape`'s model."""
+    return iter_hf_tensors(path) if isinstance(shape, ModelConfig) else iter_generic_weights(path, shape)
+
+
+def save_weights(weights: Mapping[str, torch.Tensor], shape: ModelConfig | GenericConfig, out_dir: str | Path,
+                 max_shard_bytes: int, dtype: torch.dtype) -> None:
+    """`weights` (by the names of `shape`'s model) written as the family's own Hugging Face checkpoint."""
+    if isinstance(shape, ModelConfig):
+        save_hf_checkpoint(weights, shape, out_dir, max_shard_bytes=max_shard_bytes, dtype=dtype)
+    else:
+        save_generic_checkpoint(weights, shape, out_dir, max_shard_bytes, dtype)

@@ -15,26 +15,19 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from megatrain.models.config import UnitShapes
 from megatrain.models.masks import FULL, SLIDING
 
-# the config keys transformers' families name the experts each token is routed to with
+if TYPE_CHECKING:  # annotations only: the skeleton (which builds the model, with transformers) says the layout
+    from megatrain.models.generic.skeleton import Layout
+
+# the config keys transformers' families name a count with (the first their config has)
 TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "moe_k", "top_k", "n_activated_experts", "num_activated_experts")
+LAYERS_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+HEADS_KEYS = ("num_attention_heads", "n_head", "num_heads", "n_heads")
 CHUNKED, LINEAR = "chunked_attention", "linear_attention"
-
-
-@dataclass(frozen=True)
-class Layout:
-    """What the meta-device model says of a config: its units, each layer's structure and routed experts."""
-
-    units: tuple[UnitShapes, ...]
-    structure: tuple[int, ...]  # per decoder layer, the index of its distinct structure (its template)
-    routed: tuple[tuple[str, ...], ...]  # per decoder layer, the names of its routed experts' parameters
-    experts: tuple[int, ...]  # per decoder layer, its routed experts (0: a dense layer)
-    embedding_name: str  # the input embedding matrix, full name
-    vocab_size: int
-    hidden_size: int
 
 
 @dataclass(frozen=True)
@@ -75,7 +68,8 @@ class GenericConfig:
 
     @property
     def num_layers(self) -> int:
-        return int(self.hf["num_hidden_layers"])
+        key = _first(self.hf, LAYERS_KEYS)
+        return int(self.hf[key]) if key in self.hf else len(self.layout.units) - 2
 
     @property
     def vocab_size(self) -> int:
@@ -87,7 +81,7 @@ class GenericConfig:
 
     @property
     def num_heads(self) -> int:
-        return int(self.hf.get("num_attention_heads") or 1)
+        return int(self.hf.get(_first(self.hf, HEADS_KEYS)) or 1)
 
     @property
     def num_kv_heads(self) -> int:
@@ -96,7 +90,8 @@ class GenericConfig:
     @property
     def head_dim(self) -> int:
         hf = self.hf
-        return int(hf.get("head_dim") or hf.get("qk_head_dim") or self.hidden_size // self.num_heads)
+        # MLA's query-key width is its qk_head_dim (its head_dim is the rotary part alone)
+        return int(hf.get("qk_head_dim") or hf.get("head_dim") or self.hidden_size // self.num_heads)
 
     @property
     def q_size(self) -> int:
@@ -233,11 +228,19 @@ class GenericConfig:
         for key, value in hf.items():
             if isinstance(value, list) and len(value) == old and key not in ("architectures",):
                 hf[key] = [value[n % old] for n in range(num_layers)]
-        hf["num_hidden_layers"] = num_layers
+        if (key := _first(hf, LAYERS_KEYS)) not in hf:
+            raise ValueError(f"{self.family}'s config sets its depth by none of {', '.join(LAYERS_KEYS)}: num_layers "
+                             "cannot change it")
+        hf[key] = num_layers
         return GenericConfig.from_hf(hf)
 
     def to_dict(self) -> dict:
         return {"hf_json": self.hf_json}
+
+
+def _first(hf: Mapping, keys: tuple[str, ...]) -> str:
+    """The first of `keys` the config has (the first of all where it has none)."""
+    return next((k for k in keys if k in hf), keys[0])
 
 
 def _numel(shapes: Mapping[str, tuple[int, ...]]) -> int:

@@ -95,3 +95,15 @@ def checkpointed(forward, *args, **kwargs):
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+@torch.no_grad()
+def reset_buffers(module: torch.nn.Module, device: torch.device) -> None:
+    """A module's buffers as its constructor makes them, on `device` (after to_empty, which leaves them unset): a
+    transformers model's rotary tables, embedding scale, router biases; our Transformer has none."""
+    if not any(True for _ in module.buffers()):
+        return
+    built = dict(build_causal_lm(module.cfg, "meta").named_buffers())
+    for name, buffer in list(module.named_buffers()):
+        owner, _, leaf = name.rpartition(".")
+        module.get_submodule(owner)._buffers[leaf] = built[name].to(device, buffer.dtype)

@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
 from megatrain.models.config import UnitShapes
-from megatrain.models.generic.config import GenericConfig, Layout
+
+if TYPE_CHECKING:  # annotations only: the config imports this module to build its layout
+    from megatrain.models.generic.config import GenericConfig
 
 BASES = ("model", "transformer")  # where causal LMs keep their decoder, when not under their base_model_prefix
 LAYER_LISTS = ("layers", "h", "blocks", "decoder.layers")  # where families keep their decoder layers, in the base
@@ -33,6 +36,19 @@ FINAL_NORMS = ("norm", "final_layernorm", "ln_f", "final_layer_norm", "norm_f") 
 # attributes that differ between layers without making their computation differ: the layer index (transformers reads
 # it for the KV cache, which training does not use; a template is given each layer's own before it runs)
 PER_LAYER_ATTRIBUTES = ("layer_idx",)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the meta-device model says of a config: its units, each layer's structure and routed experts."""
+
+    units: tuple[UnitShapes, ...]
+    structure: tuple[int, ...]  # per decoder layer, the index of its distinct structure (its template)
+    routed: tuple[tuple[str, ...], ...]  # per decoder layer, the names of its routed experts' parameters
+    experts: tuple[int, ...]  # per decoder layer, its routed experts (0: a dense layer)
+    embedding_name: str  # the input embedding matrix, full name
+    vocab_size: int
+    hidden_size: int
 
 
 class LayerCall(NamedTuple):
@@ -195,12 +211,13 @@ class Skeleton(Parts):
 
     # ---- the forward preamble -------------------------------------------------------------------------------------
     def capture(self, params: Mapping[str, torch.Tensor], input_ids: torch.Tensor, position_ids: torch.Tensor,
-                tuple_outputs: bool = False) -> tuple[list[LayerCall], object]:
+                tuple_outputs: bool | None = None) -> tuple[list[LayerCall], object]:
         """Run the decoder's own forward with `params` (the embedding unit's and the decoder's buffers, names in the
-        base), every decoder layer replaced by a recorder that returns its input and the final norm by the identity:
-        (each layer's call, the decoder's output). tuple_outputs: the recorders return (input,), for forwards that
-        index a layer's output."""
+        base), every decoder layer replaced by a recorder that returns its input and the final norm, once every layer
+        has run, by the identity: (each layer's call, the decoder's output). tuple_outputs: the recorders return
+        (input,), for forwards that index a layer's output (default: as the check found the forward)."""
         calls = []
+        tuple_outputs = self.tuple_outputs if tuple_outputs is None else tuple_outputs
 
         def recorder(index):
             def forward(*args, **kwargs):
@@ -210,8 +227,9 @@ class Skeleton(Parts):
             return forward
 
         replaced = {layer: recorder(i) for i, layer in enumerate(self.layers)}
-        if self.norm is not None:
-            replaced[self.norm] = _identity
+        if self.norm is not None:  # a norm the forward also runs before the layers (nanochat's) runs there
+            norm = self.norm.forward
+            replaced[self.norm] = lambda x, *a, **k: x if len(calls) == len(self.layers) else norm(x, *a, **k)
         with _forwards(replaced):
             out = functional_call(self.base, dict(params), (), {"input_ids": input_ids, "position_ids": position_ids})
         return calls, out
@@ -234,6 +252,7 @@ class Skeleton(Parts):
                 continue
             problem = _preamble_problem(calls, out, len(self.layers))
             if problem is None:
+                self.tuple_outputs = tuple_outputs
                 return
             problems.append(problem)
         raise ValueError((problems or failures)[0])
@@ -254,7 +273,11 @@ class Skeleton(Parts):
         if self.head_weight_name not in head:  # tied: the embedding's
             vocab, hidden = dict(self.units[0].shapes)[self.embedding_name]
             head[self.head_weight_name] = torch.zeros(1, hidden).expand(vocab, hidden)
-        logits = head_logits(self, head, torch.zeros(1, 2, dict(self.units[0].shapes)[self.embedding_name][1]))
+        try:
+            logits = head_logits(self, head, torch.zeros(1, 2, dict(self.units[0].shapes)[self.embedding_name][1]))
+        except Exception as exc:  # the model's own code, given the last hidden states alone
+            raise ValueError(f"its causal-LM forward reads more of the decoder's output than its last hidden states "
+                             f"({type(exc).__name__}: {exc}), state shared between layers") from None
         if logits is None or logits.shape[:2] != (1, 2):
             raise ValueError("its causal-LM forward returns no logits for every position")
 
@@ -302,13 +325,18 @@ def structure_key(layer: nn.Module) -> tuple:
     every plain setting (numbers, strings, flags) of every submodule but PER_LAYER_ATTRIBUTES."""
     key = []
     for name, module in layer.named_modules():
-        settings = tuple(sorted((k, v) for k, v in vars(module).items()
+        settings = tuple(sorted((k, _hashable(v)) for k, v in vars(module).items()
                                 if not k.startswith("_") and k not in ("training", *PER_LAYER_ATTRIBUTES)
                                 and _plain(v)))
         tensors = tuple((n, tuple(t.shape), t.dtype) for n, t in
                         [*module._parameters.items(), *module._buffers.items()] if t is not None)
         key.append((name, type(module).__qualname__, settings, tensors))
     return tuple(key)
+
+
+def _hashable(value):
+    """A plain setting as a key: lists as tuples."""
+    return tuple(_hashable(v) for v in value) if isinstance(value, (tuple, list)) else value
 
 
 def _plain(value) -> bool:
@@ -345,10 +373,6 @@ def _any_tensor(value, test: Callable[[torch.Tensor], bool]) -> bool:
     if isinstance(value, dict):
         return any(_any_tensor(v, test) for v in value.values())
     return False
-
-
-def _identity(x, *args, **kwargs):
-    return x
 
 
 @contextlib.contextmanager
