@@ -10,6 +10,7 @@ Writing is save_pretrained of the same class, from the weights by name, with the
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -34,8 +35,9 @@ def iter_generic_weights(path: str | Path, cfg: GenericConfig) -> Iterator[tuple
     loads it (from_pretrained on the host, safetensors only)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, config=transformers_config(cfg), dtype="auto",
-                                                 use_safetensors=True)
+    with _quiet():
+        model = AutoModelForCausalLM.from_pretrained(path, config=transformers_config(cfg), dtype="auto",
+                                                     use_safetensors=True)
     weights = named_weights(model)
     del model
     for name in list(weights):  # each released once the caller has copied it
@@ -55,7 +57,22 @@ def save_generic_checkpoint(weights: Mapping[str, torch.Tensor], cfg: GenericCon
         raise ValueError(f"weights missing for the export: {missing[:8]}")
     state = {name: weights[name].detach().to("cpu", None if name in buffers else dtype) for name in expected}
     model.config.dtype = dtype
-    model.save_pretrained(out_dir, state_dict=state, max_shard_size=max_shard_bytes, safe_serialization=True)
+    with _quiet():
+        model.save_pretrained(out_dir, state_dict=state, max_shard_size=max_shard_bytes, safe_serialization=True)
+
+
+@contextlib.contextmanager
+def _quiet():
+    """transformers' progress bars off (a train run logs its own lines), as they were after."""
+    from transformers.utils import logging
+
+    was = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            logging.enable_progress_bar()
 
 
 def check_checkpoint(path: str | Path, generic: bool = False) -> ModelConfig | GenericConfig:

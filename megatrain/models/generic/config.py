@@ -111,7 +111,7 @@ class GenericConfig:
 
     @property
     def tie_embeddings(self) -> bool:
-        return "lm_head.weight" not in dict(self.layout.units[-1].shapes)
+        return self.layout.head_weight_name not in dict(self.layout.units[-1].shapes)
 
     @property
     def layer_types(self) -> tuple[str, ...]:

@@ -47,6 +47,7 @@ class Layout:
     routed: tuple[tuple[str, ...], ...]  # per decoder layer, the names of its routed experts' parameters
     experts: tuple[int, ...]  # per decoder layer, its routed experts (0: a dense layer)
     embedding_name: str  # the input embedding matrix, full name
+    head_weight_name: str  # the LM head matrix, full name (the embedding's own when tied)
     vocab_size: int
     hidden_size: int
 
@@ -206,7 +207,8 @@ class Skeleton(Parts):
         experts = [max((_expert_count(n, dict(u.shapes)[n], names) for n in names), default=0)
                    for u, names in zip(self.units[1:-1], routed, strict=True)]
         return Layout(units=self.units, structure=self.structure, routed=tuple(routed), experts=tuple(experts),
-                      embedding_name=self.base_prefix + self.embedding_name, vocab_size=embedding[0],
+                      embedding_name=self.base_prefix + self.embedding_name,
+                      head_weight_name=self.head_weight_name, vocab_size=embedding[0],
                       hidden_size=embedding[1])
 
     # ---- the forward preamble -------------------------------------------------------------------------------------
