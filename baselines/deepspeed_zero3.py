@@ -45,10 +45,11 @@ from baselines.dist import (
 from megatrain.compile_check import compile_check
 from megatrain.config import CaseConfig
 from megatrain.engine.distributed import accumulation_steps
-from megatrain.engine.templates import LayerTemplate
-from megatrain.models import DecoderLayer, Transformer
-from megatrain.models.hf import copy_named_weights
-from megatrain.models.init import init_module
+from megatrain.engine.templates import CompiledCall, LayerTemplate
+from megatrain.models import DecoderLayer, GenericConfig, Transformer, build_model
+from megatrain.models.generic.module import reset_buffers
+from megatrain.models.hf import copy_named_weights, persistent_buffers
+from megatrain.models.init import init_module, init_param
 from megatrain.models.moe import MoE
 from megatrain.optim.groups import adamw_param_groups
 from megatrain.optim.state_bytes import FP32_BYTES, checkpoint_bytes_per_param, state_bytes_per_param
@@ -198,14 +199,15 @@ def _import_deepspeed(device: torch.device):
     return deepspeed
 
 
-def _init_units(model: Transformer):
-    """(name prefix, module) pieces of the model, gathered one at a time for initialisation."""
-    for name, child in model.named_children():
-        if isinstance(child, torch.nn.ModuleList):
-            for i, layer in enumerate(child):
-                yield f"{name}.{i}.", layer
-        else:
-            yield f"{name}.", child
+def _init_units(model: torch.nn.Module) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    """The model's (name, parameter) pairs in groups gathered one at a time for initialisation: each decoder layer's,
+    then the rest's by top-level module."""
+    layer_of = {id(p): i for i, layer in enumerate(model.layers) for p in layer.parameters()}
+    groups: dict[tuple, list] = {}
+    for name, p in model.named_parameters():
+        key = ("layer", layer_of[id(p)]) if id(p) in layer_of else ("module", name.split(".")[0])
+        groups.setdefault(key, []).append((name, p))
+    return list(groups.values())
 
 
 def _full_shape(p: torch.nn.Parameter) -> torch.Size:
@@ -214,13 +216,17 @@ def _full_shape(p: torch.nn.Parameter) -> torch.Size:
     return p.ds_shape if hasattr(p, "ds_shape") else p.shape
 
 
-def _zero3_model(ds, case: CaseConfig, config: dict) -> Transformer:
+def _zero3_model(ds, case: CaseConfig, config: dict) -> torch.nn.Module:
     """The model built partitioned (zero.Init), initialised one gathered unit at a time."""
+    cfg = case.model_config()
+    if isinstance(cfg, GenericConfig):  # transformers imported (and the model checked) before zero.Init: its tensor
+        cfg.check()  # patches break torch._dynamo's first import, which transformers' modeling makes
     with ds.zero.Init(config_dict_or_path=config):
-        model = Transformer(case.model_config(), activation_checkpointing=True)
-    for prefix, module in _init_units(model):
-        with ds.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
-            init_module(module, case.seed, prefix)
+        model = build_model(cfg, activation_checkpointing=True)
+    for group in _init_units(model):
+        with ds.zero.GatheredParameters([p for _, p in group], modifier_rank=0):
+            for name, p in group:
+                init_param(name, p, case.seed)
     # The loss reads the head matrix (or the tied embedding) outside that module's forward: ZeRO-3 must gather it
     # for the root's forward and backward too.
     ds.zero.register_external_parameter(model, model.head_weight())
@@ -230,21 +236,44 @@ def _zero3_model(ds, case: CaseConfig, config: dict) -> Transformer:
     # by a submodule call ZeRO-3 could hook.
     from deepspeed.utils import set_z3_leaf_modules
 
-    leaves = [DecoderLayer] if case.compile else [MoE] if model.cfg.is_moe else []
+    if isinstance(model, Transformer):
+        leaves = [DecoderLayer] if case.compile else [MoE] if model.cfg.is_moe else []
+    else:  # transformers' own: its experts modules read their own parameters, as ZeRO-3's hooks expect
+        leaves = sorted({type(layer) for layer in model.layers}, key=str) if case.compile else []
     if leaves:
         set_z3_leaf_modules(model, leaves)
     return model
 
 
-def _compile_layers(model: Transformer) -> LayerTemplate:
-    """Run every decoder layer through one compiled stateless layer, as the engine does (LayerTemplate: a meta-device
-    layer called with the weights as tensor arguments), and return it. Compiling each layer's own forward instead let
-    Dynamo guard on that layer's ZeRO-3 parameters (their ds_id): on the GPU host every layer was a new compile up to
-    Dynamo's recompile limit (8), the layers after it eager."""
-    template = LayerTemplate(model.cfg, compile_layer=True)
-    for layer in model.layers:
-        layer.forward = functools.partial(_forward_through, template, layer)
-    return template
+def _compile_layers(model: torch.nn.Module) -> list[CompiledCall]:
+    """Run every decoder layer through a compiled stateless layer, as the engine does (a meta-device layer called with
+    the weights as tensor arguments: LayerTemplate, or for transformers' own modules one ModuleTemplate per distinct
+    layer structure, each layer still checkpointed), and return the templates. Compiling each layer's own forward
+    instead let Dynamo guard on that layer's ZeRO-3 parameters (their ds_id): on the GPU host every layer was a new
+    compile up to Dynamo's recompile limit (8), the layers after it eager."""
+    if isinstance(model, Transformer):
+        template = LayerTemplate(model.cfg, compile_layer=True)
+        for layer in model.layers:
+            layer.forward = functools.partial(_forward_through, template, layer)
+        return [template]
+    from megatrain.engine.generic_program import ModuleTemplate
+    from megatrain.models.generic.module import checkpointed
+    from megatrain.models.generic.skeleton import Skeleton
+
+    skeleton, templates = Skeleton(model.cfg), {}
+    for i, (layer, structure) in enumerate(zip(model.layers, skeleton.structure, strict=True)):
+        if structure not in templates:
+            templates[structure] = ModuleTemplate(skeleton.layers[i], compile_layer=True)
+        layer.forward = functools.partial(checkpointed, functools.partial(_module_through, templates[structure], i,
+                                                                          layer))
+    return list(templates.values())
+
+
+def _module_through(template, index: int, layer: torch.nn.Module, hidden_states: torch.Tensor, **kwargs):
+    """A transformers decoder layer's forward: its structure's template with the layer's own (under ZeRO-3: gathered)
+    parameters and buffers."""
+    return template.run(index, {**dict(layer.named_parameters()), **dict(layer.named_buffers())}, hidden_states,
+                        kwargs)
 
 
 def _forward_through(template: LayerTemplate, layer: DecoderLayer, x_BSH: torch.Tensor, cos_SD: torch.Tensor,
@@ -258,21 +287,24 @@ SAVED_PARTITIONS = "zero_pp_rank_*_optim_states.pt"  # in it, one file of each r
 
 
 class _GatheredMasters(Mapping):
-    """name -> the full fp32 master weight of a ZeRO parameter, assembled on each access (on the host)."""
+    """name -> the full fp32 master weight of a ZeRO parameter, assembled on each access (on the host); a persistent
+    buffer's name -> the buffer (a generic model's router biases: never partitioned)."""
 
-    def __init__(self, params: dict[str, torch.nn.Parameter]):
-        self.params = params
+    def __init__(self, params: dict[str, torch.nn.Parameter], buffers: dict[str, torch.Tensor]):
+        self.params, self.buffers = params, buffers
 
     def __getitem__(self, name: str) -> torch.Tensor:
         from deepspeed.utils import safe_get_full_fp32_param
 
+        if name in self.buffers:
+            return self.buffers[name].detach().cpu()
         return safe_get_full_fp32_param(self.params[name]).detach().float().cpu()
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.params)
+        return iter([*self.params, *self.buffers])
 
     def __len__(self) -> int:
-        return len(self.params)
+        return len(self.params) + len(self.buffers)
 
 
 class _ZeroParam:
@@ -323,10 +355,11 @@ class DeepSpeedSystem:
             model = _zero3_model(ds, case, self.config)
         else:  # whole on the device, built in the compute dtype (ZeRO-3's partitions are too): no fp32 copy there
             with torch.device("meta"):
-                model = Transformer(case.model_config(), activation_checkpointing=True)
+                model = build_model(case.model_config(), activation_checkpointing=True)
             model.to(self.dtype).to_empty(device=self.device)
             init_module(model, case.seed)
-        self.layer_template = _compile_layers(model) if case.compile else None
+            reset_buffers(model, self.device)  # a generic model's: to_empty left none
+        self.templates = _compile_layers(model) if case.compile else []
 
         groups = adamw_param_groups(model.named_parameters(), case.optim, shape_of=_full_shape)
         o = case.optim
@@ -386,9 +419,9 @@ class DeepSpeedSystem:
         return {"mode": mode,
                 "deepspeed_config": self.config, "ranks": self.world, "zero_init": zero3,
                 "activation_checkpointing": True,
-                "compile": compiled if self.layer_template and self.layer_template.compiled else False,
-                "compile_check": compile_check(fell_back=not self.layer_template.compiled)
-                if self.layer_template else None,
+                "compile": compiled if self.templates and all(t.compiled for t in self.templates) else False,
+                "compile_check": compile_check(fell_back=not all(t.compiled for t in self.templates))
+                if self.templates else None,
                 "checkpointing": "torch.utils.checkpoint(use_reentrant=False) per layer",
                 "optimizer": self.optimizer_desc,
                 "loss_scaling": "engine.backward(loss x ranks, scale_wrt_gas=False), loss / valid tokens of the "
@@ -412,15 +445,17 @@ class DeepSpeedSystem:
             group["lr"] = lr
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Both copies of each weight, one weight at a time (_ZeroParam)."""
-        copy_named_weights({n: _ZeroParam(p, self.ds, self.device) for n, p in self.engine.module.named_parameters()},
-                           named)
+        """Both copies of each weight, one weight at a time (_ZeroParam); a generic model's buffers as they are."""
+        module = self.engine.module
+        copy_named_weights({**persistent_buffers(module),
+                            **{n: _ZeroParam(p, self.ds, self.device) for n, p in module.named_parameters()}}, named)
 
     def export_weights(self) -> Mapping[str, torch.Tensor]:
         """The fp32 master weights by name. One process: each gathered when read (never the whole model at once).
         Under torchrun every rank calls it, each weight is gathered in turn and rank 0 keeps them all (4 B/param on
         its host while it exports)."""
-        masters = _GatheredMasters(dict(self.engine.module.named_parameters()))
+        masters = _GatheredMasters(dict(self.engine.module.named_parameters()),
+                                   persistent_buffers(self.engine.module))
         return masters if self.ranks is None else kept_on_first(self.ranks, masters.items())
 
     def save_state(self, out_dir: Path | None) -> None:

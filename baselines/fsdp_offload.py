@@ -29,8 +29,9 @@ from baselines.dist import kept_on_first, ranks_of, save_on_every_rank, single_p
 from megatrain.compile_check import compile_check
 from megatrain.config import CaseConfig
 from megatrain.engine.distributed import accumulation_steps
-from megatrain.models import Transformer
-from megatrain.models.hf import copy_named_weights
+from megatrain.models import build_model
+from megatrain.models.generic.module import reset_buffers
+from megatrain.models.hf import copy_named_weights, persistent_buffers
 from megatrain.models.init import init_param
 from megatrain.optim.groups import torch_adamw
 from megatrain.optim.state_bytes import FP32_BYTES, checkpoint_bytes_per_param, state_bytes_per_param
@@ -116,7 +117,7 @@ class FSDPSystem:
         mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
 
         with torch.device("meta"):
-            self.model = Transformer(case.model_config(), activation_checkpointing=True)
+            self.model = build_model(case.model_config(), activation_checkpointing=True)
         self.mp_policy = None if self.dtype == torch.float32 else \
             MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
         self.pin_memory = self.device.type == "cuda"
@@ -137,6 +138,7 @@ class FSDPSystem:
             full = torch.empty(p.shape, dtype=p.dtype, device=self.device)
             init_param(name, full, case.seed)
             _ShardTarget(p).copy_(full)
+        reset_buffers(self.model, self.device)  # a generic model's (rotary tables, router biases): to_empty left none
         self.optimizer = torch_adamw(self.model.named_parameters(), case.optim, fused=True)
         self.skipped_steps = 0
         self.last_grad_norm = float("nan")
@@ -191,15 +193,19 @@ class FSDPSystem:
             group["lr"] = lr
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Every weight, one at a time, each rank keeping its shard (under torchrun every rank reads `named`)."""
-        copy_named_weights({n: _ShardTarget(p) for n, p in self.model.named_parameters()}, named)
+        """Every weight, one at a time, each rank keeping its shard (under torchrun every rank reads `named`); buffers
+        whole on every rank."""
+        copy_named_weights({**persistent_buffers(self.model),
+                            **{n: _ShardTarget(p) for n, p in self.model.named_parameters()}}, named)
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """One process: the host shards, which are the whole tensors (no copy). Under torchrun every rank calls it,
         each weight is gathered in turn and rank 0 keeps them all (fp32: 4 B/param on its host while it exports)."""
+        buffers = {n: b.detach() for n, b in persistent_buffers(self.model).items()}
         if self.ranks is None:
-            return {n: p.to_local().detach() for n, p in self.model.named_parameters()}
-        return kept_on_first(self.ranks, ((n, p.full_tensor().detach()) for n, p in self.model.named_parameters()))
+            return {**{n: p.to_local().detach() for n, p in self.model.named_parameters()}, **buffers}
+        return {**kept_on_first(self.ranks, ((n, p.full_tensor().detach()) for n, p in self.model.named_parameters())),
+                **buffers}
 
     def save_state(self, out_dir: Path | None) -> None:
         """torch.distributed.checkpoint of the sharded model and optimizer state dicts (PyTorch's own API); under

@@ -25,8 +25,8 @@ from baselines.common import COMPILED_LAYERS, accumulate_and_step, compile_layer
 from baselines.dist import ranks_of
 from megatrain.compile_check import compile_check
 from megatrain.config import CaseConfig
-from megatrain.models import Transformer
-from megatrain.models.hf import copy_named_weights
+from megatrain.models import build_model
+from megatrain.models.hf import copy_named_weights, named_weights
 from megatrain.models.init import init_module
 from megatrain.optim.groups import torch_adamw
 from megatrain.optim.state_bytes import FP32_BYTES, checkpoint_bytes_per_param, state_bytes_per_param
@@ -87,7 +87,7 @@ class NativeSystem:
         ckpt = case.opts.activation_checkpointing if activation_checkpointing is None \
             else activation_checkpointing
         with torch.device(self.device):
-            self.model = Transformer(case.model_config(), activation_checkpointing=ckpt,
+            self.model = build_model(case.model_config(), activation_checkpointing=ckpt,
                                      mlp_chunk_tokens=case.opts.mlp_chunk_tokens)
         init_module(self.model, case.seed)
         self.param_dtype = self.dtype if case.precision == "bf16" else torch.float32
@@ -147,10 +147,10 @@ class NativeSystem:
             group["lr"] = lr
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        copy_named_weights(dict(self.model.named_parameters()), named)
+        copy_named_weights(named_weights(self.model), named)
 
     def export_weights(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach() for n, p in self.model.named_parameters()}
+        return {n: p.detach() for n, p in named_weights(self.model).items()}
 
     def save_state(self, out_dir: Path | None) -> None:
         """The model and AdamW state (under torchrun every rank calls it, rank 0 with out_dir, and it writes its copy,

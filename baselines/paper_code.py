@@ -149,6 +149,9 @@ def refusal(case: CaseConfig, world: int = 1) -> str | None:
         return f"the paper's code runs a step's {case.batch} rows in one forward and backward (train.py's " \
                "gradient_accumulation_steps counts loop iterations, each its own mean): run it with --micro-batch 0"
     cfg = case.model_config()
+    if not isinstance(cfg, ModelConfig):
+        return f"the paper's code is compared on the hand-written families here; {case.model} trains through " \
+               "transformers' own modules (the generic path)"
     if cfg.is_moe:
         return f"the paper's code is compared on dense models here; {case.model} is a mixture of experts"
     if SLIDING in cfg.layer_types and attention(case.opts) == "sdpa":

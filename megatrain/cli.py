@@ -56,14 +56,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_models(args: argparse.Namespace) -> int:
     from megatrain.bench.record import params_text
-    from megatrain.models.registry import MODELS
+    from megatrain.models.registry import HF_CONFIGS, MODELS, get_model_config
 
-    for name, cfg in MODELS.items():
+    for name, cfg in {**MODELS, **{n: get_model_config(n) for n in HF_CONFIGS}}.items():
         experts = f" experts={cfg.num_experts_per_tok}/{cfg.num_experts}x{cfg.moe_intermediate_size} " \
             f"active={params_text(cfg.active_params())}" if cfg.is_moe else ""
         print(f"{name:15s} {params_text(cfg.num_params()):>8s}  layers={cfg.num_layers:3d} hidden={cfg.hidden_size:5d} "
               f"ffn={cfg.intermediate_size:5d} heads={cfg.num_heads}/{cfg.num_kv_heads} vocab={cfg.vocab_size} "
-              f"tied={cfg.tie_embeddings}{experts}")
+              f"tied={cfg.tie_embeddings}{experts}"
+              + ("" if name in MODELS else f" ({cfg.family}: transformers' own modules)"))
     return 0
 
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 from megatrain.models.config import ModelConfig
-from megatrain.models.registry import get_model_config
+from megatrain.models.generic import GenericConfig
+from megatrain.models.registry import get_model_config, shape_from_dict
 from megatrain.optim.config import OptimConfig
 from megatrain.options import CommonOptions
 from megatrain.systems import parse_options, system_spec
@@ -97,10 +98,9 @@ class CaseConfig:
         if self.data != "synthetic" and not self.tokenizer:
             raise ValueError("text data needs --tokenizer DIR (a local Hugging Face tokenizer directory)")
 
-    def model_config(self) -> ModelConfig:
+    def model_config(self) -> ModelConfig | GenericConfig:
         if self.model_shape is not None:
-            return self.model_shape if self.num_layers is None else replace(self.model_shape,
-                                                                            num_layers=self.num_layers)
+            return self.model_shape if self.num_layers is None else self.model_shape.with_layers(self.num_layers)
         return get_model_config(self.model, self.num_layers)
 
     @functools.cached_property
@@ -143,5 +143,5 @@ class CaseConfig:
         d = dict(d)
         d["optim"] = OptimConfig(**d.get("optim", {}))
         if d.get("model_shape") is not None:
-            d["model_shape"] = ModelConfig(**d["model_shape"])
+            d["model_shape"] = shape_from_dict(d["model_shape"])
         return CaseConfig(**d)

@@ -65,3 +65,48 @@ def family_config(kind: str, **shape) -> transformers.PretrainedConfig:
                                              "truncate": False, "original_max_position_embeddings": ORIGINAL,
                                              **theta})
     raise AssertionError(kind)
+
+
+# Families only the generic path trains (transformers' own modules, megatrain.models.generic), each at the tiny shape
+# with what it adds: sliding and full layers with softcapped logits (gemma3, tied), experts (mixtral), fused projections
+# (phi3), MLA with shared experts after a dense layer (deepseek_v3, glm4_moe without MLA), linear and full attention
+# over experts (qwen3_next), chunked and full attention, one expert and a shared one (llama4), q/k norms after the
+# projections (olmo2), embedding, residual, attention and logit multipliers (granite).
+GENERIC_KINDS = ("gemma3", "mixtral", "phi3", "deepseek_v3", "qwen3_next", "llama4", "glm4_moe", "olmo2", "granite")
+
+
+def generic_config(kind: str, **shape) -> transformers.PretrainedConfig:
+    """The transformers config of generic `kind` at `shape` (as family_config)."""
+    moe = dict(moe_intermediate_size=32, num_experts_per_tok=TOP_K)
+    if kind == "gemma3":
+        return transformers.Gemma3TextConfig(**{**shape, "tie_word_embeddings": True}, head_dim=16,
+                                             query_pre_attn_scalar=16, sliding_window=WINDOW,
+                                             final_logit_softcapping=3.0,
+                                             layer_types=["sliding_attention", "full_attention"])
+    if kind == "mixtral":
+        return transformers.MixtralConfig(**shape, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K)
+    if kind == "phi3":
+        return transformers.Phi3Config(**shape, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if kind == "deepseek_v3":
+        return transformers.DeepseekV3Config(**{**shape, "num_key_value_heads": shape["num_attention_heads"]}, **moe,
+                                             first_k_dense_replace=1, n_routed_experts=EXPERTS, n_group=1,
+                                             topk_group=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+                                             qk_nope_head_dim=8, v_head_dim=16)
+    if kind == "qwen3_next":
+        return transformers.Qwen3NextConfig(**shape, **moe, head_dim=16, num_experts=EXPERTS,
+                                            shared_expert_intermediate_size=32, linear_num_value_heads=4,
+                                            linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                                            layer_types=["linear_attention", "full_attention"])
+    if kind == "llama4":
+        return transformers.Llama4TextConfig(**shape, head_dim=16, intermediate_size_mlp=96,
+                                             num_local_experts=EXPERTS, num_experts_per_tok=1, attention_chunk_size=8,
+                                             no_rope_layers=[1, 0])
+    if kind == "glm4_moe":
+        return transformers.Glm4MoeConfig(**shape, **moe, head_dim=16, first_k_dense_replace=1,
+                                          n_routed_experts=EXPERTS, n_group=1, topk_group=1)
+    if kind == "olmo2":
+        return transformers.Olmo2Config(**shape, pad_token_id=0, bos_token_id=None, eos_token_id=1)
+    if kind == "granite":
+        return transformers.GraniteConfig(**shape, embedding_multiplier=2.0, residual_multiplier=0.5,
+                                          attention_multiplier=0.3, logits_scaling=0.5)
+    raise AssertionError(kind)

@@ -17,6 +17,7 @@ from families import family_config
 
 from megatrain.cli import main
 from megatrain.tokenizer import Tokenizer
+from megatrain.train.lr import lr_at
 
 VOCAB, SEQ, BATCH, STEPS = 128, 16, 4, 10
 LR, WARMUP, MIN_LR, WD, BETAS, EPS, CLIP = 3e-3, 3, 3e-4, 0.1, (0.9, 0.95), 1e-8, 0.5
@@ -104,6 +105,38 @@ def interrupt_at_step(monkeypatch, n: int, sig=signal.SIGINT) -> None:
     """Ctrl-C (or another signal) during step n of the next train run: the step finishes, is saved, and the run
     stops (exit 130; 143 for SIGTERM)."""
     at_step(monkeypatch, n, lambda: os.kill(os.getpid(), sig))
+
+
+def reference_training(init, data):
+    """(losses, model) of run_train's steps done with the transformers model, torch.optim.AdamW, clip_grad_norm_ and
+    the same schedule."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(init, attn_implementation="eager").float()
+    params = [p for p in model.parameters()]
+    decay = [p for name, p in model.named_parameters() if p.ndim >= 2 and not name.endswith("bias")]  # experts' [E, n]
+    groups = [{"params": decay, "weight_decay": WD},
+              {"params": [p for p in params if all(p is not d for d in decay)], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
+    rows = [json.loads(line)["input_ids"] for line in data.read_text().splitlines()]
+    losses = []
+    for step in range(STEPS):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, STEPS, LR, "cosine", WARMUP, MIN_LR)
+        block = torch.tensor([rows[(step * BATCH + i) % len(rows)] for i in range(BATCH)])
+        inputs, targets = block[:, :-1], block[:, 1:]
+        total = 0.0
+        for mb in (slice(0, 2), slice(2, 4)):
+            out = model(inputs[mb])
+            loss = torch.nn.functional.cross_entropy(out.logits.reshape(-1, VOCAB), targets[mb].reshape(-1),
+                                                     reduction="sum") / targets.numel()
+            if getattr(out, "aux_loss", None) is not None:  # the mean over the step's two micro-batches
+                loss = loss + model.config.router_aux_loss_coef * out.aux_loss / 2
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(params, CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, model
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from megatrain.models import ModelConfig
+from megatrain.models.generic import GenericConfig
 from megatrain.optim.groups import decays
 
 ALIGN = 128  # elements; keeps every unit's tile start 256-byte aligned in bf16
@@ -60,16 +61,12 @@ def _unit_params(prefix: str, named_shapes: list[tuple[str, tuple[int, ...]]]):
     return tuple(slots), off, decay
 
 
-def build_units(cfg: ModelConfig) -> list[Unit]:
-    """Units in forward order: embed, layers 0..L-1, head (the model's named shapes, ModelConfig)."""
-    layer_shapes = list(cfg.layer_shapes().items())
-    specs = [("embed", "", list(cfg.embedding_shapes().items()))]
-    specs += [("layer", f"layers.{i}.", layer_shapes) for i in range(cfg.num_layers)]
-    specs.append(("head", "", list(cfg.head_shapes().items())))
+def build_units(cfg: ModelConfig | GenericConfig) -> list[Unit]:
+    """Units in forward order: embed, layers 0..L-1, head (the model's named shapes: cfg.unit_shapes)."""
     units, offset = [], 0
-    for index, (kind, prefix, shapes) in enumerate(specs):
-        params, numel, decay = _unit_params(prefix, shapes)
-        units.append(Unit(index, kind, params, offset, numel, decay))
+    for index, spec in enumerate(cfg.unit_shapes()):
+        params, numel, decay = _unit_params(spec.prefix, list(spec.shapes))
+        units.append(Unit(index, spec.kind, params, offset, numel, decay))
         offset += -(-numel // ALIGN) * ALIGN
     return units
 

@@ -134,7 +134,7 @@ def _auto_fits(config: EngineConfig, options: dict, per_layer: bool = False, lim
     room = gpu - plan_memory(_with_options(config, **options), limits).gpu_bytes
     if not per_layer:
         return int(room >= 0)
-    per = resident_bytes(config, build_units(config.model)[1])
+    per = max(resident_bytes(config, u) for u in build_units(config.model)[1:-1])  # a generic model's differ
     return max(0, min(config.model.num_layers, int(room // per)))
 
 

@@ -31,22 +31,26 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from megatrain.engine.activations import ActivationStore
 from megatrain.engine.config import EngineConfig
 from megatrain.engine.distributed import Ranks
+from megatrain.engine.generic_program import GenericProgram
 from megatrain.engine.host_optimizer import HostOptimizer, torch_adamw_unit
 from megatrain.engine.layout import Unit
 from megatrain.engine.resident import ResidentUnit
 from megatrain.engine.store import OPT_CHUNK, HostStore
 from megatrain.engine.streams import StreamSet
-from megatrain.engine.templates import HeadTemplate, LayerTemplate, bind
+from megatrain.engine.templates import HandWrittenProgram, bind
 from megatrain.engine.uses import Use, use_order
-from megatrain.models import rotary_tables
-from megatrain.models.masks import rope_and_masks
+from megatrain.models import ModelConfig
 from megatrain.models.moe import load_balancing_grad, load_balancing_loss
 from megatrain.optim.host_adamw import FlatAdamW
+
+
+def build_program(config: EngineConfig, device: torch.device) -> HandWrittenProgram | GenericProgram:
+    """The program of config.model: the hand-written one, or transformers' own modules for a generic model."""
+    return (HandWrittenProgram if isinstance(config.model, ModelConfig) else GenericProgram)(config, device)
 
 
 @dataclass
@@ -56,8 +60,8 @@ class StepState:
     stats: dict  # h2d_bytes, d2h_bytes, optim_wait_s of the step (the activation store adds its transfers)
     tokens: list[torch.Tensor]  # per micro-batch, on the device
     labels: list[torch.Tensor]
-    rope: list[tuple]  # (cos, sin, {layer type: mask}) per micro-batch
-    embed_weight: torch.Tensor  # [V, H] view of the embedding's buffer (the tied head reads it too)
+    contexts: list  # per micro-batch, what its layers need besides their input (the program's contexts)
+    embed_params: dict  # views of the embedding unit's buffer (a tied head reads its matrix too)
     grad_ready: list  # per unit: the D2H event after which its gradient is on the host
     weights_ready: dict = field(default_factory=dict)  # use index -> H2D event: its weights are in its slot
     stall_events: list = field(default_factory=list)  # (before, after) compute events around each wait for weights
@@ -90,12 +94,9 @@ class Schedule:
         grad_dt = store.grads.dtype  # the streamed gradients leave through staging in their own dtype
         self.grad_staging = None if grad_dt == torch.float32 else \
             [torch.empty(slot_numel, dtype=grad_dt, device=device) for _ in range(2)]
-        self.layer_template = LayerTemplate(model, compile_layer=config.compile,
-                                            mlp_chunk_tokens=config.options.mlp_chunk_tokens)
+        self.program = build_program(config, device)
         self.acts = ActivationStore(streams, device, offloaded_layers, model.num_layers, config.micro_batches,
                                     (config.micro_batch, config.seq, model.hidden_size), dt, recomputed_inputs)
-        self.head_template = HeadTemplate(model)
-        self.cos, self.sin = rotary_tables(model, config.seq, device, dt)
         self.uses = use_order(model.num_layers, frozenset(resident_units), self.acts.recomputed)
         self.slot_free = [None, None]  # compute-stream event: last use of the weight slot finished
         self.grad_slot_free = [None, None]  # d2h-stream event: last gradient copied out of the gradient slot
@@ -117,7 +118,7 @@ class Schedule:
         self.lr = config.optim.lr  # of the next update (a learning-rate schedule sets it before each step)
         # update_delay: from which update on each applies the previous step's gradient (None: every update exact)
         self.delay_from = config.options.update_delay_warmup if config.options.update_delay else None
-        if streams.cuda:  # the rotary tables and resident copies above ran on the default stream, which the
+        if streams.cuda:  # the program's tables and resident copies above ran on the default stream, which the
             torch.cuda.synchronize(device)  # side streams do not wait for
 
     # ---- one step ---------------------------------------------------------------------------------
@@ -165,7 +166,7 @@ class Schedule:
 
     def _begin(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor,
                segments_BS: torch.Tensor | None) -> StepState:
-        """The step's state: its counters, and each micro-batch's tokens, labels and RoPE on the compute stream."""
+        """The step's state: its counters, and each micro-batch's tokens, labels and context on the compute stream."""
         s, dev, mb = self.streams, self.device, self.config.micro_batch
         s.begin_step()
         stats = {"h2d_bytes": 0, "d2h_bytes": 0, "optim_wait_s": 0.0}
@@ -173,9 +174,9 @@ class Schedule:
         with s.use("compute"):
             tokens = [inputs_BS[i:i + mb].to(dev, non_blocking=True) for i in range(0, inputs_BS.shape[0], mb)]
             labels = [labels_BS[i:i + mb].to(dev, non_blocking=True) for i in range(0, labels_BS.shape[0], mb)]
-            rope = self._rope(segments_BS, len(tokens))
-        step = StepState(stats=stats, tokens=tokens, labels=labels, rope=rope,
-                         embed_weight=self.embed.view(self.embed_buf, self.embed.params[0]),
+            contexts = self.program.contexts(segments_BS, len(tokens))
+        step = StepState(stats=stats, tokens=tokens, labels=labels, contexts=contexts,
+                         embed_params=bind(self.embed, self.embed_buf, requires_grad=False),
                          grad_ready=[None] * len(self.units))
         if self.model.router_stats:
             with s.use("compute"):
@@ -192,7 +193,8 @@ class Schedule:
             s.wait("compute", embed_ready)
             s.wait("compute", self.embed_free)  # embed_grad was the D2H source in fp32 runs
             start = s.record("compute")
-            self.acts.put(0, [F.embedding(t, step.embed_weight) for t in step.tokens])
+            self.acts.put(0, [self.program.embed(step.embed_params, t, c) for t, c in zip(step.tokens, step.contexts,
+                                                                                           strict=True)])
             self.embed_grad.zero_()
             step.grad_sumsq = torch.zeros((), dtype=torch.float32, device=self.device)
             step.loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -297,7 +299,7 @@ class Schedule:
         params = bind(unit, weights, requires_grad=False)
         layer = unit.index
         with torch.no_grad():
-            outputs = [self.layer_template(params, x, *self._attention(step.rope[m], unit))
+            outputs = [self.program.layer(unit, params, x, step.contexts[m])
                        for m, x in enumerate(self.acts.gpu[layer - 1])]
         if self.model.router_stats:
             if not regenerate:  # a regenerated input's routing was counted in its first forward
@@ -325,25 +327,26 @@ class Schedule:
         """The final norm, the chunked loss and their backward, micro-batch by micro-batch."""
         grad_acc = self._grad_buffer(unit, step.grad_slot)
         params = bind(unit, weights, requires_grad=True)
-        tied = "lm_head.weight" not in params
-        head_w = step.embed_weight.detach().requires_grad_() if tied else params["lm_head.weight"]
+        head_w = self.program.head_weight_name
+        tied = head_w not in params
+        own = list(params)  # the unit's own; a tied head's matrix is the embedding's
+        if tied:
+            params[head_w] = step.embed_params[self.program.embed_weight_name].detach().requires_grad_()
         hidden = self.acts.take(self.model.num_layers)
         self.acts.prefetch(self.model.num_layers - 1)  # the first backward layer's input
         for m, h in enumerate(hidden):
             h = h.detach().requires_grad_()
             with torch.enable_grad():
-                loss = self.head_template.loss(params["norm.weight"], head_w, h, step.labels[m], normalizer)
-                dh, dnorm, dw = torch.autograd.grad(loss, [h, params["norm.weight"], head_w])
+                loss = self.program.head_loss(params, h, step.labels[m], normalizer)
+                dh, *grads = torch.autograd.grad(loss, [h, *params.values()])
             step.output_grads.append(dh)
             step.loss_sum += loss.detach()
             if self.model.router_stats:
                 step.loss_sum += self._aux_weight(step, m) * load_balancing_loss(
                     step.routed[m], step.probsum[m], self._router_rows(step, m))
+            self._accumulate(grad_acc, unit, own, grads[:len(own)])
             if tied:
-                self._accumulate(grad_acc, unit, ["norm.weight"], [dnorm])
-                self.embed_grad.view_as(dw).add_(dw)
-            else:
-                self._accumulate(grad_acc, unit, ["norm.weight", "lm_head.weight"], [dnorm, dw])
+                bind(self.embed, self.embed_grad, requires_grad=False)[self.program.embed_weight_name].add_(grads[-1])
             hidden[m] = None
         self._finish_grads(step, unit, grad_acc, step.grad_slot)
 
@@ -357,13 +360,15 @@ class Schedule:
         for m, x in enumerate(inputs):
             x = x.detach().requires_grad_()
             with torch.enable_grad():
-                y = self.layer_template(params, x, *self._attention(step.rope[m], unit))
+                y = self.program.layer(unit, params, x, step.contexts[m])
                 if self.model.router_stats:  # its router's share of the load-balancing loss
                     aux_grad = load_balancing_grad(step.routed[m], self._router_rows(step, m),
                                                    self._aux_weight(step, m))
                     grads = torch.autograd.grad([y[0], y[2]], [x, *tensors], [step.output_grads[m], aux_grad])
                 else:
-                    grads = torch.autograd.grad(y, [x, *tensors], step.output_grads[m])
+                    # a parameter a micro-batch leaves unused (an expert of a list no token reached) gets zeros
+                    grads = torch.autograd.grad(y, [x, *tensors], step.output_grads[m], allow_unused=True,
+                                                materialize_grads=True)
             step.output_grads[m] = grads[0]
             self._accumulate(grad_acc, unit, names, grads[1:])
             inputs[m] = None
@@ -401,16 +406,9 @@ class Schedule:
         s = self.streams
         with s.use("compute"):
             start = s.record("compute")
-            grad_acc = self.embed_grad.view(self.model.vocab_size, self.model.hidden_size)
-            for t, dy in zip(step.tokens, step.output_grads, strict=True):
-                rows = dy.flatten(0, 1).float()
-                # repeatable sums: on the GPU index_put_'s accumulate sorts, where index_add_ uses atomics; on the CPU
-                # index_put_ adds with atomics across threads (from 32768 elements), where index_add_ adds in token
-                # order
-                if s.cuda:
-                    grad_acc.index_put_((t.flatten(),), rows, accumulate=True)
-                else:
-                    grad_acc.index_add_(0, t.flatten(), rows)
+            grads = bind(self.embed, self.embed_grad, requires_grad=False)
+            for t, dy, c in zip(step.tokens, step.output_grads, step.contexts, strict=True):
+                self.program.embed_backward(grads, step.embed_params, t, dy, c, s.cuda)
             step.output_grads = []
             grad = self._summed(self.embed, self.embed_grad)
             step.grad_sumsq += torch.linalg.vector_norm(grad).square()
@@ -420,23 +418,6 @@ class Schedule:
                     src = self.embed_buf[:grad.numel()].copy_(grad)  # in place
                 self.embed_free = self._offload(step, self.embed, src, None)
             s.span("compute", 0, "bwd", start, s.record("compute"))
-
-    def _rope(self, segments_BS: torch.Tensor | None, micro_batches: int) -> list[tuple]:
-        """(cos, sin, {layer type: mask}) of each micro-batch: the shared tables and the model's masks, or for packed
-        rows per-document positions and document masks (models.masks.rope_and_masks), on the compute stream."""
-        model, mb = self.model, self.config.micro_batch
-
-        def rope(segments):
-            return rope_and_masks(self.cos, self.sin, segments, self.device, model.sliding_window, model.layer_types)
-
-        if segments_BS is None:
-            return [rope(None)] * micro_batches
-        return [rope(segments_BS[i:i + mb].to(self.device)) for i in range(0, segments_BS.shape[0], mb)]
-
-    def _attention(self, rope: tuple, unit: Unit) -> tuple:
-        """(cos, sin, mask) of decoder-layer unit `unit`: the mask of its layer's attention type."""
-        cos, sin, masks = rope
-        return cos, sin, masks[self.model.layer_type(unit.index - 1)]
 
     @torch.no_grad()
     def evaluate(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, normalizer: int,
@@ -453,19 +434,19 @@ class Schedule:
                     return self.resident[unit.index].weights
                 return self.store.tile(self.store.latest_weights, unit).to(dev)
 
-            rope = self._rope(segments_BS, -(-inputs_BS.shape[0] // mb))
-            embed_w = self.embed.view(weights(self.embed), self.embed.params[0])
-            xs = [F.embedding(inputs_BS[i:i + mb].to(dev), embed_w) for i in range(0, inputs_BS.shape[0], mb)]
+            contexts = self.program.contexts(segments_BS, -(-inputs_BS.shape[0] // mb))
+            embed = bind(self.embed, weights(self.embed), requires_grad=False)
+            xs = [self.program.embed(embed, inputs_BS[i:i + mb].to(dev), contexts[i // mb])
+                  for i in range(0, inputs_BS.shape[0], mb)]
             for unit in units[1:-1]:
                 params = bind(unit, weights(unit), requires_grad=False)
-                xs = [self.layer_template(params, x, *self._attention(rope[m], unit)) for m, x in enumerate(xs)]
+                xs = [self.program.layer(unit, params, x, contexts[m]) for m, x in enumerate(xs)]
                 if self.model.router_stats:  # the held-out loss is the cross-entropy alone
                     xs = [x[0] for x in xs]
             head = units[-1]
             params = bind(head, weights(head), requires_grad=False)
-            head_w = params.get("lm_head.weight", embed_w)
-            total = sum(self.head_template.loss(params["norm.weight"], head_w, x,
-                                                labels_BS[m * mb:(m + 1) * mb].to(dev), normalizer)
+            params.setdefault(self.program.head_weight_name, embed[self.program.embed_weight_name])
+            total = sum(self.program.head_loss(params, x, labels_BS[m * mb:(m + 1) * mb].to(dev), normalizer)
                         for m, x in enumerate(xs))
             return float(total)
 

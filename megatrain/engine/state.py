@@ -2,7 +2,8 @@
 chunk, so saving or resuming needs no second copy of anything in memory.
 
 A state directory holds tiles.bin (the tiles back to back, raw) and state.json (their names, dtypes and
-sizes, and the AdamW step counts). Gradients are not state: every step overwrites them.
+sizes, and the AdamW step counts), and for a generic model with buffers its checkpoint holds (a router's score
+correction) buffers.safetensors. Gradients are not state: every step overwrites them.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from megatrain.engine.store import HostStore
 
 CHUNK_BYTES = 64 * 2**20
-TILES_FILE, STATE_FILE = "tiles.bin", "state.json"
+TILES_FILE, STATE_FILE, BUFFERS_FILE = "tiles.bin", "state.json", "buffers.safetensors"
 
 
 def state_tiles(store: HostStore) -> dict[str, torch.Tensor]:
@@ -71,14 +73,25 @@ def steps_from_json(items: list, device: torch.device) -> dict:
     return {tuple(key): torch.tensor(value, dtype=torch.float32, device=device) for key, value in items}
 
 
-def save_engine_state(out_dir: Path, store: HostStore, counters: dict) -> None:
+def save_engine_state(out_dir: Path, store: HostStore, counters: dict,
+                      buffers: dict[str, torch.Tensor] | None = None) -> None:
+    """The store's tiles, the counters and the model's buffers (a generic model's, megatrain.engine.generic_program;
+    none for the hand-written model) into out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = write_tiles(out_dir / TILES_FILE, state_tiles(store))
     (out_dir / STATE_FILE).write_text(json.dumps({"tiles": manifest, **counters}) + "\n")
+    if buffers:
+        save_file({n: b.detach().cpu().contiguous() for n, b in buffers.items()}, out_dir / BUFFERS_FILE)
 
 
-def load_engine_state(in_dir: Path, store: HostStore) -> dict:
-    """Fill the store's tiles from in_dir; returns the counters saved beside them."""
+def load_engine_state(in_dir: Path, store: HostStore, buffers: dict[str, torch.Tensor] | None = None) -> dict:
+    """Fill the store's tiles (and the model's buffers) from in_dir; returns the counters saved beside them."""
     meta = json.loads((in_dir / STATE_FILE).read_text())
     read_tiles(in_dir / TILES_FILE, state_tiles(store), meta.pop("tiles"))
+    if buffers:
+        saved = load_file(in_dir / BUFFERS_FILE)
+        if set(saved) != set(buffers):
+            raise ValueError(f"{in_dir} holds the buffers of another model: {sorted(set(saved) ^ set(buffers))[:4]}")
+        for name, b in buffers.items():
+            b.copy_(saved[name])
     return meta

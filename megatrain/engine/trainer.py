@@ -88,9 +88,9 @@ class StreamingSystem:
             "activation_checkpointing": self._checkpointing(),
             "offloaded_layers": self.schedule.acts.offloaded,
             "recomputed_inputs": self.schedule.acts.recomputed,
-            "mlp_chunk_tokens": self.schedule.layer_template.module.mlp.chunk_tokens,
-            "compile": self.schedule.layer_template.compiled,
-            "compile_check": compile_check(fell_back=not self.schedule.layer_template.compiled)
+            "mlp_chunk_tokens": self.schedule.program.mlp_chunk_tokens,
+            "compile": self.schedule.program.compiled,
+            "compile_check": compile_check(fell_back=not self.schedule.program.compiled)
             if self.config.compile else None,
             "resident_units": sorted(self.schedule.resident),
             "plan": {k: v for k, v in dataclasses.asdict(self.plan).items() if k != "host_tiles_bytes_per_param"},
@@ -166,8 +166,8 @@ class StreamingSystem:
         """Replace the weights (before training), one tensor at a time, by our parameter names (with several
         ranks, every rank calls it and each node's local rank 0 reads `named` into the node's copy)."""
         self.optimizer.flush()
-        if self._fills:
-            copy_named_weights(self._weight_views(), named)
+        if self._fills:  # the program's buffers (a generic model's router biases) beside the streamed weights
+            copy_named_weights({**self._weight_views(), **self.schedule.program.buffers()}, named)
             if self.store.master is not None:
                 self.store.weights.copy_(self.store.master)
             elif self.store.ahead:  # update_delay: the new weights are the streamed ones too, nothing is pending
@@ -184,7 +184,7 @@ class StreamingSystem:
             return {}
         self.optimizer.flush()
         self.schedule.sync_resident_to_host()
-        return self._weight_views()
+        return {**self._weight_views(), **{n: b.cpu() for n, b in self.schedule.program.buffers().items()}}
 
     def _weight_views(self) -> dict[str, torch.Tensor]:
         """Each parameter as a view of its host tile: the fp32 master where there is one, else the weights."""
@@ -205,13 +205,13 @@ class StreamingSystem:
             counters.update(shards=self.ranks.local_world, adamw_steps=[s for steps in self.ranks.gather(
                 counters["adamw_steps"]) for s in steps])
         if self._first:
-            save_engine_state(Path(out_dir), self.store, counters)
+            save_engine_state(Path(out_dir), self.store, counters, self.schedule.program.buffers())
 
     def load_state(self, in_dir: Path | None) -> None:
         """Continue from a save_state directory (with several ranks, every rank calls it; each node's local rank 0
         reads in_dir into the node's copy)."""
         self.optimizer.flush()
-        meta = load_engine_state(Path(in_dir), self.store) if self._fills else None
+        meta = load_engine_state(Path(in_dir), self.store, self.schedule.program.buffers()) if self._fills else None
         if self.ranks is not None:
             meta = self.ranks.from_first(meta)
         saved, shards = meta.get("shards", 1), 1 if self.ranks is None else self.ranks.local_world

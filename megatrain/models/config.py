@@ -8,6 +8,17 @@ from dataclasses import asdict, dataclass, replace
 from megatrain.models.masks import FULL, LAYER_TYPES, SLIDING
 from megatrain.models.rope import RopeScaling
 
+
+@dataclass(frozen=True)
+class UnitShapes:
+    """One streamed unit of a model (megatrain.engine.layout): its kind ('embed', 'layer', 'head'), the prefix of its
+    parameters' full names, and (name inside its template, shape) of each parameter in the module's order."""
+
+    kind: str
+    prefix: str
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]
+
+
 # The Hugging Face architectures the one model definition covers, and what each fixes of the flags below.
 FAMILIES = ("qwen2", "llama", "qwen3", "mistral", "qwen3_moe", "gpt_oss")
 MOE_FAMILIES = ("qwen3_moe", "gpt_oss")
@@ -171,6 +182,12 @@ class ModelConfig:
         """The attention of decoder layer `layer` (0-based): 'full_attention' or 'sliding_attention'."""
         return self.layer_types[layer] if self.layer_types else FULL
 
+    def attended_pairs(self, layer: int, seq: int) -> float:
+        """(query, key) pairs decoder layer `layer` scores in one sequence (megatrain.models.flops.attended_pairs)."""
+        from megatrain.models.flops import attended_pairs
+
+        return attended_pairs(seq, self.sliding_window if self.layer_type(layer) != FULL else 0)
+
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
@@ -228,6 +245,14 @@ class ModelConfig:
         """The final norm and the LM head matrix (none of its own when tied: it is the embedding's)."""
         lm_head = {} if self.tie_embeddings else {"lm_head.weight": (self.vocab_size, self.hidden_size)}
         return {"norm.weight": (self.hidden_size,), **lm_head}
+
+    def unit_shapes(self) -> tuple[UnitShapes, ...]:
+        """The streamed units in forward order: the embedding, each decoder layer, the head (megatrain.models.
+        Transformer's names)."""
+        layer = tuple(self.layer_shapes().items())
+        return (UnitShapes("embed", "", tuple(self.embedding_shapes().items())),
+                *(UnitShapes("layer", f"layers.{n}.", layer) for n in range(self.num_layers)),
+                UnitShapes("head", "", tuple(self.head_shapes().items())))
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter of the model by its name in megatrain.models.Transformer (tied embeddings once)."""

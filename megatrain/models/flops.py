@@ -20,7 +20,10 @@
 
 from __future__ import annotations
 
-from megatrain.models.config import ModelConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: each config counts its layers' attended pairs with attended_pairs below
+    from megatrain.models.config import ModelConfig
 
 
 def model_flops(num_params: int, tokens: int) -> float:
@@ -36,9 +39,9 @@ def attended_pairs(seq: int, window: int = 0) -> float:
 
 
 def attention_flops_per_seq(cfg: ModelConfig, seq: int) -> float:
-    """Forward attention FLOPs of one sequence over all layers: QK^T and PV over the pairs each layer attends."""
-    return sum(2 * 2.0 * attended_pairs(seq, cfg.sliding_window if cfg.layer_type(n) != "full_attention" else 0)
-               * cfg.num_heads * cfg.head_dim for n in range(cfg.num_layers))
+    """Forward attention FLOPs of one sequence over all layers: QK^T and PV over the pairs each layer attends
+    (cfg.attended_pairs: a generic model's linear-attention layers count none)."""
+    return sum(2 * 2.0 * cfg.attended_pairs(n, seq) * cfg.num_heads * cfg.head_dim for n in range(cfg.num_layers))
 
 
 def hardware_flops(cfg: ModelConfig, batch: int, seq: int, recompute: bool = True, extra_layer_forwards: int = 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import warnings
@@ -98,12 +99,28 @@ def check_hf_checkpoint(path: str | Path) -> ModelConfig:
         cfg = config_from_hf(hf)
         expected = _expected_shapes(cfg)
         with contextlib.ExitStack() as stack:
-            for name, tensor in _read_weights(cfg, _Checkpoint(_weight_files(Path(path)), stack, meta=True)):
+            for name, tensor in _read_weights(cfg, _Checkpoint(weight_files(Path(path)), stack, meta=True)):
                 if tensor.shape != (shape := expected[name]):
                     raise ValueError(f"{name} has shape {tuple(tensor.shape)}, the config implies {tuple(shape)}")
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
     return cfg
+
+
+def check_config_values(hf: Mapping) -> None:
+    """The config.json keys read as counts and as numbers of their types, and its RoPE base and norm epsilon finite and
+    > 0, where given; a ValueError names the first that is not. For the hand-written families (FAMILIES): a damaged
+    config of one is refused whichever model would train it (megatrain.models.generic.checkpoint.shape_from_hf)."""
+    for keys, kind, what in ((_INT_KEYS, int, "an integer"), (_NUMBER_KEYS, int | float, "a number")):
+        for key in keys:
+            if hf.get(key) is not None and (not isinstance(hf[key], kind) or isinstance(hf[key], bool)):
+                raise ValueError(f"config.json {key}={json.dumps(hf[key])} must be {what}")
+    params = hf.get("rope_parameters")
+    theta = params.get("rope_theta") if isinstance(params, Mapping) else None
+    for key, value in (("rope_theta", hf.get("rope_theta") if theta is None else theta),
+                       ("rms_norm_eps", hf.get("rms_norm_eps"))):
+        if isinstance(value, int | float) and not isinstance(value, bool) and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{key} must be a finite number > 0, got {value}")
 
 
 def _rope_from_hf(hf: Mapping) -> tuple[float, RopeScaling | None]:
@@ -201,10 +218,7 @@ def config_from_hf(hf: Mapping) -> ModelConfig:
     missing = [k for k in REQUIRED_KEYS if k not in hf]
     if missing:
         raise ValueError(f"config.json lacks {', '.join(missing)}")
-    for keys, kind, what in ((_INT_KEYS, int, "an integer"), (_NUMBER_KEYS, int | float, "a number")):
-        for key in keys:
-            if hf.get(key) is not None and (not isinstance(hf[key], kind) or isinstance(hf[key], bool)):
-                raise ValueError(f"config.json {key}={json.dumps(hf[key])} must be {what}")
+    check_config_values(hf)
     theta, scaling = _rope_from_hf(hf)
     defaults = _DEFAULTS[family]
     window, types = _attention_layers(hf, family, hf["num_hidden_layers"])
@@ -445,7 +459,7 @@ def _save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
         raise OSError(int(found[1]), os.strerror(int(found[1])), str(path)) from None
 
 
-def _weight_files(path: Path) -> list[Path]:
+def weight_files(path: Path) -> list[Path]:
     """The safetensors files of a checkpoint, the single file first as transformers looks for it."""
     if (path / SINGLE_FILE).exists():
         return [path / SINGLE_FILE]
@@ -563,7 +577,7 @@ def iter_hf_tensors(path: str | Path, dtype: torch.dtype | None = None) -> Itera
     path = Path(path)
     cfg = config_from_hf(read_hf_config(path))
     with contextlib.ExitStack() as stack:
-        for name, tensor in _read_weights(cfg, _Checkpoint(_weight_files(path), stack)):
+        for name, tensor in _read_weights(cfg, _Checkpoint(weight_files(path), stack)):
             yield name, tensor if dtype is None else tensor.to(dtype)
 
 
@@ -577,6 +591,17 @@ def _read_weights(cfg: ModelConfig, read: _Checkpoint) -> Iterator[tuple[str, to
     if unexpected := sorted(set(read.file_of) - read.read_keys - ignored):
         raise ValueError(f"the checkpoint holds tensors this model does not have: {unexpected[:8]}"
                          f"{' ...' if len(unexpected) > 8 else ''}")
+
+
+def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a checkpoint holds (a router's score correction), by name; rotary tables and the like are not."""
+    saved = set(module.state_dict(keep_vars=True))
+    return {name: b for name, b in module.named_buffers() if name in saved}
+
+
+def named_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint of `module` holds: its parameters (tied ones once) and its persistent buffers, by name."""
+    return {**dict(module.named_parameters()), **persistent_buffers(module)}
 
 
 @torch.no_grad()

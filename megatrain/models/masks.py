@@ -59,6 +59,16 @@ def _mask(window: int, segments_BS: torch.Tensor | None, seq: int, device: torch
     return _allowed(index[None, :, None], index[None, None, :], window, segments_BS, b)[:, None]
 
 
+def document_positions(segments_BS: torch.Tensor) -> torch.Tensor:
+    """Each token's position in its document [B, S]: 0 at every document's first token of a packed row."""
+    b, s = segments_BS.shape
+    index = torch.arange(s, device=segments_BS.device).expand(b, s)
+    starts = torch.ones_like(segments_BS, dtype=torch.bool)
+    starts[:, 1:] = segments_BS[:, 1:] != segments_BS[:, :-1]
+    first = torch.cummax(torch.where(starts, index, 0), dim=1).values  # index of each token's document start
+    return index - first
+
+
 def rope_and_masks(cos_SD: torch.Tensor, sin_SD: torch.Tensor, segments_BS: torch.Tensor | None, device: torch.device,
                    sliding_window: int = 0, layer_types: tuple[str, ...] = ()):
     """(cos, sin, {layer type: mask}) of a micro-batch, for the layer types the model has (full only when none).
@@ -77,12 +87,7 @@ def rope_and_masks(cos_SD: torch.Tensor, sin_SD: torch.Tensor, segments_BS: torc
     if segments_BS is not None and bool((segments_BS == segments_BS[:, :1]).all()):
         segments_BS = None
     if segments_BS is not None:
-        b, s = segments_BS.shape
-        index = torch.arange(s, device=segments_BS.device).expand(b, s)
-        starts = torch.ones_like(segments_BS, dtype=torch.bool)
-        starts[:, 1:] = segments_BS[:, 1:] != segments_BS[:, :-1]
-        first = torch.cummax(torch.where(starts, index, 0), dim=1).values  # index of each token's document start
-        positions = index - first
+        positions = document_positions(segments_BS)
         cos_SD, sin_SD = cos_SD[positions][:, None], sin_SD[positions][:, None]
     masks = {FULL: _mask(0, segments_BS, seq, device)}
     if SLIDING in layer_types:

@@ -93,13 +93,18 @@ def experts_forward(x_TH: torch.Tensor, weights_TK: torch.Tensor, experts_TK: to
 
 
 class Router(nn.Module):
+    """The router's logits [T, E], in fp32 whatever the compute dtype or autocast (Megatron's moe_router_dtype=fp32):
+    bf16 logits round close routing scores together, and a rounding that flips the top-k sends a token to another
+    expert; fp32 routing weights then scale the experts' outputs (experts_forward sums them in fp32)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.moe_bias else None
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
-        return F.linear(x_TH, self.weight, self.bias)
+        with torch.autocast(x_TH.device.type, enabled=False):
+            return F.linear(x_TH.float(), self.weight.float(), None if self.bias is None else self.bias.float())
 
 
 class Experts(nn.Module):

@@ -10,6 +10,8 @@ paper's GPT-OSS-120B before the mixtures of experts ran. `tiny*` are for CPU tes
 from __future__ import annotations
 
 from megatrain.models.config import ModelConfig
+from megatrain.models.generic import GenericConfig
+from megatrain.models.hf import config_to_hf
 from megatrain.models.masks import SLIDING
 from megatrain.models.rope import RopeScaling
 
@@ -120,11 +122,59 @@ MODELS: dict[str, ModelConfig] = {
 }
 
 
-def get_model_config(name: str, num_layers: int | None = None) -> ModelConfig:
-    """The registered shape `name`, optionally with another depth (depth-scaling sweeps)."""
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}")
-    cfg = MODELS[name]
+# Models trained through transformers' own modules (megatrain.models.generic), by their config.json: tiny ones, the
+# twins of two hand-written shapes (the two paths compared on one model), and published shapes of families only that
+# path trains (their config.json files as released: Gemma-3-27B's text config, Qwen3-Next-80B-A3B, DeepSeek-V2-Lite).
+_TINY_HF = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, tie_word_embeddings=False)
+HF_CONFIGS: dict[str, dict] = {
+    # the generic path's three kinds at the tiny size (the GPU suite's): dense with sliding layers and softcapped
+    # logits, MLA with shared and routed experts after a dense layer, linear and full attention over experts
+    "tiny-hf-gemma3": dict(_TINY_HF, model_type="gemma3_text", sliding_window=64, query_pre_attn_scalar=16,
+                           final_logit_softcapping=30.0, tie_word_embeddings=True,
+                           layer_types=["sliding_attention", "full_attention"] * 2),
+    "tiny-hf-deepseek-v3": dict(_TINY_HF, model_type="deepseek_v3", num_key_value_heads=4, head_dim=8,  # its rope's
+                                moe_intermediate_size=32,
+                                first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_group=1,
+                                topk_group=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+                                qk_nope_head_dim=8, v_head_dim=16),
+    "tiny-hf-qwen3-next": dict(_TINY_HF, model_type="qwen3_next", num_experts=8, num_experts_per_tok=2,
+                               moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_num_value_heads=4,
+                               linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                               layer_types=["linear_attention", "full_attention"] * 2),
+    "llama3.1-8b-hf": config_to_hf(MODELS["llama3.1-8b"]),
+    "qwen3-8b-hf": config_to_hf(MODELS["qwen3-8b"]),
+    "gemma-3-27b": dict(model_type="gemma3_text", vocab_size=262208, hidden_size=5376, intermediate_size=21504,
+                        num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16, head_dim=128,
+                        query_pre_attn_scalar=168, sliding_window=1024, max_position_embeddings=131072,
+                        rope_scaling={"rope_type": "linear", "factor": 8.0}, tie_word_embeddings=True),
+    "qwen3-next-80b-a3b": dict(model_type="qwen3_next", vocab_size=151936, hidden_size=2048, intermediate_size=5120,
+                               num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                               linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_num_key_heads=16,
+                               linear_num_value_heads=32, linear_value_head_dim=128, num_experts=512,
+                               num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                               norm_topk_prob=True, full_attention_interval=4, partial_rotary_factor=0.25,
+                               rope_theta=10_000_000.0, max_position_embeddings=262144, tie_word_embeddings=False),
+    "deepseek-v2-lite": dict(model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+                             moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
+                             num_key_value_heads=16, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+                             first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+                             qk_rope_head_dim=64, v_head_dim=128, topk_method="greedy", n_group=1, topk_group=1,
+                             norm_topk_prob=False, max_position_embeddings=163840, tie_word_embeddings=False),
+}
+
+
+def shape_from_dict(d: dict) -> ModelConfig | GenericConfig:
+    """A model shape read back from a record or a case (ModelConfig.to_dict, GenericConfig.to_dict)."""
+    return GenericConfig(**d) if "hf_json" in d else ModelConfig(**d)
+
+
+def get_model_config(name: str, num_layers: int | None = None) -> ModelConfig | GenericConfig:
+    """The registered shape `name` (MODELS, or HF_CONFIGS through transformers' own modules), optionally with another
+    depth (depth-scaling sweeps)."""
+    if name not in MODELS and name not in HF_CONFIGS:
+        raise ValueError(f"unknown model {name!r}; choose one of: {', '.join([*MODELS, *HF_CONFIGS])}")
+    cfg = MODELS[name] if name in MODELS else GenericConfig.from_hf(HF_CONFIGS[name])
     if num_layers is not None:
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")

@@ -12,7 +12,7 @@ import torch
 
 from megatrain.config import DEVICES, DTYPES, PRECISIONS
 from megatrain.flags import CaseFlags, add_flags, file_values, flag, given
-from megatrain.models.hf import check_hf_checkpoint
+from megatrain.models.generic.checkpoint import check_checkpoint
 from megatrain.models.registry import get_model_config
 from megatrain.optim.config import OptimConfig
 from megatrain.options import check_field_types
@@ -24,8 +24,8 @@ from megatrain.train.report_to import check_report_to
 PATH_SETTINGS = ("init_from", "tokenizer", "data", "eval_data", "out", "resume")
 # the settings a resumed run keeps, each shaping its data, model or saved state; the others may change: the optimizer's
 # and the length from the resumed step on, the device, micro-batch, compile and the system's options only in rounding
-RESUME_FIXES = ("system", "init_from", "model", "tokenizer", "data", "data_split", "train_on_prompt", "shuffle", "pack",
-                "seq", "batch", "seed", "dtype", "precision", "moments")
+RESUME_FIXES = ("system", "init_from", "generic", "model", "tokenizer", "data", "data_split", "train_on_prompt",
+                "shuffle", "pack", "seq", "batch", "seed", "dtype", "precision", "moments")
 
 
 @dataclass
@@ -39,6 +39,8 @@ class TrainConfig(CaseFlags):
     init_from: str | None = flag(None, metavar="DIR",
                                  help="local Hugging Face checkpoint (Qwen2 or Llama, safetensors)")
     model: str | None = flag(None, help="registry shape trained from scratch (python -m megatrain models)")
+    generic: bool = flag(False, help="train --init-from through transformers' own modules even where a hand-written "
+                                     "model of its family exists")
     data: list[str] = flag(factory=list, metavar="FILE", help=".jsonl/.txt file or folder; or a Hugging Face dataset: "
                            "a save_to_disk folder, parquet/arrow/json files, a hub name with --data-split; repeatable")
     data_split: str | None = flag(None, metavar="SPLIT", help="the split of a --data dataset that has several, or of "
@@ -222,7 +224,7 @@ def check_available(cfg: TrainConfig) -> None:
         raise ValueError("--device cuda: torch sees no CUDA device on this machine; use --device cpu")
     if cfg.init_from:
         try:
-            check_hf_checkpoint(cfg.init_from)
+            check_checkpoint(cfg.init_from, cfg.generic)
         except ValueError as exc:
             raise ValueError(f"--init-from {exc}") from None
     data_files(cfg.data, "--data", cfg.data_split)

@@ -23,7 +23,10 @@ from megatrain.engine import distributed
 from megatrain.engine.distributed import Ranks
 from megatrain.memory import GIB, peak_host_rss_gib
 from megatrain.models.flops import model_flops
-from megatrain.models.hf import INDEX_FILE, config_from_hf, iter_hf_tensors, read_hf_config, save_hf_checkpoint
+from megatrain.models.generic import GenericConfig
+from megatrain.models.generic.checkpoint import iter_weights, save_weights, shape_from_hf
+from megatrain.models.generic.module import packing_refusal
+from megatrain.models.hf import INDEX_FILE, read_hf_config
 from megatrain.models.loss import IGNORE_INDEX
 from megatrain.models.registry import get_model_config
 from megatrain.preflight import preflight
@@ -58,10 +61,11 @@ class Progress:
 
 def _model(cfg: TrainConfig) -> tuple[str, object, dict | None]:
     """(label, shape or None for a registry name, --init-from's config.json or None); the shape's family is the
-    Hugging Face model_type of the export, whose config.json starts from the source's."""
+    Hugging Face model_type of the export, the hand-written model's or transformers' own modules' (shape_from_hf),
+    whose config.json starts from the source's."""
     if cfg.init_from:
         source = read_hf_config(cfg.init_from)
-        return Path(cfg.init_from).name, config_from_hf(source), source
+        return Path(cfg.init_from).name, shape_from_hf(source, cfg.generic), source
     return cfg.model, None, None
 
 
@@ -89,7 +93,8 @@ def train(cfg: TrainConfig, log=print) -> int:
                                       (Path(cfg.init_from) / "tokenizer.json").exists() else None)
     tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
     label, shape, source_config = _model(cfg)
-    vocab = (shape or get_model_config(cfg.model)).vocab_size
+    model = shape or get_model_config(cfg.model)
+    vocab = model.vocab_size
     files = data_files(cfg.data, "--data", cfg.data_split)
     prints = fingerprints(files)  # before reading: a file changed meanwhile reads as changed
     rows = Rows(read_examples(files, tokenizer, cfg.train_on_prompt), cfg.seq, vocab, cfg.shuffle, cfg.seed, cfg.pack)
@@ -97,6 +102,9 @@ def train(cfg: TrainConfig, log=print) -> int:
                                    cfg.train_on_prompt, "--eval-data"), cfg.seq, vocab, False, cfg.seed, cfg.pack,
                      "--eval-data") \
         if cfg.eval_data else None
+    packs = any(bool((r.segments[:, :-1] != r.segments[:, :1]).any()) for r in (rows, eval_rows) if r is not None)
+    if packs and isinstance(model, GenericConfig) and (why := packing_refusal(model)):
+        raise ValueError(why)  # before anything is built, not at the first packed row
     total = cfg.steps if cfg.steps is not None else math.ceil(cfg.epochs * len(rows) / cfg.batch)
     case = build_case(cfg, total, label, shape)
     ranks = distributed.current(cfg.device)  # under torchrun: rank 0 owns --out, every rank trains
@@ -187,7 +195,7 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
             log(f"resumed from {resume_from} at step {start}" + ("; nothing to train, exporting it (its export "
                                                                  "was cut short)" if export_only else ""))
         elif cfg.init_from:
-            system.load_weights(iter_hf_tensors(cfg.init_from))
+            system.load_weights(iter_weights(cfg.init_from, case.model_config()))
         _run_steps(cfg, system, case, rows, eval_rows, progress, total, out, run_id, log, ranks, reporters)
         if ranks is not None:  # a signal that reached any rank after the last step stops every rank alike
             progress.signal = ranks.agree(progress.signal)
@@ -392,8 +400,8 @@ def export_checkpoint(weights, case: CaseConfig, hf_dir: Path, tokenizer_dir: st
     """The weights (a system's export_weights) as a Hugging Face checkpoint with the tokenizer files, written aside
     and swapped in whole; its config.json starts from source_config (the checkpoint's trained from), if any."""
     with written_aside(hf_dir) as tmp:
-        save_hf_checkpoint(weights, case.model_config(), tmp, max_shard_bytes=EXPORT_SHARD_BYTES,
-                           dtype=case.torch_dtype, source_config=source_config)
+        save_weights(weights, case.model_config(), tmp, max_shard_bytes=EXPORT_SHARD_BYTES, dtype=case.torch_dtype,
+                     source_config=source_config)
         for name in TOKENIZER_FILES if tokenizer_dir else ():
             if (Path(tokenizer_dir) / name).exists():
                 shutil.copy(Path(tokenizer_dir) / name, tmp / name)

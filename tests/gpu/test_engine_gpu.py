@@ -1,5 +1,6 @@
 """The engine's GPU correctness suite: what the CPU parity tests cannot see (on CPU every stream is the host).
-Needs CUDA; about 8 minutes on one H100 or H200, every check recorded where MEGATRAIN_GPU_CHECKS names a file:
+Needs CUDA; about 8 minutes on one H100 or H200 (the generic path's sets, -k generic or -k "gemma or deepseek",
+about 4 more), every check recorded where MEGATRAIN_GPU_CHECKS names a file:
     MEGATRAIN_GPU_CHECKS=results/gpu_checks/records.jsonl pytest tests/gpu/test_engine_gpu.py -m gpu
 
 1. fp32 parity, tight (TF32 off): the engine against native on the same seed, 10 steps, clipping active and
@@ -74,10 +75,18 @@ FP32_SETS = {
     "gpt-oss": ({"model": "tiny-gpt-oss", "num_layers": 4}, {}),
     "gpt-oss-offload-recompute": ({"model": "tiny-gpt-oss", "num_layers": 4}, {"offload_activations": 1,
                                                                               "recompute_inputs": 1}),
+    # the generic path (transformers' own modules): dense with sliding layers (tied), MLA over experts after a dense
+    # layer, linear and full attention over experts; native trains the same transformers module
+    "generic-dense": ({"model": "tiny-hf-gemma3"}, {}),
+    "generic-mla-moe": ({"model": "tiny-hf-deepseek-v3"}, {}),
+    "generic-hybrid": ({"model": "tiny-hf-qwen3-next"}, {}),
+    "generic-hybrid-offload-recompute-resident": ({"model": "tiny-hf-qwen3-next"}, {
+        "offload_activations": 1, "recompute_inputs": 1, "resident_layers": 1}),
 }
 STRESS_SETS = ["compiled", "tied", "resident-embedding-2-layers", "offload-activations", "offload-first-2-layers",
                "offload-mlp-chunks-1-resident-eager", "recompute-2-inputs", "recompute-1-offload-1-tied", "moe",
-               "gpt-oss-offload-recompute"]
+               "gpt-oss-offload-recompute", "generic-dense", "generic-mla-moe", "generic-hybrid",
+               "generic-hybrid-offload-recompute-resident"]
 STRESS_SEEDS = [1, 2, 3]
 _runs: dict[str, tuple] = {}
 
@@ -198,6 +207,9 @@ SANITIZER_SETS = {
     "gpt-oss": ({"model": "tiny-gpt-oss"}, {}),
     "update-delay": ({}, {"update_delay": 1}),
     "update-delay-after-1-exact": ({}, {"update_delay": 1, "update_delay_warmup": 1}),
+    "generic-dense": ({"model": "tiny-hf-gemma3"}, {}),
+    "generic-mla-moe": ({"model": "tiny-hf-deepseek-v3"}, {}),
+    "generic-hybrid": ({"model": "tiny-hf-qwen3-next"}, {"offload_activations": 1}),
 }
 _SANITIZED_RUNS = """
 import json, sys
@@ -243,6 +255,10 @@ CURVE_SHAPES = {
     "llama3.1-8b-4l-b4-s1024": dict(model="llama3.1-8b", num_layers=4, batch=4, seq=1024),
     # GPT-OSS-20B's layer (32 experts, top-4, sinks, a 128-token window every other layer), 2 of its 24 layers
     "gpt-oss-20b-2l-b4-s1024": dict(model="gpt-oss-20b", num_layers=2, batch=4, seq=1024),
+    # the generic path: Gemma-3-27B's layers (one sliding, one full: 2 of its 62), DeepSeek-V2-Lite's (its dense
+    # first layer and an MoE one of 64 experts, top-6, two shared, MLA)
+    "gemma-3-27b-2l-b4-s1024": dict(model="gemma-3-27b", num_layers=2, batch=4, seq=1024),
+    "deepseek-v2-lite-2l-b4-s1024": dict(model="deepseek-v2-lite", num_layers=2, batch=4, seq=1024),
 }
 # the long-context options together: 8 of 28 inputs recomputed, the next 8 offloaded, SwiGLU in 4k-token chunks
 LONG_CONTEXT = {"recompute_inputs": 8, "offload_activations": 8, "mlp_chunk_tokens": 4096}
@@ -271,7 +287,9 @@ CURVE_CASES = [("qwen2.5-0.5b-b8-s1024", name) for name in CURVE_SETS if "long-c
                                              "bf16-offload-stress")] + [
     ("qwen2.5-1.5b-b1-s32768", name) for name in ("mixed", "bf16", "mixed-long-context", "bf16-long-context")] + [
     ("llama3.1-8b-4l-b4-s1024", name) for name in ("mixed", "bf16", "bf16-offload-stress")] + [
-    ("gpt-oss-20b-2l-b4-s1024", name) for name in ("mixed", "bf16", "bf16-offload-stress")]
+    ("gpt-oss-20b-2l-b4-s1024", name) for name in ("mixed", "bf16", "bf16-offload-stress")] + [
+    (shape, name) for shape in ("gemma-3-27b-2l-b4-s1024", "deepseek-v2-lite-2l-b4-s1024")
+    for name in ("mixed", "bf16", "bf16-offload-stress")]
 # The curve a shape's mixed precision follows where native's autocast computes something else: a mixture's top-k
 # routing is discontinuous, so a router logit rounded another way sends a token to another expert. Native's mixed
 # precision (fp32 parameters under autocast) keeps the residual stream, the norms and GPT-OSS's sinks in fp32; the

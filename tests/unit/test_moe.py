@@ -110,3 +110,26 @@ def test_a_compiled_mixture_of_experts_trains_like_the_eager_one():
             for compile_ in (False, True)]
     assert [r["status"] for r in runs] == ["ok", "ok"], [r["error"] for r in runs]
     torch.testing.assert_close(torch.tensor(runs[1]["losses"]), torch.tensor(runs[0]["losses"]), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16-weights", "fp32-weights-under-autocast"])
+def test_router_logits_are_fp32_whatever_the_compute_dtype(autocast):
+    """Megatron's moe_router_dtype=fp32 in every system: the engine's bf16 weights and native's autocast both route
+    from fp32 logits of the same (bf16) inputs, where a bf16 GEMM would round them; the layer's output keeps the
+    input's dtype."""
+    from megatrain.models import get_model_config
+    from megatrain.models.init import init_module
+    from megatrain.models.moe import MoE
+
+    moe = MoE(get_model_config("tiny-moe"))
+    init_module(moe, 0, "mlp.")
+    if not autocast:
+        moe.to(torch.bfloat16)
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    w = moe.router.weight
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = moe.router(x.flatten(0, 1))
+        y = moe(x)
+    assert logits.dtype == torch.float32 and y.dtype == torch.bfloat16
+    torch.testing.assert_close(logits, x.flatten(0, 1).float() @ w.float().t(), rtol=1e-6, atol=1e-6)
+    assert not torch.equal(logits, (x.flatten(0, 1) @ w.to(torch.bfloat16).t()).float())  # a bf16 GEMM rounds them

@@ -16,20 +16,18 @@ transformers = pytest.importorskip("transformers")
 from families import KINDS, MOE_KINDS  # noqa: E402
 from train_helpers import (  # noqa: E402
     BATCH,
-    BETAS,
     CLIP,
-    EPS,
     LR,
     MIN_LR,
     SEQ,
     STEPS,
     VOCAB,
     WARMUP,
-    WD,
     chat_tokenizer,
     hf_model,
     metrics,
     pretokenized,
+    reference_training,
     run_train,
     train_any,
 )
@@ -44,37 +42,6 @@ from megatrain.train.lr import lr_at  # noqa: E402
 needs_deepspeed = [pytest.mark.deepspeed,
                    pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")]
 SYSTEMS = ["megatrain", "native", pytest.param("deepspeed", marks=needs_deepspeed), "fsdp"]
-
-
-def _reference(init, data):
-    """The same steps with the transformers model, torch.optim.AdamW, clip_grad_norm_ and the same schedule."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(init, attn_implementation="eager").float()
-    params = [p for p in model.parameters()]
-    decay = [p for name, p in model.named_parameters() if p.ndim >= 2 and not name.endswith("bias")]  # experts' [E, n]
-    groups = [{"params": decay, "weight_decay": WD},
-              {"params": [p for p in params if all(p is not d for d in decay)], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
-    rows = [json.loads(line)["input_ids"] for line in data.read_text().splitlines()]
-    losses = []
-    for step in range(STEPS):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, STEPS, LR, "cosine", WARMUP, MIN_LR)
-        block = torch.tensor([rows[(step * BATCH + i) % len(rows)] for i in range(BATCH)])
-        inputs, targets = block[:, :-1], block[:, 1:]
-        total = 0.0
-        for mb in (slice(0, 2), slice(2, 4)):
-            out = model(inputs[mb])
-            loss = torch.nn.functional.cross_entropy(out.logits.reshape(-1, VOCAB), targets[mb].reshape(-1),
-                                                     reduction="sum") / targets.numel()
-            if getattr(out, "aux_loss", None) is not None:  # the mean over the step's two micro-batches
-                loss = loss + model.config.router_aux_loss_coef * out.aux_loss / 2
-            loss.backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(params, CLIP)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-    return losses, model
 
 
 # What a family changes is the model's forward and its checkpoint names, which every system shares (megatrain.models,
@@ -103,7 +70,7 @@ def test_train_matches_transformers_with_adamw_and_exports_a_checkpoint_transfor
     held_out = pretokenized(tmp_path / "eval.jsonl", rows=6, seed=2)
     extra = ["--eval-data", str(held_out), "--eval-every", "5"]
     assert train_any(system, init, data, tmp_path / "run", extra=extra) == 0
-    ref_losses, ref_model = _reference(init, data)
+    ref_losses, ref_model = reference_training(init, data)
     lines = metrics(tmp_path / "run")
     ours = [m for m in lines if "loss" in m]
     evals = [m for m in lines if "eval_loss" in m]

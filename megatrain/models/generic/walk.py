@@ -1,0 +1,160 @@
+"""Which of transformers' causal LMs the generic path trains, measured: every model type whose causal-LM class is a
+`*ForCausalLM`, built at a tiny size (its own config class with the sizes below), one step streamed through the engine
+against transformers' own loss and gradient norm on the same batch (fp32, CPU).
+
+Each family ends in one of: 'trains' (loss and gradient norm equal transformers' to 1e-5 and 1e-4), 'refused' (the
+generic path names why it cannot stream it), 'differs' (it ran, and computed something else), 'fails' (the engine
+raised), 'unbuilt' (its config or model cannot be built at the tiny size, so it was not measured). scripts/
+walk_transformers.py writes the table; tests/unit/test_generic_walk.py runs it.
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+from dataclasses import asdict, dataclass
+
+import torch
+
+STATUSES = ("trains", "refused", "differs", "fails", "unbuilt")
+# sizes each config key takes where a family's config has it: the tiny shape every family is measured at
+TINY = {
+    "vocab_size": 128, "vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 8,
+    "hidden_size": 64, "d_model": 64, "n_embd": 64, "embed_dim": 64,
+    "intermediate_size": 128, "ffn_dim": 128, "n_inner": 128, "decoder_ffn_dim": 128, "ffn_hidden_size": 128,
+    "intermediate_size_mlp": 128, "dense_intermediate_size": 128, "moe_intermediate_size": 32,
+    "shared_intermediate_size": 32, "shared_expert_intermediate_size": 32, "shared_experts_intermediate_size": 32,
+    "expert_ffn_hidden_size": 32,
+    "num_hidden_layers": 4, "n_layer": 4, "num_layers": 4, "n_layers": 4, "decoder_layers": 4,
+    "num_attention_heads": 4, "n_head": 4, "num_heads": 4, "n_heads": 4, "decoder_attention_heads": 4,
+    "num_key_value_heads": 2, "num_kv_heads": 2, "head_dim": 16, "kv_channels": 16, "attention_head_dim": 16,
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
+    "num_experts_per_tok": 2, "num_experts_per_token": 2, "moe_topk": 2, "moe_k": 2, "n_group": 1, "topk_group": 1,
+    "num_expert_group": 1, "first_k_dense_replace": 1,
+    "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+    "index_head_dim": 16, "index_n_heads": 2, "index_topk": 8,
+    "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "linear_head_dim": 8, "linear_num_heads": 4,
+    "mamba_d_state": 8, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_chunk_size": 8, "ssm_state_size": 8,
+    "state_size": 8, "mamba_num_heads": 4,
+    "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 16,
+    "rotary_dim": 8, "max_position_embeddings": 256, "n_positions": 256, "sliding_window": 8, "sliding_window_size": 8,
+    "attention_chunk_size": 8,
+}
+ALWAYS = ("num_experts_per_tok", "head_dim")  # set where the config has them unset too (None: derived, or unusable)
+SEQ, BATCH = 16, 2
+MAX_PARAMS = 20_000_000  # a family whose tiny config is larger keeps sizes of its own: not built (memory, minutes)
+
+
+@dataclass(frozen=True)
+class FamilyResult:
+    """One model type's outcome: its causal-LM class, the status (STATUSES) and what it says (the reason, the
+    numbers, the error)."""
+
+    model_type: str
+    causal_lm: str
+    status: str
+    detail: str = ""
+
+
+def causal_lm_types() -> dict[str, str]:
+    """Every model type of the installed transformers whose causal-LM class is a *ForCausalLM, and that class."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return {t: c for t, c in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()) if c.endswith("ForCausalLM")}
+
+
+def tiny_config(model_type: str):
+    """The model type's config class at the tiny size: each TINY key its default has (and is set), token ids inside
+    the vocabulary."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[model_type]
+    defaults = config_class().to_dict()
+    sizes = {k: v for k, v in TINY.items() if defaults.get(k) is not None or (k in defaults and k in ALWAYS)}
+    if "qk_rope_head_dim" in sizes and "head_dim" in sizes:  # MLA: head_dim is the rotary part's
+        sizes["head_dim"] = sizes["qk_rope_head_dim"]
+    tokens = {k: [1] if isinstance(v, list) else 1 for k, v in defaults.items()
+              if k.endswith("_token_id") and v is not None and (max(v) if isinstance(v, list) else v) >= 128}
+    return config_class(**sizes, **tokens)
+
+
+def try_family(model_type: str, causal_lm: str) -> FamilyResult:
+    """Measure one model type (never raises: the outcome is the result)."""
+    import transformers
+
+    from megatrain.models.generic import GenericConfig
+    from megatrain.models.hf import named_weights
+
+    try:
+        config = tiny_config(model_type)
+        with torch.device("meta"):
+            params = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+        if params > MAX_PARAMS:
+            return FamilyResult(model_type, causal_lm, "unbuilt", f"at the tiny sizes it still has {params / 1e6:.0f}M "
+                                "parameters (sizes of its own the walk does not shrink)")
+        torch.manual_seed(0)
+        reference = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    except Exception as exc:
+        return FamilyResult(model_type, causal_lm, "unbuilt", _error(exc))
+    cfg = GenericConfig.from_hf(reference.config.to_dict())
+    try:
+        cfg.check()
+    except ValueError as exc:
+        return FamilyResult(model_type, causal_lm, "refused", str(exc))
+    except Exception as exc:
+        return FamilyResult(model_type, causal_lm, "fails", _error(exc))
+    tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    try:
+        weights = {n: t.detach().clone() for n, t in named_weights(reference).items()}
+        ref_loss, ref_norm = _reference_step(reference, x, y)
+    except Exception as exc:  # transformers' own model does not run at the tiny size: nothing to measure against
+        return FamilyResult(model_type, causal_lm, "unbuilt", f"transformers' own forward: {_error(exc)}")
+    try:
+        loss, norm = _engine_step(cfg, weights, x, y)
+    except ValueError as exc:
+        return FamilyResult(model_type, causal_lm, "refused", str(exc))
+    except Exception as exc:
+        return FamilyResult(model_type, causal_lm, "fails", _error(exc))
+    if math.isclose(loss, ref_loss, rel_tol=1e-5) and math.isclose(norm, ref_norm, rel_tol=1e-4):
+        return FamilyResult(model_type, causal_lm, "trains", f"loss {loss:.6f}, gradient norm {norm:.5f}")
+    return FamilyResult(model_type, causal_lm, "differs", f"loss {loss:.6f} vs transformers' {ref_loss:.6f}, "
+                        f"gradient norm {norm:.5f} vs {ref_norm:.5f}")
+
+
+def _engine_step(cfg, weights: dict, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    from megatrain.engine.config import EngineConfig
+    from megatrain.engine.trainer import StreamingSystem
+
+    engine = StreamingSystem(EngineConfig(model=cfg, batch=BATCH, micro_batch=BATCH, seq=SEQ))
+    try:
+        engine.load_weights(weights.items())
+        loss = engine.step(x, y)
+        return loss, engine.last_grad_norm
+    finally:
+        engine.close()
+
+
+def _reference_step(model, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    logits = model(x, use_cache=False).logits
+    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum") / y.numel()
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], math.inf)
+    return loss.item(), norm.item()
+
+
+def _error(exc: BaseException) -> str:
+    """The exception and where in transformers or here it came from, on one line."""
+    frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+    where = f" ({frame.filename.rsplit('/', 2)[-1]}:{frame.lineno})" if frame else ""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}{where}"[:300]
+
+
+def walk(model_types: dict[str, str] | None = None) -> list[FamilyResult]:
+    """try_family over `model_types` (default: every *ForCausalLM type of the installed transformers)."""
+    return [try_family(t, c) for t, c in (model_types or causal_lm_types()).items()]
+
+
+def as_dicts(results: list[FamilyResult]) -> list[dict]:
+    return [asdict(r) for r in results]

@@ -1,0 +1,173 @@
+"""The generic path (transformers' own modules, megatrain.models.generic) on every system against transformers +
+torch.optim.AdamW + clip_grad_norm_: the families only it trains, exports, bitwise resume, packed documents, FLOP
+accounting and refusals. CPU; megatrain and native in seconds a case, DeepSpeed and FSDP2 each in a fresh process
+(marked subprocess): pytest tests/unit/test_generic.py -m "not subprocess"; all: pytest tests/unit/test_generic.py"""
+
+import importlib.util
+import json
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from families import EXPERTS, GENERIC_KINDS, TOP_K, generic_config  # noqa: E402
+from train_helpers import (  # noqa: E402
+    CLIP,
+    SHAPE,
+    STEPS,
+    VOCAB,
+    metrics,
+    pretokenized,
+    reference_training,
+    train_any,
+)
+
+from megatrain.cli import main  # noqa: E402
+from megatrain.models.generic import GenericConfig  # noqa: E402
+from megatrain.models.generic.module import GenericCausalLM  # noqa: E402
+from megatrain.models.init import init_module  # noqa: E402
+from megatrain.models.loss import IGNORE_INDEX  # noqa: E402
+from megatrain.train.data import Example, Rows  # noqa: E402
+
+needs_deepspeed = [pytest.mark.deepspeed,
+                   pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")]
+
+
+def generic_model(kind: str, path, **extra):
+    """A tiny random transformers model of generic `kind` saved in `path`, its buffers (DeepSeek's router score
+    correction) random too, so that a path that lost them would differ."""
+    torch.manual_seed(0)
+    config = generic_config(kind, **{**SHAPE, **extra})
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if "correction_bias" in name:
+                buffer.normal_(0, 0.1)
+    model.save_pretrained(path)
+    return path
+
+
+def _cases():
+    for system in ("megatrain", "native", "deepspeed", "fsdp"):
+        for kind in GENERIC_KINDS:
+            marks = [pytest.mark.subprocess] if system in ("deepspeed", "fsdp") else []
+            marks += needs_deepspeed if system == "deepspeed" else []
+            yield pytest.param(system, kind, marks=marks, id=f"{system}-{kind}")
+
+
+@pytest.mark.parametrize("system,kind", _cases())
+def test_train_matches_transformers_and_the_export_reloads_with_its_logits(tmp_path, system, kind):
+    init = generic_model(kind, tmp_path / "init")
+    data = pretokenized(tmp_path / "data.jsonl")
+    assert train_any(system, init, data, tmp_path / "run") == 0
+    ref_losses, ref_model = reference_training(init, data)
+    ours = [m for m in metrics(tmp_path / "run") if "loss" in m]
+    assert [m["step"] for m in ours] == list(range(1, STEPS + 1))
+    torch.testing.assert_close(torch.tensor([m["loss"] for m in ours]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    assert max(m["grad_norm"] for m in ours) > CLIP  # clipping acted
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf",
+                                                                 attn_implementation="eager").eval()
+    assert type(exported) is type(ref_model)
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours_logits, ref_logits = exported(tokens).logits, ref_model.eval()(tokens).logits
+    torch.testing.assert_close(ours_logits, ref_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_hand_written_family_through_the_generic_path_matches_transformers(tmp_path):
+    """--generic: a Llama checkpoint through transformers' own modules, not our Transformer."""
+    from train_helpers import hf_model
+
+    init = hf_model("llama", tmp_path / "init")
+    data = pretokenized(tmp_path / "data.jsonl")
+    assert train_any("megatrain", init, data, tmp_path / "run", extra=["--generic"]) == 0
+    ref_losses, _ = reference_training(init, data)
+    torch.testing.assert_close(torch.tensor([m["loss"] for m in metrics(tmp_path / "run")]), torch.tensor(ref_losses),
+                               rtol=1e-5, atol=0)
+    assert json.loads((tmp_path / "run" / "hf" / "config.json").read_text())["model_type"] == "llama"
+
+
+@pytest.mark.parametrize("system", ["megatrain", "native"])
+def test_a_checkpoint_resumes_bit_for_bit(tmp_path, system):
+    """DeepSeek-V3's router biases are buffers a checkpoint holds: a resume that lost them would route otherwise."""
+    init = generic_model("deepseek_v3", tmp_path / "init")
+    data = pretokenized(tmp_path / "data.jsonl", rows=10)
+    extra = ["--save-every", "2"]
+    assert train_any(system, init, data, tmp_path / "straight", extra=extra) == 0
+    assert train_any(system, init, data, tmp_path / "cut", extra=extra, interrupt=5) == 130
+    assert train_any(system, init, data, tmp_path / "cut", resume=True) == 0
+    assert [m["loss"] for m in metrics(tmp_path / "cut")] == [m["loss"] for m in metrics(tmp_path / "straight")]
+    a = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "straight" / "hf")
+    b = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "cut" / "hf")
+    assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "llama4"])
+def test_a_packed_row_trains_as_its_documents_apart(kind):
+    """Position ids restarting at each document make transformers' own masks keep the documents apart: sliding and
+    full layers (gemma3), chunked and full (llama4)."""
+    cfg = GenericConfig.from_hf(generic_config(kind, **SHAPE).to_dict())
+    gen = torch.Generator().manual_seed(0)
+    docs = [Example(ids, [True] * len(ids)) for ids in
+            (torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (7, 9, 3))]
+    x, y, seg = Rows(docs, seq=24, vocab_size=VOCAB, shuffle=False, seed=0).batch(0, 1)
+    xu, yu, _ = Rows(docs, seq=24, vocab_size=VOCAB, shuffle=False, seed=0, pack=False).batch(0, 3)
+    assert seg is not None and int((y != IGNORE_INDEX).sum()) == int((yu != IGNORE_INDEX).sum()) == 16
+    model = GenericCausalLM(cfg)
+    init_module(model, 0)
+    packed = model(x, y, 16, seg)
+    packed.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    apart = model(xu, yu, 16)
+    apart.backward()
+    torch.testing.assert_close(packed, apart, rtol=1e-5, atol=0)
+    for g, p in zip(grads, model.parameters(), strict=True):
+        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_the_engine_matches_native_on_packed_documents(tmp_path):
+    init = generic_model("gemma3", tmp_path / "init")
+    data = pretokenized(tmp_path / "docs.jsonl", rows=30, varied=True)
+    assert train_any("native", init, data, tmp_path / "native", steps=4) == 0
+    assert train_any("megatrain", init, data, tmp_path / "ours", steps=4) == 0
+    torch.testing.assert_close(torch.tensor([m["loss"] for m in metrics(tmp_path / "ours")]),
+                               torch.tensor([m["loss"] for m in metrics(tmp_path / "native")]), rtol=1e-5, atol=0)
+
+
+def test_what_cannot_stream_exits_2_naming_why(tmp_path, capsys):
+    data = pretokenized(tmp_path / "data.jsonl")
+    varied = pretokenized(tmp_path / "docs.jsonl", rows=30, varied=True)
+    hybrid = generic_model("qwen3_next", tmp_path / "qwen3_next")
+    assert train_any("megatrain", hybrid, varied, tmp_path / "packed") == 2
+    assert "linear_attention layers would carry state" in capsys.readouterr().err
+    assert train_any("megatrain", hybrid, varied, tmp_path / "apart", steps=1, extra=["--no-pack"]) == 0
+    aux = generic_model("mixtral", tmp_path / "mixtral", output_router_logits=True)
+    assert train_any("megatrain", aux, data, tmp_path / "aux") == 2
+    assert "output_router_logits" in capsys.readouterr().err
+    per_layer = tmp_path / "gemma3n"
+    config = transformers.Gemma3nTextConfig(**{**SHAPE, "num_hidden_layers": 4}, head_dim=16,
+                                            hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+                                            layer_types=["sliding_attention", "full_attention"] * 2,
+                                            num_kv_shared_layers=2)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(per_layer)
+    assert main(["train", "--init-from", str(per_layer), "--data", str(data), "--steps", "1",
+                 "--out", str(tmp_path / "n")]) == 2
+    assert "decoder layers read inputs computed from the weights" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "deepseek_v3", "qwen3_next"])
+def test_active_parameters_count_routed_experts_at_k_of_e_and_shared_experts_whole(kind):
+    config = generic_config(kind, **SHAPE)
+    cfg = GenericConfig.from_hf(config.to_dict())
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n and "shared" not in n)
+    shared = sum(p.numel() for n, p in model.named_parameters() if "shared_expert" in n)
+    assert shared > 0 or kind == "mixtral"
+    assert cfg.num_params() == sum(p.numel() for p in model.parameters())
+    assert (cfg.num_experts, cfg.num_experts_per_tok) == (EXPERTS, TOP_K)
+    assert cfg.active_params() == cfg.num_params() - routed * (EXPERTS - TOP_K) // EXPERTS
+    flat = sum(math.prod(p.shape) for n, p in model.named_parameters() if ".layers." in n and p.ndim >= 2)
+    assert cfg.layer_matmul_params() * cfg.num_layers == pytest.approx(flat - routed * (EXPERTS - TOP_K) / EXPERTS)

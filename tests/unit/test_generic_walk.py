@@ -1,0 +1,43 @@
+"""Every *ForCausalLM of the installed transformers through the generic path at a tiny size, one engine step against
+transformers' own loss and gradient norm (megatrain.models.generic.walk). CPU: the two families in seconds; the walk
+over all of them (marked slow) a few minutes, printing the count and writing its table where
+MEGATRAIN_GENERIC_WALK names a directory (scripts/walk_transformers.py writes results/generic/):
+    pytest tests/unit/test_generic_walk.py -m slow -s"""
+
+import os
+from pathlib import Path
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from megatrain.models.generic.walk import as_dicts, causal_lm_types, try_family, walk  # noqa: E402
+
+# the families of issue 44's done-when: the walk must find each trains
+MUST_TRAIN = ("gemma3_text", "mixtral", "phi3", "deepseek_v3", "qwen3_next", "llama4_text", "glm4_moe", "olmo2",
+              "granite")
+
+
+def test_a_family_trains_and_one_that_reads_another_layers_state_is_refused():
+    types = causal_lm_types()
+    assert try_family("olmo2", types["olmo2"]).status == "trains"
+    refused = try_family("bart", types["bart"])  # its layers take the encoder's states, positionally
+    assert refused.status == "refused" and "positional inputs" in refused.detail
+
+
+@pytest.mark.slow
+def test_every_transformers_decoder_through_the_generic_path():
+    results = walk()
+    by_type = {r.model_type: r for r in results}
+    trains = sum(r.status == "trains" for r in results)
+    print(f"\n{trains} of {len(results)} text decoders of transformers {transformers.__version__} train")
+    for r in results:
+        if r.status != "trains":
+            print(f"  {r.model_type}: {r.status}: {r.detail[:120]}")
+    if out := os.environ.get("MEGATRAIN_GENERIC_WALK"):
+        import json
+
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / f"transformers-{transformers.__version__}.json").write_text(json.dumps(as_dicts(results)))
+    assert {t: by_type[t].status for t in MUST_TRAIN} == dict.fromkeys(MUST_TRAIN, "trains")
+    assert not [r for r in results if r.status == "differs"], "a family that runs must compute transformers' loss"
