@@ -85,6 +85,7 @@ def environment() -> dict:
         "deepspeed": _version("deepspeed"),
         "transformers": _version("transformers"),
         "hostname_kind": os.environ.get("MEGATRAIN_HOST_KIND"),
+        "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),  # every system's, set by python -m megatrain
         "cpu": cpu_name(),
         "cpu_cores": os.cpu_count(),
         "host_mem_gib": round(host_total_gib, 1),

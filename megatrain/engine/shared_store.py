@@ -48,6 +48,12 @@ class SharedHostStore(HostStore):
             for path in self._paths:
                 os.unlink(path)
 
+    def _fault_in(self, t: torch.Tensor) -> None:
+        """The node's first rank touches the shared pages (a new file reads as zeros already); the others pin pages
+        it has faulted in, or fault in the rest as they pin."""
+        if self.ranks.node_first:
+            super()._fault_in(t)
+
     def _allocate(self, name: str, numel: int, dtype: torch.dtype, zeroed: bool = False) -> torch.Tensor:
         """A file of /dev/shm mapped shared; a new file reads as zeros."""
         path = f"{self._prefix}-{name}"

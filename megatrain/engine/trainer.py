@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import statistics
+import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -34,23 +37,40 @@ class StreamingSystem:
         """config: this process's share of the work (with several ranks, Ranks.per_rank's)."""
         self.config, self.ranks = config, ranks
         self.device = torch.device(config.device) if ranks is None else ranks.device
-        self.plan = check_fits(config)
+        self.build_phases_s: dict[str, float] = {}
+        with self._phase("plan"):
+            self.plan = check_fits(config)
         if not self.plan.fits:
             raise ValueError(f"configuration does not fit: {self.plan.reason}; {self.plan.advice}")
         self.num_params = config.model.num_params()
         cuda = self.device.type == "cuda"
         store = HostStore if ranks is None else functools.partial(SharedHostStore, ranks=ranks)
         refuse_delay_across_ranks(config.options, ranks is not None)
-        self.store = store(config.model, config.torch_dtype, config.precision, pin=cuda, moments=config.optim.moments,
-                           update_delay=config.options.update_delay)
-        self.store.initialise(config.seed, self.device)
+        with self._phase("host_store"):  # allocated, and the streamed tiles pinned
+            self.store = store(config.model, config.torch_dtype, config.precision, pin=cuda,
+                               moments=config.optim.moments, update_delay=config.options.update_delay)
+        with self._phase("init"):
+            self.store.initialise(config.seed, self.device)
         resident = self.plan.resident_units
-        self.optimizer = (HostOptimizer if ranks is None else ShardedHostOptimizer)(
-            self.store, config.optim, kernel=config.options.optimizer_kernel, skip=frozenset(resident))
-        self.streams = StreamSet(self.device, timeline=config.options.timeline,
-                                 stress_seed=config.options.stream_stress)
-        self.schedule = Schedule(config, self.store, self.optimizer, self.streams, self.device, resident,
-                                 self.plan.offloaded_layers, self.plan.recomputed_inputs, ranks)
+        with self._phase("optimizer"):  # the host AdamW kernel (built once per machine) and its threads
+            self.optimizer = (HostOptimizer if ranks is None else ShardedHostOptimizer)(
+                self.store, config.optim, kernel=config.options.optimizer_kernel, skip=frozenset(resident))
+        with self._phase("schedule"):  # streams, GPU buffers, resident units, the layer template
+            self.streams = StreamSet(self.device, timeline=config.options.timeline,
+                                     stress_seed=config.options.stream_stress)
+            self.schedule = Schedule(config, self.store, self.optimizer, self.streams, self.device, resident,
+                                     self.plan.offloaded_layers, self.plan.recomputed_inputs, ranks)
+
+    @contextlib.contextmanager
+    def _phase(self, name: str):
+        """Time one phase of the build into build_phases_s and say it on stderr as it ends, so a build cut short (a
+        suite case's timeout keeps the stderr tail) shows how far it got and what each phase took."""
+        t0 = time.perf_counter()
+        yield
+        if self.device.type == "cuda" and torch.cuda.is_initialized():
+            torch.cuda.synchronize(self.device)
+        self.build_phases_s[name] = round(time.perf_counter() - t0, 3)
+        print(f"megatrain build: {name} {self.build_phases_s[name]:.1f} s", file=sys.stderr, flush=True)
 
     @staticmethod
     def from_case(case: CaseConfig) -> StreamingSystem:
@@ -94,6 +114,7 @@ class StreamingSystem:
             if self.config.compile else None,
             "resident_units": sorted(self.schedule.resident),
             "plan": {k: v for k, v in dataclasses.asdict(self.plan).items() if k != "host_tiles_bytes_per_param"},
+            "build_phases_s": self.build_phases_s,
             **({} if self.ranks is None else {
                 "ranks": self.ranks.world, "host_state": "one copy in shared memory (/dev/shm), every rank maps it",
                 "gradient_reduction": "fp32 on the device before the offload: reduce-scatter of whole shards in "

@@ -38,7 +38,11 @@ def init_param(name: str, out: torch.Tensor, seed: int, device: torch.device | s
         out.normal_(0.0, INIT_STD, generator=gen)
     else:
         tmp = torch.empty(out.shape, dtype=torch.float32, device=device).normal_(0.0, INIT_STD, generator=gen)
-        out.copy_(tmp)
+        # rounded to out's dtype where it was drawn (the same round-to-nearest-even as on the host): a GPU-to-host
+        # copy that also converts stages the fp32 values in a fresh pageable host buffer the size of the tensor and
+        # converts on the host (290 GB of fresh pages for a bf16 72B; such a build outlasted a 19-minute case on a
+        # VM whose pages are slow to fault in: a suspect, not yet a measured cause)
+        out.copy_(tmp.to(out.dtype))
 
 
 @torch.no_grad()

@@ -108,6 +108,15 @@ def test_init_is_order_independent():
         assert torch.equal(p, q), n
 
 
+def test_init_of_a_narrower_tensor_is_the_fp32_draw_rounded_once():
+    from megatrain.models.init import init_param
+
+    wide, narrow = torch.empty(64, 48), torch.empty(64, 48, dtype=torch.bfloat16)
+    init_param("layers.0.mlp.up_proj.weight", wide, seed=5)
+    init_param("layers.0.mlp.up_proj.weight", narrow, seed=5, device="cpu")
+    assert torch.equal(narrow, wide.to(torch.bfloat16)) and wide.std() > 0.01
+
+
 @pytest.mark.parametrize("chunk", [1, 7, 64])
 def test_chunked_loss_matches_full_cross_entropy(chunk):
     torch.manual_seed(0)
