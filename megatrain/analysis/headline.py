@@ -713,7 +713,8 @@ def paths(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path):
 def multi_gpu(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path):
     """Each session that ran several GPUs, newest first (a ratio only within a session: one host, one commit)."""
     ok = scope[scope["status"] == "ok"].assign(per_gpu_batch=lambda f: f["batch"] // f["ranks"])
-    sessions = [s for s in sorted(ok["session"].unique(), reverse=True) if (ok[ok["session"] == s]["ranks"] > 1).any()]
+    most_ranks = ok.groupby("session")["ranks"].max()
+    sessions = sorted(most_ranks.index[most_ranks > 1], reverse=True)
     if not sessions:
         latest = scope[scope["session"] == scope["session"].max()]
         return f"{BOLD}No session ran a case on several GPUs ok.{END_BOLD}", plots.tflops_vs_gpus(latest, path), ""

@@ -111,8 +111,8 @@ def _status_and_error(record: dict) -> tuple[str, str | None]:
 def short_reason(status: str, error: str | None) -> str:
     """A case that did not run ok, in a few words: its status and the memory it lacked, where its error names one."""
     text = (error or "").lower()
-    lacked = next((what for what in ("host memory", "GPU memory") if what.lower() in text), None)
-    lacked = lacked or ("GPU memory" if "cuda out of memory" in text else None)
+    lacked = next((what for said, what in (("host memory", "host memory"), ("gpu memory", "GPU memory"),
+                                           ("cuda out of memory", "GPU memory")) if said in text), None)
     return f"{status}, {lacked}" if lacked else "not available here" if "cannot run here" in text else status
 
 
