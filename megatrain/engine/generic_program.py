@@ -18,6 +18,7 @@ position_ids; a model with layers other than attention is refused packed rows).
 
 from __future__ import annotations
 
+import sys
 import types
 from dataclasses import dataclass, field
 
@@ -68,6 +69,12 @@ class ModuleTemplate(CompiledCall):
         return self(params, x_BSH, kwargs)
 
 
+def _sanitized() -> bool:
+    """Whether PyTorch's CUDA stream sanitizer is on (TORCH_CUDA_SANITIZER=1 enables it as torch is imported)."""
+    sanitizer = sys.modules.get("torch.cuda._sanitizer")
+    return bool(sanitizer is not None and sanitizer.cuda_sanitizer.enabled)
+
+
 class GenericProgram:
     """transformers' own modules as the schedule runs them (megatrain.engine.templates.HandWrittenProgram says
     what a program is)."""
@@ -81,7 +88,10 @@ class GenericProgram:
         self.skeleton = skeleton = Skeleton(cfg)  # this program's own: its modules are the templates
         embedding = skeleton.model.get_input_embeddings()
         if isinstance(embedding, nn.Embedding):
-            embedding.sparse = True  # the embedding's gradient: the step's rows, not a [V, H] matrix
+            # the embedding's gradient: the step's rows, not a [V, H] matrix; dense under PyTorch's CUDA stream
+            # sanitizer, which reads every CUDA tensor's data pointer and a sparse one has none (its rows are then
+            # added by the same add_ as a dense gradient's)
+            embedding.sparse = not _sanitized()
         self.head_weight_name, self.embed_weight_name = skeleton.head_weight_name, skeleton.embedding_name
         self.base_buffers = skeleton.base_buffers(device)
         # the same under the causal LM's names, for the head (a final norm's buffers; the rest is not read there)

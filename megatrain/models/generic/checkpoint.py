@@ -20,6 +20,7 @@ from megatrain.models.config import FAMILIES, ModelConfig
 from megatrain.models.generic.config import GenericConfig
 from megatrain.models.generic.skeleton import build_causal_lm, transformers_config
 from megatrain.models.hf import (
+    REQUIRED_KEYS,
     check_config_values,
     check_hf_checkpoint,
     config_from_hf,
@@ -100,6 +101,9 @@ def shape_from_hf(hf: Mapping, generic: bool = False) -> ModelConfig | GenericCo
     handed to transformers' modules."""
     if hf.get("model_type") in FAMILIES:
         check_config_values(hf)
+        # a hand-written family's config without a shape key is damaged, not a request for transformers' defaults
+        if missing := [key for key in REQUIRED_KEYS if key not in hf]:
+            raise ValueError(f"config.json lacks {', '.join(missing)}")
     if not generic:
         try:
             return config_from_hf(hf)
