@@ -41,7 +41,7 @@ def gpu(session):
 
 @nox.session(python=False)
 def lint(session):
-    session.run(PY, "-m", "ruff", "check", "megatrain", "baselines", "tests", "noxfile.py")
+    session.run(PY, "-m", "ruff", "check", "megatrain", "tests", "noxfile.py")
 
 
 @nox.session(python=False)

@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from megatrain.engine.config import share
+from megatrain.memory import dtype_bytes
 from megatrain.models.config import ModelConfig
 from megatrain.models.generic import GenericConfig
 from megatrain.models.registry import get_model_config, shape_from_dict
@@ -76,8 +78,7 @@ class CaseConfig:
             raise ValueError(f"ranks must be >= 1, got {self.ranks}")
         if self.micro_batch == 0:
             object.__setattr__(self, "micro_batch", self.batch)
-        if self.micro_batch < 1 or self.batch % self.micro_batch:
-            raise ValueError(f"micro_batch={self.micro_batch} must divide batch={self.batch}")
+        share(self.batch, self.micro_batch)
         if self.seq < 1:
             raise ValueError(f"seq must be >= 1, got {self.seq}")
         if self.steps < 1 or self.warmup < 0:
@@ -114,13 +115,9 @@ class CaseConfig:
         return getattr(torch, self.dtype)
 
     @property
-    def grad_accum(self) -> int:
-        return self.batch // self.micro_batch
-
-    @property
     def dtype_bytes(self) -> int:
         """Bytes per element of the compute dtype."""
-        return 2 if self.dtype == "bfloat16" else 4
+        return dtype_bytes(self.dtype)
 
     @property
     def tokens_per_step(self) -> int:

@@ -25,6 +25,13 @@ from megatrain.models.config import ModelConfig
 from megatrain.models.loss import chunk_tokens_for
 
 GIB = 2**30
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a compute dtype, named as torch names it ('bfloat16', 'float32'): every case, engine and
+    estimate counts by this."""
+    return getattr(torch, dtype).itemsize
+
 HOST_USABLE = 0.92
 GPU_FILL = 0.92
 

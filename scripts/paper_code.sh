@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The paper's code for the `paper` system (baselines/paper_code.py): its package `infinity` and its SFT entry point
+# The paper's code for the `paper` system (megatrain/systems/paper_code.py): its package `infinity` and its SFT entry point
 # (examples/sft/) at one commit of github.com/DLYuanGod/MegaTrain, copied out of a git checkout (or bare clone) into
 # .paper/ at the repository root, with the commit in .paper/COMMIT. .paper/ is git-ignored and never committed; the
 # offline GPU host gets it as a carried folder (as .whl/), where the system finds it without a setting

@@ -6,10 +6,10 @@ import contextlib
 
 import torch
 
-from baselines.native import NativeOptions
 from megatrain.config import CaseConfig
 from megatrain.data import make_batches
 from megatrain.systems import build_system
+from megatrain.systems.native import NativeOptions
 
 
 def native_options(options: dict) -> dict:

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 
+from megatrain.memory import dtype_bytes
 from megatrain.models.config import ModelConfig
 from megatrain.optim.config import OptimConfig
 from megatrain.options import CommonOptions
-
-if TYPE_CHECKING:  # annotations only: a case is what the harness builds an engine from
-    from megatrain.config import CaseConfig
 
 
 @dataclass(frozen=True)
@@ -59,6 +57,18 @@ class MegaTrainOptions(CommonOptions):
                              "drop resident_embedding/resident_layers or set them to false/0")
 
 
+def share(batch: int, micro_batch: int, world: int = 1) -> int:
+    """Rows of a global batch of `batch` that each of `world` ranks trains: whole micro-batches, as many as the
+    others (every system splits it so; one process is one rank). The one home of the rule that the micro-batch
+    divides the batch: cases, the engine's config and train's flags ask it."""
+    if micro_batch < 1 or batch % (world * micro_batch):
+        if world == 1:
+            raise ValueError(f"micro_batch={micro_batch} must divide batch={batch}")
+        raise ValueError(f"--batch {batch} must be a multiple of the {world} ranks x --micro-batch {micro_batch}: "
+                         "each rank trains whole micro-batches, as many as the others")
+    return batch // world
+
+
 def refuse_delay_across_ranks(options: MegaTrainOptions, several: bool) -> None:
     """update_delay=1 runs in one process: its second copies are not in the shared store of several ranks."""
     if several and options.update_delay:
@@ -99,16 +109,8 @@ class EngineConfig:
     ranks: int = 1
 
     def __post_init__(self) -> None:
-        if self.micro_batch < 1 or self.batch % self.micro_batch:
-            raise ValueError(f"micro_batch={self.micro_batch} must divide batch={self.batch}")
+        share(self.batch, self.micro_batch)
         refuse_delay_across_ranks(self.options, self.ranks > 1)
-
-    @staticmethod
-    def from_case(case: CaseConfig) -> EngineConfig:
-        """The engine's part of a benchmark or training case (its steps, warm-up and data stay the caller's)."""
-        return EngineConfig(model=case.model_config(), batch=case.batch, micro_batch=case.micro_batch, seq=case.seq,
-                            dtype=case.dtype, precision=case.precision, device=case.device, seed=case.seed,
-                            optim=case.optim, compile=case.compile, options=case.opts)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -117,7 +119,7 @@ class EngineConfig:
     @property
     def dtype_bytes(self) -> int:
         """Bytes per element of the compute dtype."""
-        return self.torch_dtype.itemsize
+        return dtype_bytes(self.dtype)
 
     @property
     def micro_batches(self) -> int:

@@ -10,7 +10,7 @@ own copy (each counts its shard's slice of it in the norm).
 
 Process groups: the default one carries gradients (NCCL on GPUs, gloo on CPU); a gloo group carries the control
 traffic (objects from rank 0, the agreed stop signal). Launched without torchrun, nothing here runs: one process
-trains exactly as before. The baselines run under torchrun on the same groups (baselines/dist.py).
+trains exactly as before. The baselines run under torchrun on the same groups (megatrain/systems/dist.py).
 
 Several nodes (hybrid, FSDP2's HSDP): each node holds one copy of the state, shared by its ranks and sharded among
 them as above; a shard's gradient is summed within the node first, then across the nodes by the ranks of the same
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatrain.engine.config import EngineConfig
+from megatrain.engine.config import EngineConfig, share
 from megatrain.engine.layout import ALIGN
 
 
@@ -117,15 +117,6 @@ def launch_size() -> tuple[int, int]:
     if not launched():
         return 1, 1
     return int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
-
-
-def share(batch: int, micro_batch: int, world: int) -> int:
-    """Rows of a global batch of `batch` that each of `world` ranks trains: whole micro-batches, as many as the
-    others (every system splits it so)."""
-    if batch % (world * micro_batch):
-        raise ValueError(f"--batch {batch} must be a multiple of the {world} ranks x --micro-batch {micro_batch}: "
-                         "each rank trains whole micro-batches, as many as the others")
-    return batch // world
 
 
 def accumulation_steps(batch: int, micro_batch: int, world: int) -> int:

@@ -380,7 +380,7 @@ class Schedule:
 
     def _aux_weight(self, step: StepState, m: int) -> float:
         """The load-balancing loss's weight for micro-batch m: the coefficient x its share of the step's sequences, all
-        ranks' (as baselines.common.aux_weight)."""
+        ranks' (as megatrain.systems.common.aux_weight)."""
         rows = sum(t.shape[0] for t in step.tokens) * (self.ranks.world if self.ranks is not None else 1)
         return self.model.router_aux_loss_coef * step.tokens[m].shape[0] / rows
 

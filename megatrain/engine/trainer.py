@@ -1,4 +1,5 @@
-"""StreamingSystem: the MegaTrain engine behind the common system protocol, and its SystemSpec."""
+"""StreamingSystem: the MegaTrain engine as one trainer (the system protocol of megatrain.systems: step, system_config,
+metrics, save_state, load_state, close); megatrain.systems.megatrain builds it for a case."""
 
 from __future__ import annotations
 
@@ -14,9 +15,7 @@ from pathlib import Path
 import torch
 
 from megatrain.compile_check import compile_check
-from megatrain.config import CaseConfig
-from megatrain.engine import distributed
-from megatrain.engine.config import EngineConfig, MegaTrainOptions, refuse_delay_across_ranks
+from megatrain.engine.config import EngineConfig, refuse_delay_across_ranks
 from megatrain.engine.distributed import Ranks
 from megatrain.engine.host_optimizer import HostOptimizer
 from megatrain.engine.plan import check_fits, host_bytes_per_param
@@ -25,11 +24,10 @@ from megatrain.engine.shared_store import ShardedHostOptimizer, SharedHostStore
 from megatrain.engine.state import load_engine_state, save_engine_state, steps_from_json, steps_to_json
 from megatrain.engine.store import HostStore
 from megatrain.engine.streams import StreamSet
-from megatrain.memory import GIB, Budget, peak_host_rss_gib
+from megatrain.memory import GIB, peak_host_rss_gib
 from megatrain.models.hf import copy_named_weights
 from megatrain.models.loss import valid_tokens
-from megatrain.optim.state_bytes import adamw_traffic_bytes_per_param, checkpoint_bytes_per_param
-from megatrain.systems import SystemSpec
+from megatrain.optim.state_bytes import adamw_traffic_bytes_per_param
 
 
 class StreamingSystem:
@@ -71,13 +69,6 @@ class StreamingSystem:
             torch.cuda.synchronize(self.device)
         self.build_phases_s[name] = round(time.perf_counter() - t0, 3)
         print(f"megatrain build: {name} {self.build_phases_s[name]:.1f} s", file=sys.stderr, flush=True)
-
-    @staticmethod
-    def from_case(case: CaseConfig) -> StreamingSystem:
-        """The engine for a benchmark or training case (its SystemSpec factory); under torchrun, this rank's."""
-        ranks = distributed.current(case.device)
-        config = EngineConfig.from_case(case)
-        return StreamingSystem(config if ranks is None else ranks.per_rank(config), ranks)
 
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, segments_BS: torch.Tensor | None = None) -> float:
         """One step over the global batch (with several ranks, each trains its rows of it)."""
@@ -278,24 +269,3 @@ def host_optimizer_rate(optimizer: HostOptimizer, per: dict[str, float]) -> dict
     traffic = adamw_traffic_bytes_per_param(per)
     return {"host_optim_gparams_s": gparams_s, "host_optim_bytes_per_param": traffic,
             "host_optim_gbs": gparams_s * traffic}
-
-
-def preflight_plan(case: CaseConfig, limits: Budget) -> dict:
-    """The pre-flight plan: the engine's own (check_fits, its exact tiles and choices against `limits`), with
-    host_bytes what it counts against the host (on CPU, everything) and gpu_bytes 0 on CPU. Under torchrun: one
-    rank's, with the host state counted once and each rank's process beside it."""
-    plan = dict(dataclasses.asdict(check_fits(distributed.planned(EngineConfig.from_case(case)), limits)),
-                source="megatrain.engine.plan")
-    host, gpu = plan["host_need_bytes"], plan["gpu_bytes"] if case.device == "cuda" else 0
-    plan.update(host_bytes=int(host), gpu_bytes=int(gpu))
-    return plan
-
-
-def checkpoint_bytes(case: CaseConfig) -> int:
-    """One save_state: every host tile but the gradients (megatrain.engine.state)."""
-    config = EngineConfig.from_case(case)
-    return int(config.model.num_params() * checkpoint_bytes_per_param(host_bytes_per_param(config)))
-
-
-SPEC = SystemSpec(factory=StreamingSystem.from_case, options=MegaTrainOptions, plan_memory=preflight_plan,
-                  checkpoint_bytes=checkpoint_bytes)

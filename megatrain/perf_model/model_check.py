@@ -27,13 +27,13 @@ from pathlib import Path
 from megatrain.analysis.tables import compiled
 from megatrain.bench.env import WORKSPACE, environment
 from megatrain.config import CaseConfig
-from megatrain.engine.config import EngineConfig
 from megatrain.engine.plan import check_fits
 from megatrain.hardware import LENT, get_profile, gpu_kind, specs
 from megatrain.memory import GIB, Budget
 from megatrain.models.flops import model_flops
 from megatrain.optim.state_bytes import adamw_traffic_bytes_per_param, state_bytes_per_param
 from megatrain.perf_model.model import Ingredients, Machine, Model, simulate
+from megatrain.systems.megatrain import engine_config
 
 RESULTS = WORKSPACE / "results"
 SKIP_DIRS = {"dev", "gpu_checks", "smoke-local", "perf_model", "ingredients"}
@@ -205,7 +205,7 @@ def predict_suite(suite: str, only: str | None, out: Path) -> list[dict]:
         if case.config.system != "megatrain" or (only and not re.search(only, name)) or \
                 get_profile(case.hardware).mismatch(found):
             continue
-        plan = check_fits(EngineConfig.from_case(case.config), limits)
+        plan = check_fits(engine_config(case.config), limits)
         row = {"case_id": case.case_id, "name": case.name, "fits": plan.fits, "reason": plan.reason,
                "planned_host_gib": plan.host_need_bytes / GIB, "planned_gpu_gib": plan.gpu_bytes / GIB,
                "resident_units": len(plan.resident_units), "offloaded_layers": plan.offloaded_layers,
@@ -261,12 +261,12 @@ def project(out: Path) -> list[dict]:
         case = CaseConfig(system="megatrain", model=model, num_layers=layers, batch=batch, seq=seq,
                           precision=precision, device="cuda", dtype="bfloat16", compile=True, options=opts)
         limits = Budget.of(spec["host_mem_gib"], spec["gpu_mem_gib"], "published")
-        plan = check_fits(EngineConfig.from_case(case), limits)
+        plan = check_fits(engine_config(case), limits)
         micro = batch
         while not plan.fits and micro > 1 and plan.host_need_bytes <= limits.host_bytes:
             micro //= 2  # the GPU is the limit: gradient accumulation over smaller micro-batches
             case = dataclasses.replace(case, micro_batch=micro)
-            plan = check_fits(EngineConfig.from_case(case), limits)
+            plan = check_fits(engine_config(case), limits)
         cfg = case.model_config()
         row = {"label": label, "profile": profile, "model": model, "layers": cfg.num_layers,
                "params_b": cfg.num_params() / 1e9, "active_params_b": cfg.active_params() / 1e9,

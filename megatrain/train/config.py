@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from megatrain.config import DEVICES, DTYPES, PRECISIONS
+from megatrain.engine.config import share
 from megatrain.flags import CaseFlags, add_flags, file_values, flag, given
 from megatrain.models.generic.checkpoint import check_checkpoint
 from megatrain.models.registry import get_model_config
@@ -126,7 +127,7 @@ class TrainConfig(CaseFlags):
              "a finite number > 0"),
             (self.seq >= 1, "--seq", self.seq, ">= 1"),
             (self.batch >= 1, "--batch", self.batch, ">= 1"),
-            (self.micro_batch == 0 or (self.micro_batch > 0 and self.batch % self.micro_batch == 0), "--micro-batch",
+            (self.micro_batch == 0 or _holds(share, self.batch, self.micro_batch), "--micro-batch",
              self.micro_batch, f"a divisor of --batch ({self.batch}), or 0 for the whole batch"),
             (self.warmup_steps >= 0, "--warmup-steps", self.warmup_steps, ">= 0"),
             (0 <= self.seed < 2**32, "--seed", self.seed, "in [0, 2**32)"),  # seeds torch.Generator per epoch
@@ -140,6 +141,15 @@ class TrainConfig(CaseFlags):
     def optim(self) -> OptimConfig:
         return OptimConfig(lr=self.lr, beta1=self.adam_betas[0], beta2=self.adam_betas[1], eps=self.adam_eps,
                            weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm, moments=self.moments)
+
+
+def _holds(rule, *args) -> bool:
+    """Whether a rule (a function raising ValueError where its arguments break it) holds for `args`."""
+    try:
+        rule(*args)
+    except ValueError:
+        return False
+    return True
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:

@@ -16,11 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from baselines import paper_code
 from megatrain.config import CaseConfig
 from megatrain.data import make_batches
 from megatrain.optim.config import OptimConfig
-from megatrain.systems import build_system
+from megatrain.systems import build_system, paper_code
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,7 +31,7 @@ NEEDS_TORCHAO = [pytest.mark.torchao,
 SYSTEMS = ["fsdp", pytest.param("deepspeed", marks=NEEDS_DEEPSPEED), pytest.param("torchao", marks=NEEDS_TORCHAO)]
 NEEDS_PAPER_CODE = pytest.mark.skipif(bool(paper_code.refusal(CaseConfig(
     system="paper", device="cuda", dtype="bfloat16", precision="bf16", options={"optimizer": "adamw"}))),
-    reason="the paper's code or a package it needs is missing (baselines.paper_code.refusal)")
+    reason="the paper's code or a package it needs is missing (megatrain.systems.paper_code.refusal)")
 
 
 def _bench(system: str, *args: str) -> dict:
@@ -134,9 +133,9 @@ def test_the_papers_code_tracks_native_bf16_and_trains(optimizer, native_qwen_bf
 @pytest.mark.parametrize("precision", [pytest.param(p, marks=NEEDS_TORCHAO) for p in ("mixed", "bf16")])
 def test_torchao_host_adamw_steps_the_gpus_clipped_gradient_bit_for_bit(precision, check):
     """Every host AdamW step of torchao's CPUOffloadOptimizer sees the gradient clip_grad_norm_ left on the GPU: its
-    host copy, taken before clipping, times the coefficient (baselines/torchao_optim.py). Qwen2.5-0.5B, whose tied
-    136M-element embedding is the last gradient of backward: clipping scaling it in place under a copy still reading
-    it (the wait the optimizer adds) would show here. In process: the comparisons need the optimizer's hooks."""
+    host copy, taken before clipping, times the coefficient (megatrain/systems/torchao_optim.py). Qwen2.5-0.5B, whose
+    tied 136M-element embedding is the last gradient of backward: clipping scaling it in place under a copy still
+    reading it (the wait the optimizer adds) would show here. In process: the comparisons need the optimizer's hooks."""
     case = CaseConfig(system="torchao", model="qwen2.5-0.5b", batch=2, micro_batch=1, seq=256, device="cuda",
                       dtype="bfloat16", precision=precision, optim=OptimConfig(max_grad_norm=0.05))
     system = build_system(case)

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from baselines.native import NativeSystem
 from megatrain.config import CaseConfig
 from megatrain.data import make_batches
 from megatrain.optim.config import OptimConfig
+from megatrain.systems.native import NativeSystem
 
 ROOT = Path(__file__).resolve().parents[2]
 # Tiny models are latency-bound: one thread avoids OpenMP spin-waits on a shared 2-core CI machine.

@@ -1,4 +1,4 @@
-"""The engine is a library: it imports no benchmark harness and no baseline; `train` and `bench` both sit on the
+"""The engine is a library: it imports no benchmark harness, no case and no system; `train` and `bench` both sit on the
 library and neither imports the other; running cases, suites and training imports neither the analysis nor the
 performance model (those read records and may import bench and the library);
 the package has no import cycles; every system is one SystemSpec in one registry, with typed options.
@@ -23,16 +23,21 @@ from megatrain.train.checkpoint import state_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = ("megatrain.engine", "megatrain.optim", "megatrain.models", "megatrain.memory", "megatrain.options",
-           "megatrain.config", "megatrain.data", "megatrain.systems", "megatrain.flags", "megatrain.preflight",
-           "megatrain.probe", "megatrain.tokenizer")
-HARNESS = ("megatrain.bench", "megatrain.analysis", "megatrain.perf_model", "megatrain.hardware", "megatrain.cli",
-           "baselines")
-RUNNING = (*LIBRARY, "megatrain.bench", "megatrain.train", "megatrain.hardware", "baselines")
+           "megatrain.config", "megatrain.data", "megatrain.flags", "megatrain.preflight", "megatrain.probe",
+           "megatrain.tokenizer")
+REGISTRY = "megatrain.systems"  # the protocol and the registry: library; the systems beside it are not
+SYSTEMS_WING = "megatrain.systems."  # MegaTrain's adapter and every peer, each imported only when a case names it
+HARNESS = ("megatrain.bench", "megatrain.analysis", "megatrain.perf_model", "megatrain.hardware", "megatrain.cli")
+RUNNING = (*LIBRARY, REGISTRY, "megatrain.bench", "megatrain.train", "megatrain.hardware")
 ANALYSIS = ("megatrain.analysis", "megatrain.perf_model")
 
 
+def _library(name: str) -> bool:
+    return name.startswith(LIBRARY) or name == REGISTRY
+
+
 def _modules() -> dict[str, Path]:
-    files = [*ROOT.glob("megatrain/**/*.py"), *ROOT.glob("baselines/*.py")]
+    files = ROOT.glob("megatrain/**/*.py")
     names = {".".join(p.relative_to(ROOT).with_suffix("").parts): p for p in files}
     return {n.removesuffix(".__init__"): p for n, p in names.items()}
 
@@ -86,18 +91,27 @@ def test_the_package_has_no_import_cycles():
     assert _cycle(_import_graph()) is None
 
 
-def test_the_library_modules_import_no_harness_and_no_baseline():
+def test_the_library_modules_import_no_harness_and_no_system():
     graph = _import_graph()
     for name, deps in graph.items():
-        if name.startswith(LIBRARY):
-            assert not [d for d in deps if d.startswith(HARNESS)], name
+        if _library(name):
+            assert not [d for d in deps if d.startswith((*HARNESS, SYSTEMS_WING))], name
+
+
+def test_the_engine_knows_no_case_and_no_registry():
+    """The engine trains an EngineConfig; megatrain.systems.megatrain builds one for a case."""
+    for name, deps in _import_graph().items():
+        if name.startswith("megatrain.engine"):
+            assert not [d for d in deps if d.startswith(("megatrain.config", REGISTRY))], name
 
 
 def test_train_and_bench_sit_on_the_library_and_neither_imports_the_other():
     forbidden = {"megatrain.train": ("megatrain.bench",), "megatrain.bench": ("megatrain.train",),
-                 **dict.fromkeys(LIBRARY, ("megatrain.bench", "megatrain.train"))}
+                 **dict.fromkeys((*LIBRARY, REGISTRY), ("megatrain.bench", "megatrain.train"))}
     for name, deps in _import_graph().items():
         top = next((t for t in forbidden if name == t or name.startswith(t + ".")), None)
+        if name.startswith(SYSTEMS_WING):  # the systems sit beside bench (the registry alone is library)
+            top = None
         if top is not None:
             assert not [d for d in deps if d.startswith(forbidden[top])], name
 
@@ -109,17 +123,17 @@ def test_running_cases_suites_and_training_imports_neither_analysis_nor_the_perf
             assert not [d for d in deps if d.startswith(ANALYSIS)], name
 
 
-def test_the_engine_models_and_optim_never_import_a_baseline_or_deepspeed():
+def test_the_engine_models_and_optim_never_import_a_system_or_deepspeed():
     modules = _modules()
     for name, path in modules.items():
         if name.startswith(("megatrain.engine", "megatrain.models", "megatrain.optim")):
             imported = _imported_names(path)
-            assert not [m for m in imported if m.split(".")[0] in ("baselines", "deepspeed")], name
+            assert not [m for m in imported if m.startswith(SYSTEMS_WING) or m.split(".")[0] == "deepspeed"], name
             if name.startswith("megatrain.optim"):  # the optimizer knows its own settings, not the cases or systems
                 assert not [m for m in imported if m in modules and not m.startswith("megatrain.optim")], name
 
 
-def test_training_with_the_engine_loads_neither_the_harness_nor_a_baseline():
+def test_training_with_the_engine_loads_neither_the_harness_nor_another_system():
     code = f"""
 import sys
 from megatrain.config import CaseConfig
@@ -129,7 +143,8 @@ case = CaseConfig(system="megatrain", model="tiny", batch=2, seq=8, steps=1)
 system = build_system(case)
 system.step(*make_batches(case, case.model_config().vocab_size).batch_at(0))
 system.close()
-print(" ".join(m for m in sys.modules if m.startswith({HARNESS!r} + ("deepspeed",))))
+print(" ".join(m for m in sys.modules if m.startswith({HARNESS!r} + ("deepspeed",))
+               or m.startswith("megatrain.systems.") and m != "megatrain.systems.megatrain"))
 """
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

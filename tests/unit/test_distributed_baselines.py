@@ -15,11 +15,11 @@ import torch
 from test_distributed import _ok, _weights, torchrun
 from train_helpers import ROOT, metrics, pretokenized
 
-from baselines import deepspeed_zero3, fsdp_offload, native
 from megatrain.config import CaseConfig
 from megatrain.engine import distributed
 from megatrain.engine.plan import GPU_RESERVE_BYTES, PROCESS_OVERHEAD_BYTES
 from megatrain.memory import GIB, Budget
+from megatrain.systems import deepspeed_zero3, fsdp_offload, native
 
 NO_DEEPSPEED = importlib.util.find_spec("deepspeed") is None
 needs_deepspeed = [pytest.mark.deepspeed, pytest.mark.skipif(NO_DEEPSPEED, reason="deepspeed not installed")]

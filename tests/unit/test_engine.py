@@ -20,6 +20,7 @@ from megatrain.models import Transformer, get_model_config, rotary_tables
 from megatrain.optim.config import OptimConfig
 from megatrain.optim.host_adamw import FlatAdamW
 from megatrain.systems import build_system
+from megatrain.systems.megatrain import engine_config
 
 CASES = {
     "untied-qkv-bias-gqa": dict(model="tiny", batch=2, seq=16),
@@ -206,7 +207,7 @@ def test_resident_layers_take_no_slot_and_never_cross_pcie():
 
 def _engine(**case) -> EngineConfig:
     """The engine's config of a megatrain case."""
-    return EngineConfig.from_case(CaseConfig(system="megatrain", **case))
+    return engine_config(CaseConfig(system="megatrain", **case))
 
 
 def _options(config: EngineConfig, **options) -> EngineConfig:
@@ -392,11 +393,11 @@ def test_host_bytes_per_param_plan():
 def test_refuses_what_does_not_fit_before_allocating_and_suggests_only_what_fits():
     case = CaseConfig(system="megatrain", model="qwen2.5-7b", dtype="bfloat16", seq=1024, device="cuda",
                       options={"host_mem_gib": 110})  # 16 B/param ~ 117 GiB does not fit, 12 B/param ~ 88 GiB does
-    assert not check_fits(EngineConfig.from_case(case)).fits
+    assert not check_fits(engine_config(case)).fits
     with pytest.raises(ValueError, match=r"host memory: needs .* GiB .* use --precision bf16"):
         build_system(case)
     huge = dataclasses.replace(case, model="qwen2.5-72b", options={"host_mem_gib": 64})
-    assert "no precision fits" in check_fits(EngineConfig.from_case(huge)).advice
+    assert "no precision fits" in check_fits(engine_config(huge)).advice
 
 
 def test_one_pass_kernel_equals_torch_adamw_and_rounds_to_bf16():

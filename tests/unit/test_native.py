@@ -103,7 +103,7 @@ def test_a_sequence_beyond_the_models_published_context_is_said_before_the_run()
 def test_ddp_stops_syncing_buffers_by_the_keyword_this_torch_has(monkeypatch):
     # torch 2.13 renamed broadcast_buffers to forward_sync_buffers; the GPU hosts' 2.11 refused the new name (a
     # 2-GPU native run died on it: results/gpu_checks/run-8b21ddc-h200x2-multi-gpu.jsonl)
-    from baselines import native
+    from megatrain.systems import native
 
     class Torch211DDP:
         def __init__(self, module, device_ids=None, broadcast_buffers=True, gradient_as_bucket_view=False):

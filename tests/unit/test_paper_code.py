@@ -1,5 +1,5 @@
-"""The paper's code as a system (baselines/paper_code.py), its CPU-checkable parts: options, the refusals (one line
-each; the CLI's exit 2), the pre-flight estimate against a measured run, the labels it is handed, the initial
+"""The paper's code as a system (megatrain/systems/paper_code.py), its CPU-checkable parts: options, the refusals
+(one line each; the CLI's exit 2), the pre-flight estimate against a measured run, the labels it is handed, the initial
 checkpoint, and how the adapter calls their code (those skipped where .paper/ or MEGATRAIN_PAPER_CODE gives none).
 CPU, seconds: pytest tests/unit/test_paper_code.py (their code trains on a GPU only: tests/gpu/test_paper_code_gpu.py)
 """
@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from baselines import paper_code
 from megatrain import preflight
 from megatrain.config import CaseConfig
 from megatrain.engine import distributed
@@ -23,7 +22,7 @@ from megatrain.models.hf import iter_hf_tensors
 from megatrain.models.init import init_module
 from megatrain.models.loss import IGNORE_INDEX
 from megatrain.probe import Machine
-from megatrain.systems import build_system, parse_options
+from megatrain.systems import build_system, paper_code, parse_options
 from megatrain.train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from baselines import deepspeed_zero3, fsdp_offload
 from megatrain import preflight
 from megatrain.bench.args import BenchFlags
 from megatrain.bench.record import append_jsonl, read_jsonl
@@ -20,6 +19,7 @@ from megatrain.config import CaseConfig
 from megatrain.flags import CaseFlags, add_flags
 from megatrain.hardware import PROFILES, get_profile, same_machine
 from megatrain.probe import Machine
+from megatrain.systems import deepspeed_zero3, fsdp_offload
 from megatrain.train.config import add_train_arguments
 
 H200_X2 = Machine(gpu_name="NVIDIA H200", gpu_count=2, gpu_mem_gib=139.8, host_mem_gib=251.5, host_available_gib=245.0,

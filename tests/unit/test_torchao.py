@@ -1,6 +1,6 @@
 """The torchao system's CPU-checkable parts: its options, pre-flight estimate and refusals, and the clipping path of
-baselines.common it steps through (the coefficient its host gradient copies are multiplied by). CPU, seconds, torchao
-not needed: pytest tests/unit/test_torchao.py (its training runs on a GPU: tests/gpu/test_baselines_gpu.py)"""
+megatrain.systems.common it steps through (the coefficient its host gradient copies are multiplied by). CPU, seconds,
+torchao not needed: pytest tests/unit/test_torchao.py (its training runs on a GPU: tests/gpu/test_baselines_gpu.py)"""
 
 import dataclasses
 import importlib.util
@@ -9,8 +9,6 @@ import math
 import pytest
 import torch
 
-from baselines import native, torchao_offload
-from baselines.common import accumulate_and_step, clip_coefficient
 from megatrain import preflight
 from megatrain.config import CaseConfig
 from megatrain.data import make_batches
@@ -19,7 +17,8 @@ from megatrain.engine.plan import GPU_RESERVE_BYTES, PROCESS_OVERHEAD_BYTES
 from megatrain.memory import Budget
 from megatrain.optim.config import OptimConfig
 from megatrain.probe import Machine
-from megatrain.systems import build_system, parse_options
+from megatrain.systems import build_system, native, parse_options, torchao_offload
+from megatrain.systems.common import accumulate_and_step, clip_coefficient
 
 GIB = 2**30
 ROOMY = Budget(host_bytes=64 * GIB, gpu_bytes=80 * GIB, host_source="test")

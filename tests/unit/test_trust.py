@@ -13,9 +13,9 @@ pytest.importorskip("transformers")
 
 from train_helpers import hf_model, pretokenized, run_train, train_any  # noqa: E402
 
-from baselines import native  # noqa: E402
 from megatrain import systems  # noqa: E402
 from megatrain.cli import main  # noqa: E402
+from megatrain.systems import native  # noqa: E402
 from megatrain.train import trust  # noqa: E402
 
 # native's own state is read with weights_only=True; registered under this name, its .pt files count as pickles

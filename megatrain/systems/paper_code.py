@@ -51,7 +51,6 @@ from typing import Literal
 
 import torch
 
-from baselines.common import max_norm
 from megatrain.bench.env import WORKSPACE
 from megatrain.config import CaseConfig
 from megatrain.engine import distributed
@@ -65,6 +64,7 @@ from megatrain.optim.state_bytes import FP32_BYTES, checkpoint_bytes_per_param, 
 from megatrain.options import CommonOptions
 from megatrain.preflight import estimate_plan, pinned_bytes
 from megatrain.systems import SystemSpec
+from megatrain.systems.common import max_norm
 
 REPOSITORY = "github.com/DLYuanGod/MegaTrain"
 CODE_ENV = "MEGATRAIN_PAPER_CODE"

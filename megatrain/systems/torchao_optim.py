@@ -1,10 +1,10 @@
 """torchao's CPUOffloadOptimizer, stepping the clipped gradient as every other system does. Imported only when the
-torchao system is built (baselines/torchao_offload.py): importing torchao takes seconds, and needs it installed.
+torchao system is built (megatrain/systems/torchao_offload.py): importing torchao takes seconds, and needs it installed.
 
 CPUOffloadOptimizer copies each gradient to pinned host memory in a post-accumulate-grad hook, on a side stream, as
 backward makes it: its copies are unclipped. Here clip_grad_norm_ still clips on the GPU (the small parameters the
 device optimizer keeps step on those gradients), and each host copy is multiplied by torch's own coefficient
-(baselines.common.clip_coefficient) just before its AdamW step, after torchao's step has waited for that copy.
+(megatrain.systems.common.clip_coefficient) just before its AdamW step, after torchao's step has waited for that copy.
 """
 
 from __future__ import annotations

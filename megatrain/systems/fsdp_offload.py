@@ -24,8 +24,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from baselines.common import COMPILED_LAYERS, accumulate_and_step, compile_layers, evaluate_micro_batches
-from baselines.dist import kept_on_first, ranks_of, save_on_every_rank, single_process_env, warn_if_bf16_precision
 from megatrain.compile_check import compile_check
 from megatrain.config import CaseConfig
 from megatrain.engine.distributed import accumulation_steps
@@ -38,6 +36,14 @@ from megatrain.optim.state_bytes import FP32_BYTES, checkpoint_bytes_per_param, 
 from megatrain.options import CommonOptions
 from megatrain.preflight import activation_bytes, estimate_plan, largest_unit_params, pinned_bytes
 from megatrain.systems import SystemSpec
+from megatrain.systems.common import COMPILED_LAYERS, accumulate_and_step, compile_layers, evaluate_micro_batches
+from megatrain.systems.dist import (
+    kept_on_first,
+    ranks_of,
+    save_on_every_rank,
+    single_process_env,
+    warn_if_bf16_precision,
+)
 
 # torch.distributed.fsdp and torch.distributed.checkpoint take about a second to import: they are imported where
 # FSDP2 is built and where it saves, so that this module, which the pre-flight reads for SPEC, stays light.

@@ -32,16 +32,6 @@ from typing import Literal
 
 import torch
 
-from baselines.common import aux_weight, evaluate_micro_batches, micro_batches
-from baselines.dist import (
-    kept_on_first,
-    ranks_of,
-    rows_of_rank,
-    save_on_every_rank,
-    single_process_env,
-    summed_loss,
-    warn_if_bf16_precision,
-)
 from megatrain.compile_check import compile_check
 from megatrain.config import CaseConfig
 from megatrain.engine.distributed import accumulation_steps
@@ -56,6 +46,16 @@ from megatrain.optim.state_bytes import FP32_BYTES, checkpoint_bytes_per_param, 
 from megatrain.options import CommonOptions
 from megatrain.preflight import activation_bytes, estimate_plan, largest_unit_params
 from megatrain.systems import SystemSpec
+from megatrain.systems.common import aux_weight, evaluate_micro_batches, micro_batches
+from megatrain.systems.dist import (
+    kept_on_first,
+    ranks_of,
+    rows_of_rank,
+    save_on_every_rank,
+    single_process_env,
+    summed_loss,
+    warn_if_bf16_precision,
+)
 
 
 @dataclass(frozen=True)

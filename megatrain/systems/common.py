@@ -10,11 +10,11 @@ from collections.abc import Callable
 
 import torch
 
-from baselines.dist import rows_of_rank, summed_loss
 from megatrain.config import CaseConfig
 from megatrain.engine.distributed import Ranks
 from megatrain.models.loss import valid_tokens
 from megatrain.optim.config import OptimConfig
+from megatrain.systems.dist import rows_of_rank, summed_loss
 
 
 def micro_batches(case: CaseConfig, device: torch.device, inputs_BS: torch.Tensor, labels_BS: torch.Tensor,

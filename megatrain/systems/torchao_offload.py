@@ -1,13 +1,14 @@
 """torchao's CPUOffloadOptimizer: native's whole model on one GPU, its AdamW state offloaded to the host.
 
-The model, its init, compile, autocast policy, evaluation and weights in and out are native's (baselines/native.py:
-mixed keeps fp32 parameters under bf16 autocast, bf16 keeps bf16 parameters). The parameters and their gradients
-stay on the GPU; every parameter of at least `minimal_size` elements has a pinned host copy and a pinned host
-gradient, its gradient is copied to the host in a post-accumulate-grad hook (overlapping backward), torch's fused CPU
-AdamW steps it there (its moments in the parameter dtype), and the parameter is copied back. Smaller parameters step
-on a device AdamW. offload_gradients=False: accumulating micro-batches needs the device gradients.
+The model, its init, compile, autocast policy, evaluation and weights in and out are native's
+(megatrain/systems/native.py: mixed keeps fp32 parameters under bf16 autocast, bf16 keeps bf16 parameters). The
+parameters and their gradients stay on the GPU; every parameter of at least `minimal_size` elements has a pinned host
+copy and a pinned host gradient, its gradient is copied to the host in a post-accumulate-grad hook (overlapping
+backward), torch's fused CPU AdamW steps it there (its moments in the parameter dtype), and the parameter is copied
+back. Smaller parameters step on a device AdamW. offload_gradients=False: accumulating micro-batches needs the device
+gradients.
 
-Clipping is ours exactly (baselines/torchao_optim.py): clip_grad_norm_ on the GPU as native's, and the same
+Clipping is ours exactly (megatrain/systems/torchao_optim.py): clip_grad_norm_ on the GPU as native's, and the same
 coefficient applied to the host gradient copies, which were taken before it. One process on one GPU: torchao's
 optimizer asserts a CUDA (or XPU) device and is single-GPU.
 """
@@ -21,13 +22,13 @@ from pathlib import Path
 
 import torch
 
-from baselines.common import accumulate_and_step, clip_coefficient
-from baselines.native import NativeOptions, NativeSystem, checkpoint_bytes, state_bytes
 from megatrain.config import CaseConfig
 from megatrain.engine import distributed
 from megatrain.optim.groups import adamw_hyperparameters, adamw_param_groups
 from megatrain.preflight import activation_bytes, estimate_plan, pinned_bytes
 from megatrain.systems import SystemSpec
+from megatrain.systems.common import accumulate_and_step, clip_coefficient
+from megatrain.systems.native import NativeOptions, NativeSystem, checkpoint_bytes, state_bytes
 
 STATE_FILE = "torchao_state.pt"
 
@@ -92,7 +93,7 @@ class TorchaoSystem(NativeSystem):
     def _optimizer(self) -> torch.optim.Optimizer:
         """CPUOffloadOptimizer over our decay groups, each host AdamW (and the device one) torch's fused AdamW with our
         hyperparameters."""
-        from baselines.torchao_optim import ClippedCPUOffloadOptimizer
+        from megatrain.systems.torchao_optim import ClippedCPUOffloadOptimizer
 
         return ClippedCPUOffloadOptimizer(
             adamw_param_groups(self.model.named_parameters(), self.case.optim), optimizer_class=torch.optim.AdamW,

@@ -21,8 +21,6 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from baselines.common import COMPILED_LAYERS, accumulate_and_step, compile_layers, evaluate_micro_batches
-from baselines.dist import ranks_of
 from megatrain.compile_check import compile_check
 from megatrain.config import CaseConfig
 from megatrain.models import build_model
@@ -33,6 +31,8 @@ from megatrain.optim.state_bytes import FP32_BYTES, checkpoint_bytes_per_param, 
 from megatrain.options import CommonOptions
 from megatrain.preflight import activation_bytes, estimate_plan
 from megatrain.systems import SystemSpec
+from megatrain.systems.common import COMPILED_LAYERS, accumulate_and_step, compile_layers, evaluate_micro_batches
+from megatrain.systems.dist import ranks_of
 
 
 @dataclass(frozen=True)

@@ -42,12 +42,12 @@ class Registered:
 
 # The one registry of systems, in the order reports list them (MegaTrain first)
 SYSTEMS = {
-    "megatrain": Registered("megatrain.engine.trainer:SPEC", "MegaTrain", "#d7301f", "o"),
-    "paper": Registered("baselines.paper_code:SPEC", "the paper's code", "#b5478f", "X"),
-    "native": Registered("baselines.native:SPEC", "plain PyTorch", "#8e82b8", "D"),
-    "deepspeed": Registered("baselines.deepspeed_zero3:SPEC", "DeepSpeed ZeRO-3 offload", "#5b83b0", "s"),
-    "fsdp": Registered("baselines.fsdp_offload:SPEC", "FSDP2 offload", "#6aa583", "^"),
-    "torchao": Registered("baselines.torchao_offload:SPEC", "torchao CPU-offload optimizer", "#b89b5e", "P"),
+    "megatrain": Registered("megatrain.systems.megatrain:SPEC", "MegaTrain", "#d7301f", "o"),
+    "paper": Registered("megatrain.systems.paper_code:SPEC", "the paper's code", "#b5478f", "X"),
+    "native": Registered("megatrain.systems.native:SPEC", "plain PyTorch", "#8e82b8", "D"),
+    "deepspeed": Registered("megatrain.systems.deepspeed_zero3:SPEC", "DeepSpeed ZeRO-3 offload", "#5b83b0", "s"),
+    "fsdp": Registered("megatrain.systems.fsdp_offload:SPEC", "FSDP2 offload", "#6aa583", "^"),
+    "torchao": Registered("megatrain.systems.torchao_offload:SPEC", "torchao CPU-offload optimizer", "#b89b5e", "P"),
 }
 
 

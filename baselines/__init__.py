@@ -1,1 +1,0 @@
-"""Training systems compared against MegaTrain, behind one protocol (megatrain.systems)."""
