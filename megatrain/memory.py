@@ -34,6 +34,9 @@ def dtype_bytes(dtype: str) -> int:
 
 HOST_USABLE = 0.92
 GPU_FILL = 0.92
+# Fixed per-process costs beyond the training state, the same in the engine's plan and every system's pre-flight
+PROCESS_OVERHEAD_BYTES = 3 * GIB  # python, torch, CUDA context and libraries in host RSS
+GPU_RESERVE_BYTES = 2 * GIB  # CUDA context, cuBLAS workspaces, allocator fragmentation
 
 
 def host_memory_gib(declared_gib: float | None = None) -> tuple[float, float, str]:

@@ -25,8 +25,15 @@ from collections.abc import Callable
 
 from megatrain.config import CaseConfig
 from megatrain.engine import distributed
-from megatrain.engine.plan import GPU_RESERVE_BYTES, PROCESS_OVERHEAD_BYTES
-from megatrain.memory import GIB, Budget, backward_work_bytes, host_memory_gib, layer_input_bytes
+from megatrain.memory import (
+    GIB,
+    GPU_RESERVE_BYTES,
+    PROCESS_OVERHEAD_BYTES,
+    Budget,
+    backward_work_bytes,
+    host_memory_gib,
+    layer_input_bytes,
+)
 from megatrain.probe import Machine, measure
 from megatrain.systems import system_spec
 

@@ -20,9 +20,8 @@ from megatrain.analysis import headline, plots, results_md, scaling_report, tabl
 from megatrain.bench.env import WORKSPACE
 from megatrain.bench.record import STATUSES
 from megatrain.bench.suite import read_suite_records
-from megatrain.engine.plan import PROCESS_OVERHEAD_BYTES
 from megatrain.hardware import get_profile
-from megatrain.memory import GIB, GPU_FILL
+from megatrain.memory import GIB, GPU_FILL, PROCESS_OVERHEAD_BYTES
 from megatrain.probe import Machine
 
 MAX_TRACES = 6

@@ -17,13 +17,16 @@ from megatrain.engine.config import EngineConfig
 from megatrain.engine.layout import Unit, build_units, total_numel
 from megatrain.engine.store import OPT_CHUNK
 from megatrain.engine.uses import use_order
-from megatrain.memory import GIB, Budget, backward_work_bytes, budget, layer_input_bytes
+from megatrain.memory import (
+    GIB,
+    GPU_RESERVE_BYTES,
+    PROCESS_OVERHEAD_BYTES,
+    Budget,
+    backward_work_bytes,
+    budget,
+    layer_input_bytes,
+)
 from megatrain.optim.state_bytes import FP32_BYTES, MOMENT_BYTES, state_bytes_per_param
-
-# Fixed per-process costs beyond the training state; the pre-flight of every system (megatrain.preflight)
-# counts the same.
-PROCESS_OVERHEAD_BYTES = 3 * GIB  # python, torch, CUDA context and libraries in host RSS
-GPU_RESERVE_BYTES = 2 * GIB  # CUDA context, cuBLAS workspaces, allocator fragmentation
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import statistics
 import sys
 import time
@@ -28,6 +29,22 @@ from megatrain.memory import GIB, peak_host_rss_gib
 from megatrain.models.hf import copy_named_weights
 from megatrain.models.loss import valid_tokens
 from megatrain.optim.state_bytes import adamw_traffic_bytes_per_param
+
+
+class _Stderr(logging.Handler):
+    """Each record on the process's stderr of the moment (a test's capture, a suite case's pipe)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(self.format(record), file=sys.stderr, flush=True)
+
+
+# The build's phases as each ends, on stderr (a suite case cut short keeps its stderr tail); train's RunLog also
+# writes them into OUT/train.log
+BUILD_LOG = logging.getLogger("megatrain.build")
+BUILD_LOG.setLevel(logging.INFO)
+BUILD_LOG.propagate = False
+if not any(isinstance(h, _Stderr) for h in BUILD_LOG.handlers):
+    BUILD_LOG.addHandler(_Stderr())
 
 
 class StreamingSystem:
@@ -68,7 +85,7 @@ class StreamingSystem:
         if self.device.type == "cuda" and torch.cuda.is_initialized():
             torch.cuda.synchronize(self.device)
         self.build_phases_s[name] = round(time.perf_counter() - t0, 3)
-        print(f"megatrain build: {name} {self.build_phases_s[name]:.1f} s", file=sys.stderr, flush=True)
+        BUILD_LOG.info("megatrain build: %s %.1f s", name, self.build_phases_s[name])
 
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, segments_BS: torch.Tensor | None = None) -> float:
         """One step over the global batch (with several ranks, each trains its rows of it)."""

@@ -3,6 +3,7 @@ invocation (a resumed run continues its log)."""
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,9 @@ class RunLog:
     def __init__(self, say: Callable[[str], None], path: Path | None = None):
         self.say, self.bar = say, None
         self.file = path.open("a", encoding="utf-8") if path is not None else None
+        # the engine's build lines (logger megatrain.build) go to the terminal by themselves; the file takes them too
+        self._build = _ToFile(self)
+        logging.getLogger("megatrain.build").addHandler(self._build)
 
     def __call__(self, line: str) -> None:
         self.to_file(line)
@@ -41,5 +45,15 @@ class RunLog:
             self.file.flush()  # a kill loses no line said
 
     def close(self) -> None:
+        logging.getLogger("megatrain.build").removeHandler(self._build)
         if self.file is not None:
             self.file.close()
+
+
+class _ToFile(logging.Handler):
+    def __init__(self, log: RunLog):
+        super().__init__()
+        self.log = log
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.log.to_file(self.format(record))

@@ -22,9 +22,9 @@ from train_helpers import LR, ROOT, hf_model, metrics, pretokenized, run_train, 
 from megatrain.engine.config import EngineConfig
 from megatrain.engine.distributed import RANK_TIMEOUT_ENV, RankLost, Ranks, per_rank
 from megatrain.engine.host_optimizer import HostOptimizer
-from megatrain.engine.plan import GPU_RESERVE_BYTES, PROCESS_OVERHEAD_BYTES, check_fits, plan_memory
+from megatrain.engine.plan import check_fits, plan_memory
 from megatrain.engine.store import HostStore
-from megatrain.memory import GIB, Budget
+from megatrain.memory import GIB, GPU_RESERVE_BYTES, PROCESS_OVERHEAD_BYTES, Budget
 from megatrain.models import get_model_config
 from megatrain.optim import fused
 from megatrain.optim.config import OptimConfig

@@ -17,8 +17,7 @@ from train_helpers import ROOT, metrics, pretokenized
 
 from megatrain.config import CaseConfig
 from megatrain.engine import distributed
-from megatrain.engine.plan import GPU_RESERVE_BYTES, PROCESS_OVERHEAD_BYTES
-from megatrain.memory import GIB, Budget
+from megatrain.memory import GIB, GPU_RESERVE_BYTES, PROCESS_OVERHEAD_BYTES, Budget
 from megatrain.systems import deepspeed_zero3, fsdp_offload, native
 
 NO_DEEPSPEED = importlib.util.find_spec("deepspeed") is None

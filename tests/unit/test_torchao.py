@@ -13,8 +13,7 @@ from megatrain import preflight
 from megatrain.config import CaseConfig
 from megatrain.data import make_batches
 from megatrain.engine import distributed
-from megatrain.engine.plan import GPU_RESERVE_BYTES, PROCESS_OVERHEAD_BYTES
-from megatrain.memory import Budget
+from megatrain.memory import GPU_RESERVE_BYTES, PROCESS_OVERHEAD_BYTES, Budget
 from megatrain.optim.config import OptimConfig
 from megatrain.probe import Machine
 from megatrain.systems import build_system, native, parse_options, torchao_offload
