@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-from megatrain.models.masks import FULL, LAYER_TYPES, SLIDING
+from megatrain.models.masks import FULL, LAYER_TYPES, SLIDING, attended_pairs
 from megatrain.models.rope import RopeScaling
 
 
@@ -183,9 +183,7 @@ class ModelConfig:
         return self.layer_types[layer] if self.layer_types else FULL
 
     def attended_pairs(self, layer: int, seq: int) -> float:
-        """(query, key) pairs decoder layer `layer` scores in one sequence (megatrain.models.flops.attended_pairs)."""
-        from megatrain.models.flops import attended_pairs
-
+        """(query, key) pairs decoder layer `layer` scores in one sequence (megatrain.models.masks.attended_pairs)."""
         return attended_pairs(seq, self.sliding_window if self.layer_type(layer) != FULL else 0)
 
     @property

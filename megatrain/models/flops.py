@@ -22,20 +22,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # annotations only: each config counts its layers' attended pairs with attended_pairs below
+if TYPE_CHECKING:  # annotations only: a config counts its layers' pairs itself (megatrain.models.masks.attended_pairs)
     from megatrain.models.config import ModelConfig
 
 
 def model_flops(num_params: int, tokens: int) -> float:
     return 6.0 * num_params * tokens
-
-
-def attended_pairs(seq: int, window: int = 0) -> float:
-    """(query, key) pairs one causal sequence computes: half the square (with the diagonal, as the kernels' count
-    goes), or with a sliding window the pairs within it (each query sees at most `window` keys)."""
-    if not window or window >= seq:
-        return seq * seq / 2
-    return window * seq - window * (window - 1) / 2
 
 
 def attention_flops_per_seq(cfg: ModelConfig, seq: int) -> float:

@@ -94,3 +94,11 @@ def rope_and_masks(cos_SD: torch.Tensor, sin_SD: torch.Tensor, segments_BS: torc
         # a window as long as the sequence hides nothing: the full mask is the same mask
         masks[SLIDING] = masks[FULL] if sliding_window >= seq else _mask(sliding_window, segments_BS, seq, device)
     return cos_SD, sin_SD, masks
+
+
+def attended_pairs(seq: int, window: int = 0) -> float:
+    """(query, key) pairs one causal sequence computes: half the square (with the diagonal, as the kernels' count
+    goes), or with a sliding window the pairs within it (each query sees at most `window` keys)."""
+    if not window or window >= seq:
+        return seq * seq / 2
+    return window * seq - window * (window - 1) / 2

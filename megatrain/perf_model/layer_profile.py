@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from megatrain.bench.env import environment
 from megatrain.engine.templates import LayerTemplate
 from megatrain.models import DecoderLayer, get_model_config, rotary_tables
-from megatrain.models.flops import attended_pairs, attention_flops_per_seq
+from megatrain.models.flops import attention_flops_per_seq
 from megatrain.models.init import init_module
+from megatrain.models.masks import attended_pairs
 
 
 def bench_ms(fn, warmup=3, iters=10) -> float:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from megatrain.models.config import UnitShapes
-from megatrain.models.masks import FULL, SLIDING
+from megatrain.models.masks import FULL, SLIDING, attended_pairs
 
 if TYPE_CHECKING:  # annotations only: the skeleton (which builds the model, with transformers) says the layout
     from megatrain.models.generic.skeleton import Layout
@@ -133,8 +133,6 @@ class GenericConfig:
     def attended_pairs(self, layer: int, seq: int) -> float:
         """(query, key) pairs layer `layer` scores in one sequence: causal, within its window or chunk; 0 where its
         attention is linear or of a type not counted here (hardware FLOPs count the matmuls alone there)."""
-        from megatrain.models.flops import attended_pairs
-
         kind = self.layer_type(layer)
         if kind == FULL:
             return attended_pairs(seq)
