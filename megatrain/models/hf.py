@@ -20,6 +20,7 @@ import os
 import re
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,19 +33,49 @@ from megatrain.models.rope import RopeScaling
 from megatrain.models.transformer import Transformer
 
 SUPPORTED_MODEL_TYPES = FAMILIES
-_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
-# transformers' defaults for keys a config.json may leave out (its config classes)
-_DEFAULTS = {"qwen2": dict(max_position_embeddings=32768, max_window_layers=28),
-             "llama": dict(max_position_embeddings=2048),
-             "qwen3": dict(max_position_embeddings=32768, max_window_layers=28, head_dim=128),
-             "mistral": dict(max_position_embeddings=131072, num_key_value_heads=8, sliding_window=4096),
-             "qwen3_moe": dict(max_position_embeddings=32768, num_key_value_heads=4, norm_topk_prob=False),
-             "gpt_oss": dict(max_position_embeddings=131072, num_key_value_heads=8, head_dim=64, sliding_window=128,
-                             num_experts_per_tok=4, swiglu_limit=7.0, swiglu_alpha=1.702,
-                             rms_norm_eps=1e-5,
-                             rope=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
-                                       original_max_position_embeddings=4096, rope_theta=150000.0))}
+@dataclass(frozen=True)
+class _Family:
+    """What a hand-written family's config.json means, as transformers' config class and modeling file read it.
+
+    architecture: its *ForCausalLM class (written into an export's config.json).
+    defaults: transformers' defaults for keys a config.json may leave out.
+    qkv_bias: q, k and v projections always biased (Qwen2).
+    attention_bias: the family's attention_bias key: its default, or None where the family has none (then
+        attention_bias=true is refused).
+    mlp_bias: the family reads mlp_bias (else mlp_bias=true is refused).
+    qk_norm: per-head RMSNorm on q and k (Qwen3).
+    windows: which layers slide: "none" (refused where asked), "suffix" (from max_window_layers on, when
+        use_sliding_window), "all" (every layer, when sliding_window), "alternate" (even layers, by default).
+    """
+
+    architecture: str
+    defaults: dict
+    qkv_bias: bool = False
+    attention_bias: bool | None = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    windows: str = "none"
+
+
+_FAMILIES = {
+    "qwen2": _Family("Qwen2ForCausalLM", dict(max_position_embeddings=32768, max_window_layers=28), qkv_bias=True,
+                     attention_bias=None, windows="suffix"),
+    "llama": _Family("LlamaForCausalLM", dict(max_position_embeddings=2048), mlp_bias=True),
+    "qwen3": _Family("Qwen3ForCausalLM", dict(max_position_embeddings=32768, max_window_layers=28, head_dim=128),
+                     qk_norm=True, windows="suffix"),
+    "mistral": _Family("MistralForCausalLM", dict(max_position_embeddings=131072, num_key_value_heads=8,
+                                                  sliding_window=4096), attention_bias=None, windows="all"),
+    "qwen3_moe": _Family("Qwen3MoeForCausalLM", dict(max_position_embeddings=32768, num_key_value_heads=4,
+                                                     norm_topk_prob=False), qk_norm=True),
+    "gpt_oss": _Family("GptOssForCausalLM", dict(
+        max_position_embeddings=131072, num_key_value_heads=8, head_dim=64, sliding_window=128, num_experts_per_tok=4,
+        swiglu_limit=7.0, swiglu_alpha=1.702, rms_norm_eps=1e-5,
+        rope=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                  original_max_position_embeddings=4096, rope_theta=150000.0)),
+        attention_bias=True, windows="alternate"),
+}
+assert tuple(_FAMILIES) == FAMILIES
+_DEFAULTS = {family: f.defaults for family, f in _FAMILIES.items()}
 # the keys each RoPE scaling reads (transformers' modeling_rope_utils); another key is refused, not ignored
 _ROPE_KEYS = {"default": set(), "linear": {"factor"}, "dynamic": {"factor"},
               "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
@@ -165,25 +196,24 @@ def _attention_layers(hf: Mapping, family: str, num_layers: int) -> tuple[int, t
     types = tuple(hf.get("layer_types") or ())
     if unknown := sorted(set(types) - {FULL, SLIDING}):
         raise ValueError(f"layer_types {unknown} are not supported; only {FULL!r} and {SLIDING!r} are")
-    if family == "llama":
-        if SLIDING in types:  # transformers' Llama would ignore them: refused rather than trained differently
-            raise ValueError("llama models have no sliding-window attention; the config's layer_types ask for it")
-        window, types = 0, ()
-    elif family == "gpt_oss":  # transformers' default: even layers slide, odd ones attend fully
-        window = hf.get("sliding_window", defaults["sliding_window"]) or 0
-        types = types or tuple(SLIDING if n % 2 == 0 else FULL for n in range(num_layers))
-    elif family == "qwen3_moe":
+    windows = _FAMILIES[family].windows
+    if windows == "none":  # transformers' Llama would ignore them: refused rather than trained differently
+        if SLIDING in types:
+            raise ValueError(f"{family} models have no sliding-window attention; the config's layer_types ask for it")
         if hf.get("use_sliding_window"):
-            raise ValueError("qwen3_moe with use_sliding_window=true is not supported (no released checkpoint uses "
+            raise ValueError(f"{family} with use_sliding_window=true is not supported (no released checkpoint uses "
                              "it); set it false")
         window, types = 0, ()
-    elif family == "mistral":
+    elif windows == "alternate":  # transformers' default: even layers slide, odd ones attend fully
+        window = hf.get("sliding_window", defaults["sliding_window"]) or 0
+        types = types or tuple(SLIDING if n % 2 == 0 else FULL for n in range(num_layers))
+    elif windows == "all":
         if any(t != FULL for t in types):
             raise ValueError(f"mistral with layer_types {sorted(set(types))} is not supported (transformers builds it "
                              "as Ministral)")
         window = hf.get("sliding_window", defaults["sliding_window"]) or 0
         types = (SLIDING,) * num_layers if window else ()
-    else:  # qwen2, qwen3: the layers from max_window_layers on slide when use_sliding_window
+    else:  # suffix: the layers from max_window_layers on slide when use_sliding_window
         window = (hf.get("sliding_window") or 0) if hf.get("use_sliding_window") else 0
         if not types:
             first = hf.get("max_window_layers", defaults["max_window_layers"])
@@ -208,9 +238,10 @@ def config_from_hf(hf: Mapping) -> ModelConfig:
         raise ValueError(f"model_type {family!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported; our MLP is SwiGLU with silu")
-    if hf.get("mlp_bias") and family != "llama":
+    traits = _FAMILIES[family]
+    if hf.get("mlp_bias") and not traits.mlp_bias:
         raise ValueError(f"mlp_bias=true is not part of {family}")
-    if hf.get("attention_bias") and family in ("qwen2", "mistral"):
+    if hf.get("attention_bias") and traits.attention_bias is None:
         raise ValueError(f"attention_bias=true is not part of {family}")
     if hf.get("attention_dropout", 0.0):
         warnings.warn(f"attention_dropout={hf['attention_dropout']} is ignored: our attention has no dropout",
@@ -222,9 +253,9 @@ def config_from_hf(hf: Mapping) -> ModelConfig:
     theta, scaling = _rope_from_hf(hf)
     defaults = _DEFAULTS[family]
     window, types = _attention_layers(hf, family, hf["num_hidden_layers"])
-    attention_bias = bool(hf.get("attention_bias", family == "gpt_oss"))
-    if family == "gpt_oss" and not attention_bias:
-        raise ValueError("gpt_oss with attention_bias=false is not supported (every release has the biases)")
+    attention_bias = bool(hf.get("attention_bias", traits.attention_bias))
+    if traits.attention_bias and not attention_bias:
+        raise ValueError(f"{family} with attention_bias=false is not supported (every release has the biases)")
     return ModelConfig(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -233,10 +264,10 @@ def config_from_hf(hf: Mapping) -> ModelConfig:
         num_heads=hf["num_attention_heads"],
         num_kv_heads=hf.get("num_key_value_heads") or defaults.get("num_key_value_heads", hf["num_attention_heads"]),
         head_dim=hf.get("head_dim") or defaults.get("head_dim", 0),
-        qkv_bias=family == "qwen2" or attention_bias,
+        qkv_bias=traits.qkv_bias or attention_bias,
         o_bias=attention_bias,
         mlp_bias=bool(hf.get("mlp_bias", False)),
-        qk_norm=family in ("qwen3", "qwen3_moe"),
+        qk_norm=traits.qk_norm,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         rope_theta=theta,
         rope_scaling=scaling,
@@ -303,7 +334,7 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
     """
     rope = _rope_to_hf(cfg)
     hf = {
-        "architectures": [_ARCHITECTURES[cfg.family]],
+        "architectures": [_FAMILIES[cfg.family].architecture],
         "model_type": cfg.family,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
@@ -328,15 +359,16 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
         "dtype": _dtype_name(dtype),
     }
     window = cfg.sliding_window or None
-    if cfg.family in ("qwen2", "qwen3"):
+    traits = _FAMILIES[cfg.family]
+    if traits.windows == "suffix":
         # 5.x reads layer_types; 4.x slides the layers from max_window_layers on (a suffix, as every release has)
         types = [cfg.layer_type(n) for n in range(cfg.num_layers)]
         first = types.index(SLIDING) if SLIDING in types else cfg.num_layers
         hf.update(use_sliding_window=window is not None, sliding_window=window, max_window_layers=first,
                   layer_types=types)
-    if cfg.family == "mistral":
+    if traits.windows == "all":
         hf["sliding_window"] = window
-    if cfg.family in ("llama", "qwen3", "qwen3_moe", "gpt_oss"):
+    if traits.attention_bias is not None:
         hf["attention_bias"] = cfg.o_bias
     if cfg.is_moe:
         hf.update(num_experts_per_tok=cfg.num_experts_per_tok, output_router_logits=cfg.router_aux_loss_coef > 0,
@@ -349,8 +381,10 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
         hf.update(num_local_experts=cfg.num_experts, swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha,
                   sliding_window=cfg.sliding_window or None,
                   layer_types=[cfg.layer_type(n) for n in range(cfg.num_layers)])
+    if traits.mlp_bias:
+        hf["mlp_bias"] = cfg.mlp_bias
     if cfg.family == "llama":
-        hf.update(mlp_bias=cfg.mlp_bias, pretraining_tp=1)
+        hf["pretraining_tp"] = 1
     return hf
 
 
