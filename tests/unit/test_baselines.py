@@ -137,7 +137,8 @@ def test_compiled_layers_match_eager_native(system, tmp_path):
     assert result["config"]["compile"] and check["compiled_frames"] >= 1 and not check["eager_fallback"], check
 
 
-@pytest.mark.parametrize("model, seq, structures", [("tiny", 32, 1), ("tiny-sliding", 128, 2)])
+# two structures (sliding and full layers) in four layers: two compiled graphs, neither one nor four
+@pytest.mark.parametrize("model, seq, structures", [("tiny-sliding", 128, 2)])
 @pytest.mark.deepspeed
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
 @pytest.mark.slow  # torch.compile on CPU: about a minute
