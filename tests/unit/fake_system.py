@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: make `baselines` importable
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: make `megatrain` importable
 from megatrain.systems import native  # noqa: E402
 
 FAILURES = {101: "oom", 102: "crash", 103: "hang", 104: "oom_from_batch_2", 105: "sigterm", 106: "refused",
