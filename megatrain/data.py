@@ -48,24 +48,46 @@ class SyntheticTokens:
             step += 1
 
 
-def read_documents(path: str | Path) -> Iterator[str]:
-    """Documents of a .jsonl file (field 'text') or a plain-text file (blank-line separated)."""
+def records(path: str | Path, flag: str = "--data") -> Iterator[tuple[str, object]]:
+    """(where, record) of every record of a data file, where being 'FLAG PATH:LINE': a .txt file's blank-line separated
+    documents as {"text": document}, any other file's JSON lines (blank lines skipped). A byte that is not UTF-8 or a
+    line that is not JSON is a ValueError naming its file and line. The one reader of data files: bench's text batches
+    (read_documents) and train's examples (megatrain.train.data) both read through it."""
     path = Path(path)
-    if path.suffix == ".jsonl":
-        with path.open(encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{line_no}: not a JSON record ({e})") from e
-                    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                        raise ValueError(f"{path}:{line_no}: JSONL records need a string 'text' field")
-                    yield record["text"]
-    else:
-        for doc in path.read_text(encoding="utf-8").split("\n\n"):
+    if path.suffix == ".txt":
+        line_no = 1
+        for doc in _utf8(path.read_bytes(), f"{flag} {path}", 1).split("\n\n"):
             if doc.strip():
-                yield doc
+                yield f"{flag} {path}:{line_no}", {"text": doc}
+            line_no += doc.count("\n") + 2
+        return
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            where = f"{flag} {path}:{line_no}"
+            line = _utf8(raw, f"{flag} {path}", line_no)
+            if not line.strip():
+                continue
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: not a JSON record ({exc})") from None
+
+
+def _utf8(raw: bytes, file_where: str, first_line: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = first_line + raw[:exc.start].count(b"\n")
+        raise ValueError(f"{file_where}:{line}: byte {raw[exc.start]:#04x} is not UTF-8; save the file as UTF-8") \
+            from None
+
+
+def read_documents(path: str | Path) -> Iterator[str]:
+    """Documents of a .txt file (blank-line separated) or a JSONL file (field 'text'): records() read for bench."""
+    for where, record in records(path):
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise ValueError(f"{where}: JSONL records need a string 'text' field")
+        yield record["text"]
 
 
 class TextBatches:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from megatrain.data import records
 from megatrain.models.loss import IGNORE_INDEX
 from megatrain.tokenizer import Tokenizer
 from megatrain.train.datasets import SPLIT_FLAGS, HFData, hf_records, hf_source
@@ -91,15 +92,6 @@ def _messages(record: dict, where: str) -> list[dict]:
     return out
 
 
-def _utf8(raw: bytes, file_where: str, first_line: int) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = first_line + raw[:exc.start].count(b"\n")
-        raise ValueError(f"{file_where}:{line}: byte {raw[exc.start]:#04x} is not UTF-8; save the file as UTF-8") \
-            from None
-
-
 def _example(record, where: str, tokenizer: Tokenizer | None, train_on_prompt: bool) -> Example:
     """The example of one JSONL record."""
     if not isinstance(record, dict):
@@ -129,29 +121,9 @@ def read_examples(files: list[Path | HFData], tokenizer: Tokenizer | None, train
     row) of the first bad one."""
     examples = []
     for path in files:
-        if isinstance(path, HFData):
-            examples += [replace(_example(record, where, tokenizer, train_on_prompt), where=where)
-                         for where, record in hf_records(path, flag)]
-            continue
-        if path.suffix == ".txt":
-            line_no = 1
-            for doc in _utf8(path.read_bytes(), f"{flag} {path}", 1).split("\n\n"):
-                where = f"{flag} {path}:{line_no}"
-                if doc.strip():
-                    examples.append(replace(_document(_need(tokenizer, where), doc), where=where))
-                line_no += doc.count("\n") + 2
-            continue
-        with path.open("rb") as f:
-            for line_no, raw in enumerate(f, 1):
-                where = f"{flag} {path}:{line_no}"
-                line = _utf8(raw, f"{flag} {path}", line_no)
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{where}: not a JSON record ({exc})") from None
-                examples.append(replace(_example(record, where, tokenizer, train_on_prompt), where=where))
+        source = hf_records(path, flag) if isinstance(path, HFData) else records(path, flag)
+        examples += [replace(_example(record, where, tokenizer, train_on_prompt), where=where)
+                     for where, record in source]
     if not examples:
         raise ValueError(f"{flag}: no examples in {', '.join(map(str, files))}")
     return examples
