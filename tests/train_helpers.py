@@ -2,6 +2,7 @@
 command over them."""
 
 import ctypes
+import importlib.util
 import json
 import os
 import signal
@@ -19,6 +20,9 @@ from megatrain.cli import main
 from megatrain.tokenizer import Tokenizer
 from megatrain.train.lr import lr_at
 
+# the marks of a test that needs DeepSpeed installed (its optional extra)
+needs_deepspeed = [pytest.mark.deepspeed,
+                   pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")]
 VOCAB, SEQ, BATCH, STEPS = 128, 16, 4, 10
 LR, WARMUP, MIN_LR, WD, BETAS, EPS, CLIP = 3e-3, 3, 3e-4, 0.1, (0.9, 0.95), 1e-8, 0.5
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

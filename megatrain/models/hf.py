@@ -75,7 +75,6 @@ _FAMILIES = {
         attention_bias=True, windows="alternate"),
 }
 assert tuple(_FAMILIES) == FAMILIES
-_DEFAULTS = {family: f.defaults for family, f in _FAMILIES.items()}
 # the keys each RoPE scaling reads (transformers' modeling_rope_utils); another key is refused, not ignored
 _ROPE_KEYS = {"default": set(), "linear": {"factor"}, "dynamic": {"factor"},
               "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
@@ -157,8 +156,9 @@ def check_config_values(hf: Mapping) -> None:
 def _rope_from_hf(hf: Mapping) -> tuple[float, RopeScaling | None]:
     """(theta, scaling) of a config: 5.x's rope_parameters or 4.x's rope_theta and rope_scaling."""
     params = dict(hf.get("rope_parameters") or {})
-    if not params and not hf.get("rope_scaling") and "rope" in _DEFAULTS.get(hf.get("model_type"), {}):
-        params = {**_DEFAULTS[hf["model_type"]]["rope"], **{k: hf[k] for k in ("rope_theta",) if k in hf}}
+    family = _FAMILIES.get(hf.get("model_type"))
+    if not params and not hf.get("rope_scaling") and family is not None and "rope" in family.defaults:
+        params = {**family.defaults["rope"], **{k: hf[k] for k in ("rope_theta",) if k in hf}}
     if any(isinstance(v, Mapping) for v in params.values()):
         raise ValueError(f"per-layer rope_parameters ({sorted(params)}) are not supported; one RoPE for every layer")
     legacy = dict(hf.get("rope_scaling") or {})
@@ -192,7 +192,7 @@ def _rope_from_hf(hf: Mapping) -> tuple[float, RopeScaling | None]:
 
 def _attention_layers(hf: Mapping, family: str, num_layers: int) -> tuple[int, tuple[str, ...]]:
     """(sliding window, per-layer types) as transformers builds them for the family."""
-    defaults = _DEFAULTS[family]
+    defaults = _FAMILIES[family].defaults
     types = tuple(hf.get("layer_types") or ())
     if unknown := sorted(set(types) - {FULL, SLIDING}):
         raise ValueError(f"layer_types {unknown} are not supported; only {FULL!r} and {SLIDING!r} are")
@@ -251,7 +251,7 @@ def config_from_hf(hf: Mapping) -> ModelConfig:
         raise ValueError(f"config.json lacks {', '.join(missing)}")
     check_config_values(hf)
     theta, scaling = _rope_from_hf(hf)
-    defaults = _DEFAULTS[family]
+    defaults = _FAMILIES[family].defaults
     window, types = _attention_layers(hf, family, hf["num_hidden_layers"])
     attention_bias = bool(hf.get("attention_bias", traits.attention_bias))
     if traits.attention_bias and not attention_bias:
@@ -282,7 +282,7 @@ def config_from_hf(hf: Mapping) -> ModelConfig:
 
 def _experts_from_hf(hf: Mapping, family: str) -> dict:
     """The ModelConfig fields of a mixture of experts; layouts we do not build are refused by name."""
-    defaults = _DEFAULTS[family]
+    defaults = _FAMILIES[family].defaults
     quant = hf.get("quantization_config") or {}
     if quant and quant.get("quant_method") != "mxfp4":
         raise ValueError(f"quantization_config {quant.get('quant_method')!r} is not supported; only GPT-OSS's mxfp4 "

@@ -3,7 +3,6 @@ torch.optim.AdamW + clip_grad_norm_: the families only it trains, exports, bitwi
 accounting and refusals. CPU; megatrain and native in seconds a case, DeepSpeed and FSDP2 each in a fresh process
 (marked subprocess): pytest tests/unit/test_generic.py -m "not subprocess"; all: pytest tests/unit/test_generic.py"""
 
-import importlib.util
 import json
 import math
 
@@ -19,6 +18,7 @@ from train_helpers import (  # noqa: E402
     STEPS,
     VOCAB,
     metrics,
+    needs_deepspeed,
     pretokenized,
     reference_training,
     train_any,
@@ -30,9 +30,6 @@ from megatrain.models.generic.module import GenericCausalLM  # noqa: E402
 from megatrain.models.init import init_module  # noqa: E402
 from megatrain.models.loss import IGNORE_INDEX  # noqa: E402
 from megatrain.train.data import Example, Rows  # noqa: E402
-
-needs_deepspeed = [pytest.mark.deepspeed,
-                   pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")]
 
 
 def generic_model(kind: str, path, **extra):

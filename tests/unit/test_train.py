@@ -3,7 +3,6 @@ schedules, for every system (DeepSpeed and FSDP2 each in a fresh process). CPU, 
 pytest tests/unit/test_train.py"""
 
 import argparse
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -26,6 +25,7 @@ from train_helpers import (  # noqa: E402
     chat_tokenizer,
     hf_model,
     metrics,
+    needs_deepspeed,
     pretokenized,
     reference_training,
     run_train,
@@ -39,8 +39,6 @@ from megatrain.train.config import add_train_arguments, config_from_args  # noqa
 from megatrain.train.data import Rows, read_examples  # noqa: E402
 from megatrain.train.lr import lr_at  # noqa: E402
 
-needs_deepspeed = [pytest.mark.deepspeed,
-                   pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")]
 SYSTEMS = ["megatrain", "native", pytest.param("deepspeed", marks=needs_deepspeed), "fsdp"]
 
 
