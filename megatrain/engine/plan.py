@@ -104,41 +104,60 @@ def resident_bytes(config: EngineConfig, unit: Unit) -> int:
     return int(unit.numel * on_gpu)
 
 
-def resident_unit_indices(config: EngineConfig, limits: Budget | None = None) -> list[int]:
-    """Units whose weights, gradients and AdamW state stay on the GPU and update there.
+@dataclass(frozen=True)
+class Placement:
+    """Where a plan puts things: how many saved layer inputs go to pinned host memory and how many are recomputed
+    instead of kept (megatrain.engine.activations says which), and the units kept and updated on the GPU."""
+
+    offloaded: int = 0
+    recomputed: int = 0
+    resident: tuple[int, ...] = ()
+
+
+def plan_memory(config: EngineConfig, limits: Budget | None = None) -> MemoryPlan:
+    """Host and GPU bytes of `config` and the placement behind them, planned for `limits` (default: this machine).
+
+    One pass: the saved inputs' placement first (with nothing resident), then the resident units beside it; each
+    choice weighs the bytes of the placements it could make (_bytes), which decides nothing itself."""
+    limits = limits or budget_here(config)
+    offloaded, recomputed = activation_placement(config, limits)
+    resident = resident_unit_indices(config, limits, Placement(offloaded, recomputed))
+    return _bytes(config, Placement(offloaded, recomputed, tuple(resident)))
+
+
+def resident_unit_indices(config: EngineConfig, limits: Budget | None = None,
+                          placement: Placement | None = None) -> list[int]:
+    """Units whose weights, gradients and AdamW state stay on the GPU and update there, beside the saved inputs'
+    `placement` (default: activation_placement's) on `limits` (default: this machine, budget_here).
 
     Options: resident_embedding (true, false, or 'auto': when it fits) and resident_layers (K: the first K layers,
     or 'auto': as many as fit). Both default to 'auto': the embedding first, then leading layers, up to
     megatrain.memory.GPU_FILL of the GPU beside everything else the plan counts (so a batch that needs the memory gets
     none). Without a GPU nothing is resident, nor with update_delay=1 (every update then runs a step late on the
-    host; MegaTrainOptions refuses an explicit resident unit with it). limits: the machine planned for (default:
-    this one, budget_here)."""
+    host; MegaTrainOptions refuses an explicit resident unit with it)."""
     if config.options.update_delay:
         return []
+    limits = limits or budget_here(config)
+    placement = placement or Placement(*activation_placement(config, limits))
     layers = config.model.num_layers
+    gpu = limits.gpu_fill_bytes
+
+    def room(resident: tuple[int, ...]) -> int:  # the GPU's resident share less what the plan needs so
+        return gpu - _bytes(config, dataclasses.replace(placement, resident=resident)).gpu_bytes
+
     embedding = config.options.resident_embedding
     if embedding == "auto":
-        embedding = _auto_fits(config, {"resident_embedding": True, "resident_layers": 0}, limits=limits) > 0
+        embedding = gpu is not None and room((0,)) >= 0
     k = config.options.resident_layers
-    if k == "auto":
-        k = _auto_fits(config, {"resident_embedding": embedding, "resident_layers": 0}, per_layer=True, limits=limits)
+    if k == "auto" and gpu is None:
+        k = 0
+    elif k == "auto":
+        per = max(resident_bytes(config, u) for u in build_units(config.model)[1:-1])  # a generic model's differ
+        k = max(0, min(layers, int(room((0,) if embedding else ()) // per)))
     if k > layers:
         raise ValueError(f"resident_layers must be 'auto' or an integer from 0 to the model's {layers} layers, "
                          f"got {k}")
     return ([0] if embedding else []) + list(range(1, k + 1))
-
-
-def _auto_fits(config: EngineConfig, options: dict, per_layer: bool = False, limits: Budget | None = None) -> int:
-    """With `options` fixed: 1 if that plan fits the resident share of the GPU (0 if not), or with per_layer the
-    number of further resident layers that fit beside it. 0 without a GPU."""
-    gpu = (limits or budget_here(config)).gpu_fill_bytes
-    if gpu is None:
-        return 0
-    room = gpu - plan_memory(_with_options(config, **options), limits).gpu_bytes
-    if not per_layer:
-        return int(room >= 0)
-    per = max(resident_bytes(config, u) for u in build_units(config.model)[1:-1])  # a generic model's differ
-    return max(0, min(config.model.num_layers, int(room // per)))
 
 
 def activation_placement(config: EngineConfig, limits: Budget | None = None) -> tuple[int, int]:
@@ -149,7 +168,7 @@ def activation_placement(config: EngineConfig, limits: Budget | None = None) -> 
     (megatrain.memory.GPU_FILL) with nothing resident, all when none does (the plan then refuses with its numbers).
     recompute_inputs: R, or 'auto': none when the host holds the offloaded inputs, else as many of them as the host
     lacks room for are recomputed instead (each costs one more layer forward and one more weight load a step).
-    Without a GPU 'auto' means none."""
+    Without a GPU 'auto' means none. limits: the machine planned for (default: this one, budget_here)."""
     layers = config.model.num_layers
     option, recompute = config.options.offload_activations, config.options.recompute_inputs
     if recompute != "auto" and recompute > layers - 1:
@@ -160,7 +179,10 @@ def activation_placement(config: EngineConfig, limits: Budget | None = None) -> 
                          f"{layers} layers, got {option}")
     limits = limits or budget_here(config)
     r = 0 if recompute == "auto" else recompute
-    fixed = _with_options(config, resident_embedding=False, resident_layers=0, recompute_inputs=r)
+
+    def offloading(k: int) -> Placement:  # with inputs recomputed the embedding's output stays on the GPU
+        return Placement(min(k, layers - 1 - r) if r else k, r)
+
     if isinstance(option, bool):
         k = layers if option else 0
     elif option != "auto":
@@ -168,20 +190,15 @@ def activation_placement(config: EngineConfig, limits: Budget | None = None) -> 
     elif limits.gpu_fill_bytes is None:
         k = 0
     else:  # the plan's GPU bytes fall as k grows: the first k that fits is the fewest
-        k = next((k for k in range(layers + 1) if plan_memory(_with_options(fixed, offload_activations=k), limits)
-                  .gpu_bytes <= limits.gpu_fill_bytes), layers)
-    k = min(k, layers - 1 - r) if r else k  # with inputs recomputed the embedding's output stays on the GPU
+        k = next((k for k in range(layers + 1) if _bytes(config, offloading(k)).gpu_bytes <= limits.gpu_fill_bytes),
+                 layers)
+    k = offloading(k).offloaded
     if recompute == "auto" and k and limits.gpu_fill_bytes is not None:
-        planned = plan_memory(_with_options(fixed, offload_activations=k), limits)
-        short = planned.host_bytes - limits.host_bytes
+        short = _bytes(config, offloading(k)).host_bytes - limits.host_bytes
         if short > 0:
             r = min(k, layers - 1, -(-short // _step_input_bytes(config)))
             k = min(k - r, layers - 1 - r)
     return k, r
-
-
-def _with_options(config: EngineConfig, **options) -> EngineConfig:
-    return dataclasses.replace(config, options=dataclasses.replace(config.options, **options))
 
 
 def _loaded_numel(units: list[Unit], resident: list[int], recomputed: int) -> int:
@@ -196,8 +213,9 @@ def _step_input_bytes(config: EngineConfig) -> int:
     return layer_input_bytes(config.model, config.batch * config.seq, config.dtype_bytes)
 
 
-def plan_memory(config: EngineConfig, limits: Budget | None = None) -> MemoryPlan:
-    """Host and GPU bytes of `config` and the placement behind them, planned for `limits` (default: this machine)."""
+def _bytes(config: EngineConfig, placement: Placement) -> MemoryPlan:
+    """Host and GPU bytes of `config` with `placement` (its placement options are not read: plan_memory decided
+    them)."""
     model, dtype_bytes = config.model, config.dtype_bytes
     units = build_units(model)
     per = host_bytes_per_param(config)
@@ -210,12 +228,11 @@ def plan_memory(config: EngineConfig, limits: Budget | None = None) -> MemoryPla
     host_state = int(total_numel(units) * sum(per.values()))
 
     tokens_mb = config.micro_batch * config.seq
-    offloaded, recomputed = activation_placement(config, limits)
+    offloaded, recomputed, resident = placement.offloaded, placement.recomputed, list(placement.resident)
     # two weight slots and the embedding's buffer, their fp32 gradient accumulators, and (bf16) the staging of the
     # streamed gradients
     buffers = (2 * slot_numel + embed_numel) * (dtype_bytes + FP32_BYTES) + (
         2 * slot_numel * dtype_bytes if dtype_bytes == 2 else 0)
-    resident = resident_unit_indices(config, limits)
     buffers += sum(resident_bytes(config, units[u]) for u in resident)
     if resident and config.precision == "bf16":  # the fp32 chunk resident bf16 weights are updated in
         buffers += min(OPT_CHUNK, max(units[u].numel for u in resident)) * FP32_BYTES
