@@ -122,7 +122,7 @@ class Engine:
             log(note)
         self.system = build_system(self.case)
         if self.model_dir:
-            self.system.load_weights(iter_hf_tensors(self.model_dir))
+            self.system.load_weights(iter_hf_tensors(self.model_dir, cfg=shape))
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
         """One optimizer step over input_ids [rows, tokens] (at most batch x seq, right-padded; fewer are padded with

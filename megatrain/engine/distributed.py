@@ -9,8 +9,9 @@ Resident units are replicated: their whole gradient is all-reduced and every ran
 own copy (each counts its shard's slice of it in the norm).
 
 Process groups: the default one carries gradients (NCCL on GPUs, gloo on CPU); a gloo group carries the control
-traffic (objects from rank 0, the agreed stop signal). Launched without torchrun, nothing here runs: one process
-trains exactly as before. The baselines run under torchrun on the same groups (megatrain/systems/dist.py).
+traffic (objects from rank 0, the agreed stop signal). Launched without torchrun, a process is the one rank of its
+run (Ranks.alone): no process group exists, and each collective hands back what it was given. The baselines run
+under torchrun on the same groups (megatrain/systems/dist.py).
 
 Several nodes (hybrid, FSDP2's HSDP): each node holds one copy of the state, shared by its ranks and sharded among
 them as above; a shard's gradient is summed within the node first, then across the nodes by the ranks of the same
@@ -127,7 +128,8 @@ def accumulation_steps(batch: int, micro_batch: int, world: int) -> int:
 @dataclass(frozen=True)
 class Ranks:
     """This process's place among the ranks (of one host, or of several nodes: one copy of the state per node),
-    and the collectives the engine uses. Groups None stand for the whole world."""
+    and the collectives the engine and the systems use. Groups None stand for the whole world. A process started
+    without torchrun is one rank of one (alone; launched False): its collectives hand back what they are given."""
 
     rank: int
     world: int
@@ -139,6 +141,12 @@ class Ranks:
     node_control: dist.ProcessGroup | None = None  # the node's ranks, gloo
     peers: dist.ProcessGroup | None = None  # this local rank on every node: shards summed across nodes
     pids: tuple[int, ...] = ()  # each rank's process id (those of this node's ranks can be looked at)
+    launched: bool = True  # one rank of a torchrun launch (of one or more); False: a process started alone
+
+    @classmethod
+    def alone(cls, device: str | torch.device) -> Ranks:
+        """A process started without torchrun: rank 0 of 1 on `device`, with no process group."""
+        return cls(0, 1, torch.device(device), None, pids=(os.getpid(),), launched=False)
 
     def __post_init__(self) -> None:
         if not self.local_world:  # one node: the world
@@ -192,6 +200,8 @@ class Ranks:
     def sum_gradient(self, grad: torch.Tensor, replicated: bool) -> torch.Tensor:
         """Sum the flat gradient `grad` across the ranks in place; returns this rank's shard of the sum (with
         replicated=True every element is summed, for a resident unit; else only this shard is valid)."""
+        if not self.launched:
+            return grad
         numel = grad.numel()
         lo, hi = self.shard(numel)
         if replicated:
@@ -210,6 +220,8 @@ class Ranks:
     def sum_norm_and_loss(self, norm_sq_and_loss: torch.Tensor) -> None:
         """Sum [squared norm of this rank's shards, its micro-batches' loss] in place: the norm over a node's ranks
         (their shards make every unit once; each node holds the same sums), the loss over all."""
+        if not self.launched:
+            return
         if self.peers is None:
             dist.all_reduce(norm_sq_and_loss)
             return
@@ -219,6 +231,8 @@ class Ranks:
     @_collective
     def from_first(self, obj, node: bool = False):
         """Rank 0's obj, on every rank (others pass anything); node=True: the node's local rank 0's, on its ranks."""
+        if not self.launched:
+            return obj
         box = [obj]
         dist.broadcast_object_list(box, src=self.rank - self.local_rank if node else 0, group=self._control(node))
         return box[0]
@@ -226,6 +240,8 @@ class Ranks:
     @_collective
     def agree(self, value: int) -> int:
         """The largest of every rank's value (a stop signal that reached any rank stops all at the same step)."""
+        if not self.launched:
+            return value
         t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
         return int(t)
@@ -233,6 +249,8 @@ class Ranks:
     @_collective
     def gather(self, obj, node: bool = False) -> list:
         """Every rank's obj (node=True: of this node's ranks), in rank order, on each of them."""
+        if not self.launched:
+            return [obj]
         out = [None] * (self.local_world if node else self.world)
         dist.all_gather_object(out, obj, group=self._control(node))
         return out
@@ -240,7 +258,15 @@ class Ranks:
     @_collective
     def barrier(self, node: bool = False) -> None:
         """Every rank (node=True: of this node) has come here."""
-        dist.barrier(group=self._control(node))
+        if self.launched:
+            dist.barrier(group=self._control(node))
+
+    @_collective
+    def summed(self, t: torch.Tensor) -> torch.Tensor:
+        """t summed over every rank, in place (the default group: gradients' backend)."""
+        if self.launched:
+            dist.all_reduce(t)
+        return t
 
     def _control(self, node: bool) -> dist.ProcessGroup | None:
         return self.node_control if node else self.control
@@ -265,11 +291,11 @@ def planned(config: EngineConfig) -> EngineConfig:
 
 
 @functools.cache
-def current(device: str) -> Ranks | None:
-    """This process's Ranks under torchrun (the process groups made on first call, for `device` 'cpu' or 'cuda';
-    NCCL and this rank's GPU on CUDA), or None for one process started without it."""
+def current(device: str) -> Ranks:
+    """This process's Ranks: under torchrun its rank's (the process groups made on first call, for `device` 'cpu' or
+    'cuda'; NCCL and this rank's GPU on CUDA), else the one rank of a process started alone."""
     if not launched():
-        return None
+        return Ranks.alone(device)
     local_rank = int(os.environ["LOCAL_RANK"])
     cuda = device == "cuda"
     if cuda:
@@ -298,8 +324,7 @@ def current(device: str) -> Ranks | None:
 
 def first_rank(device: str) -> bool:
     """Whether this process writes the run's files and output: one process, or rank 0 of several."""
-    ranks = current(device)
-    return ranks is None or ranks.first
+    return current(device).first
 
 
 LEAVE_TIMEOUT_S = 120

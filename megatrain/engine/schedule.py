@@ -81,7 +81,9 @@ class Schedule:
                  recomputed_inputs: int = 0, ranks: Ranks | None = None):
         model = config.model
         self.config, self.store, self.optimizer, self.streams, self.device = config, store, optimizer, streams, device
-        self.ranks = ranks  # several ranks (engine/distributed.py): gradients summed across them, each offloads a shard
+        # this process's place among the ranks (engine/distributed.py; default: started alone): gradients summed
+        # across them, each offloads its shard
+        self.ranks = ranks or Ranks.alone(device)
         self.model = model
         dt = store.compute_dtype
         self.units = store.units
@@ -235,8 +237,7 @@ class Schedule:
         before the last backward and the embedding's gradient were added to it."""
         with self.streams.use("compute"):
             norm_sq_and_loss = torch.stack([step.grad_sumsq, step.loss_sum])
-            if self.ranks is not None:  # each rank's shards of the norm, and its micro-batches' loss
-                self.ranks.sum_norm_and_loss(norm_sq_and_loss)
+            self.ranks.sum_norm_and_loss(norm_sq_and_loss)  # each rank's shards of the norm, its micro-batches' loss
             norm_sq, loss = norm_sq_and_loss.tolist()
         return math.sqrt(norm_sq), loss
 
@@ -279,9 +280,7 @@ class Schedule:
         ready = s.record("compute")
         s.wait("d2h", ready)
         start = s.record("d2h")
-        dst = self.store.tile(self.store.grads, unit)
-        if self.ranks is not None:  # this rank's shard of it
-            dst = dst[slice(*self.ranks.shard(unit.numel))]
+        dst = self.store.tile(self.store.grads, unit)[slice(*self.ranks.shard(unit.numel))]  # this rank's shard
         with s.use("d2h"):
             dst.copy_(src[:dst.numel()], non_blocking=True)
         end = s.record("d2h")
@@ -381,7 +380,7 @@ class Schedule:
     def _aux_weight(self, step: StepState, m: int) -> float:
         """The load-balancing loss's weight for micro-batch m: the coefficient x its share of the step's sequences, all
         ranks' (as megatrain.systems.common.aux_weight)."""
-        rows = sum(t.shape[0] for t in step.tokens) * (self.ranks.world if self.ranks is not None else 1)
+        rows = sum(t.shape[0] for t in step.tokens) * self.ranks.world
         return self.model.router_aux_loss_coef * step.tokens[m].shape[0] / rows
 
     def _finish_grads(self, step: StepState, unit: Unit, grad_acc: torch.Tensor, grad_slot: int) -> None:
@@ -398,8 +397,6 @@ class Schedule:
     def _summed(self, unit: Unit, grad: torch.Tensor) -> torch.Tensor:
         """The gradient this rank counts in the norm and offloads: all of `grad` in one process; over several ranks,
         its shard of the sum across them (a resident unit's is summed whole: every rank updates it alike)."""
-        if self.ranks is None:
-            return grad
         return self.ranks.sum_gradient(grad, replicated=unit.index in self.resident)
 
     def _embed_backward(self, step: StepState) -> None:

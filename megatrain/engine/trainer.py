@@ -49,9 +49,11 @@ if not any(isinstance(h, _Stderr) for h in BUILD_LOG.handlers):
 
 class StreamingSystem:
     def __init__(self, config: EngineConfig, ranks: Ranks | None = None):
-        """config: this process's share of the work (with several ranks, Ranks.per_rank's)."""
+        """config: this process's share of the work (with several ranks, Ranks.per_rank's); ranks: this process's
+        place among them (default: started alone, the one rank)."""
+        ranks = ranks or Ranks.alone(config.device)
         self.config, self.ranks = config, ranks
-        self.device = torch.device(config.device) if ranks is None else ranks.device
+        self.device = ranks.device
         self.build_phases_s: dict[str, float] = {}
         with self._phase("plan"):
             self.plan = check_fits(config)
@@ -59,8 +61,9 @@ class StreamingSystem:
             raise ValueError(f"configuration does not fit: {self.plan.reason}; {self.plan.advice}")
         self.num_params = config.model.num_params()
         cuda = self.device.type == "cuda"
-        store = HostStore if ranks is None else functools.partial(SharedHostStore, ranks=ranks)
-        refuse_delay_across_ranks(config.options, ranks is not None)
+        # ranks of a launch share their node's one copy of the state, each updating its shard
+        store = functools.partial(SharedHostStore, ranks=ranks) if ranks.launched else HostStore
+        refuse_delay_across_ranks(config.options, ranks.launched)
         with self._phase("host_store"):  # allocated, and the streamed tiles pinned
             self.store = store(config.model, config.torch_dtype, config.precision, pin=cuda,
                                moments=config.optim.moments, update_delay=config.options.update_delay)
@@ -68,7 +71,7 @@ class StreamingSystem:
             self.store.initialise(config.seed, self.device)
         resident = self.plan.resident_units
         with self._phase("optimizer"):  # the host AdamW kernel (built once per machine) and its threads
-            self.optimizer = (HostOptimizer if ranks is None else ShardedHostOptimizer)(
+            self.optimizer = (ShardedHostOptimizer if ranks.launched else HostOptimizer)(
                 self.store, config.optim, kernel=config.options.optimizer_kernel, skip=frozenset(resident))
         with self._phase("schedule"):  # streams, GPU buffers, resident units, the layer template
             self.streams = StreamSet(self.device, timeline=config.options.timeline,
@@ -90,8 +93,7 @@ class StreamingSystem:
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, segments_BS: torch.Tensor | None = None) -> float:
         """One step over the global batch (with several ranks, each trains its rows of it)."""
         normalizer = valid_tokens(labels_BS)  # the global batch's, so N ranks' losses and gradients sum to one's
-        if self.ranks is not None:
-            inputs_BS, labels_BS, segments_BS = self.ranks.split_rows(inputs_BS, labels_BS, segments_BS)
+        inputs_BS, labels_BS, segments_BS = self.ranks.split_rows(inputs_BS, labels_BS, segments_BS)
         return self.schedule.step(inputs_BS, labels_BS, normalizer, segments_BS)
 
     @property
@@ -123,7 +125,7 @@ class StreamingSystem:
             "resident_units": sorted(self.schedule.resident),
             "plan": {k: v for k, v in dataclasses.asdict(self.plan).items() if k != "host_tiles_bytes_per_param"},
             "build_phases_s": self.build_phases_s,
-            **({} if self.ranks is None else {
+            **({} if not self.ranks.launched else {
                 "ranks": self.ranks.world, "host_state": "one copy in shared memory (/dev/shm), every rank maps it",
                 "gradient_reduction": "fp32 on the device before the offload: reduce-scatter of whole shards in "
                                       "place (the remainder all-reduced); resident units all-reduced whole",
@@ -164,11 +166,11 @@ class StreamingSystem:
             "host_bytes_per_param": rss / self.num_params,
             "timeline": self.schedule.timeline,
             **host_optimizer_rate(self.optimizer, host_bytes_per_param(self.config)),
-            **({} if self.ranks is None else self._shared_memory_metrics()),
+            **(self._shared_memory_metrics() if self.ranks.launched else {}),
         }
 
     def _shared_memory_metrics(self) -> dict:
-        """With several ranks: each maps its node's one shared state, and its RSS counts every page of it that it
+        """Ranks of a launch: each maps its node's one shared state, and its RSS counts every page of it that it
         touched; PSS splits a shared page between the ranks that map it, so summed over a node's ranks it counts each
         page once."""
         rss, pss = self.store.mapped_bytes()
@@ -202,14 +204,13 @@ class StreamingSystem:
             elif self.store.ahead:  # update_delay: the new weights are the streamed ones too, nothing is pending
                 self.store.weights.copy_(self.store.weights_next)
             self.store.ahead = False
-        if self.ranks is not None:
-            self.ranks.barrier()
+        self.ranks.barrier()
         self.schedule.load_resident_from_host()
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """The current weights by our names, as views of the host tiles (fp32 master where there is one): no copy.
         With several ranks, rank 0's (its flush waits for every rank's updates); the others' is empty."""
-        if not self._first:
+        if not self.ranks.first:
             return {}
         self.optimizer.flush()
         self.schedule.sync_resident_to_host()
@@ -230,10 +231,10 @@ class StreamingSystem:
                     "adamw_steps": steps_to_json(self.optimizer.adamw.steps),
                     "resident_adamw_steps": steps_to_json(self.schedule.resident_adamw.steps),
                     "weights_ahead": self.store.ahead}
-        if self.ranks is not None:  # the torch kernel counts steps per chunk of each rank's shards: all of them
+        if self.ranks.launched:  # the torch kernel counts steps per chunk of each rank's shards: all of them
             counters.update(shards=self.ranks.local_world, adamw_steps=[s for steps in self.ranks.gather(
                 counters["adamw_steps"]) for s in steps])
-        if self._first:
+        if self.ranks.first:
             save_engine_state(Path(out_dir), self.store, counters, self.schedule.program.buffers())
 
     def load_state(self, in_dir: Path | None) -> None:
@@ -241,9 +242,8 @@ class StreamingSystem:
         reads in_dir into the node's copy)."""
         self.optimizer.flush()
         meta = load_engine_state(Path(in_dir), self.store, self.schedule.program.buffers()) if self._fills else None
-        if self.ranks is not None:
-            meta = self.ranks.from_first(meta)
-        saved, shards = meta.get("shards", 1), 1 if self.ranks is None else self.ranks.local_world
+        meta = self.ranks.from_first(meta)
+        saved, shards = meta.get("shards", 1), self.ranks.local_world
         if saved != shards and self.optimizer.kernel == "torch":
             raise ValueError(f"{in_dir} was saved by {saved} rank(s) a node and the torch optimizer kernel counts "
                              "steps per chunk of each rank's shard: resume it on as many, or with "
@@ -261,14 +261,9 @@ class StreamingSystem:
         return self.store.named_parameters_fp32()
 
     @property
-    def _first(self) -> bool:
-        """Whether this process writes the state's files: one process, or rank 0."""
-        return self.ranks is None or self.ranks.first
-
-    @property
     def _fills(self) -> bool:
         """Whether this process fills its node's host copy (weights, a saved state): one process, or local rank 0."""
-        return self.ranks is None or self.ranks.node_first
+        return self.ranks.node_first
 
     def close(self) -> None:
         self.optimizer.close()

@@ -120,11 +120,11 @@ def read_hf_config(path: str | Path) -> dict:
     return hf
 
 
-def check_hf_checkpoint(path: str | Path) -> ModelConfig:
-    """The shape of the checkpoint in directory `path`, its config read and translated, and every weight the model
-    reads found in its files' headers with the shape the config implies, without reading a tensor; a ValueError,
-    starting with the path, names what is missing, damaged or unsupported."""
-    hf = read_hf_config(path)
+def check_hf_checkpoint(path: str | Path, hf: Mapping | None = None) -> ModelConfig:
+    """The shape of the checkpoint in directory `path`, its config (hf: as read already, else read here) translated,
+    and every weight the model reads found in its files' headers with the shape the config implies, without reading
+    a tensor; a ValueError, starting with the path, names what is missing, damaged or unsupported."""
+    hf = read_hf_config(path) if hf is None else hf
     try:
         cfg = config_from_hf(hf)
         expected = _expected_shapes(cfg)
@@ -604,12 +604,14 @@ def _from_checkpoint(cfg: ModelConfig, name: str, read: _Checkpoint) -> torch.Te
     return tensor.contiguous()
 
 
-def iter_hf_tensors(path: str | Path, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_tensors(path: str | Path, dtype: torch.dtype | None = None,
+                    cfg: ModelConfig | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(our name, tensor) of a checkpoint directory in the model's order, read one parameter at a time from its
-    safetensors files. A stored buffer such as rotary_emb.inv_freq and a tied model's stored head are left out, as
-    transformers does; any other tensor the model does not read is refused by name once all are read."""
+    safetensors files (cfg: its shape as translated already, else from its config.json here). A stored buffer such as
+    rotary_emb.inv_freq and a tied model's stored head are left out, as transformers does; any other tensor the
+    model does not read is refused by name once all are read."""
     path = Path(path)
-    cfg = config_from_hf(read_hf_config(path))
+    cfg = config_from_hf(read_hf_config(path)) if cfg is None else cfg
     with contextlib.ExitStack() as stack:
         for name, tensor in _read_weights(cfg, _Checkpoint(weight_files(path), stack)):
             yield name, tensor if dtype is None else tensor.to(dtype)

@@ -48,6 +48,7 @@ def accumulate_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     those reads in before_clip and scales what it read by clip_coefficient(norm) in step. Returns (the mean loss,
     whether the update was applied, the global gradient norm before clipping)."""
     batch_BS = inputs_BS  # the load-balancing loss weighs a micro-batch by its share of the global batch
+    ranks = ranks or Ranks.alone(device)  # a system that runs one process alone passes none
     normalizer, inputs_BS, labels_BS, segments_BS = rows_of_rank(ranks, inputs_BS, labels_BS, segments_BS)
     total = torch.zeros((), device=device)
     last = (inputs_BS.shape[0] - 1) // case.micro_batch

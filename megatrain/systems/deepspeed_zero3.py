@@ -327,8 +327,7 @@ class DeepSpeedSystem:
     def __init__(self, case: CaseConfig):
         self.case = case
         self.ranks = ranks_of(case)  # under torchrun: the process group, which DeepSpeed takes up
-        self.world = 1 if self.ranks is None else self.ranks.world
-        self.device = torch.device(case.device) if self.ranks is None else self.ranks.device
+        self.world, self.device = self.ranks.world, self.ranks.device
         self.dtype = case.torch_dtype
         warn_if_bf16_precision(case, "deepspeed")
         if refusal := zenflow_refusal(case, self.world):
@@ -456,7 +455,7 @@ class DeepSpeedSystem:
         its host while it exports)."""
         masters = _GatheredMasters(dict(self.engine.module.named_parameters()),
                                    persistent_buffers(self.engine.module))
-        return masters if self.ranks is None else kept_on_first(self.ranks, masters.items())
+        return kept_on_first(self.ranks, masters.items()) if self.ranks.launched else masters
 
     def save_state(self, out_dir: Path | None) -> None:
         """DeepSpeed's own checkpoint (engine.save_checkpoint: module, fp32 partitions, AdamW state, step and

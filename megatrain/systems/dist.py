@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from megatrain.config import CaseConfig
 from megatrain.engine import distributed
@@ -30,41 +29,33 @@ def single_process_env() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
 
 
-def ranks_of(case: CaseConfig) -> Ranks | None:
-    """This process's Ranks under torchrun (None: one process), once the ranks are known to share case.batch in
-    whole micro-batches."""
+def ranks_of(case: CaseConfig) -> Ranks:
+    """This process's Ranks (under torchrun its rank's, else the one rank of a process started alone), once the ranks
+    are known to share case.batch in whole micro-batches."""
     ranks = distributed.current(case.device)
-    if ranks is not None:
-        distributed.share(case.batch, case.micro_batch, ranks.world)
+    distributed.share(case.batch, case.micro_batch, ranks.world)
     return ranks
 
 
-def rows_of_rank(ranks: Ranks | None, inputs_BS: torch.Tensor, labels_BS: torch.Tensor,
+def rows_of_rank(ranks: Ranks, inputs_BS: torch.Tensor, labels_BS: torch.Tensor,
                  segments_BS: torch.Tensor | None) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(the step's loss normaliser, this rank's rows of each batch): the normaliser counts the valid tokens of the
     whole global batch, which every rank holds, so the ranks' losses and gradients sum to one process's."""
     normalizer = valid_tokens(labels_BS)
-    if ranks is not None:
-        inputs_BS, labels_BS, segments_BS = ranks.split_rows(inputs_BS, labels_BS, segments_BS)
-    return normalizer, inputs_BS, labels_BS, segments_BS
+    return (normalizer, *ranks.split_rows(inputs_BS, labels_BS, segments_BS))
 
 
-def summed_loss(ranks: Ranks | None, loss: torch.Tensor) -> float:
+def summed_loss(ranks: Ranks, loss: torch.Tensor) -> float:
     """The step's loss: this rank's micro-batches' summed over the ranks."""
-    if ranks is not None:
-        dist.all_reduce(loss)
-    return float(loss)
+    return float(ranks.summed(loss))
 
 
-def save_on_every_rank(ranks: Ranks | None, out_dir: Path | None, save: Callable[[Path], None]) -> None:
+def save_on_every_rank(ranks: Ranks, out_dir: Path | None, save: Callable[[Path], None]) -> None:
     """save(out_dir) of a system whose state is sharded across the ranks: under torchrun every rank writes its
     shards into rank 0's out_dir (the others pass None), and all have written before rank 0 goes on to checksum
     the files and swap the checkpoint in."""
-    if ranks is not None:
-        out_dir = ranks.from_first(out_dir)
-    save(Path(out_dir))
-    if ranks is not None:
-        ranks.barrier()
+    save(Path(ranks.from_first(out_dir)))
+    ranks.barrier()
 
 
 def kept_on_first(ranks: Ranks, gathered: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -106,7 +106,7 @@ class FSDPSystem:
     def __init__(self, case: CaseConfig):
         self.case = case
         self.ranks = ranks_of(case)  # under torchrun: the process group, made before the mesh
-        self.device = torch.device(case.device) if self.ranks is None else self.ranks.device
+        self.device = self.ranks.device
         self.dtype = case.torch_dtype
         warn_if_bf16_precision(case, "fsdp")
         self.owns_process_group = not dist.is_initialized()
@@ -208,7 +208,7 @@ class FSDPSystem:
         """One process: the host shards, which are the whole tensors (no copy). Under torchrun every rank calls it,
         each weight is gathered in turn and rank 0 keeps them all (fp32: 4 B/param on its host while it exports)."""
         buffers = {n: b.detach() for n, b in persistent_buffers(self.model).items()}
-        if self.ranks is None:
+        if not self.ranks.launched:
             return {**{n: p.to_local().detach() for n, p in self.model.named_parameters()}, **buffers}
         return {**kept_on_first(self.ranks, ((n, p.full_tensor().detach()) for n, p in self.model.named_parameters())),
                 **buffers}
@@ -225,7 +225,7 @@ class FSDPSystem:
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=out_dir / "fsdp")
-        if self.ranks is None or self.ranks.first:
+        if self.ranks.first:
             (out_dir / "fsdp_system.json").write_text(json.dumps({"skipped_steps": self.skipped_steps}))
 
     def load_state(self, in_dir: Path) -> None:

@@ -25,8 +25,7 @@ def engine_config(case: CaseConfig) -> EngineConfig:
 def build(case: CaseConfig) -> StreamingSystem:
     """The engine for a case (its SystemSpec factory); under torchrun, this rank's."""
     ranks = distributed.current(case.device)
-    config = engine_config(case)
-    return StreamingSystem(config if ranks is None else ranks.per_rank(config), ranks)
+    return StreamingSystem(ranks.per_rank(engine_config(case)), ranks)
 
 
 def preflight_plan(case: CaseConfig, limits: Budget) -> dict:

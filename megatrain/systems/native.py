@@ -82,7 +82,7 @@ class NativeSystem:
     def __init__(self, case: CaseConfig, activation_checkpointing: bool | None = None):
         self.case = case
         self.ranks = ranks_of(case)
-        self.device = torch.device(case.device) if self.ranks is None else self.ranks.device
+        self.device = self.ranks.device
         self.dtype = case.torch_dtype
         ckpt = case.opts.activation_checkpointing if activation_checkpointing is None \
             else activation_checkpointing
@@ -95,7 +95,7 @@ class NativeSystem:
         if case.compile:
             compile_layers(self.model)
         self.trained = self.model  # what a step calls: the model, or DDP around it
-        if self.ranks is not None:  # DDP starts every rank from rank 0's weights; the buffers are constants
+        if self.ranks.launched:  # DDP starts every rank from rank 0's weights; the buffers are constants
             self.trained = DistributedDataParallel(
                 self.model, device_ids=None if self.device.type == "cpu" else [self.device],
                 gradient_as_bucket_view=True, **_no_buffer_sync())
@@ -118,7 +118,7 @@ class NativeSystem:
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, segments_BS: torch.Tensor | None = None) -> float:
         loss, stepped, self.last_grad_norm = accumulate_and_step(
             self.trained, self.optimizer, self.case, self.device, inputs_BS, labels_BS, self._autocast, segments_BS,
-            self.ranks, contextlib.nullcontext if self.ranks is None else self.trained.no_sync)
+            self.ranks, self.trained.no_sync if self.ranks.launched else contextlib.nullcontext)
         self.skipped_steps += not stepped
         return loss
 
@@ -127,7 +127,7 @@ class NativeSystem:
                 "compile": COMPILED_LAYERS if self.case.compile else False,
                 "compile_check": compile_check() if self.case.compile else None,
                 "optimizer": "torch.optim.AdamW(fused=True)", "clip": "torch.nn.utils.clip_grad_norm_",
-                **({} if self.ranks is None else {
+                **({} if not self.ranks.launched else {
                     "ranks": self.ranks.world, "data_parallel": "DistributedDataParallel(gradient_as_bucket_view="
                     "True), gradients summed (a comm hook), no_sync until the last micro-batch"})}
 
@@ -155,7 +155,7 @@ class NativeSystem:
     def save_state(self, out_dir: Path | None) -> None:
         """The model and AdamW state (under torchrun every rank calls it, rank 0 with out_dir, and it writes its copy,
         which resumes on any number of ranks)."""
-        if self.ranks is not None and not self.ranks.first:
+        if not self.ranks.first:
             return
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),

@@ -24,9 +24,9 @@ from megatrain.engine.distributed import Ranks
 from megatrain.memory import GIB, peak_host_rss_gib
 from megatrain.models.flops import model_flops
 from megatrain.models.generic import GenericConfig
-from megatrain.models.generic.checkpoint import iter_weights, save_weights, shape_from_hf
+from megatrain.models.generic.checkpoint import iter_weights, save_weights
 from megatrain.models.generic.module import packing_refusal
-from megatrain.models.hf import INDEX_FILE, read_hf_config
+from megatrain.models.hf import INDEX_FILE
 from megatrain.models.loss import IGNORE_INDEX
 from megatrain.models.registry import get_model_config
 from megatrain.preflight import preflight
@@ -59,14 +59,6 @@ class Progress:
     nonfinite_steps: int = 0  # consecutive steps, up to this one, whose loss or gradient norm was not finite
 
 
-def _model(cfg: TrainConfig) -> tuple[str, object, dict | None]:
-    """(label, shape or None for a registry name, --init-from's config.json or None); the shape's family is the
-    Hugging Face model_type of the export, the hand-written model's or transformers' own modules' (shape_from_hf),
-    whose config.json starts from the source's."""
-    if cfg.init_from:
-        source = read_hf_config(cfg.init_from)
-        return Path(cfg.init_from).name, shape_from_hf(source, cfg.generic), source
-    return cfg.model, None, None
 
 
 def build_case(cfg: TrainConfig, total_steps: int, label: str, shape) -> CaseConfig:
@@ -80,7 +72,10 @@ def train(cfg: TrainConfig, log=print) -> int:
     --max-nonfinite-steps steps), 130 after Ctrl-C and 143 after SIGTERM (each finishing its step and saving).
     Every line the run says goes to `log` and to OUT/train.log; every metrics line to OUT/metrics.jsonl and to the
     --report-to integrations."""
-    check_available(cfg)
+    # --init-from's model (the hand-written one or transformers' own modules: shape_from_hf) and its config.json, read
+    # once: the export's family is its Hugging Face model_type, its config.json starts from the source's
+    shape, source_config = check_available(cfg) or (None, None)
+    label = Path(cfg.init_from).name if cfg.init_from else cfg.model
     out = Path(cfg.out)
     if cfg.resume and Path(cfg.resume).resolve() != out.resolve():
         raise ValueError(f"--resume {cfg.resume} continues the run in that directory, not in --out {cfg.out}: drop "
@@ -92,7 +87,6 @@ def train(cfg: TrainConfig, log=print) -> int:
     tokenizer_dir = cfg.tokenizer or (cfg.init_from if cfg.init_from and
                                       (Path(cfg.init_from) / "tokenizer.json").exists() else None)
     tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
-    label, shape, source_config = _model(cfg)
     model = shape or get_model_config(cfg.model)
     vocab = model.vocab_size
     files = data_files(cfg.data, "--data", cfg.data_split)
@@ -108,7 +102,7 @@ def train(cfg: TrainConfig, log=print) -> int:
     total = cfg.steps if cfg.steps is not None else math.ceil(cfg.epochs * len(rows) / cfg.batch)
     case = build_case(cfg, total, label, shape)
     ranks = distributed.current(cfg.device)  # under torchrun: rank 0 owns --out, every rank trains
-    first = ranks is None or ranks.first
+    first = ranks.first
     notes = preflight(case)
     run = RunDir(out, cfg.resume is not None, cfg.overwrite) if first else None
     runlog = RunLog(log, out / LOG_FILE if first else None)
@@ -166,20 +160,16 @@ def _silent(line: str) -> None:
 
 
 def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: int, tokenizer_dir: str | None,
-           log: RunLog, ranks: Ranks | None, reporters: Reporters, prints: dict, source_config: dict | None) -> int:
+           log: RunLog, ranks: Ranks, reporters: Reporters, prints: dict, source_config: dict | None) -> int:
     """The run in --out (run None: a rank other than 0, which takes rank 0's decisions and writes nothing)."""
-    out, report = Path(cfg.out), log
-    first = ranks is None or ranks.first
+    out, report, first = Path(cfg.out), log, ranks.first
     log = log if first else RunLog(_silent)
-    start, resume_from, meta, export_only, run_id = _prepare(cfg, run, case, total, log, prints) \
-        if run is not None else (None,) * 5
-    if ranks is not None:
-        start, resume_from, meta, export_only, run_id = ranks.from_first((start, resume_from, meta, export_only,
-                                                                           run_id))
+    start, resume_from, meta, export_only, run_id = ranks.from_first(
+        _prepare(cfg, run, case, total, log, prints) if run is not None else (None,) * 5)
     layout = f"packed into {len(rows)} rows" if cfg.pack else f"one per row, {rows.truncated} truncated"
     log(f"train: {case.model} on {cfg.system}, {rows.examples} examples {layout} of {cfg.seq + 1} tokens "
         f"({rows.fill:.0%} data, the rest padding), {total} steps of {cfg.batch} x {cfg.seq}"
-        + (f" over {ranks.world} ranks" if ranks is not None else ""))
+        + (f" over {ranks.world} ranks" if ranks.launched else ""))
     reporters.start(run_id, start, _settings(cfg))
     system = build_system(case)
     progress = Progress(start, meta["data_rows_consumed"])
@@ -197,8 +187,8 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
         elif cfg.init_from:
             system.load_weights(iter_weights(cfg.init_from, case.model_config()))
         _run_steps(cfg, system, case, rows, eval_rows, progress, total, out, run_id, log, ranks, reporters)
-        if ranks is not None:  # a signal that reached any rank after the last step stops every rank alike
-            progress.signal = ranks.agree(progress.signal)
+        # a signal that reached any rank after the last step stops every rank alike
+        progress.signal = ranks.agree(progress.signal)
         if progress.nonfinite_steps:  # the periodic save's rule: a state whose last step was not finite is kept nowhere
             last = checkpoint.latest(out / "checkpoints")
             diverged = cfg.max_nonfinite_steps and progress.nonfinite_steps >= cfg.max_nonfinite_steps
@@ -246,16 +236,15 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
 
 
 def _run_steps(cfg, system, case, rows, eval_rows, progress: Progress, total, out, run_id, log: RunLog,
-               ranks: Ranks | None, reporters: Reporters) -> None:
+               ranks: Ranks, reporters: Reporters) -> None:
     flops_per_token = model_flops(case.model_config().active_params(), tokens=1)  # the records' 6NT
-    first = ranks is None or ranks.first
-    bar = None
+    first, bar = ranks.first, None
     if sys.stderr.isatty() and first:
         from tqdm import tqdm
 
         bar = log.bar = tqdm(total=total, initial=progress.step, unit="step", dynamic_ncols=True)
     metrics = out / "metrics.jsonl"
-    while progress.step < total and not (progress.signal if ranks is None else ranks.agree(progress.signal)):
+    while progress.step < total and not ranks.agree(progress.signal):
         lr = lr_at(progress.step, total, cfg.lr, cfg.lr_schedule, cfg.warmup_steps, cfg.min_lr)
         system.set_lr(lr)
         inputs, labels, segments = rows.batch(progress.rows_consumed, cfg.batch)
@@ -267,7 +256,7 @@ def _run_steps(cfg, system, case, rows, eval_rows, progress: Progress, total, ou
         progress.step += 1
         progress.rows_consumed += cfg.batch
         step = progress.step
-        if ranks is not None:
+        if ranks.launched:
             fault(f"rank-{ranks.rank}-step-{step}")
         finite = math.isfinite(loss) and math.isfinite(system.last_grad_norm)
         progress.nonfinite_steps = 0 if finite else progress.nonfinite_steps + 1
@@ -370,8 +359,7 @@ def _settings(cfg: TrainConfig) -> dict:
 
 
 def _save(cfg: TrainConfig, system, out: Path, progress: Progress, total: int, run_id: str) -> Path | None:
-    ranks = distributed.current(cfg.device)
-    if ranks is not None and not ranks.first:  # every rank takes part, rank 0 writes the one copy of the state
+    if not distributed.current(cfg.device).first:  # every rank takes part, rank 0 writes the one copy of the state
         system.save_state(None)
         return None
     meta = {"step": progress.step, "total_steps": total, "data_rows_consumed": progress.rows_consumed,

@@ -284,6 +284,33 @@ def test_a_batch_the_ranks_cannot_share_in_whole_micro_batches_is_refused():
 
 
 
+def test_a_process_started_alone_is_one_rank_whose_collectives_hand_back_what_they_are_given():
+    """One process is one rank (Ranks.alone): no process group exists, every collective returns its input, so the
+    engine, the systems and train ask the same Ranks in one process as under torchrun (no `ranks is None` anywhere)."""
+    import torch.distributed as dist
+
+    from megatrain.engine import distributed
+
+    ranks = distributed.current("cpu")
+    assert ranks == Ranks.alone("cpu") and not ranks.launched and not dist.is_initialized()
+    assert (ranks.rank, ranks.world, ranks.local_world, ranks.first, ranks.node_first) == (0, 1, 1, True, True)
+    grad = torch.arange(3000, dtype=torch.float32)
+    assert ranks.sum_gradient(grad, replicated=False) is grad and ranks.summed(grad) is grad
+    assert ranks.shard(grad.numel()) == (0, 3000)
+    assert ranks.from_first({"a": 1}) == {"a": 1} and ranks.gather(7) == [7] and ranks.agree(15) == 15
+    norm_and_loss = torch.tensor([4.0, 2.0])
+    ranks.sum_norm_and_loss(norm_and_loss)
+    ranks.barrier()
+    assert norm_and_loss.tolist() == [4.0, 2.0] and not dist.is_initialized()
+    rows = torch.arange(8).view(4, 2)
+    assert torch.equal(ranks.split_rows(rows)[0], rows)
+    config = EngineConfig(model=get_model_config("tiny"), batch=4, micro_batch=2, seq=8)
+    assert ranks.per_rank(config) == config
+    unasked = [f"{p.relative_to(ROOT)}:{n}" for p in (ROOT / "megatrain").rglob("*.py")
+               for n, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"ranks is (not )?None", line)]
+    assert not unasked, f"one process is one rank: ask Ranks, not whether there is one: {unasked}"
+
+
 def test_gradients_reduce_scatter_where_torch_names_it_reduce_scatter_tensor(monkeypatch, tmp_path):
     """The GPU hosts run torch 2.11, which has reduce_scatter_tensor only (2.13 adds reduce_scatter_single and
     deprecates the other): a rank's gradient sum runs under either name. One in-process rank over gloo."""

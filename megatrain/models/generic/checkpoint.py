@@ -78,20 +78,20 @@ def _quiet():
             logging.enable_progress_bar()
 
 
-def check_checkpoint(path: str | Path, generic: bool = False) -> ModelConfig | GenericConfig:
-    """The model of the checkpoint in directory `path` (shape_from_hf), its config read and translated and its
-    weight files found (for the hand-written model, every weight it reads found in the files' headers with the shape
-    the config implies: check_hf_checkpoint), without reading a tensor; a ValueError, starting with the path, names
-    what is missing, damaged or unsupported."""
+def check_checkpoint(path: str | Path, generic: bool = False) -> tuple[ModelConfig | GenericConfig, dict]:
+    """(the model of the checkpoint in directory `path` (shape_from_hf), the config.json it was read from): the
+    config read and translated once, and the weight files found (for the hand-written model, every weight it reads
+    found in the files' headers with the shape the config implies: check_hf_checkpoint), without reading a tensor; a
+    ValueError, starting with the path, names what is missing, damaged or unsupported."""
     hf = read_hf_config(path)
     try:
         cfg = shape_from_hf(hf, generic)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
     if isinstance(cfg, ModelConfig):
-        return check_hf_checkpoint(path)
+        return check_hf_checkpoint(path, hf), hf
     weight_files(Path(path))
-    return cfg
+    return cfg, hf
 
 
 def shape_from_hf(hf: Mapping, generic: bool = False) -> ModelConfig | GenericConfig:
@@ -114,7 +114,7 @@ def shape_from_hf(hf: Mapping, generic: bool = False) -> ModelConfig | GenericCo
 
 def iter_weights(path: str | Path, shape: ModelConfig | GenericConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every weight of the checkpoint in `path`, by the names of `shape`'s model."""
-    return iter_hf_tensors(path) if isinstance(shape, ModelConfig) else iter_generic_weights(path, shape)
+    return iter_hf_tensors(path, cfg=shape) if isinstance(shape, ModelConfig) else iter_generic_weights(path, shape)
 
 
 def save_weights(weights: Mapping[str, torch.Tensor], shape: ModelConfig | GenericConfig, out_dir: str | Path,
