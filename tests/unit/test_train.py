@@ -12,7 +12,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from families import KINDS, MOE_KINDS  # noqa: E402
+from families import KINDS  # noqa: E402
 from train_helpers import (  # noqa: E402
     BATCH,
     CLIP,
@@ -46,8 +46,10 @@ SYSTEMS = ["megatrain", "native", pytest.param("deepspeed", marks=needs_deepspee
 # megatrain.models.hf) and which megatrain and native check for every kind in-process. What the offload systems do of
 # their own per family: the experts (DeepSpeed's MoE leaf modules, FSDP's units around them), the router's aux loss,
 # the attention sinks, and biases and norms in their decay groups; so they train the first two kinds (qwen2's biases,
-# llama), the mixtures and one composite dense kind (qk-norm, YaRN, sliding windows), each in a fresh process.
-OFFLOAD_KINDS = (*KINDS[:2], *MOE_KINDS, "qwen3-yarn-sliding")
+# llama) and the two mixtures that hold all of those (qwen3-moe-aux: experts, the aux loss, qk-norms; gpt-oss:
+# sinks, expert biases, alternating windows), those in a fresh process. (qwen3-moe is qwen3-moe-aux without the aux
+# loss; YaRN and sliding windows change the forward alone, which they share.)
+OFFLOAD_KINDS = (*KINDS[:2], "gpt-oss", "qwen3-moe-aux")
 
 
 def _family_cases():
@@ -96,8 +98,10 @@ def test_train_matches_transformers_with_adamw_and_exports_a_checkpoint_transfor
     assert far <= sum(p.numel() for p in exported.parameters()) / 1000
 
 
+# Ctrl-C is the loop's (megatrain.train.loop), the same for every system; what is each system's own is its save and
+# load, which DeepSpeed and FSDP2 resume bit for bit in tests/unit/test_distributed_baselines.py (a killed rank)
 @pytest.mark.subprocess
-@pytest.mark.parametrize("system", SYSTEMS)
+@pytest.mark.parametrize("system", ["megatrain", "native"])
 def test_ctrl_c_saves_and_the_resumed_run_is_bit_for_bit_the_uninterrupted_one(tmp_path, system):
     init = hf_model("qwen2", tmp_path / "init")
     data = pretokenized(tmp_path / "data.jsonl", rows=10)  # 10 rows, batch 4: steps cross epochs
