@@ -71,8 +71,8 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_suite(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from megatrain.bench.env import WORKSPACE
     from megatrain.bench.suite import load_suite, run_suite, sole_runner
+    from megatrain.workspace import WORKSPACE
 
     suite = load_suite(args.name)
     out_dir = Path(args.out_dir) if args.out_dir else WORKSPACE / "results" / suite.name

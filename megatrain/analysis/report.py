@@ -17,12 +17,12 @@ from pathlib import Path
 import pandas as pd
 
 from megatrain.analysis import headline, plots, results_md, scaling_report, tables
-from megatrain.bench.env import WORKSPACE
 from megatrain.bench.record import STATUSES
 from megatrain.bench.suite import read_suite_records
 from megatrain.hardware import get_profile
 from megatrain.memory import GIB, GPU_FILL, PROCESS_OVERHEAD_BYTES
 from megatrain.probe import Machine
+from megatrain.workspace import WORKSPACE
 
 MAX_TRACES = 6
 DENSE_COLUMNS = 16  # a table with more columns is set smaller, to fit the page's width

@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 
 from megatrain.analysis import plots
-from megatrain.bench.env import WORKSPACE
+from megatrain.workspace import WORKSPACE
 
 PERF = WORKSPACE / "results" / "perf_model"
 BASELINE = "deepspeed-compiled"  # the largest-model ratio is taken against it

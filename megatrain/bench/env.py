@@ -1,5 +1,5 @@
-"""The environment a record was measured in: commit, versions, devices, host; and where the package and its
-working files are."""
+"""The environment a record was measured in: commit, versions, devices, host (where the package and its working files
+are: megatrain.workspace)."""
 
 from __future__ import annotations
 
@@ -9,18 +9,12 @@ import os
 import platform
 import subprocess
 from importlib import metadata
-from pathlib import Path
 
 import torch
 
 from megatrain.memory import host_memory_gib
 from megatrain.probe import cpu_name
-
-_PARENT = Path(__file__).resolve().parents[2]
-# the source checkout this package runs from (pyproject.toml beside the package), None for an installed package
-CHECKOUT: Path | None = _PARENT if (_PARENT / "pyproject.toml").is_file() else None
-# where suites/, results/ and reports/ are: $MEGATRAIN_WORKSPACE, else the checkout, else the current directory
-WORKSPACE = Path(os.environ.get("MEGATRAIN_WORKSPACE") or CHECKOUT or Path.cwd()).resolve()
+from megatrain.workspace import CHECKOUT
 
 
 def git_commit() -> tuple[str, bool | None]:

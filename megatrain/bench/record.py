@@ -15,9 +15,10 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatrain.bench.env import CHECKOUT, environment
+from megatrain.bench.env import environment
 from megatrain.config import CaseConfig
 from megatrain.models.flops import hardware_flops, mfu, model_flops, paper_flops
+from megatrain.workspace import CHECKOUT
 
 STATUSES = ("ok", "oom", "error", "timeout", "skipped", "killed")
 REQUIRED_KEYS = ("status", "system", "model", "num_params", "batch", "seq", "tokens_per_step", "step_time_s",

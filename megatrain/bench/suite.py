@@ -51,7 +51,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megatrain.bench.args import BenchFlags
-from megatrain.bench.env import CHECKOUT, WORKSPACE, same_code
+from megatrain.bench.env import same_code
 from megatrain.bench.record import Record, append_jsonl, problem, read_jsonl, relative_paths, summary_line
 from megatrain.config import CaseConfig
 from megatrain.flags import flag_argv, parse
@@ -59,6 +59,7 @@ from megatrain.hardware import actual_profile, get_profile, same_machine
 from megatrain.optim.config import OptimConfig
 from megatrain.options import check_values
 from megatrain.probe import Machine, measure
+from megatrain.workspace import CHECKOUT, WORKSPACE
 
 # the workspace's suites/ where it has one, else the suites the package ships (a checkout's own, an install's copy)
 SUITES_DIR = WORKSPACE / "suites" if (WORKSPACE / "suites").is_dir() else Path(__file__).parents[1] / "suites"

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from megatrain.analysis.tables import compiled
-from megatrain.bench.env import WORKSPACE, environment
+from megatrain.bench.env import environment
 from megatrain.config import CaseConfig
 from megatrain.engine.plan import check_fits
 from megatrain.hardware import LENT, get_profile, gpu_kind, specs
@@ -34,6 +34,7 @@ from megatrain.models.flops import model_flops
 from megatrain.optim.state_bytes import adamw_traffic_bytes_per_param, state_bytes_per_param
 from megatrain.perf_model.model import Ingredients, Machine, Model, simulate
 from megatrain.systems.megatrain import engine_config
+from megatrain.workspace import WORKSPACE
 
 RESULTS = WORKSPACE / "results"
 SKIP_DIRS = {"dev", "gpu_checks", "smoke-local", "perf_model", "ingredients"}

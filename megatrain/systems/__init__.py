@@ -18,15 +18,20 @@ import importlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from megatrain.memory import Budget
 from megatrain.options import CommonOptions
 
-if TYPE_CHECKING:  # annotations only: megatrain.config imports this registry to check a case's system and options
-    from megatrain.config import CaseConfig
+
+class Case(Protocol):
+    """A case as the registry hands it on: megatrain.config.CaseConfig, which sits above the registry (it asks the
+    registry for its system and typed options), so the registry names it by what it reads and imports it not."""
+
+    system: str
+    options: dict
 
 @dataclass(frozen=True)
 class Registered:
@@ -70,10 +75,10 @@ class SystemSpec:
             code: a resume loads them only from a checkpoint this user wrote here (megatrain.train.trust).
     """
 
-    factory: Callable[[CaseConfig], TrainSystem]
+    factory: Callable[[Case], TrainSystem]
     options: type[CommonOptions]
-    plan_memory: Callable[[CaseConfig, Budget], dict]
-    checkpoint_bytes: Callable[[CaseConfig], int]
+    plan_memory: Callable[[Case, Budget], dict]
+    checkpoint_bytes: Callable[[Case], int]
     package: str | None = None
     trains: bool = True
     pickled: tuple[str, ...] = ()
@@ -154,6 +159,6 @@ def _option_keys(system: str) -> list[str]:
     return [f.name for f in dataclasses.fields(system_spec(system).options)]
 
 
-def build_system(case: CaseConfig) -> TrainSystem:
+def build_system(case: Case) -> TrainSystem:
     """The case's system, built (the packages only building needs, such as DeepSpeed, are imported now)."""
     return system_spec(case.system).factory(case)

@@ -51,7 +51,6 @@ from typing import Literal
 
 import torch
 
-from megatrain.bench.env import WORKSPACE
 from megatrain.config import CaseConfig
 from megatrain.engine import distributed
 from megatrain.memory import backward_work_bytes, layer_input_bytes
@@ -65,6 +64,7 @@ from megatrain.options import CommonOptions
 from megatrain.preflight import estimate_plan, pinned_bytes
 from megatrain.systems import SystemSpec
 from megatrain.systems.common import max_norm
+from megatrain.workspace import WORKSPACE
 
 REPOSITORY = "github.com/DLYuanGod/MegaTrain"
 CODE_ENV = "MEGATRAIN_PAPER_CODE"

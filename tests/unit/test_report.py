@@ -22,7 +22,6 @@ import pytest
 
 from megatrain.analysis import headline, plots, tables
 from megatrain.analysis.report import html_table, write_report
-from megatrain.bench.env import WORKSPACE
 from megatrain.bench.record import Record, append_jsonl
 from megatrain.bench.suite import SUITES_DIR, read_suite_records
 from megatrain.cli import main
@@ -30,6 +29,7 @@ from megatrain.config import CaseConfig
 from megatrain.models.flops import model_flops, paper_flops
 from megatrain.models.registry import get_model_config
 from megatrain.systems import SYSTEMS
+from megatrain.workspace import WORKSPACE
 
 GPU_MACHINE = {"gpu_name": "NVIDIA H200", "gpu_count": 4, "gpu_mem_gib": 139.8, "host_mem_gib": 503.0,
                "host_available_gib": 495.0, "cpu": "Intel Xeon", "cpu_cores": 64, "h2d_gbs": 55.1, "d2h_gbs": 54.8,
@@ -300,8 +300,8 @@ def test_a_committed_report_reads_at_laptop_width(suite, regenerated, tmp_path):
 
 
 def test_records_keep_no_machine_paths():
-    from megatrain.bench.env import CHECKOUT
     from megatrain.bench.record import relative_paths
+    from megatrain.workspace import CHECKOUT
 
     text = (f'File "{CHECKOUT}/megatrain/bench/case.py", line 58\n'
             'File "/opt/venv/lib/python3.12/site-packages/torch/nn/modules/module.py", line 1'

@@ -46,7 +46,8 @@ def test_every_shipped_suite_loads():
 
 
 def test_suites_results_and_reports_follow_the_workspace_and_a_checkout_stays_its_own(tmp_path):
-    code = "from megatrain.bench import env, suite; print(env.CHECKOUT, env.WORKSPACE, suite.SUITES_DIR)"
+    code = ("from megatrain import workspace; from megatrain.bench import suite; "
+            "print(workspace.CHECKOUT, workspace.WORKSPACE, suite.SUITES_DIR)")
     checkout = Path(__file__).resolve().parents[2]
     with_suites = tmp_path / "with"
     (with_suites / "suites").mkdir(parents=True)

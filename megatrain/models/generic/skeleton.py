@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -27,8 +27,13 @@ from torch.func import functional_call
 
 from megatrain.models.config import UnitShapes
 
-if TYPE_CHECKING:  # annotations only: the config imports this module to build its layout
-    from megatrain.models.generic.config import GenericConfig
+
+class ConfigJson(Protocol):
+    """A model's config.json as the skeleton reads it: megatrain.models.generic.config.GenericConfig, which sits above
+    the skeleton (its layout is built here), so the skeleton names it by what it reads and imports it not."""
+
+    @property
+    def hf(self) -> Mapping: ...
 
 BASES = ("model", "transformer")  # where causal LMs keep their decoder, when not under their base_model_prefix
 LAYER_LISTS = ("layers", "h", "blocks", "decoder.layers")  # where families keep their decoder layers, in the base
@@ -61,7 +66,7 @@ class LayerCall(NamedTuple):
     kwargs: dict
 
 
-def transformers_config(cfg: GenericConfig):
+def transformers_config(cfg: ConfigJson):
     """transformers' config object of a GenericConfig (its config class from the config.json dict), with the KV
     cache off; refuses what the generic path does not train."""
     import transformers
@@ -87,7 +92,7 @@ def transformers_config(cfg: GenericConfig):
     return config
 
 
-def build_causal_lm(cfg: GenericConfig, device: torch.device | str, dtype: torch.dtype = torch.float32) -> nn.Module:
+def build_causal_lm(cfg: ConfigJson, device: torch.device | str, dtype: torch.dtype = torch.float32) -> nn.Module:
     """transformers' causal LM of `cfg` built on `device` in `dtype`, in eval mode (no dropout, as from_pretrained
     leaves a model). Its weights are left to the caller (every system initialises them by name, or loads them);
     transformers' initialisation is skipped, as its own DeepSpeed path skips it (it would write into ZeRO-3's empty
@@ -160,7 +165,7 @@ class Skeleton(Parts):
     """A GenericConfig's causal LM on the meta device (buffers real, on the CPU): the source of its units, its layer
     templates, and the recorder of its forward preamble. Building one checks that the generic path can stream it."""
 
-    def __init__(self, cfg: GenericConfig):
+    def __init__(self, cfg: ConfigJson):
         super().__init__(build_causal_lm(cfg, "meta"))
         self.cfg = cfg
         self.units = self._units()
