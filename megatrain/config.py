@@ -14,7 +14,7 @@ from megatrain.models.generic import GenericConfig
 from megatrain.models.registry import get_model_config, shape_from_dict
 from megatrain.optim.config import OptimConfig
 from megatrain.options import CommonOptions
-from megatrain.systems import parse_options, system_spec
+from megatrain.systems_registry import parse_options, system_spec
 
 DTYPES = ("float32", "bfloat16")
 PRECISIONS = ("mixed", "bf16")
@@ -26,7 +26,7 @@ class CaseConfig:
     """One training case: which system trains which model on what work.
 
     Attributes:
-        system: a name in megatrain.systems.SYSTEMS.
+        system: a name in megatrain.systems_registry.SYSTEMS.
         model: registry name (megatrain.models.registry.MODELS), or a label when model_shape is given.
         model_shape: the model's shape when it is not a registry one (a Hugging Face checkpoint's config).
         num_layers: override the registered depth (depth-scaling sweeps); None keeps it.

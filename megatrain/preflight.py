@@ -35,7 +35,7 @@ from megatrain.memory import (
     layer_input_bytes,
 )
 from megatrain.probe import Machine, measure
-from megatrain.systems import system_spec
+from megatrain.systems_registry import system_spec
 
 
 def unavailable(system: str) -> str | None:
