@@ -150,6 +150,30 @@ def test_auto_recompute_takes_from_the_offloaded_inputs_what_the_host_cannot_hol
         plan_memory(_options(case, recompute_inputs=36))
 
 
+def test_the_plan_decides_in_one_pass_and_probes_the_machine_once(monkeypatch):
+    """plan_memory is entered once per plan and the machine probed once: the placement's choices (offloaded and
+    recomputed inputs, then resident units) weigh the bytes of candidate placements (_bytes), which decides nothing."""
+    from megatrain.engine import plan as plan_mod
+
+    case = _engine(model="qwen2.5-3b", dtype="bfloat16", precision="bf16", batch=1, seq=65536, device="cuda",
+                   options={"offload_activations": "auto", "recompute_inputs": "auto"})
+    calls = {"plan_memory": 0, "budget_here": 0, "_bytes": 0}
+
+    def counting(name, f):
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return f(*args, **kwargs)
+        return counted
+
+    for name in calls:
+        monkeypatch.setattr(plan_mod, name, counting(name, getattr(plan_mod, name)))
+    monkeypatch.setattr(plan_mod, "budget", lambda device, host_mem_gib: Budget(2**40, 24 * 2**30, "test"))
+    plan = check_fits(case)
+    assert plan.fits and plan.offloaded_layers > 0, "auto searched for the fewest inputs to offload"
+    assert calls["plan_memory"] == 1 and calls["budget_here"] == 1
+    assert calls["_bytes"] <= case.model.num_layers + 5  # the offload search, then one byte count per choice
+
+
 def test_auto_offload_takes_the_fewest_layers_that_fit_and_residency_fills_what_is_left(monkeypatch):
     from megatrain.engine import plan as plan_mod
 
