@@ -351,6 +351,15 @@ def _curve(system: str, shape: str, precision: str, fields: dict | None = None, 
     return record["losses"]
 
 
+def _band_excess(ours: torch.Tensor, ref: torch.Tensor, spread: torch.Tensor,
+                 learnt: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """(each step's spread, each learnt step's raised to the largest among them; the largest amount |ours - ref|
+    exceeds the band by): the band is 3 spreads + 1% of the loss + LOSS_FLOOR."""
+    if learnt.any():
+        spread = torch.where(learnt, spread.clamp_min(spread[learnt].max()), spread)
+    return spread, ((ours - ref).abs() - (3 * spread + 0.01 * ref.abs() + LOSS_FLOOR)).max().item()
+
+
 @pytest.mark.parametrize("shape,name", CURVE_CASES, ids=[f"{s}-{n}" for s, n in CURVE_CASES])
 def test_bf16_loss_curve_tracks_native(shape, name, check):
     precision, fields, options = CURVE_SETS[name]
@@ -384,10 +393,7 @@ def test_bf16_loss_curve_tracks_native(shape, name, check):
     # any step as at another (a mixture's routing flips there: GPT-OSS's sit at 2e-4 to 1e-3 and differ by 1e-4), so
     # each learnt step takes the largest spread among them
     learnt = ref < MEMORISED
-    if learnt.any():
-        spread = torch.where(learnt, spread.clamp_min(spread[learnt].max()), spread)
-    tol = 3 * spread + 0.01 * ref.abs() + LOSS_FLOOR
-    excess = ((ours - ref).abs() - tol).max().item()
+    spread, excess = _band_excess(ours, ref, spread, learnt)
     if excess > 0:
         # The engine's layers run compiled, native's eager: other kernels, other roundings. Where the curve falls
         # steeply (Gemma-3's drops 100x in three steps) a rounding that moves a step early moves its loss by more than
@@ -397,11 +403,7 @@ def test_bf16_loss_curve_tracks_native(shape, name, check):
         if (shape, precision) not in _compiled_curves:
             _compiled_curves[shape, precision] = _curve("native", shape, precision, {"compile": True})
         kernels = (torch.tensor(_compiled_curves[shape, precision], dtype=torch.float64) - native_own).abs()
-        spread = torch.maximum(spread, kernels)
-        if learnt.any():
-            spread = torch.where(learnt, spread.clamp_min(spread[learnt].max()), spread)
-        tol = 3 * spread + 0.01 * ref.abs() + LOSS_FLOOR
-        excess = ((ours - ref).abs() - tol).max().item()
+        spread, excess = _band_excess(ours, ref, torch.maximum(spread, kernels), learnt)
         check.update(spread_from=(check.get("spread_from", "native's repeat") + "; native compiled beside eager"),
                      native_compiled_losses=_compiled_curves[shape, precision])
     native_falls = (ref[1:] < ref[:-1]) & (again[1:] < again[:-1])
