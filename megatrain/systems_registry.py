@@ -33,6 +33,7 @@ class Case(Protocol):
     system: str
     options: dict
 
+
 @dataclass(frozen=True)
 class Registered:
     """A system's line in the registry: where its SystemSpec lives ("module:attribute", imported only when asked

@@ -36,9 +36,9 @@ DPI = 110
 WIDTH_IN = 10.5  # a full-width figure: at DPI, the report's 1168 px column without scaling
 STREAM_ORDER = ("h2d", "compute", "d2h", "optim")
 
-# One colour per system (its registry line, megatrain.systems_registry.SYSTEMS, in the registry's order); a label's variant
-# (its precision or options: megatrain-bf16, megatrain-streamed) is a shade of its system's colour, darker (< 0) or
-# lighter (> 0), the same in every figure.
+# One colour per system (its registry line, megatrain.systems_registry.SYSTEMS, in the registry's order); a label's
+# variant (its precision or options: megatrain-bf16, megatrain-streamed) is a shade of its system's colour, darker
+# (< 0) or lighter (> 0), the same in every figure.
 OTHER_COLOR = "#8c8c8c"  # a label that names no known system
 SYSTEM_COLORS = {system: line.color or OTHER_COLOR for system, line in SYSTEMS.items()}
 SYSTEM_MARKERS = {system: line.marker or "v" for system, line in SYSTEMS.items()}
