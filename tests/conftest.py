@@ -9,6 +9,12 @@ from megatrain.probe import QUICK_ENV
 if not torch.cuda.is_available():  # every suite run probes the machine: on CPU, tests take its quick rates
     os.environ.setdefault(QUICK_ENV, "1")
 
+# One of several test processes (pytest-xdist) sharing the cores: one thread each, for the processes it starts too.
+# Two threads each on two cores spin against each other (the fast session took 5.5 min so, 2.4 with one).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 # The tests' checkpoint key (megatrain.train.trust) in a directory of their own, never the user's, set before any
 # test module is imported: the processes they start inherit it, those started with an environment a module copied
