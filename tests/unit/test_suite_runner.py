@@ -4,6 +4,7 @@ CPU, a few minutes (case subprocesses), in the subprocess session: pytest -m sub
 Failures are injected by tests/unit/fake_system.py, which stands in for `python -m megatrain bench`.
 """
 
+import json
 import signal
 import subprocess
 import sys
@@ -12,8 +13,11 @@ from pathlib import Path
 
 import pytest
 
+import megatrain.bench.suite
 from megatrain.bench.record import read_jsonl, validate
 from megatrain.bench.suite import load_suite, run_suite
+from megatrain.preflight import plan_case
+from megatrain.probe import Machine
 
 pytestmark = pytest.mark.subprocess  # every test here runs suites of case subprocesses
 
@@ -64,6 +68,27 @@ ladder = "batch"
 batch = [1, 2, 4]
 seed = 104  # fake_system: OOM from batch 2
 """
+
+
+PROBED: dict = {}  # rates -> the machine as the first run_suite here that probed so found it
+
+
+@pytest.fixture(autouse=True)
+def one_probe(monkeypatch):
+    """Each run_suite probes the machine in a process of its own (~4 s on 2 cores; the tests here call it 14 times):
+    the first does, the others plan their cases in this process against the machine it found."""
+    probe = megatrain.bench.suite._preflight
+
+    def preflight(cases, rates):
+        if rates not in PROBED:
+            pre = probe(cases, rates)
+            PROBED[rates] = pre["machine"]
+            return pre
+        machine = Machine.from_dict(PROBED[rates])
+        plans = {c.case_id: plan_case(c.config, machine) for c in cases}
+        return json.loads(json.dumps({"machine": PROBED[rates], "plans": plans}))  # as the probe's process hands them
+
+    monkeypatch.setattr(megatrain.bench.suite, "_preflight", preflight)
 
 
 def _run(suite, out_dir, **kwargs):
