@@ -162,7 +162,9 @@ def _lay_out(fig) -> None:
 
 def _save(fig, path: Path) -> Path:
     """Lay out, check the texts (turning crowded x tick labels upright: a text's box, which the check measures, is
-    its own only at right angles), write the PNG, close the figure."""
+    its own only at right angles), write the PNG, close the figure. The check draws the figure at the PNG's DPI; the
+    PNG is that drawing (a savefig would draw it once more)."""
+    fig.set_dpi(DPI)
     _lay_out(fig)
     crowded = overlapping_texts(fig)
     x_ticks = {t for ax in fig.axes for t in ax.get_xticklabels()}
@@ -174,14 +176,14 @@ def _save(fig, path: Path) -> Path:
         crowded = overlapping_texts(fig)
     if crowded:
         warnings.warn(LabelOverlap(f"{path.name}: {'; '.join(describe_overlaps(crowded)[:5])}"), stacklevel=2)
-    fig.savefig(path, dpi=DPI)
+    plt.imsave(path, np.asarray(fig.canvas.buffer_rgba()), dpi=DPI)
     plt.close(fig)
     return path
 
 
 def _figure(nrows: int = 1, ncols: int = 1, width: float = WIDTH_IN, height: float = 4.0, **kw):
     """A figure laid out by matplotlib's constrained layout (legends below the axes find room), axes as a 2-D array."""
-    return plt.subplots(nrows, ncols, figsize=(width, height), squeeze=False, layout="constrained", **kw)
+    return plt.subplots(nrows, ncols, figsize=(width, height), squeeze=False, layout="constrained", dpi=DPI, **kw)
 
 
 def _legend_below(fig, axes, ncols: int = 4) -> None:
@@ -194,9 +196,8 @@ def _legend_below(fig, axes, ncols: int = 4) -> None:
     seen = {label: drawn[label] for label in ordered_labels(drawn)}
     for n in range(min(ncols, len(seen)), 0, -1):
         legend = fig.legend(list(seen.values()), list(seen), loc="outside lower center", ncols=n, fontsize=9,
-                            frameon=False)
-        fig.canvas.draw()
-        if n == 1 or legend.get_window_extent().width <= fig.bbox.width:
+                            frameon=False)  # its width is its texts' and handles', measured without a drawing
+        if n == 1 or legend.get_window_extent(fig.canvas.get_renderer()).width <= fig.bbox.width:
             return
         legend.remove()
 
