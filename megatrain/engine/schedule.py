@@ -77,13 +77,13 @@ class StepState:
 
 class Schedule:
     def __init__(self, config: EngineConfig, store: HostStore, optimizer: HostOptimizer, streams: StreamSet,
-                 device: torch.device, resident_units: list[int], offloaded_layers: int = 0,
-                 recomputed_inputs: int = 0, ranks: Ranks | None = None):
+                 device: torch.device, resident_units: list[int], offloaded_layers: int, recomputed_inputs: int,
+                 ranks: Ranks):
         model = config.model
         self.config, self.store, self.optimizer, self.streams, self.device = config, store, optimizer, streams, device
-        # this process's place among the ranks (engine/distributed.py; default: started alone): gradients summed
-        # across them, each offloads its shard
-        self.ranks = ranks or Ranks.alone(device)
+        # this process's place among the ranks (engine/distributed.py; one process started alone is the one rank):
+        # gradients summed across them, each offloads its shard
+        self.ranks = ranks
         self.model = model
         dt = store.compute_dtype
         self.units = store.units

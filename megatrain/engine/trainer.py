@@ -197,7 +197,7 @@ class StreamingSystem:
         """Replace the weights (before training), one tensor at a time, by our parameter names (with several
         ranks, every rank calls it and each node's local rank 0 reads `named` into the node's copy)."""
         self.optimizer.flush()
-        if self._fills:  # the program's buffers (a generic model's router biases) beside the streamed weights
+        if self.ranks.node_first:  # one process a node fills its host copy: the weights, the program's buffers beside
             copy_named_weights({**self._weight_views(), **self.schedule.program.buffers()}, named)
             if self.store.master is not None:
                 self.store.weights.copy_(self.store.master)
@@ -241,7 +241,8 @@ class StreamingSystem:
         """Continue from a save_state directory (with several ranks, every rank calls it; each node's local rank 0
         reads in_dir into the node's copy)."""
         self.optimizer.flush()
-        meta = load_engine_state(Path(in_dir), self.store, self.schedule.program.buffers()) if self._fills else None
+        first = self.ranks.node_first  # one process a node fills its host copy
+        meta = load_engine_state(Path(in_dir), self.store, self.schedule.program.buffers()) if first else None
         meta = self.ranks.from_first(meta)
         saved, shards = meta.get("shards", 1), self.ranks.local_world
         if saved != shards and self.optimizer.kernel == "torch":
@@ -259,11 +260,6 @@ class StreamingSystem:
         self.optimizer.flush()
         self.schedule.sync_resident_to_host()
         return self.store.named_parameters_fp32()
-
-    @property
-    def _fills(self) -> bool:
-        """Whether this process fills its node's host copy (weights, a saved state): one process, or local rank 0."""
-        return self.ranks.node_first
 
     def close(self) -> None:
         self.optimizer.close()

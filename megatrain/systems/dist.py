@@ -14,6 +14,7 @@ import torch
 
 from megatrain.config import CaseConfig
 from megatrain.engine import distributed
+from megatrain.engine.config import share
 from megatrain.engine.distributed import Ranks
 from megatrain.models.loss import valid_tokens
 
@@ -33,7 +34,7 @@ def ranks_of(case: CaseConfig) -> Ranks:
     """This process's Ranks (under torchrun its rank's, else the one rank of a process started alone), once the ranks
     are known to share case.batch in whole micro-batches."""
     ranks = distributed.current(case.device)
-    distributed.share(case.batch, case.micro_batch, ranks.world)
+    share(case.batch, case.micro_batch, ranks.world)
     return ranks
 
 
