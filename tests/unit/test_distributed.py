@@ -311,6 +311,7 @@ def test_a_process_started_alone_is_one_rank_whose_collectives_hand_back_what_th
     assert not unasked, f"one process is one rank: ask Ranks, not whether there is one: {unasked}"
 
 
+@pytest.mark.filterwarnings("ignore:.*reduce_scatter_tensor.* is deprecated:FutureWarning")  # torch 2.13 says so
 def test_gradients_reduce_scatter_where_torch_names_it_reduce_scatter_tensor(monkeypatch, tmp_path):
     """The GPU hosts run torch 2.11, which has reduce_scatter_tensor only (2.13 adds reduce_scatter_single and
     deprecates the other): a rank's gradient sum runs under either name. One in-process rank over gloo."""
