@@ -80,16 +80,26 @@ def experts_forward(x_TH: torch.Tensor, weights_TK: torch.Tensor, experts_TK: to
         if down_bias_EH is not None:
             y = y + down_bias_EH[expert_of]
     else:
-        parts = []
-        for e, rows in enumerate(x_sorted.split(counts.tolist())):
-            if not rows.shape[0]:
-                continue  # an expert no token chose: no compute, no gradient beyond its zeros
-            h = F.linear(rows, gate_up_E2IH[e], None if gate_up_bias_E2I is None else gate_up_bias_E2I[e])
-            parts.append(F.linear(_activation(h, limit, alpha), down_EHI[e],
-                                  None if down_bias_EH is None else down_bias_EH[e]))
-        y = torch.cat(parts)
+        y = _per_expert(x_sorted, counts, gate_up_E2IH, down_EHI, gate_up_bias_E2I, down_bias_EH, limit, alpha)
     y = y * weights_TK.flatten()[order, None]
     return torch.zeros_like(x_TH, dtype=out_dtype).index_add_(0, token_of, y.to(out_dtype))
+
+
+@torch.compiler.disable
+def _per_expert(x_sorted: torch.Tensor, counts: torch.Tensor, gate_up_E2IH: torch.Tensor, down_EHI: torch.Tensor,
+                gate_up_bias_E2I: torch.Tensor | None, down_bias_EH: torch.Tensor | None, limit: float,
+                alpha: float) -> torch.Tensor:
+    """The experts one by one over their rows (sorted by expert, counts[e] each), where the grouped GEMM does not run.
+    Eager under torch.compile: the row counts are data, so a trace breaks at them and its pieces recompiled for every
+    grad mode and count until dynamo's recompile limit made them eager anyway (a tiny GPT-OSS on CPU: 99 kernels)."""
+    parts = []
+    for e, rows in enumerate(x_sorted.split(counts.tolist())):
+        if not rows.shape[0]:
+            continue  # an expert no token chose: no compute, no gradient beyond its zeros
+        h = F.linear(rows, gate_up_E2IH[e], None if gate_up_bias_E2I is None else gate_up_bias_E2I[e])
+        parts.append(F.linear(_activation(h, limit, alpha), down_EHI[e],
+                              None if down_bias_EH is None else down_bias_EH[e]))
+    return torch.cat(parts)
 
 
 class Router(nn.Module):
