@@ -23,10 +23,6 @@ os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="megatrain-tests-config-
 
 
 def pytest_collection_modifyitems(config, items):
-    # Files holding slow tests (compiles, builds) first: pytest-xdist hands files out in this order, so each overlaps
-    # the other worker's files instead of ending the session alone (a cold compiled-MoE test took 2 min at the end).
-    slow_files = {item.path for item in items if "slow" in item.keywords}
-    items.sort(key=lambda item: item.path not in slow_files)  # stable: each group keeps its order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
