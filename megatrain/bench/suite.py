@@ -239,12 +239,17 @@ def _preflight(cases: list[SuiteCase], rates: bool) -> dict:
 
 def preflight_child() -> None:
     """Subprocess side of _preflight: read cases from stdin, print the machine and the plans as JSON."""
-    from megatrain.preflight import plan_case
-
     request = json.loads(sys.stdin.read())
     machine = measure(rates=request["rates"])
-    plans = {cid: plan_case(CaseConfig.from_dict(d), machine) for cid, d in request["cases"].items()}
-    print(json.dumps({"machine": machine.to_dict(), "plans": plans}))
+    print(json.dumps({"machine": machine.to_dict(), "plans": plan_cases(request["cases"], machine)}))
+
+
+def plan_cases(cases: dict[str, dict], machine: Machine) -> dict[str, dict]:
+    """Each case's pre-flight plan on `machine`, by case id, from the cases as _preflight sends them (CaseConfig
+    dicts)."""
+    from megatrain.preflight import plan_case
+
+    return {cid: plan_case(CaseConfig.from_dict(d), machine) for cid, d in cases.items()}
 
 
 def _last_json_line(stdout: str) -> dict | None:

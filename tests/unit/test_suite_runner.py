@@ -16,7 +16,6 @@ import pytest
 import megatrain.bench.suite
 from megatrain.bench.record import read_jsonl, validate
 from megatrain.bench.suite import load_suite, run_suite
-from megatrain.preflight import plan_case
 from megatrain.probe import Machine
 
 pytestmark = pytest.mark.subprocess  # every test here runs suites of case subprocesses
@@ -84,8 +83,8 @@ def one_probe(monkeypatch):
             pre = probe(cases, rates)
             PROBED[rates] = pre["machine"]
             return pre
-        machine = Machine.from_dict(PROBED[rates])
-        plans = {c.case_id: plan_case(c.config, machine) for c in cases}
+        plans = megatrain.bench.suite.plan_cases({c.case_id: c.config.to_dict() for c in cases},
+                                                 Machine.from_dict(PROBED[rates]))
         return json.loads(json.dumps({"machine": PROBED[rates], "plans": plans}))  # as the probe's process hands them
 
     monkeypatch.setattr(megatrain.bench.suite, "_preflight", preflight)
