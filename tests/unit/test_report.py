@@ -2,13 +2,14 @@
 
 CPU, seconds: pytest tests/unit/test_report.py (the tests that regenerate every committed report or open a browser
 run in the subprocess/slow session, about a minute). The browser tests need Debian's `chromium`
-(apt-get install -y chromium) and skip without it; they leave screenshots of each report in pytest's temporary
-directory (the path is in their output with -s).
+(apt-get install -y chromium) and skip without it; MEGATRAIN_REPORT_SCREENSHOTS=DIR has them leave a screenshot of each
+committed report there, to look at.
 """
 
 import colorsys
 import html
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -295,8 +296,8 @@ def test_a_committed_report_reads_at_laptop_width(suite, regenerated, tmp_path):
     result = _browse(page, tmp_path / "profile")
     _reads_at_laptop_width(result)
     assert result["images"] and result["images"][0]["src"] == "headline.png", "the report opens with its answer"
-    _screenshot(page, tmp_path / f"{suite}.png", tmp_path / "profile")
-    print(f"screenshot: {tmp_path / f'{suite}.png'}")
+    if shots := os.environ.get("MEGATRAIN_REPORT_SCREENSHOTS"):  # a folder: each page as the browser drew it
+        _screenshot(page, Path(shots) / f"{suite}.png", tmp_path / "profile")
 
 
 def test_records_keep_no_machine_paths():
