@@ -125,7 +125,8 @@ def test_deepspeed_zero_offload_matches_zero3(model, tmp_path):
     assert zero2["config"]["mode"].startswith("ZeRO-Offload") and not zero2["config"]["zero_init"]
 
 
-@pytest.mark.parametrize("system", ["native", "fsdp", pytest.param("deepspeed", marks=needs_deepspeed), "megatrain"])
+# DeepSpeed's compiled layers are held against eager native by the next test, over two layer structures
+@pytest.mark.parametrize("system", ["native", "fsdp", "megatrain"])
 @pytest.mark.slow  # torch.compile on CPU: 10-40 s a system
 def test_compiled_layers_match_eager_native(system, tmp_path):
     # every system compiles the same thing (each decoder layer), so every one stays at eager native's float noise
@@ -147,9 +148,8 @@ def test_deepspeed_compiles_each_layer_structure_once_not_each_layer(model, seq,
     # at 128 tokens has two layer structures (its 64-token windows need a mask; its full layers are causal).
     case = dataclasses.replace(_case("deepspeed", model), num_layers=10, seq=seq, steps=3, compile=True)
     compiled = _run_in_subprocess(case, tmp_path)
-    eager = _run_in_subprocess(dataclasses.replace(case, compile=False), tmp_path)
-    torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]), rtol=1e-5, atol=0)
-    assert compiled["config"]["compile_check"] == {
+    _assert_matches_native(compiled, _native(dataclasses.replace(case, system="native", compile=False)))
+    assert compiled["config"]["compile"] and compiled["config"]["compile_check"] == {
         "compiled_frames": structures, "failed_frames": 0, "recompile_limit_hits": 0, "recompiles": structures - 1,
         "graph_breaks": 0, "eager_fallback": False}
     # Compiling each layer's own forward (before issue 29) let Dynamo guard on the layer's ZeRO-3 parameters' own
