@@ -14,13 +14,19 @@ PY = sys.executable
 logging.getLogger("nox").addFilter(lambda record: record.getMessage() != "uv binary not found.")
 
 
+# The hot-path benchmarks (nox -s bench) skip outside --benchmark-only: the test sessions leave them and their plugin
+# out (it warns in every xdist process that it is disabled)
+NOT_BENCH = ("--ignore", "tests/bench", "-p", "no:benchmark")
+
+
 @nox.session(python=False)
 def tests(session):
     """The fast tests on CPU (~2.5 min on 2 cores; GPU tests skip without CUDA), two processes at a time of one torch
     thread each (tests/conftest.py): their shapes are small, so a test's time is Python's, which a second thread does
     not share. The tests that spawn `python -m megatrain` processes, run suites or compile are the session
     tests_subprocess."""
-    session.run(PY, "-m", "pytest", "tests", "-q", "-m", "not subprocess and not slow", "-n", "2", *session.posargs)
+    session.run(PY, "-m", "pytest", "tests", *NOT_BENCH, "-q", "-m", "not subprocess and not slow", "-n", "2",
+                *session.posargs)
 
 
 @nox.session(python=False)
@@ -29,8 +35,8 @@ def tests_subprocess(session):
     compile (torch.compile on CPU, the host AdamW kernel build): CI runs them after the fast ones. Two test files at a
     time (pytest-xdist; a file's tests stay together, sharing its fixtures): most of their time is processes starting
     and waiting on each other, so two at once take ~0.6x of one after the other on 2 cores."""
-    session.run(PY, "-m", "pytest", "tests", "-q", "-m", "subprocess or slow", "-n", "2", "--dist", "loadfile",
-                "--durations=15", *session.posargs)
+    session.run(PY, "-m", "pytest", "tests", *NOT_BENCH, "-q", "-m", "subprocess or slow", "-n", "2", "--dist",
+                "loadfile", "--durations=15", *session.posargs)
 
 
 @nox.session(python=False)
