@@ -6,8 +6,7 @@
 #   externally-managed-environment) is never written to.
 # Then: keep an installed torch, else install the CPU wheel of torch 2.13.0; the package with its dev tools;
 # DeepSpeed (the [deepspeed] extra's pin) built against that torch; the host AdamW kernel built ahead.
-# Nothing is byte-compiled at install (--no-compile): a module is on its first import, most never are (28 s of a
-# 95 s setup on 2 cores). Afterwards: .venv/bin/python -m nox -s tests
+# Afterwards: .venv/bin/python -m nox -s tests
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -28,18 +27,18 @@ if ! "$PY" -m pip --version >/dev/null 2>&1; then
     exit 1
 fi
 if ! "$PY" -c "import torch" 2>/dev/null; then
-    "$PY" -m pip install -q --no-compile torch==2.13.0
+    "$PY" -m pip install -q torch==2.13.0
 fi
 # Constrain every later install to the torch now present, so no requirement can swap it for another build.
 KEEP_TORCH=$(mktemp)
 trap 'rm -f "$KEEP_TORCH"' EXIT
 "$PY" -c "import torch; print('torch==' + torch.__version__)" >"$KEEP_TORCH"
-"$PY" -m pip install -q --no-compile -c "$KEEP_TORCH" -e ".[dev]"
+"$PY" -m pip install -q -c "$KEEP_TORCH" -e ".[dev]"
 # DeepSpeed is an sdist whose setup.py imports torch: without build isolation it builds against the torch above
 # (an isolated build would first download a CUDA torch). Its C++ ops JIT-compile when first used.
-"$PY" -c "import setuptools, wheel" 2>/dev/null || "$PY" -m pip install -q --no-compile "setuptools>=68" wheel
+"$PY" -c "import setuptools, wheel" 2>/dev/null || "$PY" -m pip install -q "setuptools>=68" wheel
 DEEPSPEED=$(sed -n 's/.*"deepspeed==\([^"]*\)".*/\1/p' pyproject.toml)
-"$PY" -m pip install -q --no-compile -c "$KEEP_TORCH" --no-build-isolation "deepspeed==$DEEPSPEED"
+"$PY" -m pip install -q -c "$KEEP_TORCH" --no-build-isolation "deepspeed==$DEEPSPEED"
 # Build the host AdamW kernel now (~30 s, once per torch install), not in the first training run.
 "$PY" -c "from megatrain.optim import fused; fused.available()"
 echo "setup: done; the environment is .venv ($("$PY" -c 'import sys, torch; print(sys.prefix, "torch", torch.__version__)'))"
