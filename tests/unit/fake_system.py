@@ -4,7 +4,7 @@ SPEC is native's SystemSpec built as FailingSystem: one SYSTEMS entry registers 
 under a name of its own). Run as a script with `python -m megatrain bench` arguments (the suite runner's
 `bench_command` in tests/unit/test_suite_runner.py): the system registered as 'native' becomes FailingSystem, which
 trains like NativeSystem unless the case's seed asks it to fail (every system's options are typed, so a
-test cannot add its own):
+test cannot add its own). Seeds 102, 103 and 105 fail as the script starts (fail_at_start), the others in the system:
     seed 101: raise a CUDA-style OOM          seed 102: exit without a record
     seed 103: hang                             seed 104: OOM from batch 2 (a batch ladder's ceiling)
     seed 105: be killed by a signal that is not the OOM killer's

@@ -48,6 +48,12 @@ def _bench(*args):
     return subprocess.run([sys.executable, "-m", "megatrain", "bench", *args], capture_output=True, text=True)
 
 
+def _assert_refused(code: int, stderr: str, message: str) -> None:
+    assert code == 2, stderr
+    assert message in stderr
+    assert len(stderr.strip().splitlines()) == 1, "one line saying what to change, no traceback"
+
+
 @pytest.mark.subprocess
 def test_cli_prints_record_as_last_line_with_json_and_appends(tmp_path):
     out = tmp_path / "r.jsonl"
@@ -93,10 +99,7 @@ def test_cli_rejects_bad_input_with_exit_code_2(args, message, capsys, monkeypat
         code = cli.main(["bench", *args])
     except SystemExit as exc:  # argparse's refusals
         code = exc.code
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert message in err
-    assert len(err.strip().splitlines()) == 1, "one line saying what to change, no traceback"
+    _assert_refused(code, capsys.readouterr().err, message)
 
 
 # Refused by the memory pre-flight, which alone stands between these and a 72B model's allocation: in a process of
@@ -108,9 +111,7 @@ def test_cli_rejects_bad_input_with_exit_code_2(args, message, capsys, monkeypat
 @pytest.mark.subprocess
 def test_cli_refuses_what_does_not_fit_with_exit_code_2_before_allocating(args, message):
     proc = _bench(*args)
-    assert proc.returncode == 2
-    assert message in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1, "one line saying what to change, no traceback"
+    _assert_refused(proc.returncode, proc.stderr, message)
 
 
 @pytest.mark.subprocess
