@@ -85,13 +85,15 @@ def experts_forward(x_TH: torch.Tensor, weights_TK: torch.Tensor, experts_TK: to
     return torch.zeros_like(x_TH, dtype=out_dtype).index_add_(0, token_of, y.to(out_dtype))
 
 
-@torch.compiler.disable
+@torch._disable_dynamo
 def _per_expert(x_sorted: torch.Tensor, counts: torch.Tensor, gate_up_E2IH: torch.Tensor, down_EHI: torch.Tensor,
                 gate_up_bias_E2I: torch.Tensor | None, down_bias_EH: torch.Tensor | None, limit: float,
                 alpha: float) -> torch.Tensor:
     """The experts one by one over their rows (sorted by expert, counts[e] each), where the grouped GEMM does not run.
     Eager under torch.compile: the row counts are data, so a trace breaks at them and its pieces recompiled for every
-    grad mode and count until dynamo's recompile limit made them eager anyway (a tiny GPT-OSS on CPU: 99 kernels)."""
+    grad mode and count until dynamo's recompile limit made them eager anyway (a tiny GPT-OSS on CPU: 99 kernels).
+    torch._disable_dynamo (torch.optim's) is torch.compiler.disable taking effect at the first call: the public one
+    imports torch._dynamo where it decorates, ~1.3 s of every process that imports the models and compiles nothing."""
     parts = []
     for e, rows in enumerate(x_sorted.split(counts.tolist())):
         if not rows.shape[0]:
