@@ -21,7 +21,9 @@ import fcntl
 import functools
 import hashlib
 import os
+import shutil
 import sys
+import sysconfig
 import warnings
 from pathlib import Path
 
@@ -76,12 +78,23 @@ def _check_private(build_dir: Path) -> None:
                              "it loads: delete it, or set TORCH_EXTENSIONS_DIR to a directory of your own")
 
 
+def _find_ninja() -> None:
+    """torch's load() runs `ninja` from PATH; pip's ninja (this package's dependency) lands in the environment's
+    scripts directory, which is on PATH only where the environment was activated, not for `.venv/bin/python -m
+    megatrain` (there the kernel fell back to torch's AdamW for want of it). Put that directory on PATH if it
+    holds the ninja that PATH lacks."""
+    scripts = sysconfig.get_path("scripts")
+    if shutil.which("ninja") is None and shutil.which("ninja", path=scripts) is not None:
+        os.environ["PATH"] = os.pathsep.join(filter(None, [scripts, os.environ.get("PATH")]))
+
+
 @functools.lru_cache(maxsize=1)
 def _module():
     from torch.utils.cpp_extension import load
 
     build_dir = build_directory()
     try:
+        _find_ninja()
         build_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
         _check_private(build_dir)
         with _build_lock(build_dir):

@@ -22,6 +22,12 @@ LOAD = "from megatrain.optim import fused; assert fused.available()"
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _ninja() -> bool:
+    """Whether ninja runs here, from PATH or where pip put it (as the kernel's build looks for it)."""
+    fused._find_ninja()
+    return is_ninja_available()
+
+
 def _load(timeout_s: float) -> subprocess.CompletedProcess:
     """Load the kernel in a fresh process; a hang fails the test after timeout_s instead of hanging it."""
     return subprocess.run([sys.executable, "-c", LOAD], capture_output=True, text=True, cwd=REPO, timeout=timeout_s)
@@ -38,7 +44,7 @@ def test_the_build_directory_is_keyed_by_torch_version_abi_python_and_install(tm
 
 
 @pytest.mark.subprocess
-@pytest.mark.skipif(shutil.which("c++") is None or not is_ninja_available(), reason="needs a C++ compiler and ninja")
+@pytest.mark.skipif(shutil.which("c++") is None or not _ninja(), reason="needs a C++ compiler and ninja")
 def test_a_dead_builders_lock_file_does_not_hang_the_next_load():
     """torch's load() waits while its lock file exists, forever where its builder was killed (mid-build or after:
     the file outlives it). The next load clears it under an flock, which dies with its holder, and loads. On the
@@ -96,3 +102,19 @@ def test_a_build_another_user_could_plant_code_in_is_refused(tmp_path, monkeypat
         assert list(build_dir.iterdir()) == [], "nothing was built or loaded there"
     finally:
         fused._module.cache_clear()
+
+
+def test_pips_ninja_is_found_where_the_environment_is_not_activated(tmp_path, monkeypatch):
+    """`.venv/bin/python -m megatrain` without activating .venv: pip's ninja is in the environment's scripts
+    directory, not on PATH, and torch's load() runs `ninja` from PATH."""
+    scripts = tmp_path / "bin"
+    scripts.mkdir()
+    (scripts / "ninja").write_text("#!/bin/sh\necho 1.13.0\n")
+    (scripts / "ninja").chmod(0o755)
+    monkeypatch.setattr(fused.sysconfig, "get_path", lambda name: str(scripts))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no ninja on it
+    fused._find_ninja()
+    assert os.environ["PATH"].split(os.pathsep) == [str(scripts), str(tmp_path / "empty")]
+    assert is_ninja_available()
+    fused._find_ninja()
+    assert os.environ["PATH"].split(os.pathsep) == [str(scripts), str(tmp_path / "empty")], "once, not again"
