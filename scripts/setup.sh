@@ -33,12 +33,17 @@ fi
 KEEP_TORCH=$(mktemp)
 trap 'rm -f "$KEEP_TORCH"' EXIT
 "$PY" -c "import torch; print('torch==' + torch.__version__)" >"$KEEP_TORCH"
+# ninja first (the package's pin): the host AdamW kernel builds (~30 s of g++, once per torch install) while the
+# rest installs, instead of after it
+"$PY" -m pip install -q "$(sed -n 's/^ *"\(ninja[^"]*\)".*/\1/p' pyproject.toml)"
+"$PY" -c "from megatrain.optim import fused; fused.available()" &
+KERNEL=$!
 "$PY" -m pip install -q -c "$KEEP_TORCH" -e ".[dev]"
 # DeepSpeed is an sdist whose setup.py imports torch: without build isolation it builds against the torch above
 # (an isolated build would first download a CUDA torch). Its C++ ops JIT-compile when first used.
 "$PY" -c "import setuptools, wheel" 2>/dev/null || "$PY" -m pip install -q "setuptools>=68" wheel
 DEEPSPEED=$(sed -n 's/.*"deepspeed==\([^"]*\)".*/\1/p' pyproject.toml)
 "$PY" -m pip install -q -c "$KEEP_TORCH" --no-build-isolation "deepspeed==$DEEPSPEED"
-# Build the host AdamW kernel now (~30 s, once per torch install), not in the first training run.
-"$PY" -c "from megatrain.optim import fused; fused.available()"
+# The host AdamW kernel built now, not in the first training run
+wait "$KERNEL"
 echo "setup: done; the environment is .venv ($("$PY" -c 'import sys, torch; print(sys.prefix, "torch", torch.__version__)'))"
