@@ -31,10 +31,10 @@ def tests(session):
 
 @nox.session(python=False)
 def tests_subprocess(session):
-    """The tests that spawn `python -m megatrain` processes (CLI contracts, kills, signals, the suite runner) or
-    compile (torch.compile on CPU, the host AdamW kernel build): CI runs them after the fast ones. Two test files at a
-    time (pytest-xdist; a file's tests stay together, sharing its fixtures): most of their time is processes starting
-    and waiting on each other, so two at once take ~0.6x of one after the other on 2 cores."""
+    """The tests that spawn `python -m megatrain` processes (CLI contracts, kills, signals, torchrun ranks, the suite
+    runner) or compile (torch.compile on CPU): CI runs them after the fast ones, ~6.5 min on 2 cores with empty
+    compile caches. Two test files at a time (pytest-xdist; a file's tests stay together, sharing its fixtures): most
+    of their time is processes starting and waiting on each other, so two at once take ~0.6x of one after the other."""
     session.run(PY, "-m", "pytest", "tests", *NOT_BENCH, "-q", "-m", "subprocess or slow", "-n", "2", "--dist",
                 "loadfile", "--durations=15", *session.posargs)
 
