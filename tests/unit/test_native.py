@@ -54,18 +54,25 @@ def _assert_refused(code: int, stderr: str, message: str) -> None:
     assert len(stderr.strip().splitlines()) == 1, "one line saying what to change, no traceback"
 
 
-@pytest.mark.subprocess
-def test_cli_prints_record_as_last_line_with_json_and_appends(tmp_path):
+def _main(monkeypatch, *args) -> int:
+    """`python -m megatrain bench ARGS` through the command line's main() in this process (a process of its own cost
+    ~5 s of a CI core); capfd, at the file descriptors, sees what C code would write there too."""
+    from megatrain import cli
+
+    monkeypatch.setattr(cli.warnings, "formatwarning", cli.warnings.formatwarning)  # main() sets its own: undone after
+    return cli.main(["bench", *args])
+
+
+def test_cli_prints_record_as_last_line_with_json_and_appends(tmp_path, capfd, monkeypatch):
     out = tmp_path / "r.jsonl"
     args = ("--system", "native", "--model", "tiny", "--batch", "2", "--seq", "64", "--steps", "5", "--device", "cpu",
             "--dtype", "float32", "--seed", "0")
-    plain = _bench(*args)
-    assert plain.returncode == 0, plain.stderr
-    assert not any(line.startswith("{") for line in plain.stdout.splitlines()), "the record only with --json"
-    assert plain.stdout.splitlines()[-1].startswith("native tiny")  # the summary line
-    proc = _bench(*args, "--out", str(out), "--json")
-    assert proc.returncode == 0, proc.stderr
-    record = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert _main(monkeypatch, *args) == 0
+    plain = capfd.readouterr().out
+    assert not any(line.startswith("{") for line in plain.splitlines()), "the record only with --json"
+    assert plain.splitlines()[-1].startswith("native tiny")  # the summary line
+    assert _main(monkeypatch, *args, "--out", str(out), "--json") == 0
+    record = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
     validate(record)
     assert record["status"] == "ok" and len(record["losses"]) == 5
     assert record["tokens_per_step"] == 128 and record["tflops"] > 0
@@ -114,11 +121,10 @@ def test_cli_refuses_what_does_not_fit_with_exit_code_2_before_allocating(args, 
     _assert_refused(proc.returncode, proc.stderr, message)
 
 
-@pytest.mark.subprocess
-def test_a_sequence_beyond_the_models_published_context_is_said_before_the_run():
-    proc = _bench("--system", "native", "--model", "tiny", "--seq", "2049", "--batch", "1", "--steps", "1")
-    assert proc.returncode == 0, proc.stderr
-    assert "seq 2049 is beyond tiny's published context of 2048 tokens" in proc.stderr
+def test_a_sequence_beyond_the_models_published_context_is_said_before_the_run(capfd, monkeypatch):
+    assert _main(monkeypatch, "--system", "native", "--model", "tiny", "--seq", "2049", "--batch", "1", "--steps",
+                 "1") == 0
+    assert "seq 2049 is beyond tiny's published context of 2048 tokens" in capfd.readouterr().err
 
 
 def test_ddp_stops_syncing_buffers_by_the_keyword_this_torch_has(monkeypatch):
