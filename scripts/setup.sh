@@ -31,13 +31,19 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 # Constrain every later install to the torch now present, so no requirement can swap it for another build.
 KEEP_TORCH=$(mktemp)
-trap 'rm -f "$KEEP_TORCH"' EXIT
+IMPORTED=$(mktemp -u)
+trap 'rm -f "$KEEP_TORCH" "$IMPORTED"' EXIT
 "$PY" -c "import torch; print('torch==' + torch.__version__)" >"$KEEP_TORCH"
 # ninja first (the package's pin): the host AdamW kernel builds (~30 s of g++, once per torch install) while the
-# rest installs, instead of after it
+# rest installs, instead of after it. pip starts once the builder has imported what it needs, so that it never
+# imports a package pip is writing.
 "$PY" -m pip install -q "$(sed -n 's/^ *"\(ninja[^"]*\)".*/\1/p' pyproject.toml)"
-"$PY" -c "from megatrain.optim import fused; fused.available()" &
+"$PY" -c "import pathlib, sys, torch.utils.cpp_extension
+from megatrain.optim import fused
+pathlib.Path(sys.argv[1]).touch()
+fused.available()" "$IMPORTED" &
 KERNEL=$!
+while [ ! -e "$IMPORTED" ] && kill -0 "$KERNEL" 2>/dev/null; do sleep 0.2; done
 "$PY" -m pip install -q -c "$KEEP_TORCH" -e ".[dev]"
 # DeepSpeed is an sdist whose setup.py imports torch: without build isolation it builds against the torch above
 # (an isolated build would first download a CUDA torch). Its C++ ops JIT-compile when first used.
