@@ -78,7 +78,7 @@ def _check_private(build_dir: Path) -> None:
                              "it loads: delete it, or set TORCH_EXTENSIONS_DIR to a directory of your own")
 
 
-def _find_ninja() -> None:
+def find_ninja() -> None:
     """torch's load() runs `ninja` from PATH; pip's ninja (this package's dependency) lands in the environment's
     scripts directory, which is on PATH only where the environment was activated, not for `.venv/bin/python -m
     megatrain` (there the kernel fell back to torch's AdamW for want of it). Put that directory on PATH if it
@@ -94,7 +94,7 @@ def _module():
 
     build_dir = build_directory()
     try:
-        _find_ninja()
+        find_ninja()
         build_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
         _check_private(build_dir)
         with _build_lock(build_dir):

@@ -41,6 +41,7 @@ from megatrain.models.generic.module import reset_buffers
 from megatrain.models.hf import copy_named_weights, persistent_buffers
 from megatrain.models.init import init_module, init_param
 from megatrain.models.moe import MoE
+from megatrain.optim.fused import find_ninja
 from megatrain.optim.groups import adamw_param_groups
 from megatrain.optim.state_bytes import FP32_BYTES, checkpoint_bytes_per_param, state_bytes_per_param
 from megatrain.options import CommonOptions
@@ -337,6 +338,7 @@ class DeepSpeedSystem:
             raise ValueError("deepspeed on CUDA runs DeepSpeedCPUAdam (its recommended offload optimizer); "
                              "drop --option optimizer=...")
         ds = self.ds = _import_deepspeed(self.device)
+        find_ninja()  # its ops (DeepSpeedCPUAdam, ZenFlow's) build through torch's load(), which runs ninja from PATH
 
         if self.device.type == "cpu":
             # The CPU accelerator's shared-memory all-reduce op serves inference only (training reduces through

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _ninja() -> bool:
     """Whether ninja runs here, from PATH or where pip put it (as the kernel's build looks for it)."""
-    fused._find_ninja()
+    fused.find_ninja()
     return is_ninja_available()
 
 
@@ -113,8 +113,8 @@ def test_pips_ninja_is_found_where_the_environment_is_not_activated(tmp_path, mo
     (scripts / "ninja").chmod(0o755)
     monkeypatch.setattr(fused.sysconfig, "get_path", lambda name: str(scripts))
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no ninja on it
-    fused._find_ninja()
+    fused.find_ninja()
     assert os.environ["PATH"].split(os.pathsep) == [str(scripts), str(tmp_path / "empty")]
     assert is_ninja_available()
-    fused._find_ninja()
+    fused.find_ninja()
     assert os.environ["PATH"].split(os.pathsep) == [str(scripts), str(tmp_path / "empty")], "once, not again"
