@@ -99,11 +99,8 @@ def test_cli_prints_record_as_last_line_with_json_and_appends(tmp_path, capfd, m
     (["--system", "fsdp", "--option", "host_mem_gib"], "--option takes KEY=VALUE"),
 ])
 def test_cli_rejects_bad_input_with_exit_code_2(args, message, capsys, monkeypatch):
-    from megatrain import cli
-
-    monkeypatch.setattr(cli.warnings, "formatwarning", cli.warnings.formatwarning)  # main() sets its own: undone after
     try:
-        code = cli.main(["bench", *args])
+        code = _main(monkeypatch, *args)
     except SystemExit as exc:  # argparse's refusals
         code = exc.code
     _assert_refused(code, capsys.readouterr().err, message)
