@@ -6,6 +6,10 @@ their product. Every other key is a CaseConfig field (micro_batch, steps, option
 `label` (a format string over {system} and {precision}; a compiled case's label ends in '-compiled'),
 `timeout_s` and `ladder`.
 
+A top-level `[num_layers_by_hardware]` table (profile name = depth) sets the depth of every case on that profile
+whose group names none: how a suite asks one question at the depth each host admits for every system (a cut
+model on a smaller host, the registry's full depth where no entry names the profile).
+
 `ladder = "batch"` (or "seq", or "num_layers": a model's depth) makes that list a ladder: per system
 (and every other setting), the values run in increasing order and the runner stops climbing after the
 first case that does not end `ok` (OOM, skipped as not fitting, error, time-out). This is how "each
@@ -143,7 +147,8 @@ def _label(template: str, config: CaseConfig) -> str:
                          "{precision}") from None
 
 
-def _expand_group(group: dict, index: int, default_timeout_s: float) -> list[SuiteCase]:
+def _expand_group(group: dict, index: int, default_timeout_s: float,
+                  depth_by_hardware: dict[str, int] | None = None) -> list[SuiteCase]:
     unknown = set(group) - set(PRODUCT_KEYS) - GROUP_KEYS - CASE_FIELDS
     if unknown:
         raise ValueError(f"group {index}: unknown keys {sorted(unknown)}; use {sorted(PRODUCT_KEYS)}, "
@@ -168,6 +173,8 @@ def _expand_group(group: dict, index: int, default_timeout_s: float) -> list[Sui
     for values in itertools.product(*dims.values()):
         point = {PRODUCT_KEYS[k]: v for k, v in zip(dims, values, strict=True)}
         hardware = get_profile(point.pop("hardware")).name
+        if "num_layers" not in point and hardware in (depth_by_hardware or {}):
+            point["num_layers"] = depth_by_hardware[hardware]
         config = CaseConfig(**fields, **point)
         label = group.get("label", "{system}" if config.precision == "mixed" else "{system}-{precision}")
         label += "-compiled" if config.compile else ""
@@ -179,6 +186,22 @@ def _expand_group(group: dict, index: int, default_timeout_s: float) -> list[Sui
         cases.append(SuiteCase(config, hardware, name, _label(label, config),
                                float(group.get("timeout_s", default_timeout_s)), chain))
     return cases
+
+
+def _depth_by_hardware(path: Path, table: dict) -> dict[str, int]:
+    """The suite's [num_layers_by_hardware], keyed by canonical profile name; ValueError names an unknown profile or a
+    depth that is not a positive whole number."""
+    depths = {}
+    for profile, depth in table.items():
+        try:
+            name = get_profile(profile).name
+        except ValueError as exc:
+            raise ValueError(f"{path}: [num_layers_by_hardware] {exc}") from None
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
+            raise ValueError(f"{path}: [num_layers_by_hardware] {profile} = {depth!r}: a depth is a whole number of "
+                             "layers >= 1")
+        depths[name] = depth
+    return depths
 
 
 def load_suite(name_or_path: str) -> Suite:
@@ -195,6 +218,7 @@ def load_suite(name_or_path: str) -> Suite:
         raise ValueError(f"{path}: not valid TOML: {exc}") from None
     for key, kind, what in (("description", str, "a string"), ("hardware", str | list, "hardware profile names"),
                             ("timeout_s", int | float, "a number of seconds"), ("defaults", dict, "a table"),
+                            ("num_layers_by_hardware", dict, "a table of profile = depth"),
                             ("cases", list, "[[cases]] tables")):
         if key in spec and (not isinstance(spec[key], kind) or isinstance(spec[key], bool)):
             raise ValueError(f"{path}: {key} = {json.dumps(spec[key], default=str)[:60]} must be {what}")
@@ -202,13 +226,14 @@ def load_suite(name_or_path: str) -> Suite:
         raise ValueError(f"{path}: cases entry {bad[0]} is not a table: write each group as a [[cases]] table")
     defaults = spec.get("defaults", {})
     timeout_s = spec.get("timeout_s", 600)
+    depth_by_hardware = _depth_by_hardware(path, spec.get("num_layers_by_hardware", {}))
     cases = []
     for index, group in enumerate(spec.get("cases", [])):
         merged = {"hardware": spec.get("hardware"), **defaults, **group}
         if merged["hardware"] is None:
             merged.pop("hardware")
         try:
-            cases.extend(_expand_group(merged, index, timeout_s))
+            cases.extend(_expand_group(merged, index, timeout_s, depth_by_hardware))
         except (TypeError, ValueError) as exc:  # a value of the wrong type or range, an unknown optim key
             raise ValueError(f"{path}: [[cases]] group {group.get('name', index)!r}: {exc}") from None
     ids = [c.case_id for c in cases]

@@ -98,6 +98,34 @@ def test_case_id_is_stable_and_ignores_presentation(tmp_path):
     assert len(a.cases[0].case_id) == 12 and a.cases[0].case_id == load_suite(str(tmp_path / "s.toml")).cases[0].case_id
 
 
+def test_a_hosts_depth_applies_where_a_group_names_none(tmp_path):
+    suite = _suite(tmp_path, """
+hardware = ["h200-141g-128g", "h200-141g-512g"]
+[num_layers_by_hardware]
+"h200-141g-128g" = 10
+[[cases]]
+name = "host"
+systems = "megatrain"
+models = "qwen2.5-14b"
+[[cases]]
+name = "own"
+systems = "native"
+models = "qwen2.5-14b"
+num_layers = 4
+""")
+    depth = {(c.group, c.hardware): c.config.num_layers for c in suite.cases}
+    assert depth == {("host", "h200-141g-128g"): 10, ("host", "h200-141g-512g"): None,
+                     ("own", "h200-141g-128g"): 4, ("own", "h200-141g-512g"): 4}
+    shipped = load_suite("reproduce_14b")  # the full depth keeps its case ids: the 512 GiB host's records resume
+    assert {c.config.num_layers for c in shipped.cases if c.hardware == "h200-141g-512g"} == {None}
+    assert {c.config.num_layers for c in shipped.cases if c.hardware == "h200-141g-256g"} == {24}
+    for table, match in (('"tpu" = 4', "unknown hardware profile"), ('"cpu-ci" = 0', "whole number of layers"),
+                         ('"cpu-ci" = 2.5', "whole number of layers")):
+        with pytest.raises(ValueError, match=match):
+            _suite(tmp_path, f'hardware = "cpu-ci"\n[num_layers_by_hardware]\n{table}\n[[cases]]\n'
+                             'systems = "native"\nmodels = "tiny"\n')
+
+
 def test_ladder_chains_group_by_everything_but_the_ladder_value(tmp_path):
     suite = _suite(tmp_path, """
 hardware = "cpu-ci"
