@@ -13,6 +13,7 @@ Each suite declares its question in its TOML, suites/<suite>.toml (the one home 
 from __future__ import annotations
 
 import html
+import json
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from megatrain.bench.suite import SUITES_DIR
 from megatrain.hardware import get_profile
 from megatrain.models.registry import MODELS
 from megatrain.systems import SYSTEMS
+from megatrain.workspace import WORKSPACE
 
 # Systems as a sentence names them (their registry lines); figures and tables use the labels.
 SYSTEM_NAMES = {system: line.name or system for system, line in SYSTEMS.items()}
@@ -297,7 +299,7 @@ def _over(rows: pd.DataFrame, reference: str) -> pd.DataFrame:
     at its kernels gets no ratio: kernels are part of what a system is compared on, never of its ratio."""
     ok = rows[rows["status"] == "ok"]
     out = []
-    for (_, model, _, batch), g in ok.groupby(["session", "model", "seq", "batch"]):
+    for (session, model, _, batch), g in ok.groupby(["session", "model", "seq", "batch"]):
         tflops = g.groupby("label")["tflops"].max()
         parts = {label: plots.split_label(label) for label in tflops.index}
         references = {compiled: label for label, (system, variant, compiled) in parts.items()
@@ -305,10 +307,10 @@ def _over(rows: pd.DataFrame, reference: str) -> pd.DataFrame:
         for label, (_, _, compiled) in parts.items():
             ref = references.get(compiled)
             if ref is not None and label != ref:
-                out.append({"model": model, "batch": batch, "compiled": compiled, "label": label, "reference": ref,
-                            "ratio": tflops[label] / tflops[ref], "tflops": tflops[label],
-                            "reference_tflops": tflops[ref]})
-    return pd.DataFrame(out, columns=["model", "batch", "compiled", "label", "reference", "ratio", "tflops",
+                out.append({"session": session, "model": model, "batch": batch, "compiled": compiled,
+                            "label": label, "reference": ref, "ratio": tflops[label] / tflops[ref],
+                            "tflops": tflops[label], "reference_tflops": tflops[ref]})
+    return pd.DataFrame(out, columns=["session", "model", "batch", "compiled", "label", "reference", "ratio", "tflops",
                                       "reference_tflops"])
 
 
@@ -435,71 +437,169 @@ def _deepest(ladders: pd.DataFrame) -> str:
 
 # ---- over_deepspeed: each system's speed over DeepSpeed ZeRO-3 offload's at equal kernels, the paper's as its own ----
 
-def over_deepspeed(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path):
-    """The paper's headline question asked of the latest session: every system's TFLOPS over DeepSpeed ZeRO-3
-    offload's at the same model, batch and kernels, per kernel setting (MegaTrain and the paper's code side by side);
-    the paper's own ratio stated as the paper's, on its machine."""
-    session = scope[scope["session"] == scope["session"].max()]
-    ok = session[session["status"] == "ok"]
-    if ok.empty:
-        return f"{BOLD}No case ran ok in the latest session.{END_BOLD}", None, ""
-    seq = plots._main_seq(ok)
-    at_seq = session[session["seq"] == seq]
-    pairs = _over(at_seq, "deepspeed")
-    where = f"On {_machine(session)}, at {_join(sorted(at_seq['model'].unique()))}, seq {seq}"
-    if pairs.empty:
-        ran = _join([prose(label) for label in plots.ordered_labels(ok[ok["seq"] == seq]["label"])])
-        parts = [f"{where}, {BOLD}no system ran beside DeepSpeed ZeRO-3 offload at the same batch and kernels"
-                 f"{END_BOLD} in the latest session ({ran} ran): no ratio to it is stated"]
-    else:
-        said = []
-        for compiled, g in pairs.groupby("compiled"):  # eager first
-            figures = []
-            for label in plots.ordered_labels(g["label"]):
-                rows = g[g["label"] == label]
-                batches = sorted(rows["batch"].unique())
-                at = f"batch {batches[0]}" if len(batches) == 1 else f"batches {batches[0]}-{batches[-1]}"
-                figures.append(f"{prose(label.removesuffix(plots.COMPILED_SUFFIX))} {_span(rows['ratio'])} ({at})")
+# Where the answer finds the model of DeepSpeed's step projected onto the paper's machine (megatrain.perf_model)
+DEEPSPEED_PROJECTION = "results/perf_model/deepspeed_projection.json"
+
+
+def _papers_batch(claims: tuple[paper.Claim, ...]) -> int | None:
+    """The batch the paper ran its claims' case at: stated with the claim, else with its MegaTrain ablation of the
+    same model on the same machine (the 14B's batch 96)."""
+    for claim in claims:
+        if claim.batch:
+            return claim.batch
+        same = [c.batch for c in paper.CLAIMS if c.batch and c.system == "megatrain" and c.source == claim.source
+                and (c.model, c.seq, c.hardware) == (claim.model, claim.seq, claim.hardware)]
+        if same:
+            return same[0]
+    return None
+
+
+def _depth(rows: pd.DataFrame) -> tuple[int, int]:
+    """(layers, the model's full depth) of a session's rows."""
+    row = rows.iloc[0]
+    return int(row["num_layers"]), MODELS[row["model_name"]].num_layers
+
+
+def _depth_phrase(rows: pd.DataFrame) -> str:
+    layers, full = _depth(rows)
+    return f"full depth ({full} layers)" if layers == full else f"{layers} of its {full} layers"
+
+
+def _ratios_at(pairs: pd.DataFrame, batch: int) -> str:
+    """Each label's ratio at one batch, per kernel setting: 'eager, MegaTrain 1.25x and FSDP2 offload 0.92x;
+    compiled, MegaTrain 1.36x'."""
+    said = []
+    for compiled, g in pairs[pairs["batch"] == batch].groupby("compiled"):  # eager first
+        figures = [f"{prose(label.removesuffix(plots.COMPILED_SUFFIX))} {g[g['label'] == label]['ratio'].iloc[0]:.2f}x"
+                   for label in plots.ordered_labels(g["label"])]
+        said.append(f"{'compiled' if compiled else 'eager'}, {_join(figures)}")
+    return "; ".join(said)
+
+
+def _over_batch(pairs: pd.DataFrame) -> str:
+    """Each label's ratio at each batch it ran beside DeepSpeed, per kernel setting: 'eager, MegaTrain 2.34x at 16 to
+    1.21x at 96 (2.34x, 1.60x, 1.21x at 16, 64, 96)'."""
+    said = []
+    for compiled, g in pairs.groupby("compiled"):
+        figures = []
+        for label in plots.ordered_labels(g["label"]):
+            rows = g[g["label"] == label].sort_values("batch")
+            if len(rows) < 2:
+                continue
+            ratios = ", ".join(f"{r:.2f}x" for r in rows["ratio"])
+            figures.append(f"{prose(label.removesuffix(plots.COMPILED_SUFFIX))} {ratios} at batch "
+                           f"{', '.join(str(b) for b in rows['batch'])}")
+        if figures:
             said.append(f"{'compiled' if compiled else 'eager'}, {_join(figures)}")
-        parts = [f"{where}, each system's TFLOPS over DeepSpeed ZeRO-3 offload's at the same batch and kernels: "
-                 f"{BOLD}{'; '.join(said)}{END_BOLD}"]
+    return "; ".join(said)
+
+
+def _why(projection_path: Path) -> str | None:
+    """The model of DeepSpeed's step projected onto the paper's machine, in one sentence, where perf_model wrote it."""
+    if not projection_path.exists():
+        return None
+    answer = json.loads(projection_path.read_text()).get("answer")
+    return answer.rstrip(".") if answer else None
+
+
+def over_deepspeed(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path,
+                   projection_path: Path = WORKSPACE / DEEPSPEED_PROJECTION):
+    """The paper's headline question: every system's TFLOPS over DeepSpeed ZeRO-3 offload's at the same model, batch
+    and kernels, one kernel setting at a time. It opens with the deepest session that ran beside DeepSpeed at the
+    paper's batch (a full-depth record supersedes a cut one; the latest of equals), then the ratio over batch from the
+    deepest session that ran several batches, then why the paper's ratio differs (the DeepSpeed step model's
+    projection, where perf_model wrote one), then what did not run in the opening session, and the paper's own
+    figure as the paper's."""
+    ok = scope[scope["status"] == "ok"]
+    if ok.empty:
+        return f"{BOLD}No case ran ok in the records.{END_BOLD}", None, ""
+    seq = plots._main_seq(ok)
+    at_seq = scope[scope["seq"] == seq]
+    pairs = _over(at_seq, "deepspeed")
+    papers_batch = _papers_batch(claims)
+    if pairs.empty:
+        session = at_seq[at_seq["session"] == at_seq["session"].max()]
+        ran = _join([prose(label) for label in plots.ordered_labels(session[session["status"] == "ok"]["label"])])
+        parts = [f"On {_machine(session)}, at {_join(sorted(session['model'].unique()))}, seq {seq}, {BOLD}no system "
+                 f"ran beside DeepSpeed ZeRO-3 offload at the same batch and kernels{END_BOLD} in the latest session "
+                 f"({ran} ran): no ratio to it is stated"]
+    else:
+        def rank(name):  # deepest first, then at the paper's batch, then the latest
+            rows = at_seq[at_seq["session"] == name]
+            layers, full = _depth(rows)
+            return (layers / full, papers_batch in set(pairs[pairs["session"] == name]["batch"]), name)
+        name = max(pairs["session"].unique(), key=rank)
+        session, mine = at_seq[at_seq["session"] == name], pairs[pairs["session"] == name]
+        batch = papers_batch if papers_batch in set(mine["batch"]) else int(mine["batch"].max())
+        which = "the paper's" if batch == papers_batch else \
+            f"the largest beside DeepSpeed here; the paper's {papers_batch} did not run beside it"
+        model = session["model_name"].iloc[0]
+        parts = [f"At batch {batch} ({which}), {model} at {_depth_phrase(session)}, seq {seq}, on {_machine(session)}, "
+                 f"each system's TFLOPS over DeepSpeed ZeRO-3 offload's at the same kernels: "
+                 f"{BOLD}{_ratios_at(mine, batch)}{END_BOLD}"]
+        several = [n for n in pairs["session"].unique() if pairs[pairs["session"] == n]["batch"].nunique() > 1]
+        if several:
+            other = max(several, key=rank)
+            rows = at_seq[at_seq["session"] == other]
+            where = "" if other == name else f" ({_depth_phrase(rows)}, on {_machine(rows)})"
+            parts.append(f"over batch{where}: {_over_batch(pairs[pairs['session'] == other])}")
+        else:
+            parts.append("no session has yet run more than one batch beside DeepSpeed: the ratio over batch is not "
+                         "measured")
+        at_seq = session
     parts += _no_ratio(_unpaired(at_seq, "deepspeed"), SYSTEM_NAMES["deepspeed"])
     failed = at_seq[at_seq["status"] != "ok"]  # every system's: a ratio missing because ours failed is said too
     for (label, batch), g in failed.groupby(["label", "batch"], sort=False):
         parts.append(f"{prose(label)} did not run batch {batch} "
                      f"({tables.short_reason(g['status'].iloc[0], g['error'].iloc[0])})")
     for claim in claims:
-        batch = f"batch {claim.batch}" if claim.batch else "batch not stated"
+        stated = f"batch {claim.batch}" if claim.batch else \
+            "batch not stated" + (f" (its ablation of the same case runs {papers_batch})" if papers_batch else "")
         parts.append(f"the paper's own figure, on its machine and not a ratio of ours: {_papers_ratio(claim)}, "
-                     f"{batch}")
-    sentence = "; ".join(parts) + "."
-    return sentence, _over_deepspeed_figure(ok[ok["seq"] == seq], pairs, path), (
-        "TFLOPS (6NT) of each system at each batch in the latest session, eager and compiled apart (hatched: "
-        "compiled); under each bar's TFLOPS, its ratio to DeepSpeed ZeRO-3 offload's at the same batch and kernels. "
-        "The paper's own ratio is in the sentence above: its figures were measured on its machine.")
+                     f"{stated}")
+    if why := _why(projection_path):
+        parts.append(f"why the paper's ratio is larger: {why}")
+    if pairs.empty:  # no ratio to draw: each system's TFLOPS
+        return "; ".join(parts) + ".", plots.summary_tflops(at_seq, path), (
+            "TFLOPS (6NT) of each system at each batch in the latest session; hatched: compiled. No system ran beside "
+            "DeepSpeed ZeRO-3 offload at the same batch and kernels.")
+    return "; ".join(parts) + ".", _over_deepspeed_figure(scope[scope["seq"] == seq], pairs, claims, papers_batch,
+                                                          path), (
+        "Each system's TFLOPS (6NT) over DeepSpeed ZeRO-3 offload's at the same batch and kernels, against batch, "
+        "eager and compiled apart (dashed: compiled), one line per system and session (its depth and machine in the "
+        "legend where several); the star is the paper's own ratio, measured on its machine (GH200) at a batch it "
+        "does not state, drawn at its ablation's batch.")
 
 
-def _over_deepspeed_figure(ok: pd.DataFrame, pairs: pd.DataFrame, path: Path) -> Path:
-    settings = sorted(ok["compile"].unique())
-    fig, axes = plots._figure(1, len(settings), height=4.4)
-    for ax, compiled in zip(axes[0], settings, strict=True):
-        rows = ok[ok["compile"] == compiled]
-        keys = rows[["params_b", "model", "batch"]].drop_duplicates().sort_values(["params_b", "model", "batch"])
-        several = keys["model"].nunique() > 1
-        groups = [("\n".join([plots.model_tick(model)] * several + [f"batch {batch}"]),
-                   rows[(rows["model"] == model) & (rows["batch"] == batch)].groupby("label")["tflops"].max()
-                   .to_dict()) for _, model, batch in keys.itertuples(index=False)]
-        bars = plots.grouped_bars(ax, groups, values=False)
-        wide = ax.get_window_extent().width * next(iter(bars.values())).get_width() / len(groups) >= 30  # pixels
-        for (i, label), bar in bars.items():  # its TFLOPS and its ratio to DeepSpeed's; on a narrow bar, the ratio
-            _, model, batch = keys.iloc[i]
-            ratio = pairs[(pairs["label"] == label) & (pairs["model"] == model) & (pairs["batch"] == batch)]["ratio"]
-            ratio = f"{ratio.iloc[0]:.2f}x" if len(ratio) else ""
-            text = f"{bar.get_height():.0f}" + (f"\n{ratio}" if ratio else "") if wide else ratio
-            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), xytext=(0, 2),
-                        textcoords="offset points", ha="center", va="bottom", fontsize=8, rotation=0 if wide else 90)
-        ax.set(ylabel="TFLOPS (6NT)", title="compiled" if compiled else "eager")
-    plots._legend_below(fig, axes)
+def _over_deepspeed_figure(rows: pd.DataFrame, pairs: pd.DataFrame, claims: tuple[paper.Claim, ...],
+                           papers_batch: int | None, path: Path) -> Path:
+    sessions = list(pairs["session"].unique())
+    fig, axes = plots._figure(1, 2, height=4.4, sharey=True)
+    for ax, compiled in zip(axes[0], (False, True), strict=True):
+        drawn = pairs[pairs["compiled"] == compiled]
+        for (session, label), g in drawn.groupby(["session", "label"]):
+            g = g.sort_values("batch")
+            at = rows[rows["session"] == session]
+            layers, full = _depth(at)
+            note = f" ({layers} layers, {_machine(at).removeprefix('one ')})" if len(sessions) > 1 else ""
+            style = plots._line_style(label)
+            if layers < full:  # a cut model: its system's colour, lighter, open markers
+                style.update(color=plots._shade(style["color"], 0.4), markerfacecolor="white")
+            ax.plot(g["batch"], g["ratio"], label=prose(label.removesuffix(plots.COMPILED_SUFFIX)) + note, **style)
+        for claim in claims:
+            mine = paper.counterpart(claim)
+            if mine and mine.tflops and claim.tflops and papers_batch:
+                ax.plot([papers_batch], [mine.tflops / claim.tflops], linestyle="none", marker="*", markersize=14,
+                        color="black", label=f"the paper's {mine.tflops / claim.tflops:.2f}x ({claim.hardware})")
+        ax.axhline(1.0, color="#8c8c8c", linewidth=0.8)
+        batches = sorted(set(pairs["batch"]) | ({papers_batch} if papers_batch else set()))
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.xaxis.set_minor_locator(plots.NullLocator())
+        ax.set(xlabel="batch (sequences of the step)", title="compiled" if compiled else "eager")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("TFLOPS over DeepSpeed ZeRO-3 offload's")
+    plots._legend_below(fig, axes, ncols=3)
     return plots._save(fig, path)
 
 
