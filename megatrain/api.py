@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from megatrain.config import CaseConfig
-from megatrain.models.hf import check_hf_checkpoint, iter_hf_tensors
+from megatrain.models.handwritten.hf import check_hf_checkpoint, iter_hf_tensors
 from megatrain.models.loss import IGNORE_INDEX
 from megatrain.optim.config import OptimConfig
 from megatrain.preflight import preflight

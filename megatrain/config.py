@@ -9,8 +9,8 @@ import torch
 
 from megatrain.engine.config import share
 from megatrain.memory import dtype_bytes
-from megatrain.models.config import ModelConfig
 from megatrain.models.generic import GenericConfig
+from megatrain.models.handwritten.config import ModelConfig
 from megatrain.models.registry import get_model_config, shape_from_dict
 from megatrain.optim.config import OptimConfig
 from megatrain.options import CommonOptions

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from megatrain.models.config import ModelConfig
+from megatrain.models.handwritten.config import ModelConfig
 from megatrain.models.loss import chunk_tokens_for
 
 GIB = 2**30

@@ -8,7 +8,7 @@ from typing import Literal
 import torch
 
 from megatrain.memory import dtype_bytes
-from megatrain.models.config import ModelConfig
+from megatrain.models.handwritten.config import ModelConfig
 from megatrain.optim.config import OptimConfig
 from megatrain.options import CommonOptions
 

@@ -3,11 +3,11 @@ decoders beside it (megatrain.models.generic)."""
 
 from torch import nn
 
-from megatrain.models.config import ModelConfig
 from megatrain.models.generic import GenericConfig
+from megatrain.models.handwritten.config import ModelConfig
+from megatrain.models.handwritten.transformer import DecoderLayer, RMSNorm, Transformer
 from megatrain.models.registry import MODELS, get_model_config
 from megatrain.models.rope import rotary_tables
-from megatrain.models.transformer import DecoderLayer, RMSNorm, Transformer
 
 
 def build_model(cfg: ModelConfig | GenericConfig, activation_checkpointing: bool = False,

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: a config counts its layers' pairs itself (megatrain.models.masks.attended_pairs)
-    from megatrain.models.config import ModelConfig
+    from megatrain.models.handwritten.config import ModelConfig
 
 
 def model_flops(num_params: int, tokens: int) -> float:

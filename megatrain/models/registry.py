@@ -9,9 +9,9 @@ paper's GPT-OSS-120B before the mixtures of experts ran. `tiny*` are for CPU tes
 
 from __future__ import annotations
 
-from megatrain.models.config import ModelConfig
 from megatrain.models.generic import GenericConfig
-from megatrain.models.hf import config_to_hf
+from megatrain.models.handwritten.config import ModelConfig
+from megatrain.models.handwritten.hf import config_to_hf
 from megatrain.models.masks import SLIDING
 from megatrain.models.rope import RopeScaling
 

@@ -38,9 +38,9 @@ from megatrain.engine.distributed import accumulation_steps
 from megatrain.engine.templates import CompiledCall, LayerTemplate
 from megatrain.models import DecoderLayer, GenericConfig, Transformer, build_model
 from megatrain.models.generic.module import reset_buffers
-from megatrain.models.hf import copy_named_weights, persistent_buffers
+from megatrain.models.handwritten.hf import copy_named_weights, persistent_buffers
+from megatrain.models.handwritten.moe import MoE
 from megatrain.models.init import init_module, init_param
-from megatrain.models.moe import MoE
 from megatrain.optim.fused import find_ninja
 from megatrain.optim.groups import adamw_param_groups
 from megatrain.optim.state_bytes import FP32_BYTES, checkpoint_bytes_per_param, state_bytes_per_param
@@ -309,7 +309,7 @@ class _GatheredMasters(Mapping):
 
 
 class _ZeroParam:
-    """A ZeRO parameter as a weight-copy target (megatrain.models.hf.copy_named_weights): its full shape, and a copy
+    """A ZeRO parameter as a weight-copy target (models.handwritten.hf.copy_named_weights): its full shape, and a copy
     that writes both copies of the weight, the module's (ZeRO-3: its partition, gathered, written, re-partitioned)
     and the optimizer's fp32 master partition."""
 

@@ -54,8 +54,8 @@ import torch
 from megatrain.config import CaseConfig
 from megatrain.engine import distributed
 from megatrain.memory import backward_work_bytes, layer_input_bytes
-from megatrain.models.config import ModelConfig
-from megatrain.models.hf import config_to_hf, save_hf_checkpoint
+from megatrain.models.handwritten.config import ModelConfig
+from megatrain.models.handwritten.hf import config_to_hf, save_hf_checkpoint
 from megatrain.models.init import init_param
 from megatrain.models.loss import IGNORE_INDEX
 from megatrain.models.masks import SLIDING
@@ -295,7 +295,7 @@ class PaperSystem:
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(
             checkpoint, torch_dtype=torch.bfloat16, device_map="cpu", trust_remote_code=True,
             attn_implementation=self.attn)
-        # our names are transformers' without the `model.` prefix (megatrain.models.hf); the tensors are their
+        # our names are transformers' without the `model.` prefix (models.handwritten.hf); the tensors are their
         # host weights, which CPUMasterModel keeps and the optimizer updates
         self.params = {name.removeprefix("model."): p for name, p in hf_model.named_parameters()}
         self.config = their_config(infinity, case, checkpoint)

@@ -26,7 +26,7 @@ from megatrain.models.flops import model_flops
 from megatrain.models.generic import GenericConfig
 from megatrain.models.generic.checkpoint import iter_weights, save_weights
 from megatrain.models.generic.module import packing_refusal
-from megatrain.models.hf import INDEX_FILE
+from megatrain.models.handwritten.hf import INDEX_FILE
 from megatrain.models.loss import IGNORE_INDEX
 from megatrain.models.registry import get_model_config
 from megatrain.preflight import preflight

@@ -86,7 +86,7 @@ def test_init_from_reads_and_translates_its_config_once(tmp_path, monkeypatch, k
     """The checkpoint's config.json is read and translated once, where train checks its flags: the check's model is
     the one built, loaded and exported (the hand-written llama, and gemma3 through transformers' own modules)."""
     import megatrain.models.generic.checkpoint as checkpoint
-    import megatrain.models.hf as hf
+    import megatrain.models.handwritten.hf as hf
 
     reads = []
     read = hf.read_hf_config

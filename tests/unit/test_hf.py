@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 from families import KINDS, ORIGINAL, family_config  # noqa: E402
 
 from megatrain.models import Transformer, get_model_config  # noqa: E402
-from megatrain.models.hf import (  # noqa: E402
+from megatrain.models.handwritten.hf import (  # noqa: E402
     INDEX_FILE,
     SINGLE_FILE,
     config_from_hf,

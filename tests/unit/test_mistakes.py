@@ -17,7 +17,7 @@ from train_helpers import at_step, hf_model, make_read_only, pretokenized, run_t
 
 import megatrain.train.loop as loop  # noqa: E402
 from megatrain.cli import main  # noqa: E402
-from megatrain.models.hf import INDEX_FILE, SINGLE_FILE  # noqa: E402
+from megatrain.models.handwritten.hf import INDEX_FILE, SINGLE_FILE  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from megatrain import preflight
 from megatrain.config import CaseConfig
 from megatrain.engine import distributed
 from megatrain.models import Transformer
-from megatrain.models.hf import iter_hf_tensors
+from megatrain.models.handwritten.hf import iter_hf_tensors
 from megatrain.models.init import init_module
 from megatrain.models.loss import IGNORE_INDEX
 from megatrain.probe import Machine

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from megatrain.models.config import FAMILIES, ModelConfig
 from megatrain.models.generic.config import GenericConfig
 from megatrain.models.generic.skeleton import build_causal_lm, transformers_config
-from megatrain.models.hf import (
+from megatrain.models.handwritten.config import FAMILIES, ModelConfig
+from megatrain.models.handwritten.hf import (
     REQUIRED_KEYS,
     check_config_values,
     check_hf_checkpoint,

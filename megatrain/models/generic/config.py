@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from megatrain.models.config import UnitShapes
+from megatrain.models.handwritten.config import UnitShapes
 from megatrain.models.masks import FULL, SLIDING, attended_pairs
 
 if TYPE_CHECKING:  # annotations only: the skeleton (which builds the model, with transformers) says the layout

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from megatrain.models.config import UnitShapes
+from megatrain.models.handwritten.config import UnitShapes
 
 
 class ConfigJson(Protocol):

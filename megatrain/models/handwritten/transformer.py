@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from megatrain.models.config import ModelConfig
+from megatrain.models.handwritten.config import ModelConfig
+from megatrain.models.handwritten.moe import MoE, load_balancing_loss
 from megatrain.models.loss import IGNORE_INDEX, linear_cross_entropy
 from megatrain.models.masks import Mask, rope_and_masks
-from megatrain.models.moe import MoE, load_balancing_loss
 from megatrain.models.rope import apply_rotary, rotary_tables
 
 

@@ -220,7 +220,7 @@ class ModelConfig:
         return shapes
 
     def moe_shapes(self) -> dict[str, tuple[int, ...]]:
-        """A layer's router and experts (megatrain.models.moe.MoE): each expert's gate and up rows stacked ([E, 2I,
+        """A layer's router and experts (handwritten.moe.MoE): each expert's gate and up rows stacked ([E, 2I,
         H], gate first) and its down projection ([E, H, I]), so one expert's weights are one contiguous slice."""
         e, h, i = self.num_experts, self.hidden_size, self.moe_intermediate_size
         shapes = {"mlp.router.weight": (e, h), **({"mlp.router.bias": (e,)} if self.moe_bias else {}),

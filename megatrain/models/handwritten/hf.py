@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from megatrain.models.config import FAMILIES, MOE_FAMILIES, ModelConfig
+from megatrain.models.handwritten.config import FAMILIES, MOE_FAMILIES, ModelConfig
 from megatrain.models.masks import FULL, SLIDING
 from megatrain.models.rope import RopeScaling
 
@@ -591,7 +591,7 @@ def _from_checkpoint(cfg: ModelConfig, name: str, read: _Checkpoint) -> torch.Te
         if key in read:
             tensor = read(key)
         else:  # the published MXFP4 blocks
-            from megatrain.models.mxfp4 import dequantize
+            from megatrain.models.handwritten.mxfp4 import dequantize
 
             tensor = dequantize(read(key + "_blocks"), read(key + "_scales"))
         tensor = tensor.transpose(1, 2)
