@@ -7,17 +7,7 @@ from dataclasses import asdict, dataclass, replace
 
 from megatrain.models.masks import FULL, LAYER_TYPES, SLIDING, attended_pairs
 from megatrain.models.rope import RopeScaling
-
-
-@dataclass(frozen=True)
-class UnitShapes:
-    """One streamed unit of a model (megatrain.engine.layout): its kind ('embed', 'layer', 'head'), the prefix of its
-    parameters' full names, and (name inside its template, shape) of each parameter in the module's order."""
-
-    kind: str
-    prefix: str
-    shapes: tuple[tuple[str, tuple[int, ...]], ...]
-
+from megatrain.models.shape import UnitShapes
 
 # The Hugging Face architectures the one model definition covers, and what each fixes of the flags below.
 FAMILIES = ("qwen2", "llama", "qwen3", "mistral", "qwen3_moe", "gpt_oss")
@@ -315,6 +305,17 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    # ---- what it refuses, and its kind (megatrain.models.kinds: its module and its checkpoints) -------------------
+    kind = "handwritten"
+
+    def check(self) -> ModelConfig:
+        """Every setting was checked as the shape was made: nothing to build. Returns self."""
+        return self
+
+    def packing_refusal(self) -> str | None:
+        """None: the attention keeps packed documents apart (document masks, positions restarting per document)."""
+        return None
 
 
 def _numel(shapes: dict[str, tuple[int, ...]]) -> int:
