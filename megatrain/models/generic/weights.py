@@ -33,8 +33,8 @@ def check_weights(cfg: GenericConfig, path: Path, stored: Stored) -> None:
                              "are floating point")
     expected = {unit.prefix + name: shape for unit in cfg.unit_shapes() for name, shape in unit.shapes}
     expected.update(cfg.layout.buffers)
-    for key in stored.keys() & expected.keys():
-        if stored[key].shape != expected[key]:
+    for key in stored:
+        if key in expected and stored[key].shape != expected[key]:
             raise ValueError(f"{stored[key].file}: {key} has shape {stored[key].shape}, the config implies "
                              f"{expected[key]}")
     ignored = {cfg.layout.head_weight_name} if cfg.tie_embeddings else set()
