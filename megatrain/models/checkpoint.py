@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from megatrain.models.generic.config import GenericConfig
-from megatrain.models.handwritten.config import FAMILIES
+from megatrain.models.handwritten.families import FAMILIES
 from megatrain.models.handwritten.hf import REQUIRED_KEYS, config_from_hf
 from megatrain.models.kinds import kind_of
 from megatrain.models.safetensors_files import read_json, stored_tensors
@@ -106,8 +106,8 @@ def shape_from_config(config: Mapping, generic: bool = False) -> ModelShape:
 
 def check_config_values(config: Mapping) -> None:
     """The config.json keys read as counts positive integers (sizes that may be 0: head_dim, windows, experts; a list
-    of them, one per layer), those read as numbers numbers, and its RoPE base and norm epsilon finite and > 0, where given; ValueError
-    naming the first that is not."""
+    of them, one per layer), those read as numbers numbers, and its RoPE base and norm epsilon finite and > 0, where
+    given; ValueError naming the first that is not."""
     for keys, kind, what, least in ((_COUNT_KEYS, int, "an integer >= 1", 1), (_SIZE_KEYS, int, "an integer >= 0", 0),
                                     (_NUMBER_KEYS, int | float, "a number", -math.inf)):
         for key in keys:

@@ -55,7 +55,7 @@ from megatrain.config import CaseConfig
 from megatrain.engine import distributed
 from megatrain.memory import backward_work_bytes, layer_input_bytes
 from megatrain.models.checkpoint import save_checkpoint
-from megatrain.models.handwritten.config import FAMILIES
+from megatrain.models.handwritten.families import FAMILIES
 from megatrain.models.init import init_param
 from megatrain.models.loss import IGNORE_INDEX
 from megatrain.models.masks import SLIDING

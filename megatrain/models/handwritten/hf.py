@@ -17,12 +17,12 @@ import contextlib
 import json
 import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from megatrain.models.handwritten.config import FAMILIES, MOE_FAMILIES, ModelConfig
+from megatrain.models.handwritten.config import ModelConfig
+from megatrain.models.handwritten.families import ALL, ALTERNATE, FAMILIES, MOE_FAMILIES, NONE, ROWS, SUFFIX
 from megatrain.models.masks import FULL, SLIDING
 from megatrain.models.rope import RopeScaling
 from megatrain.models.safetensors_files import (
@@ -36,49 +36,6 @@ from megatrain.models.safetensors_files import (
     stored_tensors,
 )
 
-SUPPORTED_MODEL_TYPES = FAMILIES
-@dataclass(frozen=True)
-class _Family:
-    """What a hand-written family's config.json means, as transformers' config class and modeling file read it.
-
-    architecture: its *ForCausalLM class (written into an export's config.json).
-    defaults: transformers' defaults for keys a config.json may leave out.
-    qkv_bias: q, k and v projections always biased (Qwen2).
-    attention_bias: the family's attention_bias key: its default, or None where the family has none (then
-        attention_bias=true is refused).
-    mlp_bias: the family reads mlp_bias (else mlp_bias=true is refused).
-    qk_norm: per-head RMSNorm on q and k (Qwen3).
-    windows: which layers slide: "none" (refused where asked), "suffix" (from max_window_layers on, when
-        use_sliding_window), "all" (every layer, when sliding_window), "alternate" (even layers, by default).
-    """
-
-    architecture: str
-    defaults: dict
-    qkv_bias: bool = False
-    attention_bias: bool | None = False
-    mlp_bias: bool = False
-    qk_norm: bool = False
-    windows: str = "none"
-
-
-_FAMILIES = {
-    "qwen2": _Family("Qwen2ForCausalLM", dict(max_position_embeddings=32768, max_window_layers=28), qkv_bias=True,
-                     attention_bias=None, windows="suffix"),
-    "llama": _Family("LlamaForCausalLM", dict(max_position_embeddings=2048), mlp_bias=True),
-    "qwen3": _Family("Qwen3ForCausalLM", dict(max_position_embeddings=32768, max_window_layers=28, head_dim=128),
-                     qk_norm=True, windows="suffix"),
-    "mistral": _Family("MistralForCausalLM", dict(max_position_embeddings=131072, num_key_value_heads=8,
-                                                  sliding_window=4096), attention_bias=None, windows="all"),
-    "qwen3_moe": _Family("Qwen3MoeForCausalLM", dict(max_position_embeddings=32768, num_key_value_heads=4,
-                                                     norm_topk_prob=False), qk_norm=True),
-    "gpt_oss": _Family("GptOssForCausalLM", dict(
-        max_position_embeddings=131072, num_key_value_heads=8, head_dim=64, sliding_window=128, num_experts_per_tok=4,
-        swiglu_limit=7.0, swiglu_alpha=1.702, rms_norm_eps=1e-5,
-        rope=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
-                  original_max_position_embeddings=4096, rope_theta=150000.0)),
-        attention_bias=True, windows="alternate"),
-}
-assert tuple(_FAMILIES) == FAMILIES
 # the keys each RoPE scaling reads (transformers' modeling_rope_utils); another key is refused, not ignored
 _ROPE_KEYS = {"default": set(), "linear": {"factor"}, "dynamic": {"factor"},
               "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
@@ -100,7 +57,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _rope_from_hf(hf: Mapping) -> tuple[float, RopeScaling | None]:
     """(theta, scaling) of a config: 5.x's rope_parameters or 4.x's rope_theta and rope_scaling."""
     params = dict(hf.get("rope_parameters") or {})
-    family = _FAMILIES.get(hf.get("model_type"))
+    family = ROWS.get(hf.get("model_type"))
     if not params and not hf.get("rope_scaling") and family is not None and "rope" in family.defaults:
         params = {**family.defaults["rope"], **{k: hf[k] for k in ("rope_theta",) if k in hf}}
     if any(isinstance(v, Mapping) for v in params.values()):
@@ -136,22 +93,22 @@ def _rope_from_hf(hf: Mapping) -> tuple[float, RopeScaling | None]:
 
 def _attention_layers(hf: Mapping, family: str, num_layers: int) -> tuple[int, tuple[str, ...]]:
     """(sliding window, per-layer types) as transformers builds them for the family."""
-    defaults = _FAMILIES[family].defaults
+    defaults = ROWS[family].defaults
     types = tuple(hf.get("layer_types") or ())
     if unknown := sorted(set(types) - {FULL, SLIDING}):
         raise ValueError(f"layer_types {unknown} are not supported; only {FULL!r} and {SLIDING!r} are")
-    windows = _FAMILIES[family].windows
-    if windows == "none":  # transformers' Llama would ignore them: refused rather than trained differently
+    windows = ROWS[family].windows
+    if windows == NONE:  # transformers' Llama would ignore them: refused rather than trained differently
         if SLIDING in types:
             raise ValueError(f"{family} models have no sliding-window attention; the config's layer_types ask for it")
         if hf.get("use_sliding_window"):
             raise ValueError(f"{family} with use_sliding_window=true is not supported (no released checkpoint uses "
                              "it); set it false")
         window, types = 0, ()
-    elif windows == "alternate":  # transformers' default: even layers slide, odd ones attend fully
+    elif windows == ALTERNATE:  # transformers' default: even layers slide, odd ones attend fully
         window = hf.get("sliding_window", defaults["sliding_window"]) or 0
         types = types or tuple(SLIDING if n % 2 == 0 else FULL for n in range(num_layers))
-    elif windows == "all":
+    elif windows == ALL:
         if any(t != FULL for t in types):
             raise ValueError(f"mistral with layer_types {sorted(set(types))} is not supported (transformers builds it "
                              "as Ministral)")
@@ -178,14 +135,14 @@ def config_from_hf(hf: Mapping) -> ModelConfig:
     (rope_parameters). Raises ValueError for any setting our model does not implement.
     """
     family = hf.get("model_type")
-    if family not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type {family!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if family not in FAMILIES:
+        raise ValueError(f"model_type {family!r} is not supported; supported: {', '.join(FAMILIES)}")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported; our MLP is SwiGLU with silu")
-    traits = _FAMILIES[family]
-    if hf.get("mlp_bias") and not traits.mlp_bias:
+    row = ROWS[family]
+    if hf.get("mlp_bias") and not row.mlp_bias:
         raise ValueError(f"mlp_bias=true is not part of {family}")
-    if hf.get("attention_bias") and traits.attention_bias is None:
+    if hf.get("attention_bias") and row.attention_bias is None:
         raise ValueError(f"attention_bias=true is not part of {family}")
     if hf.get("attention_dropout", 0.0):
         warnings.warn(f"attention_dropout={hf['attention_dropout']} is ignored: our attention has no dropout",
@@ -194,10 +151,10 @@ def config_from_hf(hf: Mapping) -> ModelConfig:
     if missing:
         raise ValueError(f"config.json lacks {', '.join(missing)}")
     theta, scaling = _rope_from_hf(hf)
-    defaults = _FAMILIES[family].defaults
+    defaults = ROWS[family].defaults
     window, types = _attention_layers(hf, family, hf["num_hidden_layers"])
-    attention_bias = bool(hf.get("attention_bias", traits.attention_bias))
-    if traits.attention_bias and not attention_bias:
+    attention_bias = bool(hf.get("attention_bias", row.attention_bias))
+    if row.attention_bias and not attention_bias:
         raise ValueError(f"{family} with attention_bias=false is not supported (every release has the biases)")
     return ModelConfig(
         vocab_size=hf["vocab_size"],
@@ -207,10 +164,10 @@ def config_from_hf(hf: Mapping) -> ModelConfig:
         num_heads=hf["num_attention_heads"],
         num_kv_heads=hf.get("num_key_value_heads") or defaults.get("num_key_value_heads", hf["num_attention_heads"]),
         head_dim=hf.get("head_dim") or defaults.get("head_dim", 0),
-        qkv_bias=traits.qkv_bias or attention_bias,
+        qkv_bias=row.qkv_bias or attention_bias,
         o_bias=attention_bias,
         mlp_bias=bool(hf.get("mlp_bias", False)),
-        qk_norm=traits.qk_norm,
+        qk_norm=row.qk_norm,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         rope_theta=theta,
         rope_scaling=scaling,
@@ -225,7 +182,7 @@ def config_from_hf(hf: Mapping) -> ModelConfig:
 
 def _experts_from_hf(hf: Mapping, family: str) -> dict:
     """The ModelConfig fields of a mixture of experts; layouts we do not build are refused by name."""
-    defaults = _FAMILIES[family].defaults
+    defaults = ROWS[family].defaults
     quant = hf.get("quantization_config") or {}
     if quant and quant.get("quant_method") != "mxfp4":
         raise ValueError(f"quantization_config {quant.get('quant_method')!r} is not supported; only GPT-OSS's mxfp4 "
@@ -277,7 +234,7 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
     """
     rope = _rope_to_hf(cfg)
     hf = {
-        "architectures": [_FAMILIES[cfg.family].architecture],
+        "architectures": [ROWS[cfg.family].architecture],
         "model_type": cfg.family,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
@@ -302,16 +259,16 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
         "dtype": _dtype_name(dtype),
     }
     window = cfg.sliding_window or None
-    traits = _FAMILIES[cfg.family]
-    if traits.windows == "suffix":
+    row = ROWS[cfg.family]
+    if row.windows == SUFFIX:
         # 5.x reads layer_types; 4.x slides the layers from max_window_layers on (a suffix, as every release has)
         types = [cfg.layer_type(n) for n in range(cfg.num_layers)]
         first = types.index(SLIDING) if SLIDING in types else cfg.num_layers
         hf.update(use_sliding_window=window is not None, sliding_window=window, max_window_layers=first,
                   layer_types=types)
-    if traits.windows == "all":
+    if row.windows == ALL:
         hf["sliding_window"] = window
-    if traits.attention_bias is not None:
+    if row.attention_bias is not None:
         hf["attention_bias"] = cfg.o_bias
     if cfg.is_moe:
         hf.update(num_experts_per_tok=cfg.num_experts_per_tok, output_router_logits=cfg.router_aux_loss_coef > 0,
@@ -324,7 +281,7 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
         hf.update(num_local_experts=cfg.num_experts, swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha,
                   sliding_window=cfg.sliding_window or None,
                   layer_types=[cfg.layer_type(n) for n in range(cfg.num_layers)])
-    if traits.mlp_bias:
+    if row.mlp_bias:
         hf["mlp_bias"] = cfg.mlp_bias
     if cfg.family == "llama":
         hf["pretraining_tp"] = 1
