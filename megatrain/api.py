@@ -23,10 +23,9 @@ from pathlib import Path
 
 import torch
 
-from megatrain.config import CaseConfig
+from megatrain.flags import CaseFlags
 from megatrain.models.checkpoint import open_checkpoint
 from megatrain.models.loss import IGNORE_INDEX
-from megatrain.optim.config import OptimConfig
 from megatrain.preflight import preflight
 from megatrain.systems import build_system, system_spec
 from megatrain.train import checkpoint, trust
@@ -114,12 +113,11 @@ class Engine:
         # the one road train --init-from takes: its model (hand-written or transformers' own) and config.json
         self.checkpoint = open_checkpoint(path) if self.model_dir else None
         shape = self.checkpoint.shape if self.checkpoint else None
-        optim = OptimConfig(lr=lr, beta1=adam_betas[0], beta2=adam_betas[1], eps=adam_eps, weight_decay=weight_decay,
-                            max_grad_norm=max_grad_norm, moments=moments)
-        self.case = CaseConfig(system=system, model=path.name if shape else os.fspath(model), model_shape=shape,
-                               batch=batch, micro_batch=micro_batch, seq=seq, steps=1, warmup=0, dtype=dtype,
-                               precision=precision, device=device, seed=seed, compile=compile, optim=optim,
-                               options=option or {})
+        flags = CaseFlags(system=system, device=device, dtype=dtype, precision=precision, compile=compile,
+                          option=option or {}, seq=seq, batch=batch, micro_batch=micro_batch, lr=lr,
+                          weight_decay=weight_decay, max_grad_norm=max_grad_norm, moments=moments, seed=seed)
+        self.case = flags.make_case(path.name if shape else os.fspath(model), model_shape=shape, steps=1, warmup=0,
+                                    optim=flags.optim(beta1=adam_betas[0], beta2=adam_betas[1], eps=adam_eps))
         for note in preflight(self.case):  # refuses what does not fit this machine
             log(note)
         self.system = build_system(self.case)

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from megatrain.config import CaseConfig
 from megatrain.engine import distributed
 from megatrain.flags import CaseFlags, flag
-from megatrain.optim.config import OptimConfig
 
 # the OptimConfig fields that are flags; betas and eps are not
 OPTIM_FLAGS = ("lr", "weight_decay", "max_grad_norm", "moments")
@@ -31,10 +30,9 @@ class BenchFlags(CaseFlags):
     json: bool = flag(False, help="print the record as one JSON line, stdout's last (the suite runner reads it)")
 
     def case(self) -> CaseConfig:
-        values = {k: v for k, v in dataclasses.asdict(self).items() if k in CaseConfig.__dataclass_fields__}
-        values["ranks"] = self.ranks or distributed.launch_size()[0]
-        optim = OptimConfig(**{k: getattr(self, k) for k in OPTIM_FLAGS})
-        return CaseConfig(**values, optim=optim, options=self.option)
+        return self.make_case(self.model, num_layers=self.num_layers, steps=self.steps, warmup=self.warmup,
+                              data=self.data, tokenizer=self.tokenizer, repeat_batch=self.repeat_batch,
+                              ranks=self.ranks or distributed.launch_size()[0])
 
     @staticmethod
     def of_case(case: CaseConfig) -> BenchFlags:

@@ -139,8 +139,7 @@ class TrainConfig(CaseFlags):
         ]
 
     def optim(self) -> OptimConfig:
-        return OptimConfig(lr=self.lr, beta1=self.adam_betas[0], beta2=self.adam_betas[1], eps=self.adam_eps,
-                           weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm, moments=self.moments)
+        return super().optim(beta1=self.adam_betas[0], beta2=self.adam_betas[1], eps=self.adam_eps)
 
 
 def _holds(rule, *args) -> bool:

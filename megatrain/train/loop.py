@@ -59,12 +59,6 @@ class Progress:
 
 
 
-def build_case(cfg: TrainConfig, total_steps: int, label: str, shape) -> CaseConfig:
-    return CaseConfig(system=cfg.system, model=label, model_shape=shape, batch=cfg.batch, micro_batch=cfg.micro_batch,
-                      seq=cfg.seq, steps=total_steps, warmup=0, dtype=cfg.dtype, precision=cfg.precision,
-                      device=cfg.device, seed=cfg.seed, compile=cfg.compile, optim=cfg.optim(), options=cfg.option)
-
-
 def train(cfg: TrainConfig, log=print) -> int:
     """Run (or resume) training as configured; returns the exit code: 0 done, 1 diverged (non-finite for
     --max-nonfinite-steps steps), 130 after Ctrl-C and 143 after SIGTERM (each finishing its step and saving).
@@ -98,7 +92,7 @@ def train(cfg: TrainConfig, log=print) -> int:
     if packs and (why := model.packing_refusal()):
         raise ValueError(why)  # before anything is built, not at the first packed row
     total = cfg.steps if cfg.steps is not None else math.ceil(cfg.epochs * len(rows) / cfg.batch)
-    case = build_case(cfg, total, label, init.shape if init else None)
+    case = cfg.make_case(label, model_shape=init.shape if init else None, steps=total, warmup=0)
     ranks = distributed.current(cfg.device)  # under torchrun: rank 0 owns --out, every rank trains
     first = ranks.first
     notes = preflight(case)
