@@ -16,6 +16,7 @@ from the headers is refused as the weights are read, from transformers' own load
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Iterator, Mapping
@@ -73,6 +74,20 @@ def open_checkpoint(path: str | Path, generic: bool = False) -> Checkpoint:
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
     return Checkpoint(path, shape, config)
+
+
+def config_shape(path: Path) -> tuple[ModelShape, str]:
+    """(the model, the sha256 of the file) of a config.json file, or of a checkpoint folder's config.json (its weights
+    neither read nor needed): a model to benchmark by its shape alone. ValueError naming the file and what is wrong."""
+    file = path / CONFIG_FILE if path.is_dir() else path
+    config = read_config(path) if path.is_dir() else read_json(path)
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} is not a JSON object")
+    try:
+        shape = shape_from_config(config)
+    except ValueError as exc:
+        raise ValueError(f"{file}: {exc}") from None
+    return shape, hashlib.sha256(file.read_bytes()).hexdigest()
 
 
 def read_config(path: Path) -> dict:

@@ -1,9 +1,10 @@
 """The one road from a checkpoint folder (megatrain.models.checkpoint) refuses a damaged checkpoint in one line, exit 2
 at the CLI, naming the file and the tensor or field, for the generic path (transformers' own modules) as for the
 hand-written one: missing, extra, non-float and misshapen tensors, an index whose shards lack tensors, damaged
-config.json values and damaged safetensors files. Where the headers tell, before --out is claimed. CPU, seconds:
-pytest tests/unit/test_checkpoint.py"""
+config.json values and damaged safetensors files. Where the headers tell, before --out is claimed. And bench takes a
+config.json or a checkpoint folder as its model. CPU, seconds: pytest tests/unit/test_checkpoint.py"""
 
+import hashlib
 import json
 import shutil
 
@@ -133,3 +134,18 @@ def test_a_checkpoint_both_kinds_read_loads_every_weight_once(sources, kind):
     assert one.shape.kind == shards.shape.kind == ("handwritten" if kind == "llama" else "generic")
     a, b = dict(one.weights()), dict(shards.weights())
     assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_bench_takes_a_config_json_or_a_checkpoint_folder_and_names_its_hash(sources, capfd, monkeypatch):
+    """bench --model PATH: a family we did not write, measured by its config.json alone (issue 62)."""
+    from megatrain import cli
+
+    root, _ = sources
+    monkeypatch.setattr(cli.warnings, "formatwarning", cli.warnings.formatwarning)  # main() sets its own: undone after
+    sha256 = hashlib.sha256((root / "seed_oss" / "config.json").read_bytes()).hexdigest()
+    for model in (root / "seed_oss" / "config.json", root / "seed_oss"):
+        assert cli.main(["bench", "--system", "megatrain", "--model", str(model), "--batch", "2", "--seq", "16",
+                         "--steps", "1", "--json"]) == 0
+        record = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
+        assert record["status"] == "ok" and record["model"] == f"{model.name}@sha256:{sha256}"
+        assert json.loads(record["config"]["model_shape"]["hf_json"])["model_type"] == "seed_oss"
