@@ -23,10 +23,9 @@ from pathlib import Path
 
 import torch
 
-from megatrain.config import CaseConfig
-from megatrain.models.hf import check_hf_checkpoint, iter_hf_tensors
+from megatrain.flags import CaseFlags
+from megatrain.models.checkpoint import open_checkpoint
 from megatrain.models.loss import IGNORE_INDEX
-from megatrain.optim.config import OptimConfig
 from megatrain.preflight import preflight
 from megatrain.systems import build_system, system_spec
 from megatrain.train import checkpoint, trust
@@ -111,18 +110,19 @@ class Engine:
                  option: dict | None = None, log=print):
         path = Path(model)
         self.model_dir = path if path.is_dir() else None
-        shape = check_hf_checkpoint(path) if self.model_dir else None
-        optim = OptimConfig(lr=lr, beta1=adam_betas[0], beta2=adam_betas[1], eps=adam_eps, weight_decay=weight_decay,
-                            max_grad_norm=max_grad_norm, moments=moments)
-        self.case = CaseConfig(system=system, model=path.name if shape else os.fspath(model), model_shape=shape,
-                               batch=batch, micro_batch=micro_batch, seq=seq, steps=1, warmup=0, dtype=dtype,
-                               precision=precision, device=device, seed=seed, compile=compile, optim=optim,
-                               options=option or {})
+        # the one road train --init-from takes: its model (hand-written or transformers' own) and config.json
+        self.checkpoint = open_checkpoint(path) if self.model_dir else None
+        shape = self.checkpoint.shape if self.checkpoint else None
+        flags = CaseFlags(system=system, device=device, dtype=dtype, precision=precision, compile=compile,
+                          option=option or {}, seq=seq, batch=batch, micro_batch=micro_batch, lr=lr,
+                          weight_decay=weight_decay, max_grad_norm=max_grad_norm, moments=moments, seed=seed)
+        self.case = flags.make_case(path.name if shape else os.fspath(model), model_shape=shape, steps=1, warmup=0,
+                                    optim=flags.optim(beta1=adam_betas[0], beta2=adam_betas[1], eps=adam_eps))
         for note in preflight(self.case):  # refuses what does not fit this machine
             log(note)
         self.system = build_system(self.case)
-        if self.model_dir:
-            self.system.load_weights(iter_hf_tensors(self.model_dir, cfg=shape))
+        if self.checkpoint:
+            self.system.load_weights(self.checkpoint.weights())
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
         """One optimizer step over input_ids [rows, tokens] (at most batch x seq, right-padded; fewer are padded with
@@ -171,11 +171,13 @@ class Engine:
         self.system.load_state(d)
 
     def export(self, path: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None) -> Path:
-        """The current weights as a Hugging Face checkpoint in `path` (in the compute dtype), with the tokenizer files
-        of tokenizer_dir (default: the model directory's)."""
+        """The current weights as a Hugging Face checkpoint in `path` (in the compute dtype), as train exports them:
+        the model directory's config.json carried over, with the tokenizer files and generation config of
+        tokenizer_dir (default: the model directory's)."""
         tokenizer = tokenizer_dir or self.model_dir
         export_checkpoint(self.system.export_weights(), self.case, Path(path),
-                          None if tokenizer is None else os.fspath(tokenizer), {"engine": self.case.model})
+                          None if tokenizer is None else os.fspath(tokenizer), {"engine": self.case.model},
+                          self.checkpoint.config if self.checkpoint else None)
         return Path(path)
 
     def close(self) -> None:

@@ -9,9 +9,8 @@ import torch
 
 from megatrain.engine.config import share
 from megatrain.memory import dtype_bytes
-from megatrain.models.config import ModelConfig
-from megatrain.models.generic import GenericConfig
 from megatrain.models.registry import get_model_config, shape_from_dict
+from megatrain.models.shape import ModelShape
 from megatrain.optim.config import OptimConfig
 from megatrain.options import CommonOptions
 from megatrain.systems_registry import parse_options, system_spec
@@ -50,7 +49,7 @@ class CaseConfig:
 
     system: str = "native"
     model: str = "tiny"
-    model_shape: ModelConfig | None = None
+    model_shape: ModelShape | None = None
     num_layers: int | None = None
     batch: int = 2
     micro_batch: int = 0
@@ -99,7 +98,7 @@ class CaseConfig:
         if self.data != "synthetic" and not self.tokenizer:
             raise ValueError("text data needs --tokenizer DIR (a local Hugging Face tokenizer directory)")
 
-    def model_config(self) -> ModelConfig | GenericConfig:
+    def model_config(self) -> ModelShape:
         if self.model_shape is not None:
             return self.model_shape if self.num_layers is None else self.model_shape.with_layers(self.num_layers)
         return get_model_config(self.model, self.num_layers)

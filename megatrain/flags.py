@@ -6,7 +6,8 @@ per setting, `given` reads back the flags given, `file_values` a TOML file's, an
 as the flags that rebuild it. A subclass re-declares a field (`seq: int = 2048`) to change only its default: the help
 stays the base's, and a `{default}` in it names the default of the class the parser is made of.
 
-`CaseFlags` is the one declaration of the case settings that `bench`, `train` and the suite runner share.
+`CaseFlags` is the one declaration of the case settings that `bench`, `train` and the suite runner share, and
+`CaseFlags.make_case` the one place a case is made of them (bench's, train's and the Engine's).
 
 How a type is spelled: bool a switch (`--no-NAME` when the default is true); list a repeatable flag; tuple that many
 values; dict a repeatable KEY=VALUE, each value JSON (a bare word stays a string); int, float, str (or None) one value.
@@ -163,6 +164,9 @@ def file_values(cls, path: str | None, flag_name: str = "--config") -> dict:
     return values
 
 
+CASE_SETTINGS = ("system", "device", "dtype", "precision", "compile", "seq", "batch", "micro_batch", "seed")
+
+
 @dataclass
 class CaseFlags:
     """The case settings every command takes, declared once; a command's class may re-declare one's default."""
@@ -182,3 +186,16 @@ class CaseFlags:
     moments: str = flag(OptimConfig.moments, choices=MOMENTS, help="AdamW's moments: fp32 (exact), bf16 (stochastic "
                         "rounding) or int8 (blocks with an absmax); megatrain engine only (default {default})")
     seed: int = flag(CaseConfig.seed)
+
+    def optim(self, **settings) -> OptimConfig:
+        """AdamW's settings of these flags (and `settings`: OptimConfig's others, betas and eps)."""
+        return OptimConfig(lr=self.lr, weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm,
+                           moments=self.moments, **settings)
+
+    def make_case(self, model: str, optim: OptimConfig | None = None, **settings) -> CaseConfig:
+        """The case these settings make: the one place bench, train and the Engine make a CaseConfig. `model` is its
+        registry name or label; `settings` the CaseConfig fields only a command sets (model_shape, steps, warmup,
+        data, ranks, ...); optim, AdamW's settings where the command has more than these flags (default
+        self.optim())."""
+        shared = {name: getattr(self, name) for name in CASE_SETTINGS}
+        return CaseConfig(model=model, **shared, optim=optim or self.optim(), options=self.option, **settings)

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from megatrain.models.config import ModelConfig
 from megatrain.models.loss import chunk_tokens_for
+from megatrain.models.shape import ModelShape
 
 GIB = 2**30
 
@@ -91,13 +91,13 @@ def budget(device: str, host_mem_gib: float | None = None) -> Budget:
 # `dtype_bytes`: bytes per activation element (the compute dtype).
 
 
-def layer_input_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int) -> int:
+def layer_input_bytes(cfg: ModelShape, tokens: int, dtype_bytes: int) -> int:
     """One layer input [tokens, H]: what checkpointing saves of a layer until its backward, and the size of the
     gradient flowing back through it."""
     return tokens * cfg.hidden_size * dtype_bytes
 
 
-def layer_work_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int, mlp_chunk_tokens: int = 0) -> int:
+def layer_work_bytes(cfg: ModelShape, tokens: int, dtype_bytes: int, mlp_chunk_tokens: int = 0) -> int:
     """One decoder layer's recompute + backward beyond its input and output gradient: the saved activations (~11H +
     q/k/v per token; the MLP's 4I for one chunk of tokens, mlp_chunk_tokens, 0 the whole; flash/SDPA keeps no S x S
     matrix) and the gradients alive beside them.
@@ -119,14 +119,14 @@ def layer_work_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int, mlp_chunk_
     return int(dtype_bytes * (attention + mlp_tokens * 4 * cfg.intermediate_size))
 
 
-def loss_work_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int) -> int:
+def loss_work_bytes(cfg: ModelShape, tokens: int, dtype_bytes: int) -> int:
     """The chunked loss's forward + backward (megatrain.models.loss): fp32 logits of one chunk and their gradient,
     the head's fp32 weight gradient and its per-chunk product."""
     logits = min(chunk_tokens_for(cfg.vocab_size), tokens) * cfg.vocab_size * 4 * 2
     return logits + cfg.head_matmul_params() * (4 + dtype_bytes)
 
 
-def backward_work_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int, mlp_chunk_tokens: int = 0) -> int:
+def backward_work_bytes(cfg: ModelShape, tokens: int, dtype_bytes: int, mlp_chunk_tokens: int = 0) -> int:
     """The working set of one forward/backward beyond the saved inputs and the input and output gradient of what is
     computing: a layer's recompute + backward or the loss's, whichever is larger (they never run at once)."""
     return max(layer_work_bytes(cfg, tokens, dtype_bytes, mlp_chunk_tokens), loss_work_bytes(cfg, tokens, dtype_bytes))

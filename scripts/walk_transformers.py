@@ -1,4 +1,4 @@
-"""Walk every *ForCausalLM of the installed transformers through the generic path (megatrain.bench.walk) and
+"""Walk every *ForCausalLM of the installed transformers through the generic path (megatrain.checks.walk) and
 write the table: results/generic/transformers-<version>.json (one object per model type) and .md (the counts, the
 refused ones with their reasons, the rest by status).
 
@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: this checkout's package
 
-from megatrain.bench.walk import STATUSES, as_dicts, causal_lm_types, walk  # noqa: E402
+from megatrain.checks.walk import STATUSES, as_dicts, causal_lm_types, walk  # noqa: E402
 
 
 def markdown(results: list, version: str) -> str:

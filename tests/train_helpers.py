@@ -78,6 +78,15 @@ def train_args(init, data, out, system="megatrain", steps=STEPS, extra=(), dtype
             "--out", str(out), "--dtype", dtype, "--device", device, *extra]
 
 
+def one_error(capsys) -> str:
+    """The one error line of the last command (log lines, notes and warnings before it aside)."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, err
+    return errors[0]
+
+
 def metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 

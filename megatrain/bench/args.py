@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 from megatrain.config import CaseConfig
 from megatrain.engine import distributed
 from megatrain.flags import CaseFlags, flag
-from megatrain.optim.config import OptimConfig
+from megatrain.models.checkpoint import config_shape
+from megatrain.models.registry import HF_CONFIGS, MODELS
 
 # the OptimConfig fields that are flags; betas and eps are not
 OPTIM_FLAGS = ("lr", "weight_decay", "max_grad_norm", "moments")
@@ -17,7 +19,8 @@ OPTIM_FLAGS = ("lr", "weight_decay", "max_grad_norm", "moments")
 
 @dataclass
 class BenchFlags(CaseFlags):
-    model: str = flag(CaseConfig.model, help="registry name (python -m megatrain models)")
+    model: str = flag(CaseConfig.model, help="registry name (python -m megatrain models), or a config.json or a "
+                      "checkpoint folder (its shape alone; the record names the file's sha256)")
     num_layers: int | None = flag(None, help="override the model's depth")
     steps: int = flag(CaseConfig.steps)
     warmup: int = flag(CaseConfig.warmup, help="leading steps not timed")
@@ -31,10 +34,15 @@ class BenchFlags(CaseFlags):
     json: bool = flag(False, help="print the record as one JSON line, stdout's last (the suite runner reads it)")
 
     def case(self) -> CaseConfig:
-        values = {k: v for k, v in dataclasses.asdict(self).items() if k in CaseConfig.__dataclass_fields__}
-        values["ranks"] = self.ranks or distributed.launch_size()[0]
-        optim = OptimConfig(**{k: getattr(self, k) for k in OPTIM_FLAGS})
-        return CaseConfig(**values, optim=optim, options=self.option)
+        """The case of these flags; a --model that is a config.json or a checkpoint folder (not a registry name) is
+        the case's model_shape, labelled with its file's name and sha256."""
+        label, shape = self.model, None
+        if self.model not in MODELS and self.model not in HF_CONFIGS and Path(self.model).exists():
+            shape, sha256 = config_shape(Path(self.model))
+            label = f"{Path(self.model).name}@sha256:{sha256}"
+        return self.make_case(label, model_shape=shape, num_layers=self.num_layers, steps=self.steps,
+                              warmup=self.warmup, data=self.data, tokenizer=self.tokenizer,
+                              repeat_batch=self.repeat_batch, ranks=self.ranks or distributed.launch_size()[0])
 
     @staticmethod
     def of_case(case: CaseConfig) -> BenchFlags:

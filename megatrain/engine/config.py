@@ -8,7 +8,7 @@ from typing import Literal
 import torch
 
 from megatrain.memory import dtype_bytes
-from megatrain.models.config import ModelConfig
+from megatrain.models.shape import ModelShape
 from megatrain.optim.config import OptimConfig
 from megatrain.options import CommonOptions
 
@@ -95,7 +95,7 @@ class EngineConfig:
             one rank's share.
     """
 
-    model: ModelConfig
+    model: ModelShape
     batch: int
     micro_batch: int
     seq: int

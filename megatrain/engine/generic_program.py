@@ -32,7 +32,7 @@ from megatrain.models.generic.config import GenericConfig
 from megatrain.models.generic.head import chunked_loss, cross_entropy_sum
 from megatrain.models.generic.module import position_ids
 from megatrain.models.generic.skeleton import PER_LAYER_ATTRIBUTES, Skeleton, head_logits
-from megatrain.models.hf import persistent_buffers
+from megatrain.models.weights import persistent_buffers
 
 
 @dataclass

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatrain.models import ModelConfig
-from megatrain.models.generic import GenericConfig
+from megatrain.models.shape import ModelShape
 from megatrain.optim.groups import decays
 
 ALIGN = 128  # elements; keeps every unit's tile start 256-byte aligned in bf16
@@ -61,7 +60,7 @@ def _unit_params(prefix: str, named_shapes: list[tuple[str, tuple[int, ...]]]):
     return tuple(slots), off, decay
 
 
-def build_units(cfg: ModelConfig | GenericConfig) -> list[Unit]:
+def build_units(cfg: ModelShape) -> list[Unit]:
     """Units in forward order: embed, layers 0..L-1, head (the model's named shapes: cfg.unit_shapes)."""
     units, offset = [], 0
     for index, spec in enumerate(cfg.unit_shapes()):

@@ -44,7 +44,7 @@ from megatrain.engine.streams import StreamSet
 from megatrain.engine.templates import HandWrittenProgram, bind
 from megatrain.engine.uses import Use, use_order
 from megatrain.models import ModelConfig
-from megatrain.models.moe import load_balancing_grad, load_balancing_loss
+from megatrain.models.handwritten.moe import load_balancing_grad, load_balancing_loss
 from megatrain.optim.host_adamw import FlatAdamW
 
 

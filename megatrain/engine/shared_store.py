@@ -24,7 +24,7 @@ from megatrain.engine.distributed import RANK_TIMEOUT_ENV, RankLost, Ranks, proc
 from megatrain.engine.host_optimizer import HostOptimizer
 from megatrain.engine.layout import Unit
 from megatrain.engine.store import HostStore
-from megatrain.models import ModelConfig
+from megatrain.models.shape import ModelShape
 
 SHM_DIR = Path("/dev/shm")
 
@@ -33,7 +33,7 @@ class SharedHostStore(HostStore):
     """A HostStore whose tensors are shared by the ranks of one host (node); `updates` [local ranks, units] counts
     each rank's finished updates of each unit, `pids` [local ranks] says who they are (to notice one that ended)."""
 
-    def __init__(self, cfg: ModelConfig, compute_dtype: torch.dtype, precision: str, pin: bool, ranks: Ranks,
+    def __init__(self, cfg: ModelShape, compute_dtype: torch.dtype, precision: str, pin: bool, ranks: Ranks,
                  moments: str = "fp32", update_delay: int = 0):
         self.ranks = ranks
         self._prefix = ranks.from_first(str(SHM_DIR / f"megatrain-{os.getpid()}-{uuid.uuid4().hex[:12]}"), node=True)

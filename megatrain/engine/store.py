@@ -21,8 +21,8 @@ import functools
 import torch
 
 from megatrain.engine.layout import Unit, build_units, total_numel
-from megatrain.models import ModelConfig
 from megatrain.models.init import init_param
+from megatrain.models.shape import ModelShape
 from megatrain.optim.compact import Moments
 from megatrain.optim.state_bytes import QBLOCK, state_bytes_per_param
 
@@ -43,7 +43,7 @@ def unpin_tensor(t: torch.Tensor) -> None:
 
 
 class HostStore:
-    def __init__(self, cfg: ModelConfig, compute_dtype: torch.dtype, precision: str, pin: bool,
+    def __init__(self, cfg: ModelShape, compute_dtype: torch.dtype, precision: str, pin: bool,
                  moments: str = "fp32", update_delay: int = 0):
         if precision == "bf16" and compute_dtype != torch.bfloat16:
             raise ValueError("--precision bf16 stores bf16 weights: it needs --dtype bfloat16")

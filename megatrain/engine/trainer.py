@@ -26,8 +26,8 @@ from megatrain.engine.state import load_engine_state, save_engine_state, steps_f
 from megatrain.engine.store import HostStore
 from megatrain.engine.streams import StreamSet
 from megatrain.memory import GIB, peak_host_rss_gib
-from megatrain.models.hf import copy_named_weights
 from megatrain.models.loss import valid_tokens
+from megatrain.models.weights import copy_named_weights
 from megatrain.optim.state_bytes import adamw_traffic_bytes_per_param
 
 

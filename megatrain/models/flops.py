@@ -23,20 +23,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: a config counts its layers' pairs itself (megatrain.models.masks.attended_pairs)
-    from megatrain.models.config import ModelConfig
+    from megatrain.models.shape import ModelShape
 
 
 def model_flops(num_params: int, tokens: int) -> float:
     return 6.0 * num_params * tokens
 
 
-def attention_flops_per_seq(cfg: ModelConfig, seq: int) -> float:
+def attention_flops_per_seq(cfg: ModelShape, seq: int) -> float:
     """Forward attention FLOPs of one sequence over all layers: QK^T and PV over the pairs each layer attends
     (cfg.attended_pairs: a generic model's linear-attention layers count none)."""
     return sum(2 * 2.0 * cfg.attended_pairs(n, seq) * cfg.num_heads * cfg.head_dim for n in range(cfg.num_layers))
 
 
-def hardware_flops(cfg: ModelConfig, batch: int, seq: int, recompute: bool = True, extra_layer_forwards: int = 0
+def hardware_flops(cfg: ModelShape, batch: int, seq: int, recompute: bool = True, extra_layer_forwards: int = 0
                    ) -> float:
     tokens = batch * seq
     layer_fwd = 2.0 * cfg.num_layers * cfg.layer_matmul_params() * tokens + batch * attention_flops_per_seq(cfg, seq)
@@ -45,7 +45,7 @@ def hardware_flops(cfg: ModelConfig, batch: int, seq: int, recompute: bool = Tru
     return (passes + extra_layer_forwards / cfg.num_layers) * layer_fwd + 3 * head_fwd
 
 
-def paper_flops(cfg: ModelConfig, batch: int, seq: int) -> float:
+def paper_flops(cfg: ModelShape, batch: int, seq: int) -> float:
     tokens = batch * seq
     return model_flops(cfg.num_params(), tokens) + 12.0 * cfg.num_layers * cfg.hidden_size * seq * tokens
 

@@ -78,7 +78,7 @@ def rope_and_masks(cos_SD: torch.Tensor, sin_SD: torch.Tensor, segments_BS: torc
         segments_BS: segments_BS[b, t] the document of token t in a packed row, or None (one sequence per row).
         device: where the masks are built (a GPU gets BlockMasks).
         sliding_window: the window of sliding layers in tokens (0: the model has none).
-        layer_types: the model's per-layer attention types (models.config.ModelConfig.layer_types).
+        layer_types: the model's per-layer attention types (ModelShape.layer_types).
 
     With packed rows (more than one document in some row), positions restart at each document: cos and sin become
     [B, 1, S, D].

@@ -9,11 +9,12 @@ paper's GPT-OSS-120B before the mixtures of experts ran. `tiny*` are for CPU tes
 
 from __future__ import annotations
 
-from megatrain.models.config import ModelConfig
 from megatrain.models.generic import GenericConfig
-from megatrain.models.hf import config_to_hf
+from megatrain.models.handwritten.config import ModelConfig
+from megatrain.models.handwritten.hf import config_to_hf
 from megatrain.models.masks import SLIDING
 from megatrain.models.rope import RopeScaling
+from megatrain.models.shape import ModelShape
 
 _QWEN = dict(qkv_bias=True, rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_seq_len=32768)
 _LLAMA3 = dict(family="llama", qkv_bias=False, rms_norm_eps=1e-5, rope_theta=500_000.0, max_seq_len=8192,
@@ -164,12 +165,12 @@ HF_CONFIGS: dict[str, dict] = {
 }
 
 
-def shape_from_dict(d: dict) -> ModelConfig | GenericConfig:
+def shape_from_dict(d: dict) -> ModelShape:
     """A model shape read back from a record or a case (ModelConfig.to_dict, GenericConfig.to_dict)."""
     return GenericConfig(**d) if "hf_json" in d else ModelConfig(**d)
 
 
-def get_model_config(name: str, num_layers: int | None = None) -> ModelConfig | GenericConfig:
+def get_model_config(name: str, num_layers: int | None = None) -> ModelShape:
     """The registered shape `name` (MODELS, or HF_CONFIGS through transformers' own modules), optionally with another
     depth (depth-scaling sweeps)."""
     if name not in MODELS and name not in HF_CONFIGS:

@@ -36,11 +36,11 @@ from megatrain.compile_check import compile_check
 from megatrain.config import CaseConfig
 from megatrain.engine.distributed import accumulation_steps
 from megatrain.engine.templates import CompiledCall, LayerTemplate
-from megatrain.models import DecoderLayer, GenericConfig, Transformer, build_model
+from megatrain.models import DecoderLayer, Transformer, build_model
 from megatrain.models.generic.module import reset_buffers
-from megatrain.models.hf import copy_named_weights, persistent_buffers
+from megatrain.models.handwritten.moe import MoE
 from megatrain.models.init import init_module, init_param
-from megatrain.models.moe import MoE
+from megatrain.models.weights import copy_named_weights, persistent_buffers
 from megatrain.optim.fused import find_ninja
 from megatrain.optim.groups import adamw_param_groups
 from megatrain.optim.state_bytes import FP32_BYTES, checkpoint_bytes_per_param, state_bytes_per_param
@@ -220,8 +220,9 @@ def _full_shape(p: torch.nn.Parameter) -> torch.Size:
 def _zero3_model(ds, case: CaseConfig, config: dict) -> torch.nn.Module:
     """The model built partitioned (zero.Init), initialised one gathered unit at a time."""
     cfg = case.model_config()
-    if isinstance(cfg, GenericConfig):  # transformers imported (and the model checked) before zero.Init: its tensor
-        cfg.check()  # patches break torch._dynamo's first import, which transformers' modeling makes
+    # a generic model's transformers imported (and the model checked) before zero.Init: its tensor patches break
+    # torch._dynamo's first import, which transformers' modeling makes
+    cfg.check()
     with ds.zero.Init(config_dict_or_path=config):
         model = build_model(cfg, activation_checkpointing=True)
     for group in _init_units(model):
@@ -309,7 +310,7 @@ class _GatheredMasters(Mapping):
 
 
 class _ZeroParam:
-    """A ZeRO parameter as a weight-copy target (megatrain.models.hf.copy_named_weights): its full shape, and a copy
+    """A ZeRO parameter as a weight-copy target (models.weights.copy_named_weights): its full shape, and a copy
     that writes both copies of the weight, the module's (ZeRO-3: its partition, gathered, written, re-partitioned)
     and the optimizer's fp32 master partition."""
 

@@ -29,8 +29,8 @@ from megatrain.config import CaseConfig
 from megatrain.engine.distributed import accumulation_steps
 from megatrain.models import build_model
 from megatrain.models.generic.module import reset_buffers
-from megatrain.models.hf import copy_named_weights, persistent_buffers
 from megatrain.models.init import init_param
+from megatrain.models.weights import copy_named_weights, persistent_buffers
 from megatrain.optim.groups import torch_adamw
 from megatrain.optim.state_bytes import FP32_BYTES, checkpoint_bytes_per_param, state_bytes_per_param
 from megatrain.options import CommonOptions
@@ -88,7 +88,7 @@ def checkpoint_bytes(case: CaseConfig) -> int:
 
 
 class _ShardTarget:
-    """An FSDP2 parameter as a weight-copy target (megatrain.models.hf.copy_named_weights): its full shape, and a
+    """An FSDP2 parameter as a weight-copy target (megatrain.models.weights.copy_named_weights): its full shape, and a
     copy that keeps this rank's shard of the full tensor, which every rank holds (nothing is sent)."""
 
     def __init__(self, param: torch.nn.Parameter):

@@ -24,8 +24,8 @@ from torch.nn.parallel import DistributedDataParallel
 from megatrain.compile_check import compile_check
 from megatrain.config import CaseConfig
 from megatrain.models import build_model
-from megatrain.models.hf import copy_named_weights, named_weights
 from megatrain.models.init import init_module
+from megatrain.models.weights import copy_named_weights, named_weights
 from megatrain.optim.groups import torch_adamw
 from megatrain.optim.state_bytes import FP32_BYTES, checkpoint_bytes_per_param, state_bytes_per_param
 from megatrain.options import CommonOptions

@@ -54,11 +54,12 @@ import torch
 from megatrain.config import CaseConfig
 from megatrain.engine import distributed
 from megatrain.memory import backward_work_bytes, layer_input_bytes
-from megatrain.models.config import ModelConfig
-from megatrain.models.hf import config_to_hf, save_hf_checkpoint
+from megatrain.models.checkpoint import save_checkpoint
+from megatrain.models.handwritten.families import FAMILIES
 from megatrain.models.init import init_param
 from megatrain.models.loss import IGNORE_INDEX
 from megatrain.models.masks import SLIDING
+from megatrain.models.shape import ModelShape
 from megatrain.optim.state_bytes import FP32_BYTES, checkpoint_bytes_per_param, state_bytes_per_param
 from megatrain.options import CommonOptions
 from megatrain.preflight import estimate_plan, pinned_bytes
@@ -149,9 +150,9 @@ def refusal(case: CaseConfig, world: int = 1) -> str | None:
         return f"the paper's code runs a step's {case.batch} rows in one forward and backward (train.py's " \
                "gradient_accumulation_steps counts loop iterations, each its own mean): run it with --micro-batch 0"
     cfg = case.model_config()
-    if not isinstance(cfg, ModelConfig):
-        return f"the paper's code is compared on the hand-written families here; {case.model} trains through " \
-               "transformers' own modules (the generic path)"
+    if cfg.family not in FAMILIES:
+        return f"the paper's code is compared on the hand-written families here ({', '.join(FAMILIES)}); " \
+               f"{case.model} is a {cfg.family}"
     if cfg.is_moe:
         return f"the paper's code is compared on dense models here; {case.model} is a mixture of experts"
     if SLIDING in cfg.layer_types and attention(case.opts) == "sdpa":
@@ -212,8 +213,9 @@ class InitialWeights(Mapping):
     """Our initial weights (megatrain.models.init) by our parameter name, each drawn on `device` when read (native
     draws them on the GPU it trains on), so a checkpoint is written one shard at a time."""
 
-    def __init__(self, cfg: ModelConfig, seed: int, device: torch.device | str):
-        self.shapes, self.seed, self.device = cfg.param_shapes(), seed, torch.device(device)
+    def __init__(self, cfg: ModelShape, seed: int, device: torch.device | str):
+        self.shapes = {unit.prefix + name: shape for unit in cfg.unit_shapes() for name, shape in unit.shapes}
+        self.seed, self.device = seed, torch.device(device)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         out = torch.empty(self.shapes[name], dtype=torch.float32, device=self.device)
@@ -233,12 +235,12 @@ def initial_checkpoint(case: CaseConfig, root: Path, device: torch.device | str)
     cfg = case.model_config()
     device = torch.device(device)
     drawn_on = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    key = json.dumps({"config": config_to_hf(cfg, torch.bfloat16), "seed": case.seed, "device": drawn_on},
+    key = json.dumps({"config": cfg.to_dict(), "seed": case.seed, "device": drawn_on},
                      sort_keys=True)
     out = root / f"{case.model}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
     if not out.is_dir():
         partial = out.with_name(f"{out.name}.{os.getpid()}.partial")
-        save_hf_checkpoint(InitialWeights(cfg, case.seed, device), cfg, partial, dtype=torch.bfloat16)
+        save_checkpoint(InitialWeights(cfg, case.seed, device), cfg, partial, 5 * 2**30, dtype=torch.bfloat16)
         partial.rename(out)
     return out
 
@@ -295,7 +297,7 @@ class PaperSystem:
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(
             checkpoint, torch_dtype=torch.bfloat16, device_map="cpu", trust_remote_code=True,
             attn_implementation=self.attn)
-        # our names are transformers' without the `model.` prefix (megatrain.models.hf); the tensors are their
+        # our names are transformers' without the `model.` prefix (models.handwritten.hf); the tensors are their
         # host weights, which CPUMasterModel keeps and the optimizer updates
         self.params = {name.removeprefix("model."): p for name, p in hf_model.named_parameters()}
         self.config = their_config(infinity, case, checkpoint)

@@ -13,9 +13,7 @@ import torch
 from megatrain.config import DEVICES, DTYPES, PRECISIONS
 from megatrain.engine.config import share
 from megatrain.flags import CaseFlags, add_flags, file_values, flag, given
-from megatrain.models import ModelConfig
-from megatrain.models.generic import GenericConfig
-from megatrain.models.generic.checkpoint import check_checkpoint
+from megatrain.models.checkpoint import Checkpoint, open_checkpoint
 from megatrain.models.registry import get_model_config
 from megatrain.optim.config import OptimConfig
 from megatrain.options import check_field_types
@@ -141,8 +139,7 @@ class TrainConfig(CaseFlags):
         ]
 
     def optim(self) -> OptimConfig:
-        return OptimConfig(lr=self.lr, beta1=self.adam_betas[0], beta2=self.adam_betas[1], eps=self.adam_eps,
-                           weight_decay=self.weight_decay, max_grad_norm=self.max_grad_norm, moments=self.moments)
+        return super().optim(beta1=self.adam_betas[0], beta2=self.adam_betas[1], eps=self.adam_eps)
 
 
 def _holds(rule, *args) -> bool:
@@ -229,16 +226,16 @@ def _over_resumed(asked: dict, run_dir: str, fallback: bool) -> dict:
     return values
 
 
-def check_available(cfg: TrainConfig) -> tuple[ModelConfig | GenericConfig, dict] | None:
+def check_available(cfg: TrainConfig) -> Checkpoint | None:
     """What cfg's values alone cannot tell, checked before anything is read or built: the CUDA device, the
-    --init-from checkpoint, the data files and the --report-to packages, here. Returns --init-from's (model, its
-    config.json), read once here (None without it)."""
+    --init-from checkpoint, the data files and the --report-to packages, here. Returns --init-from's checkpoint (its
+    model and config.json), read once here (None without it)."""
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: torch sees no CUDA device on this machine; use --device cpu")
     source = None
     if cfg.init_from:
         try:
-            source = check_checkpoint(cfg.init_from, cfg.generic)
+            source = open_checkpoint(cfg.init_from, cfg.generic)
         except ValueError as exc:
             raise ValueError(f"--init-from {exc}") from None
     data_files(cfg.data, "--data", cfg.data_split)

@@ -22,13 +22,11 @@ from megatrain.config import CaseConfig
 from megatrain.engine import distributed
 from megatrain.engine.distributed import Ranks
 from megatrain.memory import GIB, peak_host_rss_gib
+from megatrain.models.checkpoint import Checkpoint, save_checkpoint
 from megatrain.models.flops import model_flops
-from megatrain.models.generic import GenericConfig
-from megatrain.models.generic.checkpoint import iter_weights, save_weights
-from megatrain.models.generic.module import packing_refusal
-from megatrain.models.hf import INDEX_FILE
 from megatrain.models.loss import IGNORE_INDEX
 from megatrain.models.registry import get_model_config
+from megatrain.models.safetensors_files import INDEX_FILE
 from megatrain.preflight import preflight
 from megatrain.systems import build_system, system_spec
 from megatrain.tokenizer import Tokenizer
@@ -61,20 +59,14 @@ class Progress:
 
 
 
-def build_case(cfg: TrainConfig, total_steps: int, label: str, shape) -> CaseConfig:
-    return CaseConfig(system=cfg.system, model=label, model_shape=shape, batch=cfg.batch, micro_batch=cfg.micro_batch,
-                      seq=cfg.seq, steps=total_steps, warmup=0, dtype=cfg.dtype, precision=cfg.precision,
-                      device=cfg.device, seed=cfg.seed, compile=cfg.compile, optim=cfg.optim(), options=cfg.option)
-
-
 def train(cfg: TrainConfig, log=print) -> int:
     """Run (or resume) training as configured; returns the exit code: 0 done, 1 diverged (non-finite for
     --max-nonfinite-steps steps), 130 after Ctrl-C and 143 after SIGTERM (each finishing its step and saving).
     Every line the run says goes to `log` and to OUT/train.log; every metrics line to OUT/metrics.jsonl and to the
     --report-to integrations."""
-    # --init-from's model (the hand-written one or transformers' own modules: shape_from_hf) and its config.json, read
-    # once: the export's family is its Hugging Face model_type, its config.json starts from the source's
-    shape, source_config = check_available(cfg) or (None, None)
+    # --init-from's checkpoint (its model, the hand-written one or transformers' own modules, and its config.json),
+    # read once: the export's family is its Hugging Face model_type, its config.json starts from the source's
+    init = check_available(cfg)
     label = Path(cfg.init_from).name if cfg.init_from else cfg.model
     out = Path(cfg.out)
     if cfg.resume and Path(cfg.resume).resolve() != out.resolve():
@@ -87,7 +79,7 @@ def train(cfg: TrainConfig, log=print) -> int:
     tokenizer_dir = cfg.tokenizer or (cfg.init_from if cfg.init_from and
                                       (Path(cfg.init_from) / "tokenizer.json").exists() else None)
     tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
-    model = shape or get_model_config(cfg.model)
+    model = init.shape if init else get_model_config(cfg.model)
     vocab = model.vocab_size
     files = data_files(cfg.data, "--data", cfg.data_split)
     prints = fingerprints(files)  # before reading: a file changed meanwhile reads as changed
@@ -97,10 +89,10 @@ def train(cfg: TrainConfig, log=print) -> int:
                      "--eval-data") \
         if cfg.eval_data else None
     packs = any(bool((r.segments[:, :-1] != r.segments[:, :1]).any()) for r in (rows, eval_rows) if r is not None)
-    if packs and isinstance(model, GenericConfig) and (why := packing_refusal(model)):
+    if packs and (why := model.packing_refusal()):
         raise ValueError(why)  # before anything is built, not at the first packed row
     total = cfg.steps if cfg.steps is not None else math.ceil(cfg.epochs * len(rows) / cfg.batch)
-    case = build_case(cfg, total, label, shape)
+    case = cfg.make_case(label, model_shape=init.shape if init else None, steps=total, warmup=0)
     ranks = distributed.current(cfg.device)  # under torchrun: rank 0 owns --out, every rank trains
     first = ranks.first
     notes = preflight(case)
@@ -112,7 +104,7 @@ def train(cfg: TrainConfig, log=print) -> int:
         for note in notes if first else []:
             runlog(note)
         code = _train(cfg, run, case, rows, eval_rows, total, tokenizer_dir, runlog, ranks, reporters, prints,
-                      source_config)
+                      init)
         return code
     except Exception as exc:  # the terminal shows it as the caller reports it; the log keeps it too
         runlog.to_file(f"error: {exc}" if isinstance(exc, ValueError) else traceback.format_exc().rstrip())
@@ -160,7 +152,7 @@ def _silent(line: str) -> None:
 
 
 def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: int, tokenizer_dir: str | None,
-           log: RunLog, ranks: Ranks, reporters: Reporters, prints: dict, source_config: dict | None) -> int:
+           log: RunLog, ranks: Ranks, reporters: Reporters, prints: dict, init: Checkpoint | None) -> int:
     """The run in --out (run None: a rank other than 0, which takes rank 0's decisions and writes nothing)."""
     out, report, first = Path(cfg.out), log, ranks.first
     log = log if first else RunLog(_silent)
@@ -184,8 +176,8 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
             torch.set_rng_state(torch.tensor(meta["torch_rng"], dtype=torch.uint8))
             log(f"resumed from {resume_from} at step {start}" + ("; nothing to train, exporting it (its export "
                                                                  "was cut short)" if export_only else ""))
-        elif cfg.init_from:
-            system.load_weights(iter_weights(cfg.init_from, case.model_config()))
+        elif init is not None:
+            system.load_weights(init.weights())
         _run_steps(cfg, system, case, rows, eval_rows, progress, total, out, run_id, log, ranks, reporters)
         # a signal that reached any rank after the last step stops every rank alike
         progress.signal = ranks.agree(progress.signal)
@@ -217,7 +209,7 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
             return 0
         with _writing(out / "hf", progress, out):
             export_checkpoint(weights, case, out / "hf", tokenizer_dir, {"step": progress.step, "run_id": run_id},
-                              source_config)
+                              init.config if init else None)
         memory.update(export_s=time.perf_counter() - t0, host_peak_gib_exported=peak_host_rss_gib())
         with _writing(out / "memory.json", progress, out):
             (out / "memory.json").write_text(json.dumps(memory, indent=1) + "\n")
@@ -388,8 +380,8 @@ def export_checkpoint(weights, case: CaseConfig, hf_dir: Path, tokenizer_dir: st
     """The weights (a system's export_weights) as a Hugging Face checkpoint with the tokenizer files, written aside
     and swapped in whole; its config.json starts from source_config (the checkpoint's trained from), if any."""
     with written_aside(hf_dir) as tmp:
-        save_weights(weights, case.model_config(), tmp, max_shard_bytes=EXPORT_SHARD_BYTES, dtype=case.torch_dtype,
-                     source_config=source_config)
+        save_checkpoint(weights, case.model_config(), tmp, max_shard_bytes=EXPORT_SHARD_BYTES,
+                        dtype=case.torch_dtype, source_config=source_config)
         for name in TOKENIZER_FILES if tokenizer_dir else ():
             if (Path(tokenizer_dir) / name).exists():
                 shutil.copy(Path(tokenizer_dir) / name, tmp / name)

@@ -13,8 +13,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_moe import _experts, sink_case  # noqa: E402
 
-from megatrain.models.moe import experts_forward, grouped_mm_runs  # noqa: E402
-from megatrain.models.transformer import attention_with_sinks  # noqa: E402
+from megatrain.models.handwritten.moe import experts_forward, grouped_mm_runs  # noqa: E402
+from megatrain.models.handwritten.transformer import attention_with_sinks  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

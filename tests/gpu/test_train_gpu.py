@@ -20,10 +20,10 @@ import torch
 from train_helpers import hf_model, interrupt_at_step, metrics, pretokenized, run_train, train_any
 
 from megatrain.cli import main
+from megatrain.models.handwritten.transformer import Attention
 from megatrain.models.masks import FULL, SLIDING, rope_and_masks
 from megatrain.models.registry import get_model_config
 from megatrain.models.rope import rotary_tables
-from megatrain.models.transformer import Attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
 transformers = pytest.importorskip("transformers")

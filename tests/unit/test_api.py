@@ -21,8 +21,10 @@ from train_helpers import (  # noqa: E402
     LR,
     MIN_LR,
     SEQ,
+    SHAPE,
     WARMUP,
     WD,
+    chat_tokenizer,
     hf_model,
     metrics,
     pretokenized,
@@ -75,10 +77,25 @@ def _engine_batches(data):
     return [rows[[(i * BATCH + j) % len(rows) for j in range(BATCH)]] for i in range(STEPS)]
 
 
-def test_an_engine_loop_trains_as_train_does(tmp_path, case):
-    """Rows of seq + 1 tokens: the engine's seq is seq + 1 (its last position predicts nothing), train's seq; the
-    same tokens predicted, so the same losses to float rounding (other shapes, other kernels)."""
-    init, data = case
+def seed_oss_model(path):
+    """A tiny random Seed-OSS saved in `path`: a family only transformers' own modules train (the generic path), its
+    dropout off (train and the engine alike leave it out today: issue 62)."""
+    torch.manual_seed(0)
+    config = transformers.SeedOssConfig(**SHAPE, head_dim=16, attention_dropout=0.0, residual_dropout=0.0)
+    transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["llama", "seed_oss"])
+def test_an_engine_loop_trains_and_exports_as_train_does(tmp_path, kind):
+    """A hand-written family and a generic one, each with its tokenizer and generation config: the Engine takes train
+    --init-from's road (megatrain.models.checkpoint), so it trains the same model to the same losses (rows of seq + 1
+    tokens: the engine's seq is seq + 1, its last position predicting nothing; other shapes, other kernels: to float
+    rounding) and exports the same files: the source's config.json, its tokenizer files and generation config, the
+    weights."""
+    init = hf_model("llama", tmp_path / "init") if kind == "llama" else seed_oss_model(tmp_path / "init")
+    chat_tokenizer(init)
+    data = pretokenized(tmp_path / "data.jsonl", rows=12)
     constant = ["--lr-schedule", "constant", "--warmup-steps", "0"]
     assert main(train_args(init, data, tmp_path / "cli", steps=STEPS, extra=constant)) == 0
     with megatrain.Engine(init, seq=SEQ + 1, batch=BATCH, micro_batch=2, lr=LR, weight_decay=WD,
@@ -88,9 +105,15 @@ def test_an_engine_loop_trains_as_train_does(tmp_path, case):
         engine.export(tmp_path / "engine-hf")
     ref = [m["loss"] for m in metrics(tmp_path / "cli")]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=0)
-    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "engine-hf")
-    trained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "cli" / "hf")
-    for (name, p), q in zip(exported.named_parameters(), trained.parameters(), strict=True):
+    ours, trained = tmp_path / "engine-hf", tmp_path / "cli" / "hf"
+    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in trained.iterdir())
+    assert {"config.json", "generation_config.json", "tokenizer.json"} <= {p.name for p in ours.iterdir()}
+    assert json.loads((ours / "config.json").read_text()) == json.loads((trained / "config.json").read_text())
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (ours / name).read_bytes() == (trained / name).read_bytes(), name
+    exported = transformers.AutoModelForCausalLM.from_pretrained(ours)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(trained)
+    for (name, p), q in zip(exported.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
 
 

@@ -28,7 +28,8 @@ LIBRARY = ("megatrain.engine", "megatrain.optim", "megatrain.models", "megatrain
 # the protocol and the registry (and the wing's face, which hands them on): library; the systems beside it are not
 REGISTRY = ("megatrain.systems_registry", "megatrain.systems")
 SYSTEMS_WING = "megatrain.systems."  # MegaTrain's adapter and every peer, each imported only when a case names it
-HARNESS = ("megatrain.bench", "megatrain.analysis", "megatrain.perf_model", "megatrain.hardware", "megatrain.cli")
+HARNESS = ("megatrain.bench", "megatrain.checks", "megatrain.analysis", "megatrain.perf_model", "megatrain.hardware",
+           "megatrain.cli")
 RUNNING = (*LIBRARY, *REGISTRY, "megatrain.bench", "megatrain.train", "megatrain.hardware")
 ANALYSIS = ("megatrain.analysis", "megatrain.perf_model")
 

@@ -85,16 +85,14 @@ def test_train_matches_transformers_and_the_export_reloads_with_its_logits(tmp_p
 def test_init_from_reads_and_translates_its_config_once(tmp_path, monkeypatch, kind):
     """The checkpoint's config.json is read and translated once, where train checks its flags: the check's model is
     the one built, loaded and exported (the hand-written llama, and gemma3 through transformers' own modules)."""
-    import megatrain.models.generic.checkpoint as checkpoint
-    import megatrain.models.hf as hf
+    import megatrain.models.checkpoint as checkpoint
 
     reads = []
-    read = hf.read_hf_config
-    for module in (hf, checkpoint):
-        monkeypatch.setattr(module, "read_hf_config", lambda path: reads.append(path) or read(path))
+    read = checkpoint.read_config
+    monkeypatch.setattr(checkpoint, "read_config", lambda path: reads.append(path) or read(path))
     init = hf_model(kind, tmp_path / "init") if kind == "llama" else generic_model(kind, tmp_path / "init")
     assert run_train(init, pretokenized(tmp_path / "data.jsonl"), tmp_path / "run", steps=1) == 0
-    assert reads == [str(init)]
+    assert reads == [init]
 
 
 def test_a_hand_written_family_through_the_generic_path_matches_transformers(tmp_path):

@@ -1,5 +1,5 @@
 """Every *ForCausalLM of the installed transformers through the generic path at a tiny size, one engine step against
-transformers' own loss and gradient norm (megatrain.bench.walk). CPU: the two families in seconds; the walk
+transformers' own loss and gradient norm (megatrain.checks.walk). CPU: the two families in seconds; the walk
 over all of them (marked slow) a few minutes, printing the count and writing its table where
 MEGATRAIN_GENERIC_WALK names a directory (scripts/walk_transformers.py writes results/generic/):
     pytest tests/unit/test_generic_walk.py -m slow -s"""
@@ -11,7 +11,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from megatrain.bench.walk import as_dicts, causal_lm_types, try_family, walk  # noqa: E402
+from megatrain.checks.walk import as_dicts, causal_lm_types, try_family, walk  # noqa: E402
 
 # the families of issue 44's done-when: the walk must find each trains
 MUST_TRAIN = ("gemma3_text", "mixtral", "phi3", "deepseek_v3", "qwen3_next", "llama4_text", "glm4_moe", "olmo2",

@@ -11,19 +11,19 @@ transformers = pytest.importorskip("transformers")
 from families import KINDS, ORIGINAL, family_config  # noqa: E402
 
 from megatrain.models import Transformer, get_model_config  # noqa: E402
-from megatrain.models.hf import (  # noqa: E402
-    INDEX_FILE,
-    SINGLE_FILE,
-    config_from_hf,
-    config_to_hf,
-    load_hf_checkpoint,
-    load_into_model,
-    save_hf_checkpoint,
-)
+from megatrain.models.checkpoint import open_checkpoint  # noqa: E402
+from megatrain.models.handwritten.hf import config_from_hf, config_to_hf, save_hf_checkpoint  # noqa: E402
 from megatrain.models.init import init_module  # noqa: E402
 from megatrain.models.rope import RopeScaling  # noqa: E402
+from megatrain.models.safetensors_files import INDEX_FILE, SINGLE_FILE  # noqa: E402
 
 VOCAB, SEQ = 128, 32
+
+
+def load_checkpoint(path, dtype=None):
+    """(shape, every weight by our names) of a checkpoint folder, through the one road (megatrain.models.checkpoint)."""
+    checkpoint = open_checkpoint(path)
+    return checkpoint.shape, {name: t if dtype is None else t.to(dtype) for name, t in checkpoint.weights()}
 SMALL_SHARD_BYTES = 20_000  # the 32 KiB embedding alone exceeds it: many shards
 
 # Published config.json files (transformers 4.x layout) of two registered sizes.
@@ -76,11 +76,11 @@ def test_load_transformers_checkpoint(tmp_path, kind, tied, sharded):
     hf.save_pretrained(tmp_path, max_shard_size=SMALL_SHARD_BYTES if sharded else "1GB")
     assert (tmp_path / (INDEX_FILE if sharded else SINGLE_FILE)).exists()
 
-    cfg, state = load_hf_checkpoint(tmp_path)
+    cfg, state = load_checkpoint(tmp_path)
     assert cfg.family == hf.config.model_type and cfg.tie_embeddings == tied
     assert ("lm_head.weight" in state) == (not tied)
     ours = Transformer(cfg).eval()
-    load_into_model(ours, state)
+    ours.load_state_dict(state, strict=True)
     assert_same_logits(hf, ours, VOCAB, seq=4 * ORIGINAL)
 
 
@@ -116,7 +116,7 @@ def test_an_export_of_a_checkpoint_keeps_its_config_whole(tmp_path, kind):
     model.config.update({"bos_token_id": 100, "eos_token_id": [101, 102], "pad_token_id": 103, "megatrain_test": 1})
     model.save_pretrained(tmp_path / "source")
     source = json.loads((tmp_path / "source" / "config.json").read_text())
-    cfg, weights = load_hf_checkpoint(tmp_path / "source")
+    cfg, weights = load_checkpoint(tmp_path / "source")
     save_hf_checkpoint(weights, cfg, tmp_path / "export", dtype=torch.bfloat16, source_config=source)
     exported = json.loads((tmp_path / "export" / "config.json").read_text())
     assert exported == {**source, "dtype": "bfloat16", "torch_dtype": "bfloat16"}
@@ -137,13 +137,13 @@ def test_save_from_plain_dict_in_bf16_round_trips(tmp_path):
     save_hf_checkpoint(host_tiles, cfg, tmp_path, max_shard_bytes=SMALL_SHARD_BYTES, dtype=torch.bfloat16)
     assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
-    loaded_cfg, state = load_hf_checkpoint(tmp_path)
+    loaded_cfg, state = load_checkpoint(tmp_path)
     assert loaded_cfg == cfg
     assert state.keys() == host_tiles.keys()
     for name, tensor in state.items():
         assert tensor.dtype == torch.bfloat16
         assert torch.equal(tensor, host_tiles[name].to(torch.bfloat16)), name
-    _, state32 = load_hf_checkpoint(tmp_path, dtype=torch.float32)
+    _, state32 = load_checkpoint(tmp_path, dtype=torch.float32)
     assert all(t.dtype == torch.float32 for t in state32.values())
 
 
@@ -155,7 +155,7 @@ def test_saving_over_an_old_checkpoint_leaves_no_stale_weights(tmp_path):
         save_hf_checkpoint(model, cfg, tmp_path, max_shard_bytes=max_shard_bytes)
         sharded = max_shard_bytes == SMALL_SHARD_BYTES
         assert (tmp_path / SINGLE_FILE).exists() != sharded and (tmp_path / INDEX_FILE).exists() == sharded
-        _, state = load_hf_checkpoint(tmp_path)
+        _, state = load_checkpoint(tmp_path)
         assert all(torch.equal(state[n], p) for n, p in model.state_dict().items())
 
 
@@ -179,7 +179,7 @@ def test_tied_checkpoint_that_stores_the_head_and_untied_one_without_it(tmp_path
     tensors = load_file(tmp_path / SINGLE_FILE)
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
     save_file(tensors, tmp_path / SINGLE_FILE, metadata={"format": "pt"})
-    _, state = load_hf_checkpoint(tmp_path)
+    _, state = load_checkpoint(tmp_path)
     assert "lm_head.weight" not in state
 
     config = json.loads((tmp_path / "config.json").read_text())
@@ -187,16 +187,8 @@ def test_tied_checkpoint_that_stores_the_head_and_untied_one_without_it(tmp_path
     (tmp_path / "config.json").write_text(json.dumps(config))
     del tensors["lm_head.weight"]
     save_file(tensors, tmp_path / SINGLE_FILE, metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"no tensor 'lm_head.weight'"):
-        load_hf_checkpoint(tmp_path)
-
-
-def test_load_into_model_is_strict():
-    model = Transformer(get_model_config("tiny"))
-    state = dict(model.state_dict())
-    state["layers.0.extra.weight"] = state.pop("layers.0.mlp.up_proj.weight")
-    with pytest.raises(ValueError, match=r"missing \['layers.0.mlp.up_proj.weight'\], unexpected \['layers.0.extra"):
-        load_into_model(model, state)
+    with pytest.raises(ValueError, match=r"model.safetensors lacks tensor 'lm_head.weight'"):
+        load_checkpoint(tmp_path)
 
 
 LLAMA31_8B = LLAMA3_8B | {"max_position_embeddings": 131072, "rope_scaling": {
@@ -350,9 +342,9 @@ def test_a_gpt_oss_checkpoint_with_mxfp4_experts_loads_as_transformers_dequantiz
     config["quantization_config"] = {"quant_method": "mxfp4"}
     (tmp_path / "mxfp4" / "config.json").write_text(json.dumps(config))
 
-    cfg, state = load_hf_checkpoint(tmp_path / "mxfp4", dtype=torch.float32)
+    cfg, state = load_checkpoint(tmp_path / "mxfp4", dtype=torch.float32)
     ours = Transformer(cfg).eval()
-    load_into_model(ours, state)
+    ours.load_state_dict(state, strict=True)
     assert_same_logits(hf, ours, VOCAB)
 
 
@@ -364,7 +356,7 @@ def test_a_checkpoint_tensor_the_model_does_not_have_is_refused(tmp_path):
     tensors["model.layers.0.mlp.experts.4.up_proj.weight"] = torch.zeros(32, 64)  # a fifth expert
     save_file(tensors, tmp_path / SINGLE_FILE, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"tensors this model does not have: \['model.layers.0.mlp.experts.4"):
-        load_hf_checkpoint(tmp_path)
+        load_checkpoint(tmp_path)
 
 
 def test_a_shape_its_family_cannot_hold_is_refused():

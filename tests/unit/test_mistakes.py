@@ -13,11 +13,11 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from train_helpers import at_step, hf_model, make_read_only, pretokenized, run_train, unmount  # noqa: E402
+from train_helpers import at_step, hf_model, make_read_only, one_error, pretokenized, run_train, unmount  # noqa: E402
 
 import megatrain.train.loop as loop  # noqa: E402
 from megatrain.cli import main  # noqa: E402
-from megatrain.models.hf import INDEX_FILE, SINGLE_FILE  # noqa: E402
+from megatrain.models.handwritten.hf import INDEX_FILE, SINGLE_FILE  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -27,15 +27,6 @@ def files(tmp_path_factory):
     init, data = hf_model("qwen2", root / "init"), pretokenized(root / "data.jsonl", rows=8)
     assert run_train(init, data, root / "run", steps=2, extra=["--save-every", "1"]) == 0
     return init, data, root / "run"
-
-
-def one_error(capsys) -> str:
-    """The one error line of the last command (log lines, notes and warnings before it aside)."""
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err
-    errors = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1, err
-    return errors[0]
 
 
 def _truncated(d):

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from megatrain.models.moe import experts_forward, route
-from megatrain.models.transformer import attention_with_sinks
+from megatrain.models.handwritten.moe import experts_forward, route
+from megatrain.models.handwritten.transformer import attention_with_sinks
 
 
 def _experts(bias: bool, limit: float, seed: int = 0):
@@ -118,8 +118,8 @@ def test_router_logits_are_fp32_whatever_the_compute_dtype(autocast):
     from fp32 logits of the same (bf16) inputs, where a bf16 GEMM would round them; the layer's output keeps the
     input's dtype."""
     from megatrain.models import get_model_config
+    from megatrain.models.handwritten.moe import MoE
     from megatrain.models.init import init_module
-    from megatrain.models.moe import MoE
 
     moe = MoE(get_model_config("tiny-moe"))
     init_module(moe, 0, "mlp.")

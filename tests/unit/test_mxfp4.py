@@ -4,7 +4,7 @@ transformers' convert_moe_packed_tensors, input errors. CPU, about a second: pyt
 import pytest
 import torch
 
-from megatrain.models.mxfp4 import dequantize
+from megatrain.models.handwritten.mxfp4 import dequantize
 
 
 def _random_blocks_and_scales(experts: int, rows: int, blocks_per_row: int, seed: int):

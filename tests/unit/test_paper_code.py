@@ -18,7 +18,7 @@ from megatrain import preflight
 from megatrain.config import CaseConfig
 from megatrain.engine import distributed
 from megatrain.models import Transformer
-from megatrain.models.hf import iter_hf_tensors
+from megatrain.models.checkpoint import open_checkpoint
 from megatrain.models.init import init_module
 from megatrain.models.loss import IGNORE_INDEX
 from megatrain.probe import Machine
@@ -168,7 +168,7 @@ def test_initial_checkpoint_holds_natives_initial_weights_and_is_written_once(tm
     native = Transformer(case.model_config())
     init_module(native, 7)
     expected = {n: p.detach().to(torch.bfloat16) for n, p in native.named_parameters()}
-    written = dict(iter_hf_tensors(out))
+    written = dict(open_checkpoint(out).weights())
     assert written.keys() == expected.keys()
     for name, tensor in written.items():
         assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, expected[name]), name

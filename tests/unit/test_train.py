@@ -43,7 +43,7 @@ SYSTEMS = ["megatrain", "native", pytest.param("deepspeed", marks=needs_deepspee
 
 
 # What a family changes is the model's forward and its checkpoint names, which every system shares (megatrain.models,
-# megatrain.models.hf) and which megatrain and native check for every kind in-process. What the offload systems do of
+# models.handwritten.hf) and which megatrain and native check for every kind in-process. What the offload systems do of
 # their own per family: the experts (DeepSpeed's MoE leaf modules, FSDP's units around them), the router's aux loss,
 # the attention sinks, and biases and norms in their decay groups; so they train the first two kinds (qwen2's biases,
 # llama) and the two mixtures that hold all of those (qwen3-moe-aux: experts, the aux loss, qk-norms; gpt-oss:

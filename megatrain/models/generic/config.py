@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from megatrain.models.config import UnitShapes
 from megatrain.models.masks import FULL, SLIDING, attended_pairs
+from megatrain.models.shape import UnitShapes
 
 if TYPE_CHECKING:  # annotations only: the skeleton (which builds the model, with transformers) says the layout
     from megatrain.models.generic.skeleton import Layout
@@ -28,6 +28,7 @@ TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "moe_k", "top_k", "n_activated_
 LAYERS_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 HEADS_KEYS = ("num_attention_heads", "n_head", "num_heads", "n_heads")
 CHUNKED, LINEAR = "chunked_attention", "linear_attention"
+ATTENTION_TYPES = (FULL, SLIDING, CHUNKED)  # layer types whose attention takes document masks
 
 
 @dataclass(frozen=True)
@@ -234,6 +235,17 @@ class GenericConfig:
 
     def to_dict(self) -> dict:
         return {"hf_json": self.hf_json}
+
+    # ---- what it refuses, and its kind (megatrain.models.kinds: its module and its checkpoints) -------------------
+    kind = "generic"
+
+    def packing_refusal(self) -> str | None:
+        """Why packed rows cannot train this model (its layers other than attention would carry state from one document
+        into the next), or None."""
+        if kinds := sorted(set(self.layer_types) - set(ATTENTION_TYPES)):
+            return f"{self.family}'s {', '.join(kinds)} layers would carry state from one packed document into the " \
+                "next: train it with --no-pack"
+        return None
 
 
 def _first(hf: Mapping, keys: tuple[str, ...]) -> str:

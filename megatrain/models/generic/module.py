@@ -15,13 +15,11 @@ import functools
 import torch
 from torch import nn
 
-from megatrain.models.generic.config import CHUNKED, GenericConfig
+from megatrain.models.generic.config import GenericConfig
 from megatrain.models.generic.head import chunked_loss, cross_entropy_sum
 from megatrain.models.generic.skeleton import Parts, build_causal_lm, head_logits
 from megatrain.models.loss import valid_tokens
-from megatrain.models.masks import FULL, SLIDING, document_positions
-
-ATTENTION_TYPES = (FULL, SLIDING, CHUNKED)  # layer types whose attention takes document masks
+from megatrain.models.masks import document_positions
 
 
 def position_ids(cfg: GenericConfig, rows: int, seq: int, segments_BS: torch.Tensor | None,
@@ -32,18 +30,9 @@ def position_ids(cfg: GenericConfig, rows: int, seq: int, segments_BS: torch.Ten
     across documents."""
     if segments_BS is None or bool((segments_BS == segments_BS[:, :1]).all()):
         return torch.arange(seq, device=device).expand(rows, -1)
-    if why := packing_refusal(cfg):
+    if why := cfg.packing_refusal():
         raise ValueError(why)
     return document_positions(segments_BS.to(device))
-
-
-def packing_refusal(cfg: GenericConfig) -> str | None:
-    """Why packed rows cannot train `cfg` (its layers other than attention would carry state from one document into
-    the next), or None."""
-    if kinds := sorted(set(cfg.layer_types) - set(ATTENTION_TYPES)):
-        return f"{cfg.family}'s {', '.join(kinds)} layers would carry state from one packed document into the next: " \
-            "train it with --no-pack"
-    return None
 
 
 class GenericCausalLM(nn.Module):

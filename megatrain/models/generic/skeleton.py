@@ -25,7 +25,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from megatrain.models.config import UnitShapes
+from megatrain.models.shape import UnitShapes
+from megatrain.models.weights import persistent_buffers
 
 
 class ConfigJson(Protocol):
@@ -55,6 +56,7 @@ class Layout:
     head_weight_name: str  # the LM head matrix, full name (the embedding's own when tied)
     vocab_size: int
     hidden_size: int
+    buffers: tuple[tuple[str, tuple[int, ...]], ...] = ()  # full name and shape of each buffer a checkpoint holds
 
 
 class LayerCall(NamedTuple):
@@ -85,7 +87,10 @@ def transformers_config(cfg: ConfigJson):
     if hf.get("output_router_logits"):
         raise ValueError("the router's load-balancing loss (output_router_logits=true) is not computed by the generic "
                          "path: set output_router_logits to false in config.json")
-    config = CONFIG_MAPPING[family].from_dict(hf)
+    try:
+        config = CONFIG_MAPPING[family].from_dict(hf)
+    except Exception as exc:  # a value its config class refuses (strict dataclass validation, a check of its own)
+        raise ValueError(f"transformers refuses this {family} config.json: {_error_line(exc)}") from None
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"{family} is an encoder-decoder model; only decoder-only models are trained here")
     config.use_cache = False
@@ -103,8 +108,12 @@ def build_causal_lm(cfg: ConfigJson, device: torch.device | str, dtype: torch.dt
 
     config = transformers_config(cfg)
     meta = torch.device(device).type == "meta"
-    with torch.device(device), contextlib.nullcontext() if meta else no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    try:
+        with torch.device(device), contextlib.nullcontext() if meta else no_init_weights():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except Exception as exc:  # sizes its modules cannot be built of (a negative width, a head of 0, ...)
+        raise ValueError(f"transformers cannot build {config.model_type} from this config.json: "
+                         f"{_error_line(exc)}") from None
     if not meta:
         model.tie_weights()  # init_weights ties them, and no_init_weights skipped it
     if meta:
@@ -115,6 +124,12 @@ def build_causal_lm(cfg: ConfigJson, device: torch.device | str, dtype: torch.dt
         with torch.device("cpu"):  # what the initialisation computes, on the CPU too (whatever device is default)
             model.initialize_weights()
     return model.eval()
+
+
+def _error_line(exc: BaseException) -> str:
+    """An exception of transformers' on one line: its type and its message's first line."""
+    message = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {message[-1].strip() if message else ''}"
 
 
 class Parts:
@@ -214,7 +229,8 @@ class Skeleton(Parts):
         return Layout(units=self.units, structure=self.structure, routed=tuple(routed), experts=tuple(experts),
                       embedding_name=self.base_prefix + self.embedding_name,
                       head_weight_name=self.head_weight_name, vocab_size=embedding[0],
-                      hidden_size=embedding[1])
+                      hidden_size=embedding[1],
+                      buffers=tuple((n, tuple(b.shape)) for n, b in persistent_buffers(self.model).items()))
 
     # ---- the forward preamble -------------------------------------------------------------------------------------
     def capture(self, params: Mapping[str, torch.Tensor], input_ids: torch.Tensor, position_ids: torch.Tensor,

@@ -5,23 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
+from megatrain.models.handwritten.families import FAMILIES, MOE_FAMILIES, NONE, ROWS
 from megatrain.models.masks import FULL, LAYER_TYPES, SLIDING, attended_pairs
 from megatrain.models.rope import RopeScaling
-
-
-@dataclass(frozen=True)
-class UnitShapes:
-    """One streamed unit of a model (megatrain.engine.layout): its kind ('embed', 'layer', 'head'), the prefix of its
-    parameters' full names, and (name inside its template, shape) of each parameter in the module's order."""
-
-    kind: str
-    prefix: str
-    shapes: tuple[tuple[str, tuple[int, ...]], ...]
-
-
-# The Hugging Face architectures the one model definition covers, and what each fixes of the flags below.
-FAMILIES = ("qwen2", "llama", "qwen3", "mistral", "qwen3_moe", "gpt_oss")
-MOE_FAMILIES = ("qwen3_moe", "gpt_oss")
+from megatrain.models.shape import UnitShapes
 
 
 @dataclass(frozen=True)
@@ -29,7 +16,7 @@ class ModelConfig:
     """Shape of a Llama/Qwen2/Qwen3/Mistral-style decoder, or of a Qwen3-MoE/GPT-OSS mixture of experts.
 
     Attributes:
-        family: the Hugging Face model_type the shape loads from and exports to (FAMILIES).
+        family: the Hugging Face model_type the shape loads from and exports to (a row of handwritten.families).
         vocab_size: tokens in the embedding table.
         hidden_size: residual stream width H.
         intermediate_size: SwiGLU inner width I.
@@ -126,18 +113,15 @@ class ModelConfig:
     def _check_family(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"model family {self.family!r} is not supported; supported: {', '.join(FAMILIES)}")
-        # what each family's modeling code builds: a shape that no checkpoint of the family can hold is refused
-        dense = dict(num_experts=0, moe_bias=False, attention_sinks=False, swiglu_limit=0.0)
-        rules = {
-            "qwen2": dict(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False, **dense),
-            "llama": dict(qkv_bias=self.o_bias, qk_norm=False, **dense),
-            "qwen3": dict(qkv_bias=self.o_bias, mlp_bias=False, qk_norm=True, **dense),
-            "mistral": dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False, **dense),
-            "qwen3_moe": dict(qkv_bias=self.o_bias, mlp_bias=False, qk_norm=True, moe_bias=False,
-                              attention_sinks=False, swiglu_limit=0.0),
-            "gpt_oss": dict(qkv_bias=True, o_bias=True, mlp_bias=False, qk_norm=False, moe_bias=True,
-                            attention_sinks=True, norm_topk_prob=True),
-        }[self.family]
+        # what the family's modeling code builds (its row): a shape that no checkpoint of the family can hold is refused
+        row = ROWS[self.family]
+        o_bias = {None: dict(o_bias=False), True: dict(o_bias=True), False: {}}[row.attention_bias]
+        rules = dict(qkv_bias=True if row.qkv_bias else self.o_bias, **o_bias, qk_norm=row.qk_norm,
+                     moe_bias=row.moe_bias, attention_sinks=row.attention_sinks)
+        rules.update({} if row.mlp_bias else dict(mlp_bias=False))
+        rules.update({} if row.experts else dict(num_experts=0))
+        rules.update({} if row.clamped_swiglu else dict(swiglu_limit=0.0))
+        rules.update(dict(norm_topk_prob=True) if row.top_k_softmax else {})
         wrong = {k: getattr(self, k) for k, v in rules.items() if getattr(self, k) != v}
         if wrong:
             raise ValueError(f"a {self.family} model cannot have {wrong} (its architecture fixes {rules})")
@@ -152,8 +136,8 @@ class ModelConfig:
         if (SLIDING in self.layer_types) != (self.sliding_window > 0):
             raise ValueError(f"sliding_window={self.sliding_window} with layer_types {sorted(set(self.layer_types))}: "
                              "sliding layers need a window > 0, and a window needs sliding layers")
-        if self.family == "llama" and self.sliding_window:
-            raise ValueError("llama models have no sliding-window attention")
+        if ROWS[self.family].windows == NONE and self.sliding_window:
+            raise ValueError(f"{self.family} models have no sliding-window attention")
 
     def _check_experts(self) -> None:
         if self.family not in MOE_FAMILIES:
@@ -163,9 +147,8 @@ class ModelConfig:
                              f"num_experts={self.num_experts}, num_experts_per_tok={self.num_experts_per_tok}")
         if self.moe_intermediate_size < 1:
             raise ValueError(f"moe_intermediate_size must be >= 1, got {self.moe_intermediate_size}")
-        if (self.family == "gpt_oss") != (self.swiglu_limit > 0) or self.swiglu_limit < 0:
-            raise ValueError(f"swiglu_limit={self.swiglu_limit}: GPT-OSS's clamped SwiGLU needs a limit > 0, "
-                             "the other families have none")
+        if ROWS[self.family].clamped_swiglu and not self.swiglu_limit > 0:
+            raise ValueError(f"swiglu_limit={self.swiglu_limit}: {self.family}'s clamped SwiGLU needs a limit > 0")
         if not (math.isfinite(self.router_aux_loss_coef) and self.router_aux_loss_coef >= 0):
             raise ValueError(f"router_aux_loss_coef must be a finite number >= 0, got {self.router_aux_loss_coef}")
 
@@ -220,7 +203,7 @@ class ModelConfig:
         return shapes
 
     def moe_shapes(self) -> dict[str, tuple[int, ...]]:
-        """A layer's router and experts (megatrain.models.moe.MoE): each expert's gate and up rows stacked ([E, 2I,
+        """A layer's router and experts (handwritten.moe.MoE): each expert's gate and up rows stacked ([E, 2I,
         H], gate first) and its down projection ([E, H, I]), so one expert's weights are one contiguous slice."""
         e, h, i = self.num_experts, self.hidden_size, self.moe_intermediate_size
         shapes = {"mlp.router.weight": (e, h), **({"mlp.router.bias": (e,)} if self.moe_bias else {}),
@@ -315,6 +298,17 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    # ---- what it refuses, and its kind (megatrain.models.kinds: its module and its checkpoints) -------------------
+    kind = "handwritten"
+
+    def check(self) -> ModelConfig:
+        """Every setting was checked as the shape was made: nothing to build. Returns self."""
+        return self
+
+    def packing_refusal(self) -> str | None:
+        """None: the attention keeps packed documents apart (document masks, positions restarting per document)."""
+        return None
 
 
 def _numel(shapes: dict[str, tuple[int, ...]]) -> int:

@@ -1,5 +1,5 @@
-"""Hugging Face Qwen2/Llama/Qwen3/Mistral/Qwen3-MoE/GPT-OSS checkpoints: config translation, sharded safetensors save
-and lazy load.
+"""The hand-written families' Hugging Face checkpoints: config.json translated to ModelConfig and back, and their
+tensors in and out of our names (megatrain.models.checkpoint is the road that reaches them).
 
 Our parameter names are HF's without the `model.` prefix (`lm_head.weight` is the same in both), so translation is a
 prefix, except for the experts: a layer's experts are two stacked tensors of ours ([E, 2I, H] gate rows then up rows,
@@ -15,79 +15,35 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
-import os
-import re
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
-from megatrain.models.config import FAMILIES, MOE_FAMILIES, ModelConfig
+from megatrain.models.handwritten.config import ModelConfig
+from megatrain.models.handwritten.families import ALL, ALTERNATE, FAMILIES, MOE_FAMILIES, NONE, ROWS, SUFFIX
 from megatrain.models.masks import FULL, SLIDING
 from megatrain.models.rope import RopeScaling
+from megatrain.models.safetensors_files import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    Stored,
+    Tensors,
+    plan_shards,
+    save_shard,
+    shard_names,
+    stored_tensors,
+)
 
-SUPPORTED_MODEL_TYPES = FAMILIES
-@dataclass(frozen=True)
-class _Family:
-    """What a hand-written family's config.json means, as transformers' config class and modeling file read it.
-
-    architecture: its *ForCausalLM class (written into an export's config.json).
-    defaults: transformers' defaults for keys a config.json may leave out.
-    qkv_bias: q, k and v projections always biased (Qwen2).
-    attention_bias: the family's attention_bias key: its default, or None where the family has none (then
-        attention_bias=true is refused).
-    mlp_bias: the family reads mlp_bias (else mlp_bias=true is refused).
-    qk_norm: per-head RMSNorm on q and k (Qwen3).
-    windows: which layers slide: "none" (refused where asked), "suffix" (from max_window_layers on, when
-        use_sliding_window), "all" (every layer, when sliding_window), "alternate" (even layers, by default).
-    """
-
-    architecture: str
-    defaults: dict
-    qkv_bias: bool = False
-    attention_bias: bool | None = False
-    mlp_bias: bool = False
-    qk_norm: bool = False
-    windows: str = "none"
-
-
-_FAMILIES = {
-    "qwen2": _Family("Qwen2ForCausalLM", dict(max_position_embeddings=32768, max_window_layers=28), qkv_bias=True,
-                     attention_bias=None, windows="suffix"),
-    "llama": _Family("LlamaForCausalLM", dict(max_position_embeddings=2048), mlp_bias=True),
-    "qwen3": _Family("Qwen3ForCausalLM", dict(max_position_embeddings=32768, max_window_layers=28, head_dim=128),
-                     qk_norm=True, windows="suffix"),
-    "mistral": _Family("MistralForCausalLM", dict(max_position_embeddings=131072, num_key_value_heads=8,
-                                                  sliding_window=4096), attention_bias=None, windows="all"),
-    "qwen3_moe": _Family("Qwen3MoeForCausalLM", dict(max_position_embeddings=32768, num_key_value_heads=4,
-                                                     norm_topk_prob=False), qk_norm=True),
-    "gpt_oss": _Family("GptOssForCausalLM", dict(
-        max_position_embeddings=131072, num_key_value_heads=8, head_dim=64, sliding_window=128, num_experts_per_tok=4,
-        swiglu_limit=7.0, swiglu_alpha=1.702, rms_norm_eps=1e-5,
-        rope=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
-                  original_max_position_embeddings=4096, rope_theta=150000.0)),
-        attention_bias=True, windows="alternate"),
-}
-assert tuple(_FAMILIES) == FAMILIES
 # the keys each RoPE scaling reads (transformers' modeling_rope_utils); another key is refused, not ignored
 _ROPE_KEYS = {"default": set(), "linear": {"factor"}, "dynamic": {"factor"},
               "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
               "yarn": {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
                        "mscale", "mscale_all_dim", "truncate"}}
+# the keys that give a hand-written family's shape: a config.json without one is damaged (transformers' defaults
+# are not a shape)
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-# the config.json keys read as counts and as numbers: a value of another type is refused by name
-_INT_KEYS = (*REQUIRED_KEYS, "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window",
-             "max_window_layers", "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
-             "original_max_position_embeddings")
-_NUMBER_KEYS = ("rope_theta", "rms_norm_eps", "router_aux_loss_coef", "swiglu_limit", "swiglu_alpha",
-                "partial_rotary_factor")
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 
 
 def hf_name(name: str) -> str:
@@ -98,64 +54,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _read_json(file: Path):
-    try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{file} is not valid JSON ({exc})") from None
-
-
-def read_hf_config(path: str | Path) -> dict:
-    """The config.json of a checkpoint directory; ValueError naming the directory when it or the file is missing
-    or not a JSON object."""
-    path = Path(path)
-    if not path.is_dir():
-        raise ValueError(f"{path}: no such directory")
-    if not (path / "config.json").is_file():
-        raise ValueError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
-    hf = _read_json(path / "config.json")
-    if not isinstance(hf, dict):
-        raise ValueError(f"{path / 'config.json'} is not a JSON object")
-    return hf
-
-
-def check_hf_checkpoint(path: str | Path, hf: Mapping | None = None) -> ModelConfig:
-    """The shape of the checkpoint in directory `path`, its config (hf: as read already, else read here) translated,
-    and every weight the model reads found in its files' headers with the shape the config implies, without reading
-    a tensor; a ValueError, starting with the path, names what is missing, damaged or unsupported."""
-    hf = read_hf_config(path) if hf is None else hf
-    try:
-        cfg = config_from_hf(hf)
-        expected = _expected_shapes(cfg)
-        with contextlib.ExitStack() as stack:
-            for name, tensor in _read_weights(cfg, _Checkpoint(weight_files(Path(path)), stack, meta=True)):
-                if tensor.shape != (shape := expected[name]):
-                    raise ValueError(f"{name} has shape {tuple(tensor.shape)}, the config implies {tuple(shape)}")
-    except ValueError as exc:
-        raise ValueError(f"{path}: {exc}") from None
-    return cfg
-
-
-def check_config_values(hf: Mapping) -> None:
-    """The config.json keys read as counts and as numbers of their types, and its RoPE base and norm epsilon finite and
-    > 0, where given; a ValueError names the first that is not. For the hand-written families (FAMILIES): a damaged
-    config of one is refused whichever model would train it (megatrain.models.generic.checkpoint.shape_from_hf)."""
-    for keys, kind, what in ((_INT_KEYS, int, "an integer"), (_NUMBER_KEYS, int | float, "a number")):
-        for key in keys:
-            if hf.get(key) is not None and (not isinstance(hf[key], kind) or isinstance(hf[key], bool)):
-                raise ValueError(f"config.json {key}={json.dumps(hf[key])} must be {what}")
-    params = hf.get("rope_parameters")
-    theta = params.get("rope_theta") if isinstance(params, Mapping) else None
-    for key, value in (("rope_theta", hf.get("rope_theta") if theta is None else theta),
-                       ("rms_norm_eps", hf.get("rms_norm_eps"))):
-        if isinstance(value, int | float) and not isinstance(value, bool) and not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{key} must be a finite number > 0, got {value}")
-
-
 def _rope_from_hf(hf: Mapping) -> tuple[float, RopeScaling | None]:
     """(theta, scaling) of a config: 5.x's rope_parameters or 4.x's rope_theta and rope_scaling."""
     params = dict(hf.get("rope_parameters") or {})
-    family = _FAMILIES.get(hf.get("model_type"))
+    family = ROWS.get(hf.get("model_type"))
     if not params and not hf.get("rope_scaling") and family is not None and "rope" in family.defaults:
         params = {**family.defaults["rope"], **{k: hf[k] for k in ("rope_theta",) if k in hf}}
     if any(isinstance(v, Mapping) for v in params.values()):
@@ -191,22 +93,22 @@ def _rope_from_hf(hf: Mapping) -> tuple[float, RopeScaling | None]:
 
 def _attention_layers(hf: Mapping, family: str, num_layers: int) -> tuple[int, tuple[str, ...]]:
     """(sliding window, per-layer types) as transformers builds them for the family."""
-    defaults = _FAMILIES[family].defaults
+    defaults = ROWS[family].defaults
     types = tuple(hf.get("layer_types") or ())
     if unknown := sorted(set(types) - {FULL, SLIDING}):
         raise ValueError(f"layer_types {unknown} are not supported; only {FULL!r} and {SLIDING!r} are")
-    windows = _FAMILIES[family].windows
-    if windows == "none":  # transformers' Llama would ignore them: refused rather than trained differently
+    windows = ROWS[family].windows
+    if windows == NONE:  # transformers' Llama would ignore them: refused rather than trained differently
         if SLIDING in types:
             raise ValueError(f"{family} models have no sliding-window attention; the config's layer_types ask for it")
         if hf.get("use_sliding_window"):
             raise ValueError(f"{family} with use_sliding_window=true is not supported (no released checkpoint uses "
                              "it); set it false")
         window, types = 0, ()
-    elif windows == "alternate":  # transformers' default: even layers slide, odd ones attend fully
+    elif windows == ALTERNATE:  # transformers' default: even layers slide, odd ones attend fully
         window = hf.get("sliding_window", defaults["sliding_window"]) or 0
         types = types or tuple(SLIDING if n % 2 == 0 else FULL for n in range(num_layers))
-    elif windows == "all":
+    elif windows == ALL:
         if any(t != FULL for t in types):
             raise ValueError(f"mistral with layer_types {sorted(set(types))} is not supported (transformers builds it "
                              "as Ministral)")
@@ -233,14 +135,14 @@ def config_from_hf(hf: Mapping) -> ModelConfig:
     (rope_parameters). Raises ValueError for any setting our model does not implement.
     """
     family = hf.get("model_type")
-    if family not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type {family!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if family not in FAMILIES:
+        raise ValueError(f"model_type {family!r} is not supported; supported: {', '.join(FAMILIES)}")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported; our MLP is SwiGLU with silu")
-    traits = _FAMILIES[family]
-    if hf.get("mlp_bias") and not traits.mlp_bias:
+    row = ROWS[family]
+    if hf.get("mlp_bias") and not row.mlp_bias:
         raise ValueError(f"mlp_bias=true is not part of {family}")
-    if hf.get("attention_bias") and traits.attention_bias is None:
+    if hf.get("attention_bias") and row.attention_bias is None:
         raise ValueError(f"attention_bias=true is not part of {family}")
     if hf.get("attention_dropout", 0.0):
         warnings.warn(f"attention_dropout={hf['attention_dropout']} is ignored: our attention has no dropout",
@@ -248,12 +150,11 @@ def config_from_hf(hf: Mapping) -> ModelConfig:
     missing = [k for k in REQUIRED_KEYS if k not in hf]
     if missing:
         raise ValueError(f"config.json lacks {', '.join(missing)}")
-    check_config_values(hf)
     theta, scaling = _rope_from_hf(hf)
-    defaults = _FAMILIES[family].defaults
+    defaults = ROWS[family].defaults
     window, types = _attention_layers(hf, family, hf["num_hidden_layers"])
-    attention_bias = bool(hf.get("attention_bias", traits.attention_bias))
-    if traits.attention_bias and not attention_bias:
+    attention_bias = bool(hf.get("attention_bias", row.attention_bias))
+    if row.attention_bias and not attention_bias:
         raise ValueError(f"{family} with attention_bias=false is not supported (every release has the biases)")
     return ModelConfig(
         vocab_size=hf["vocab_size"],
@@ -263,10 +164,10 @@ def config_from_hf(hf: Mapping) -> ModelConfig:
         num_heads=hf["num_attention_heads"],
         num_kv_heads=hf.get("num_key_value_heads") or defaults.get("num_key_value_heads", hf["num_attention_heads"]),
         head_dim=hf.get("head_dim") or defaults.get("head_dim", 0),
-        qkv_bias=traits.qkv_bias or attention_bias,
+        qkv_bias=row.qkv_bias or attention_bias,
         o_bias=attention_bias,
         mlp_bias=bool(hf.get("mlp_bias", False)),
-        qk_norm=traits.qk_norm,
+        qk_norm=row.qk_norm,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         rope_theta=theta,
         rope_scaling=scaling,
@@ -281,7 +182,7 @@ def config_from_hf(hf: Mapping) -> ModelConfig:
 
 def _experts_from_hf(hf: Mapping, family: str) -> dict:
     """The ModelConfig fields of a mixture of experts; layouts we do not build are refused by name."""
-    defaults = _FAMILIES[family].defaults
+    defaults = ROWS[family].defaults
     quant = hf.get("quantization_config") or {}
     if quant and quant.get("quant_method") != "mxfp4":
         raise ValueError(f"quantization_config {quant.get('quant_method')!r} is not supported; only GPT-OSS's mxfp4 "
@@ -333,7 +234,7 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
     """
     rope = _rope_to_hf(cfg)
     hf = {
-        "architectures": [_FAMILIES[cfg.family].architecture],
+        "architectures": [ROWS[cfg.family].architecture],
         "model_type": cfg.family,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
@@ -358,16 +259,16 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
         "dtype": _dtype_name(dtype),
     }
     window = cfg.sliding_window or None
-    traits = _FAMILIES[cfg.family]
-    if traits.windows == "suffix":
+    row = ROWS[cfg.family]
+    if row.windows == SUFFIX:
         # 5.x reads layer_types; 4.x slides the layers from max_window_layers on (a suffix, as every release has)
         types = [cfg.layer_type(n) for n in range(cfg.num_layers)]
         first = types.index(SLIDING) if SLIDING in types else cfg.num_layers
         hf.update(use_sliding_window=window is not None, sliding_window=window, max_window_layers=first,
                   layer_types=types)
-    if traits.windows == "all":
+    if row.windows == ALL:
         hf["sliding_window"] = window
-    if traits.attention_bias is not None:
+    if row.attention_bias is not None:
         hf["attention_bias"] = cfg.o_bias
     if cfg.is_moe:
         hf.update(num_experts_per_tok=cfg.num_experts_per_tok, output_router_logits=cfg.router_aux_loss_coef > 0,
@@ -380,7 +281,7 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
         hf.update(num_local_experts=cfg.num_experts, swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha,
                   sliding_window=cfg.sliding_window or None,
                   layer_types=[cfg.layer_type(n) for n in range(cfg.num_layers)])
-    if traits.mlp_bias:
+    if row.mlp_bias:
         hf["mlp_bias"] = cfg.mlp_bias
     if cfg.family == "llama":
         hf["pretraining_tp"] = 1
@@ -397,19 +298,6 @@ def _check_names(names, expected, what: str) -> None:
     missing, unexpected = sorted(set(expected) - set(names)), sorted(set(names) - set(expected))
     if missing or unexpected:
         raise ValueError(f"{what} does not match: missing {missing}, unexpected {unexpected}")
-
-
-def _plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
-    """Greedy split of names (in order) into shards of at most max_shard_bytes; a bigger tensor gets its own."""
-    shards: list[list[str]] = [[]]
-    shard_bytes = 0
-    for name, nbytes in sizes.items():
-        if shards[-1] and shard_bytes + nbytes > max_shard_bytes:
-            shards.append([])
-            shard_bytes = 0
-        shards[-1].append(name)
-        shard_bytes += nbytes
-    return shards
 
 
 def exported_config(source: Mapping, cfg: ModelConfig, dtype: torch.dtype) -> dict:
@@ -456,20 +344,19 @@ def save_hf_checkpoint(model_or_state_dict: torch.nn.Module | Mapping[str, torch
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}, the config implies {tuple(shape)}")
         sizes[name] = tensor.numel() * (dtype or tensor.dtype).itemsize
         del tensor
-    shards = _plan_shards(sizes, max_shard_bytes)
+    shards = plan_shards(sizes, max_shard_bytes)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stored = dtype or state["embed_tokens.weight"].dtype
     config = config_to_hf(cfg, stored) if source_config is None else exported_config(source_config, cfg, stored)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
-    files = [SINGLE_FILE] if len(shards) == 1 else [
-        f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    files = shard_names(len(shards))
     weight_map = {}
     for file, names in zip(files, shards, strict=True):
         tensors = {key: t.detach().to("cpu", dtype or t.dtype).contiguous() for n in names
                    for key, t in to_hf_tensors(cfg, n, state[n])}
-        _save_file(tensors, out_dir / file)
+        save_shard(tensors, out_dir / file)
         weight_map.update(dict.fromkeys(tensors, file))
         del tensors
     if len(files) > 1:
@@ -478,34 +365,6 @@ def save_hf_checkpoint(model_or_state_dict: torch.nn.Module | Mapping[str, torch
     # A previous save's single file or index would point loaders at stale weights.
     (out_dir / (SINGLE_FILE if len(files) > 1 else INDEX_FILE)).unlink(missing_ok=True)
     return [out_dir / f for f in files]
-
-
-def _save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """safetensors' save_file; an I/O failure (a full disk) raised as the OSError it is, not as a SafetensorError."""
-    try:
-        save_file(tensors, path, metadata={"format": "pt"})
-    except SafetensorError as exc:
-        found = re.search(r"\(os error (\d+)\)", str(exc))
-        if found is None:
-            raise
-        raise OSError(int(found[1]), os.strerror(int(found[1])), str(path)) from None
-
-
-def weight_files(path: Path) -> list[Path]:
-    """The safetensors files of a checkpoint, the single file first as transformers looks for it."""
-    if (path / SINGLE_FILE).exists():
-        return [path / SINGLE_FILE]
-    if (path / INDEX_FILE).exists():
-        index = _read_json(path / INDEX_FILE)
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-            raise ValueError(f"{path / INDEX_FILE} has no weight_map of tensor names to shard files")
-        files = [path / f for f in sorted(set(weight_map.values()))]
-        if missing := [f.name for f in files if not f.is_file()]:
-            raise ValueError(f"{path / INDEX_FILE} names shard {missing[0]}, which is not in {path}"
-                             + (f" ({len(missing) - 1} more missing)" if len(missing) > 1 else ""))
-        return files
-    raise ValueError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}; only safetensors checkpoints are read")
 
 
 def _interleaved(gate_up: torch.Tensor) -> torch.Tensor:
@@ -540,42 +399,7 @@ def to_hf_tensors(cfg: ModelConfig, name: str, tensor: torch.Tensor) -> list[tup
     return [(key, tensor)]
 
 
-# safetensors' dtype names, for tensors read as headers only (meta)
-_STORED_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                  "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                  "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-
-
-class _Checkpoint:
-    """The tensors of a checkpoint's safetensors files by key, each file opened once (a damaged header refused by
-    file name); counts the keys read. meta=True reads only the headers: meta tensors of the stored shapes."""
-
-    def __init__(self, files: list[Path], stack: contextlib.ExitStack, meta: bool = False):
-        self.file_of, self.meta = {}, meta
-        for file in files:
-            try:
-                handle = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
-            except SafetensorError as exc:  # truncated, empty, a header of another size or not JSON
-                raise ValueError(f"{file.name} is not a readable safetensors file ({exc}): download or export it "
-                                 "again") from None
-            self.file_of.update(dict.fromkeys(handle.keys(), handle))
-        self.read_keys: set[str] = set()
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.file_of
-
-    def __call__(self, key: str) -> torch.Tensor:
-        if key not in self.file_of:
-            raise ValueError(f"the checkpoint has no tensor {key!r}")
-        self.read_keys.add(key)
-        if self.meta:
-            stored = self.file_of[key].get_slice(key)
-            dtype = _STORED_DTYPES.get(stored.get_dtype(), torch.uint8)  # one the model takes: refused on load
-            return torch.empty(stored.get_shape(), dtype=dtype, device="meta")
-        return self.file_of[key].get_tensor(key)
-
-
-def _from_checkpoint(cfg: ModelConfig, name: str, read: _Checkpoint) -> torch.Tensor:
+def _from_checkpoint(cfg: ModelConfig, name: str, read: Tensors) -> torch.Tensor:
     """Our parameter `name` read from a checkpoint in any layout its family is published in."""
     key = hf_name(name)
     if not cfg.is_moe or ".mlp." not in key or (cfg.family == "qwen3_moe" and key in read):
@@ -591,7 +415,7 @@ def _from_checkpoint(cfg: ModelConfig, name: str, read: _Checkpoint) -> torch.Te
         if key in read:
             tensor = read(key)
         else:  # the published MXFP4 blocks
-            from megatrain.models.mxfp4 import dequantize
+            from megatrain.models.handwritten.mxfp4 import dequantize
 
             tensor = dequantize(read(key + "_blocks"), read(key + "_scales"))
         tensor = tensor.transpose(1, 2)
@@ -602,76 +426,37 @@ def _from_checkpoint(cfg: ModelConfig, name: str, read: _Checkpoint) -> torch.Te
     return tensor.contiguous()
 
 
-def iter_hf_tensors(path: str | Path, dtype: torch.dtype | None = None,
-                    cfg: ModelConfig | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(our name, tensor) of a checkpoint directory in the model's order, read one parameter at a time from its
-    safetensors files (cfg: its shape as translated already, else from its config.json here). A stored buffer such as
-    rotary_emb.inv_freq and a tied model's stored head are left out, as transformers does; any other tensor the
-    model does not read is refused by name once all are read."""
-    path = Path(path)
-    cfg = config_from_hf(read_hf_config(path)) if cfg is None else cfg
+def check_weights(cfg: ModelConfig, path: Path, stored: Stored) -> None:
+    """Every weight of cfg found in the checkpoint's headers (`stored`, of folder `path`), of the shape the config
+    implies and a floating-point dtype, and no tensor it does not read, before a tensor is read; ValueError naming the
+    first that is not."""
+    for _ in _read_weights(cfg, Tensors(path, stored, meta=True)):
+        pass
+
+
+def read_weights(cfg: ModelConfig, path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(our name, tensor) of the checkpoint in folder `path` in the model's order, read one parameter at a time from
+    its safetensors files and checked as check_weights checks them."""
     with contextlib.ExitStack() as stack:
-        for name, tensor in _read_weights(cfg, _Checkpoint(weight_files(path), stack)):
-            yield name, tensor if dtype is None else tensor.to(dtype)
+        yield from _read_weights(cfg, Tensors(path, stored_tensors(path), stack))
 
 
-def _read_weights(cfg: ModelConfig, read: _Checkpoint) -> Iterator[tuple[str, torch.Tensor]]:
-    """(our name, tensor) of every parameter of cfg from `read`, in the model's order; then any tensor left unread
-    that transformers does not leave out either is refused by name."""
-    for name in _expected_shapes(cfg):
-        yield name, _from_checkpoint(cfg, name, read)
-    ignored = {k for k in read.file_of if k.endswith("rotary_emb.inv_freq")}
+def _read_weights(cfg: ModelConfig, read: Tensors) -> Iterator[tuple[str, torch.Tensor]]:
+    """(our name, tensor) of every parameter of cfg from `read`, in the model's order, each of the shape the config
+    implies and floating point; then any tensor left unread that transformers does not leave out either is refused by
+    name. A stored buffer such as rotary_emb.inv_freq and a tied model's stored head are left out, as transformers
+    does."""
+    for name, shape in _expected_shapes(cfg).items():
+        tensor = _from_checkpoint(cfg, name, read)
+        key = hf_name(name)
+        where = f"{read.stored[key].file}: " if key in read.stored else ""  # a tensor of its own in the file
+        if tensor.shape != shape:
+            raise ValueError(f"{where}{key} has shape {tuple(tensor.shape)}, the config implies {tuple(shape)}")
+        if not tensor.dtype.is_floating_point:
+            raise ValueError(f"{where}{key} is stored as {_dtype_name(tensor.dtype)}: weights are floating point")
+        yield name, tensor
+    ignored = {k for k in read.stored if k.endswith("rotary_emb.inv_freq")}
     ignored |= {"lm_head.weight"} if cfg.tie_embeddings else set()
-    if unexpected := sorted(set(read.file_of) - read.read_keys - ignored):
-        raise ValueError(f"the checkpoint holds tensors this model does not have: {unexpected[:8]}"
+    if unexpected := sorted(set(read.stored) - read.read_keys - ignored):
+        raise ValueError(f"{read.stored[unexpected[0]].file} holds tensors this model does not have: {unexpected[:8]}"
                          f"{' ...' if len(unexpected) > 8 else ''}")
-
-
-def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The buffers a checkpoint holds (a router's score correction), by name; rotary tables and the like are not."""
-    saved = set(module.state_dict(keep_vars=True))
-    return {name: b for name, b in module.named_buffers() if name in saved}
-
-
-def named_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """What a checkpoint of `module` holds: its parameters (tied ones once) and its persistent buffers, by name."""
-    return {**dict(module.named_parameters()), **persistent_buffers(module)}
-
-
-@torch.no_grad()
-def copy_named_weights(targets: Mapping[str, torch.Tensor], named: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy each (name, tensor) of `named` into targets[name], one at a time (a checkpoint never whole in memory).
-    A name the targets lack, a shape that differs, or a target left without a tensor is refused by name."""
-    seen = set()
-    for name, tensor in named:
-        if name not in targets:
-            raise ValueError(f"weight {name!r} is not a parameter of this model")
-        if tuple(tensor.shape) != tuple(targets[name].shape):
-            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, this model's is {tuple(targets[name].shape)}")
-        targets[name].copy_(tensor)
-        seen.add(name)
-    if missing := sorted(set(targets) - seen):
-        raise ValueError(f"weights missing: {missing}")
-
-
-@torch.no_grad()
-def load_hf_checkpoint(path: str | Path, device: torch.device | str = "cpu",
-                       dtype: torch.dtype | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Read a Hugging Face checkpoint directory (SUPPORTED_MODEL_TYPES) into our config and parameter names.
-
-    Args:
-        path: directory with config.json and model.safetensors or model.safetensors.index.json + shards.
-        device: where the tensors are materialised.
-        dtype: cast every tensor to this dtype; None keeps the stored dtypes.
-    """
-    path = Path(path)
-    cfg = config_from_hf(read_hf_config(path))
-    # iter_hf_tensors reads exactly the model's parameters, refusing a missing or an extra tensor by name
-    state = {name: t.to(device) for name, t in iter_hf_tensors(path, dtype)}
-    return cfg, state
-
-
-def load_into_model(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Copy state_dict into model; raises ValueError naming any missing or unexpected parameter."""
-    _check_names(state_dict, model.state_dict(), "state dict vs model")
-    model.load_state_dict(state_dict, strict=True)

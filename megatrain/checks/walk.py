@@ -84,7 +84,7 @@ def try_family(model_type: str, causal_lm: str) -> FamilyResult:
     import transformers
 
     from megatrain.models.generic import GenericConfig
-    from megatrain.models.hf import named_weights
+    from megatrain.models.weights import named_weights
 
     try:
         config = tiny_config(model_type)

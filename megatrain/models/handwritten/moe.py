@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatrain.models.config import ModelConfig
+from megatrain.models.handwritten.config import ModelConfig
 
 
 def route(logits_TE: torch.Tensor, k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:

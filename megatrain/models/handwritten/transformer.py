@@ -1,5 +1,5 @@
-"""Llama/Qwen2/Qwen3/Mistral-style decoder, and Qwen3-MoE/GPT-OSS (models.moe), as plain nn.Modules: the one model
-every system trains.
+"""Llama/Qwen2/Qwen3/Mistral-style decoder, and Qwen3-MoE/GPT-OSS (handwritten.moe), as plain nn.Modules: the model
+every system trains for the hand-written families (handwritten.families).
 
 Shape legend: B batch, S sequence, H hidden, N query heads, K kv heads, D head dim, V vocab, T tokens.
 The model knows nothing about offloading; each system applies its memory policy to it.
@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from megatrain.models.config import ModelConfig
+from megatrain.models.handwritten.config import ModelConfig
+from megatrain.models.handwritten.moe import MoE, load_balancing_loss
 from megatrain.models.loss import IGNORE_INDEX, linear_cross_entropy
 from megatrain.models.masks import Mask, rope_and_masks
-from megatrain.models.moe import MoE, load_balancing_loss
 from megatrain.models.rope import apply_rotary, rotary_tables
 
 
@@ -139,7 +139,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor, mask_B1SS: Mask = None):
         """The layer's output; with the config's load-balancing loss, (output, routed tokens [E], router probability
-        sums [E]) (models.moe.MoE)."""
+        sums [E]) (handwritten.moe.MoE)."""
         h = x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos_SD, sin_SD, mask_B1SS)
         mlp = self.mlp(self.post_attention_layernorm(h))
         if isinstance(mlp, tuple):
