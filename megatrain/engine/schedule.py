@@ -70,7 +70,7 @@ class StepState:
     output_grads: list = field(default_factory=list)  # per micro-batch: the gradient into the current layer's output
     grad_slot: int = 0  # the gradient slot the next streamed head or backward use accumulates in
     # the router's load-balancing loss, per micro-batch: tokens routed to each expert and router probability sums,
-    # added up over the layers in forward (models.moe)
+    # added up over the layers in forward (models.handwritten.moe)
     routed: list = field(default_factory=list)
     probsum: list = field(default_factory=list)
 
