@@ -1,5 +1,5 @@
 """The performance model's schedule replay on made-up ingredients, and its check against the committed records; the
-model of DeepSpeed's step on made-up ingredients, and against the committed DeepSpeed records.
+model of DeepSpeed's step on made-up ingredients, against the committed DeepSpeed records, and on the paper's GH200.
 CPU, seconds: pytest tests/unit/test_perf_model.py"""
 
 import csv
@@ -9,7 +9,7 @@ import pytest
 
 from megatrain.config import CaseConfig
 from megatrain.engine.layout import build_units
-from megatrain.perf_model import deepspeed, deepspeed_check, model_check
+from megatrain.perf_model import deepspeed, deepspeed_check, deepspeed_projection, model_check
 from megatrain.perf_model.model import Ingredients, Machine, Model, simulate
 
 MODEL = "qwen2.5-1.5b"
@@ -278,3 +278,17 @@ def test_deepspeed_validation_reads_the_records_and_meets_the_target_at_the_pape
     misses = [r for r in rows if r["error_pct"] and abs(float(r["error_pct"])) > deepspeed_check.TARGET_PCT]
     assert misses and all(r["why"] for r in misses)
     assert len(summary["misses"]) == len(misses) == summary["cases"] - summary["within_target"]
+
+
+def test_deepspeed_projection_reproduces_and_names_its_assumptions(tmp_path):
+    """The committed GH200 projection (results/perf_model/deepspeed_projection.json) is what the code gives; its
+    ratio, both systems' TFLOPS and every assumption's source are there, and the answer quotes the numbers."""
+    ours = deepspeed_projection.project(tmp_path)
+    committed = json.loads((model_check.RESULTS / "perf_model" / "deepspeed_projection.json").read_text())
+    for key in ("projected", "assumptions", "sensitivity", "to_reach_paper_deepspeed", "answer"):
+        assert json.loads(json.dumps(ours[key])) == committed[key]
+    ds, mt = ours["projected"]["deepspeed"], ours["projected"]["megatrain"]
+    assert ours["projected"]["ratio"] == pytest.approx(ds["step_s"] / mt["step_s"])
+    assert all("source" in v for v in ours["assumptions"].values() if isinstance(v, dict))
+    assert len(ours["sensitivity"]) == 2 * len(deepspeed_projection.RATES)
+    assert f"{ds['tflops']:.0f}" in ours["answer"] and f"{mt['tflops']:.0f}" in ours["answer"]
