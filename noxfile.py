@@ -85,10 +85,13 @@ def report(session):
 
 @nox.session(python=False)
 def perf_model(session):
-    """The performance model against every committed engine record, its projections of the paper's machines
-    (results/perf_model/), and the scaling report that shows them."""
+    """The performance model against every committed engine record, its projections of the paper's machines, the
+    DeepSpeed step model against every DeepSpeed record and both on the paper's GH200 (results/perf_model/), and the
+    scaling report that shows them."""
     session.run(PY, "-m", "megatrain.perf_model.model_check", "validate")
     session.run(PY, "-m", "megatrain.perf_model.model_check", "project")
+    session.run(PY, "-m", "megatrain.perf_model.deepspeed_check")
+    session.run(PY, "-m", "megatrain.perf_model.deepspeed_projection")
     session.run(PY, "-m", "megatrain", "report", "scaling")
 
 

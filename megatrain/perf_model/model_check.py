@@ -27,7 +27,7 @@ from pathlib import Path
 from megatrain.analysis.tables import compiled
 from megatrain.bench.env import environment
 from megatrain.config import CaseConfig
-from megatrain.engine.plan import check_fits
+from megatrain.engine.plan import CheckedPlan, check_fits
 from megatrain.hardware import LENT, get_profile, gpu_kind, specs
 from megatrain.memory import GIB, Budget
 from megatrain.models.flops import model_flops
@@ -102,7 +102,8 @@ def write_csv(path: Path, rows: list[dict]) -> None:
         w.writerows(rows)
 
 
-def engine_records() -> list[tuple[str, dict]]:
+def gpu_records(system: str = "megatrain") -> list[tuple[str, dict]]:
+    """(path under results/, record) of every ok record of `system` on a GPU, outside SKIP_DIRS."""
     out = []
     for path in sorted(RESULTS.rglob("*.jsonl")):
         rel = path.relative_to(RESULTS)
@@ -110,7 +111,7 @@ def engine_records() -> list[tuple[str, dict]]:
             continue
         for line in path.read_text().splitlines():
             r = json.loads(line)
-            if r.get("system") == "megatrain" and r.get("status") == "ok" and r["config"].get("device") == "cuda":
+            if r.get("system") == system and r.get("status") == "ok" and r["config"].get("device") == "cuda":
                 out.append((str(rel), r))
     return out
 
@@ -133,7 +134,7 @@ def predict_record(r: dict, ing: Ingredients, machine: Machine) -> dict:
 def validate(out: Path) -> dict:
     bases = {k: ingredients(k) for k in LENT}
     rows = []
-    for rel, r in engine_records():
+    for rel, r in gpu_records():
         probe = (r.get("suite") or {}).get("machine")
         kind = gpu_kind((probe or {}).get("gpu_name") or r["env"].get("gpu"))
         ing = bases.get(kind)
@@ -250,6 +251,16 @@ def paper_tflops(model: str, layers: int | None, seq: int, profile: str) -> floa
                  and (c.num_layers is not None) == (layers is not None) and c.batch in (None, 96, 1)), None)
 
 
+def fitted_plan(case: CaseConfig, limits: Budget) -> tuple[CaseConfig, CheckedPlan]:
+    """The engine's plan of `case` on a machine of these limits, the micro-batch halved while the GPU is what does
+    not fit (gradient accumulation over smaller micro-batches): the case as planned, and its plan."""
+    plan = check_fits(engine_config(case), limits)
+    while not plan.fits and case.micro_batch > 1 and plan.host_need_bytes <= limits.host_bytes:
+        case = dataclasses.replace(case, micro_batch=case.micro_batch // 2)
+        plan = check_fits(engine_config(case), limits)
+    return case, plan
+
+
 def project(out: Path) -> list[dict]:
     base = ingredients("H200")
     rows = []
@@ -261,13 +272,7 @@ def project(out: Path) -> list[dict]:
                 **({"mlp_chunk_tokens": 16384} if seq > 32768 else {})}
         case = CaseConfig(system="megatrain", model=model, num_layers=layers, batch=batch, seq=seq,
                           precision=precision, device="cuda", dtype="bfloat16", compile=True, options=opts)
-        limits = Budget.of(spec["host_mem_gib"], spec["gpu_mem_gib"], "published")
-        plan = check_fits(engine_config(case), limits)
-        micro = batch
-        while not plan.fits and micro > 1 and plan.host_need_bytes <= limits.host_bytes:
-            micro //= 2  # the GPU is the limit: gradient accumulation over smaller micro-batches
-            case = dataclasses.replace(case, micro_batch=micro)
-            plan = check_fits(engine_config(case), limits)
+        case, plan = fitted_plan(case, Budget.of(spec["host_mem_gib"], spec["gpu_mem_gib"], "published"))
         cfg = case.model_config()
         row = {"label": label, "profile": profile, "model": model, "layers": cfg.num_layers,
                "params_b": cfg.num_params() / 1e9, "active_params_b": cfg.active_params() / 1e9,

@@ -1,4 +1,5 @@
-"""The performance model's schedule replay on made-up ingredients, and its check against the committed records.
+"""The performance model's schedule replay on made-up ingredients, and its check against the committed records; the
+model of DeepSpeed's step on made-up ingredients, against the committed DeepSpeed records, and on the paper's GH200.
 CPU, seconds: pytest tests/unit/test_perf_model.py"""
 
 import csv
@@ -8,7 +9,7 @@ import pytest
 
 from megatrain.config import CaseConfig
 from megatrain.engine.layout import build_units
-from megatrain.perf_model import model_check
+from megatrain.perf_model import deepspeed, deepspeed_check, deepspeed_projection, model_check
 from megatrain.perf_model.model import Ingredients, Machine, Model, simulate
 
 MODEL = "qwen2.5-1.5b"
@@ -156,3 +157,138 @@ def test_committed_projections_reproduce_and_count_a_mixture_by_its_active_param
     ratio = float(row["projected_tflops_all_experts"]) / float(row["projected_tflops"])
     assert ratio == pytest.approx(float(row["params_b"]) / float(row["active_params_b"]))
     assert 15 < ratio < 25
+
+
+# DeepSpeed's step (megatrain.perf_model.deepspeed): round host rates, so a hand computation is short
+HOST = deepspeed.HostStep(adam_gparams_s=2.0, update_gbs=100.0, copy_gbs=50.0)
+
+
+def _ds(ing, link_gbs=None, compiled_layers=None, host_call_s=0.0, **case):
+    case = {"compile": False, **case}
+    c = CaseConfig(system="deepspeed", model=MODEL, batch=8, seq=1024, device="cuda", dtype="bfloat16",
+                   precision="mixed", **case)
+    machine = Machine.from_probe(ing, None, "test")
+    if link_gbs:
+        machine.h2d_gbs = machine.d2h_gbs = link_gbs
+        machine.both_gbs = 2 * link_gbs
+    return deepspeed.step(c, Model(ing, machine), HOST, compiled_layers, host_call_s)
+
+
+def _units():
+    return build_units(CaseConfig(model=MODEL).model_config())
+
+
+def test_deepspeed_host_step_is_clip_adam_and_cast_at_their_rates():
+    n = sum(u.numel for u in _units())
+    out = _ds(_ingredients(), link_gbs=1e6)
+    assert out["clip_s"] == pytest.approx(n * 8 / 100e9)  # the fp32 gradient read and written
+    assert out["adam_s"] == pytest.approx(n / 2e9)
+    assert out["cast_s"] == pytest.approx(n * 6 / 50e9)  # fp32 master read, bf16 written
+
+
+def test_deepspeed_compute_bound_step_is_its_compute_then_the_host_step():
+    """A link too fast to matter: the step is the layers' forward and recompute + backward, the head, and the host
+    step after them, none of it overlapped."""
+    out = _ds(_ingredients(fwd_ms=100.0, bwd_ms=300.0, head_ms=50.0), link_gbs=1e6)
+    assert out["step_s"] == pytest.approx(28 * 0.4 + 0.05 + out["host_step_s"], rel=1e-5)
+
+
+def test_deepspeed_zero3_copies_bound_a_step_without_compute():
+    """No compute: the weights come up once in forward (one way), and in backward the gradients leave as bf16 and
+    fp32 (6 B/param) while weights and the bf16 gradients come up (4 B/param), each direction at half the both-ways
+    rate."""
+    n = sum(u.numel for u in _units())
+    out = _ds(_ingredients(fwd_ms=1e-6, bwd_ms=1e-6, head_ms=1e-6))
+    copies = out["step_s"] - out["host_step_s"]
+    forward = 2 * n / 50e9
+    assert copies > forward + 6 * n / 40e9
+    assert copies < forward + (6 + 4) * n / 40e9 + 2 * 2 * _units()[-1].numel / 50e9
+
+
+def test_deepspeed_moves_what_stage3_copies():
+    """ZeRO-3, per micro-batch: every weight up for the forward and again for the backward (2 + 2 B/param), each
+    gradient out as bf16, back up, and at the boundary out as fp32 (2 + 4 out, 2 up); a later micro-batch's partial
+    sums up and out (2 + 2). ZeRO-Offload: the fp32 gradients out, the new bf16 weights up."""
+    n = sum(u.numel for u in _units())
+    ing = _ingredients()
+    one, four, offload = _ds(ing), _ds(ing, micro_batch=2), _ds(ing, options={"zero_stage": 2})
+    assert (one["h2d_bytes"], one["d2h_bytes"]) == (6 * n, 6 * n)
+    assert (four["h2d_bytes"], four["d2h_bytes"]) == (4 * 6 * n, 4 * 2 * n + 4 * n)
+    assert (offload["h2d_bytes"], offload["d2h_bytes"]) == (2 * n, 4 * n)
+
+
+def test_deepspeed_accumulation_copies_every_micro_batch():
+    """Each further micro-batch brings every weight up twice again, and its gradients' partial sums up and out."""
+    n = sum(u.numel for u in _units())
+    ing = _ingredients(fwd_ms=1e-6, bwd_ms=1e-6, head_ms=1e-6)
+    one, two = _ds(ing), _ds(ing, micro_batch=4)
+    assert two["step_s"] - one["step_s"] > 2 * n / 50e9 + 4 * n / 40e9
+
+
+def test_zero_offload_keeps_weights_on_the_gpu_and_sends_the_new_ones_up():
+    """ZeRO-Offload, one micro-batch: nothing to fetch; each layer's fp32 gradient leaves during the next backward,
+    the last layer's and the embedding's after the last, and after the host step the bf16 weights go up."""
+    units = _units()
+    n = sum(u.numel for u in units)
+    out = _ds(_ingredients(fwd_ms=100.0, bwd_ms=300.0, head_ms=50.0), options={"zero_stage": 2})
+    assert out["fetch_wait_s"] == 0
+    assert out["upload_s"] == pytest.approx(n * 2 / 50e9)
+    tail = (units[1].numel + units[0].numel) * 4 / 50e9
+    assert out["step_s"] == pytest.approx(28 * 0.4 + 0.05 + tail + out["host_step_s"] + out["upload_s"], rel=1e-6)
+
+
+def test_deepspeed_compiled_layers_are_the_first_ones():
+    """Records of the per-layer compile ran only the first DYNAMO_RECOMPILE_LIMIT layers compiled."""
+    ing = _ingredients()
+    for row in ing.data["layers"]:
+        if row["compiled"]:
+            row["fwd_ms"], row["bwd_ms"] = row["fwd_ms"] / 2, row["bwd_ms"] / 2
+    out = _ds(ing, link_gbs=1e6, compiled_layers=deepspeed.DYNAMO_RECOMPILE_LIMIT, compile=True)
+    assert out["compute_s"] == pytest.approx(8 * 0.02 + 20 * 0.04 + 0.02)
+
+
+def test_deepspeed_host_call_floor_holds_a_micro_batch_to_the_hooks_pace():
+    out = _ds(_ingredients(fwd_ms=1.0, bwd_ms=3.0, head_ms=1.0), link_gbs=1e6, host_call_s=0.01)
+    assert out["host_bound_s"] == pytest.approx(28 * (0.01 - 0.004))
+
+
+def test_host_step_rates_from_a_probe_or_scaled_from_the_reference():
+    reference = {"cpu_adamw_gparams_s": 4.0, "host_mem_gbs": {"update": [50.0, 120.0], "copy": [40.0, 60.0]}}
+    own = deepspeed.HostStep.from_probe({"cpu_adamw_gparams_s": 2.0, "host_mem_gbs": {"triad": [90.0],
+                                                                                      "copy": [45.0]}}, reference)
+    assert own == deepspeed.HostStep(2.0, 90.0, 45.0)  # no update kernel probed: triad's rate
+    older = deepspeed.HostStep.from_probe({"cpu_adamw_gparams_s": 2.0}, reference)
+    assert older == deepspeed.HostStep(2.0, 60.0, 30.0)  # the reference's rates at half its AdamW rate
+    grace = deepspeed.HostStep.at_bandwidth(reference, 240.0)
+    assert grace == deepspeed.HostStep(8.0, 240.0, 120.0)
+    assert grace.adam_bytes_per_param() == pytest.approx(30.0)  # the reference's 120 GB/s over 4 G params/s
+
+
+def test_deepspeed_validation_reads_the_records_and_meets_the_target_at_the_papers_batch(tmp_path):
+    """The DeepSpeed model against every committed DeepSpeed record gives the committed table
+    (results/perf_model/deepspeed_validation.csv); the 14B full-depth records at batch 96 are within the issue's 15%,
+    and every miss names what it points at."""
+    summary = deepspeed_check.validate(tmp_path)
+    committed = model_check.RESULTS / "perf_model"
+    assert (tmp_path / "deepspeed_validation.csv").read_text() == (committed / "deepspeed_validation.csv").read_text()
+    assert summary["cases"] >= 50
+    rows = list(csv.DictReader((tmp_path / "deepspeed_validation.csv").read_text().splitlines()))
+    at_96 = [r for r in rows if r["model"] == "qwen2.5-14b" and r["layers"] == "48" and r["batch"] == "96"]
+    assert len(at_96) == 4 and all(abs(float(r["error_pct"])) <= deepspeed_check.TARGET_PCT for r in at_96)
+    misses = [r for r in rows if r["error_pct"] and abs(float(r["error_pct"])) > deepspeed_check.TARGET_PCT]
+    assert misses and all(r["why"] for r in misses)
+    assert len(summary["misses"]) == len(misses) == summary["cases"] - summary["within_target"]
+
+
+def test_deepspeed_projection_reproduces_and_names_its_assumptions(tmp_path):
+    """The committed GH200 projection (results/perf_model/deepspeed_projection.json) is what the code gives; its
+    ratio, both systems' TFLOPS and every assumption's source are there, and the answer quotes the numbers."""
+    ours = deepspeed_projection.project(tmp_path)
+    committed = json.loads((model_check.RESULTS / "perf_model" / "deepspeed_projection.json").read_text())
+    for key in ("projected", "assumptions", "sensitivity", "to_reach_paper_deepspeed", "answer"):
+        assert json.loads(json.dumps(ours[key])) == committed[key]
+    ds, mt = ours["projected"]["deepspeed"], ours["projected"]["megatrain"]
+    assert ours["projected"]["ratio"] == pytest.approx(ds["step_s"] / mt["step_s"])
+    assert all("source" in v for v in ours["assumptions"].values() if isinstance(v, dict))
+    assert len(ours["sensitivity"]) == 2 * len(deepspeed_projection.RATES)
+    assert f"{ds['tflops']:.0f}" in ours["answer"] and f"{mt['tflops']:.0f}" in ours["answer"]

@@ -1,0 +1,200 @@
+"""Performance model of DeepSpeed ZeRO-3 offload's step (and ZeRO-Offload's), beside the engine's (model.py): a case's
+step time from the same measured ingredients, as megatrain.systems.deepspeed_zero3 configures DeepSpeed and
+DeepSpeed 0.19.8 runs it on one GPU (deepspeed/runtime/zero/stage3.py, partitioned_param_coordinator.py,
+partition_parameters.py; stage_1_and_2.py for ZeRO-Offload).
+
+ZeRO-3 with parameters and optimizer offloaded to pinned host memory, per micro-batch:
+- forward: the root module's weights (the embedding, and the head matrix the loss reads, registered on the root)
+  cross first, before any compute; then each layer's bf16 weights are copied host to device on the all-gather stream
+  (one rank: no gather, a `.to(device)` of the pinned partition) and prefetched a module ahead, so a layer's copy
+  runs beside the previous layer's compute; the step waits for a copy only where it takes longer than that compute;
+- backward: the head matrix crosses again (the root's backward hook), then layer by layer: its weights again (for the
+  checkpoint's recompute and the backward), the recompute and backward, then its gradients on the reduce stream
+  (overlap_comm), in buckets: the bf16 gradient to the pinned host partition (D2H) and back (H2D, `grad_buffer.to`),
+  and at the accumulation boundary cast to fp32 on the GPU and copied out again (D2H 4 B) into the optimizer's fp32
+  gradient; a later micro-batch of an accumulated batch brings the host partition up, adds, and sends it back. Both
+  directions are in use: each runs at half the probe's both-ways rate. The backward ends when the reduce stream does;
+- the optimizer step, on the host after the backward with the GPU idle (DeepSpeed overlaps none of it): the fp32
+  gradients scaled in place by the clip (8 B/param, read and written), DeepSpeedCPUAdam over fp32 master, gradient
+  and moments (28 B/param, as torch's fused AdamW, whose rate the probe measures), and the updated master cast to the
+  pinned bf16 partition the next forward copies from (4 B read, 2 written);
+- a compiled layer is a ZeRO-3 leaf (gathered whole), its copy a layer ahead as the eager modules' are.
+ZeRO-Offload (zero_stage=2) keeps the bf16 weights on the GPU: no copies in; gradients leave as fp32 (D2H 4 B; an
+accumulated batch's bf16 partial sums go out and come back per micro-batch); the same host step; then the bf16
+weights copied up before the next forward (H2D 2 B/param, after the step).
+
+Not modelled: ZeRO-3's hooks on the host (a Python fetch, release and prefetch per module and pass, a gradient hook
+per parameter, each a few hundred microseconds): hidden while a layer's GPU work outlasts them, they bound the step
+at small batches (the validation's residual per layer says how much); the GPU-side bucket copies, casts and norms of
+the reduce stream; the embedding's own forward and backward; several ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatrain.config import CaseConfig
+from megatrain.engine.layout import build_units
+from megatrain.models.flops import model_flops
+from megatrain.optim.state_bytes import FP32_BYTES
+from megatrain.perf_model.model import Model
+
+ADAM_BYTES_PER_PARAM = 28  # DeepSpeedCPUAdam: fp32 master, gradient, m, v read; master, m, v written
+CLIP_BYTES_PER_PARAM = 2 * FP32_BYTES  # the fp32 gradient scaled in place (unscale_and_clip_grads)
+CAST_BYTES_PER_PARAM = FP32_BYTES + 2  # fp32 master read, bf16 partition written (_reassign_or_swap_out_...)
+# Records before the stateless compiled template compiled each layer's own forward: Dynamo guarded on each layer's
+# ZeRO-3 parameters, so every layer was a new compile until torch._dynamo's recompile limit (8, its default), the
+# layers after it eager (megatrain.systems.deepspeed_zero3._compile_layers says so)
+DYNAMO_RECOMPILE_LIMIT = 8
+
+
+@dataclass(frozen=True)
+class HostStep:
+    """The host's rates for DeepSpeed's optimizer step: DeepSpeedCPUAdam in G params/s, and the STREAM rates (GB/s,
+    1e9 B/s) of the clip's in-place scaling ("update": read, modify, write) and of the cast ("copy")."""
+
+    adam_gparams_s: float
+    update_gbs: float
+    copy_gbs: float
+
+    @staticmethod
+    def from_probe(probe: dict, reference: dict) -> HostStep:
+        """From a record's probe (megatrain.probe.Machine.to_dict): DeepSpeedCPUAdam at the probe's torch fused AdamW
+        rate (both move 28 B/param); its host memory's best update (else triad) and copy rates. A probe from before
+        the memory rates were probed takes them from `reference` (a probe that has both), scaled by the ratio of the
+        two probes' AdamW rates, as the engine's kernel rate is (model.Machine.from_probe)."""
+        adam = probe.get("cpu_adamw_gparams_s") or reference["cpu_adamw_gparams_s"]
+        mem, scale = probe.get("host_mem_gbs"), 1.0
+        if not mem:
+            mem, scale = reference["host_mem_gbs"], adam / reference["cpu_adamw_gparams_s"]
+        update = max(mem.get("update") or mem["triad"])
+        return HostStep(adam, update * scale, max(mem["copy"]) * scale)
+
+    @staticmethod
+    def at_bandwidth(reference: dict, update_gbs: float) -> HostStep:
+        """A host we have no probe of, whose memory sustains `update_gbs` on the update kernel: every rate of the
+        `reference` probe scaled by it, so each part of the step moves the bytes per parameter it moved there (all
+        three are memory-bound passes)."""
+        ref = HostStep.from_probe(reference, reference)
+        scale = update_gbs / ref.update_gbs
+        return HostStep(ref.adam_gparams_s * scale, update_gbs, ref.copy_gbs * scale)
+
+    def adam_bytes_per_param(self) -> float:
+        """The Adam pass's bytes per parameter at this host's update rate: 28 counted, more where it runs below the
+        update kernel's rate."""
+        return self.update_gbs / self.adam_gparams_s
+
+    def seconds(self, numel: int) -> dict:
+        """The optimizer step over `numel` parameters, by part."""
+        return {"clip_s": numel * CLIP_BYTES_PER_PARAM / (self.update_gbs * 1e9),
+                "adam_s": numel / (self.adam_gparams_s * 1e9),
+                "cast_s": numel * CAST_BYTES_PER_PARAM / (self.copy_gbs * 1e9)}
+
+
+def step(case: CaseConfig, model: Model, host: HostStep, compiled_layers: int | None = None,
+         host_call_s: float = 0.0) -> dict:
+    """One steady-state step of a DeepSpeed case (ZeRO-3 offload, or ZeRO-Offload with option zero_stage=2): seconds,
+    and where they went. compiled_layers: how many layers (the first ones) ran compiled; None: all of them when the
+    case compiles, none when it does not. host_call_s: the host's own time per layer call (forward and backward of
+    one layer on one micro-batch: ZeRO-3's hooks), a floor under a micro-batch's layer work; 0 (no ingredient measures
+    it) except in what-ifs."""
+    cfg = case.model_config()
+    m = model.machine
+    units = build_units(cfg)
+    embed, layers, head = units[0].numel, [u.numel for u in units[1:-1]], units[-1].numel
+    w = case.dtype_bytes
+    micro = case.batch // case.micro_batch
+    tokens = case.micro_batch * case.seq
+    if compiled_layers is None:
+        compiled_layers = len(layers) if case.compile else 0
+    f_s, b_s = zip(*(model.layer_s(cfg, tokens, case.seq, i < compiled_layers) for i in range(len(layers))),
+                   strict=True)
+    head_s = model.head_s(cfg, tokens)
+    zero3 = case.opts.zero_stage == 3
+    both_ways = zero3 or micro > 1  # gradients go out while weights or partial sums come in
+
+    moved = {"h2d_bytes": 0.0, "d2h_bytes": 0.0}
+
+    def up(nbytes: float, both: bool) -> float:
+        moved["h2d_bytes"] += nbytes
+        return nbytes / ((m.both_gbs / 2 if both else m.h2d_gbs) * 1e9)
+
+    def down(nbytes: float) -> float:
+        moved["d2h_bytes"] += nbytes
+        return nbytes / ((m.both_gbs / 2 if both_ways else m.d2h_gbs) * 1e9)
+
+    t = fetch_wait = host_bound = ready = 0.0
+    h2d_free = d2h_free = reduce_free = 0.0
+
+    def fetch(n: int, after: float, both: bool) -> float:
+        """A unit's weights up on the all-gather stream, issued at `after`; when they are there."""
+        nonlocal h2d_free
+        h2d_free = max(h2d_free, after) + up(n * w, both)
+        return h2d_free
+
+    def reduce(n: int, ready: float, k: int) -> None:
+        """A unit's gradients through the reduce stream once computed (`ready`), in micro-batch k: the first's bf16
+        out (ZeRO-3: and back up, grad_buffer.to); a later one's partial sum up, added and out again; at the
+        boundary, cast to fp32 on the GPU, out again."""
+        nonlocal h2d_free, d2h_free, reduce_free
+        s = max(ready, reduce_free)
+        if both_ways:
+            if k > 0:
+                s = h2d_free = max(s, h2d_free) + up(n * w, True)
+            s = d2h_free = max(s, d2h_free) + down(n * w)
+            if zero3 and k == 0:
+                s = h2d_free = max(s, h2d_free) + up(n * w, True)
+        if k == micro - 1:
+            s = d2h_free = max(s, d2h_free) + down(n * FP32_BYTES)
+        reduce_free = s
+
+    for k in range(micro):
+        # forward: ZeRO-3 brings the root's weights (embedding, head matrix) up first, then each layer's during the
+        # previous layer's compute
+        if zero3:
+            start = t
+            t = fetch(embed + head, t, False)
+            fetch_wait += t - start
+            ready = fetch(layers[0], t, False)
+        for i in range(len(layers)):
+            start = max(t, ready) if zero3 else t
+            fetch_wait += start - t
+            if zero3 and i + 1 < len(layers):
+                ready = fetch(layers[i + 1], start, False)
+            t = start + f_s[i]
+        # backward: the head matrix again (the root's backward hook), the head; the last layer's weights come up
+        # during it, and each layer's during the backward of the one after it
+        if zero3:
+            start = t
+            t = fetch(head, t, False)
+            fetch_wait += t - start
+            ready = fetch(layers[-1], t, True)
+        t += head_s
+        reduce(head, t, k)
+        for i in reversed(range(len(layers))):
+            start = max(t, ready) if zero3 else t
+            fetch_wait += start - t
+            if zero3:
+                ready = fetch(layers[i - 1] if i else embed, start, True)
+            t = start + b_s[i]
+            reduce(layers[i], t, k)
+        if zero3:  # the embedding's backward hook waits for its weights
+            fetch_wait += max(t, ready) - t
+            t = max(t, ready)
+        reduce(embed, t, k)
+        t = max(t, reduce_free)  # the backward's epilogue waits for the reduce stream
+        floor = max(0.0, len(layers) * host_call_s - sum(f_s) - sum(b_s))
+        host_bound += floor
+        t += floor
+    compute_s = micro * (sum(f_s) + sum(b_s) + head_s)
+    backward_end = t
+    host_parts = host.seconds(sum(u.numel for u in units))
+    upload_s = 0.0 if zero3 else up(sum(u.numel for u in units) * w, False)  # ZeRO-Offload: the new weights up
+    t += sum(host_parts.values()) + upload_s
+    return {
+        "step_s": t, "tflops": model_flops(cfg.num_params(), case.batch * case.seq) / t / 1e12,
+        "compute_s": compute_s, "fetch_wait_s": fetch_wait, "host_bound_s": host_bound,
+        "grad_tail_s": backward_end - compute_s - fetch_wait - host_bound,
+        "host_step_s": sum(host_parts.values()), **host_parts, "upload_s": upload_s,
+        "layers_fwd_s": sum(f_s) * micro, "layers_bwd_s": sum(b_s) * micro, "head_s": head_s * micro, **moved,
+    }
