@@ -495,11 +495,20 @@ def _over_batch(pairs: pd.DataFrame) -> str:
 
 
 def _why(projection_path: Path) -> str | None:
-    """The model of DeepSpeed's step projected onto the paper's machine, in one sentence, where perf_model wrote it."""
+    """A sentence: what the model of DeepSpeed's step says of the paper's ratio, where perf_model wrote its projection,
+    and how well it predicts our DeepSpeed records, where its validation is beside it."""
     if not projection_path.exists():
         return None
     answer = json.loads(projection_path.read_text()).get("answer")
-    return answer.rstrip(".") if answer else None
+    if not answer:
+        return None
+    checked = projection_path.with_name("deepspeed_validation.json")
+    how_well = ""
+    if checked.exists():
+        v = json.loads(checked.read_text())
+        how_well = f" (within {v['target_pct']:g}% of {v['within_target']} of our {v['cases']} DeepSpeed records, " \
+                   f"median error {v['median_abs_error_pct']:.1f}%: {checked.name})"
+    return f"The model of DeepSpeed's step{how_well}, of the paper's ratio: {answer.rstrip('.')}."
 
 
 def over_deepspeed(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path,
@@ -557,14 +566,13 @@ def over_deepspeed(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: P
             "batch not stated" + (f" (its ablation of the same case runs {papers_batch})" if papers_batch else "")
         parts.append(f"the paper's own figure, on its machine and not a ratio of ours: {_papers_ratio(claim)}, "
                      f"{stated}")
-    if why := _why(projection_path):
-        parts.append(f"why the paper's ratio is larger: {why}")
     if pairs.empty:  # no ratio to draw: each system's TFLOPS
         return "; ".join(parts) + ".", plots.summary_tflops(at_seq, path), (
             "TFLOPS (6NT) of each system at each batch in the latest session; hatched: compiled. No system ran beside "
             "DeepSpeed ZeRO-3 offload at the same batch and kernels.")
-    return "; ".join(parts) + ".", _over_deepspeed_figure(scope[scope["seq"] == seq], pairs, claims, papers_batch,
-                                                          path), (
+    why = _why(projection_path)
+    sentence = "; ".join(parts) + "." + (f" {why}" if why else "")
+    return sentence, _over_deepspeed_figure(scope[scope["seq"] == seq], pairs, claims, papers_batch, path), (
         "Each system's TFLOPS (6NT) over DeepSpeed ZeRO-3 offload's at the same batch and kernels, against batch, "
         "eager and compiled apart (dashed: compiled), one line per system and session (its depth and machine in the "
         "legend where several); the star is the paper's own ratio, measured on its machine (GH200) at a batch it "
