@@ -120,6 +120,8 @@ class Engine:
                                options=option or {})
         for note in preflight(self.case):  # refuses what does not fit this machine
             log(note)
+        if system_spec(system).pickled:  # its save signs with the user's key: one that cannot is refused now
+            trust.check_key(create=True)
         self.system = build_system(self.case)
         if self.model_dir:
             self.system.load_weights(iter_hf_tensors(self.model_dir, cfg=shape))

@@ -2,6 +2,7 @@
 command over them."""
 
 import ctypes
+import errno
 import importlib.util
 import json
 import os
@@ -174,6 +175,19 @@ def train_any(system, init, data, out, extra=(), interrupt=0, resume=False, step
         if resume:
             return main(["train", "--resume", str(out)])
         return run_train(init, data, out, system=system, steps=steps, extra=extra, dtype=dtype, device=device)
+
+
+def fill(path, leave_bytes: int = 0) -> None:
+    """Fill the disk under path, then free leave_bytes of it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, bytes(2**16)):
+            pass
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    finally:
+        os.ftruncate(fd, max(os.fstat(fd).st_size - leave_bytes, 0))
+        os.close(fd)
 
 
 MS_RDONLY, MS_REMOUNT, MS_BIND = 1, 32, 4096

@@ -20,6 +20,7 @@ from megatrain.models.registry import get_model_config
 from megatrain.optim.config import OptimConfig
 from megatrain.options import check_field_types
 from megatrain.systems import SYSTEMS, parse_options, system_spec
+from megatrain.train import trust
 from megatrain.train.data import data_files
 from megatrain.train.lr import SCHEDULES
 from megatrain.train.report_to import check_report_to
@@ -231,10 +232,13 @@ def _over_resumed(asked: dict, run_dir: str, fallback: bool) -> dict:
 
 def check_available(cfg: TrainConfig) -> tuple[ModelConfig | GenericConfig, dict] | None:
     """What cfg's values alone cannot tell, checked before anything is read or built: the CUDA device, the
-    --init-from checkpoint, the data files and the --report-to packages, here. Returns --init-from's (model, its
+    --init-from checkpoint, the data files, the --report-to packages and the checkpoint key of a system whose
+    checkpoints are pickles (made now where the run will sign one), here. Returns --init-from's (model, its
     config.json), read once here (None without it)."""
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: torch sees no CUDA device on this machine; use --device cpu")
+    if system_spec(cfg.system).pickled and (cfg.save or cfg.resume and not cfg.trust_checkpoint):
+        trust.check_key(create=cfg.save)  # not at the first save, after the training
     source = None
     if cfg.init_from:
         try:

@@ -3,7 +3,6 @@ checksum with a fallback, SIGTERM, divergence, torn metrics, bad or full disks (
 kill -9 at named points (MEGATRAIN_FAULT). CPU, about a minute; the ones marked subprocess spawn python -m megatrain:
 pytest tests/unit/test_train_faults.py"""
 
-import errno
 import json
 import math
 import os
@@ -20,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 from train_helpers import (  # noqa: E402
     ROOT,
     at_step,
+    fill,
     hf_model,
     interrupt_at_step,
     metrics,
@@ -272,26 +272,13 @@ def test_a_full_disk_mid_run_ends_in_one_line_and_the_run_resumes(straight, tmp_
     with tmpfs(tmp_path / "disk", "size=8m") as disk:
         out, filler = disk / "run", disk / "filler"
         with pytest.MonkeyPatch.context() as mp:
-            at_step(mp, 3, lambda: _fill(filler))
+            at_step(mp, 3, lambda: fill(filler))
             assert run_train(init, data, out, steps=8, extra=SAVES) == 2
         line = _error(capsys)
         assert "disk full writing" in line and "step-2, is intact" in line
         assert _entries(out / "checkpoints") == ["step-2"], "the partial checkpoint is deleted"
         filler.unlink()
         assert _resume(out) == 0 and _losses_once_each(out) == losses
-
-
-def _fill(path, leave_bytes: int = 0) -> None:
-    """Fill the disk under path, then free leave_bytes of it."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
-    try:
-        while os.write(fd, bytes(2**16)):
-            pass
-    except OSError as exc:
-        assert exc.errno == errno.ENOSPC
-    finally:
-        os.ftruncate(fd, max(os.fstat(fd).st_size - leave_bytes, 0))
-        os.close(fd)
 
 
 @pytest.mark.parametrize("saves", [True, False])
@@ -302,7 +289,7 @@ def test_a_full_disk_during_the_export_ends_in_one_line(straight, tmp_path, caps
     with tmpfs(tmp_path / "disk", "size=8m") as disk:
         out = disk / "run"
         with pytest.MonkeyPatch.context() as mp:  # room for the last step's metrics and checkpoint, not the export
-            at_step(mp, 2, lambda: _fill(disk / "filler", leave_bytes=room))
+            at_step(mp, 2, lambda: fill(disk / "filler", leave_bytes=room))
             assert run_train(init, data, out, steps=2, extra=[] if saves else ["--no-save"]) == 2
         line = _error(capsys)
         assert f"disk full writing {out / 'hf'} at step 2" in line

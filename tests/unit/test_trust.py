@@ -11,8 +11,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from train_helpers import hf_model, pretokenized, run_train, train_any  # noqa: E402
+from train_helpers import fill, hf_model, pretokenized, run_train, tmpfs, train_any  # noqa: E402
 
+import megatrain  # noqa: E402
 from megatrain import systems  # noqa: E402
 from megatrain.cli import main  # noqa: E402
 from megatrain.systems import native  # noqa: E402
@@ -57,7 +58,7 @@ def test_a_pickle_checkpoint_written_here_resumes_and_from_elsewhere_needs_trust
     assert main(["train", "--resume", str(out), "--steps", "4"]) == 2
     line = _error(capsys)
     assert "step-3/native_state.pt is a pickle" in line and "--trust-checkpoint" in line
-    assert not trust.key_path().exists(), "a refusal makes no key"
+    assert len(trust.key_path().read_bytes()) == 32, "the key of the checkpoints it would sign, made in its pre-flight"
     assert main(["train", "--resume", str(out), "--steps", "4", "--trust-checkpoint"]) == 0
 
 
@@ -99,14 +100,55 @@ def test_formats_that_cannot_run_code_resume_from_anyone_and_need_no_key(files, 
     assert not trust.key_path().exists()
 
 
-def test_a_key_others_can_read_is_refused(files, tmp_path, pickling, monkeypatch, capsys):
+def test_a_key_others_can_read_is_refused_before_training(files, tmp_path, pickling, monkeypatch, capsys):
     init, data = files
     _another_user(monkeypatch, tmp_path)
     trust.key_path().parent.mkdir(parents=True)
     trust.key_path().write_bytes(os.urandom(32))
     trust.key_path().chmod(0o644)
     assert run_train(init, data, tmp_path / "run", system="pickling", steps=1) == 2
-    assert "chmod 600" in _error(capsys)
+    assert "chmod 600" in _error(capsys) and not (tmp_path / "run").exists(), "refused before the run, not at its save"
+
+
+def test_an_empty_or_short_key_is_refused_and_never_signs_or_verifies(files, tmp_path, pickling, monkeypatch,
+                                                                      capsys):
+    init, data = files
+    _another_user(monkeypatch, tmp_path)
+    out = tmp_path / "run"
+    assert run_train(init, data, out, system="pickling", steps=2) == 0
+    step = out / "checkpoints" / "step-2"
+    for key in (b"", os.urandom(16)):
+        trust.key_path().write_bytes(key)  # mode 600 still: as a disk that filled while the key was written left it
+        meta = json.loads((step / "trainer.json").read_text())
+        (step / "trainer.json").write_text(json.dumps({**meta, trust.SIGNATURE: trust._digest(key, meta)}))
+        assert main(["train", "--resume", str(out), "--steps", "3"]) == 2, "a signature anyone could forge"
+        assert f"{trust.key_path()}, the key that proves a checkpoint was written here, holds {len(key)} bytes" \
+            in _error(capsys)
+        assert run_train(init, data, tmp_path / "new", system="pickling", steps=1) == 2
+        assert f"holds {len(key)} bytes, not 32" in _error(capsys) and not (tmp_path / "new").exists()
+        with pytest.raises(ValueError, match=f"holds {len(key)} bytes, not 32"):  # its save would sign
+            megatrain.Engine("tiny", system="pickling", seq=8, batch=2)
+
+
+def test_a_key_that_cannot_be_made_is_refused_before_training_naming_it(files, tmp_path, pickling, monkeypatch,
+                                                                        capsys):
+    init, data = files
+    with tmpfs(tmp_path / "full", "size=4k") as full:  # one page: the filler takes it
+        monkeypatch.setenv("XDG_CONFIG_HOME", str(full))
+        (full / "megatrain").mkdir()
+        fill(full / "filler")
+        assert run_train(init, data, tmp_path / "run", system="pickling", steps=1) == 2
+        line = _error(capsys)
+        assert f"cannot make the checkpoint key {trust.key_path()} (No space left on device)" in line
+        assert os.listdir(full / "megatrain") == [] and not (tmp_path / "run").exists(), "no key, no short key"
+        (full / "filler").unlink()
+        assert run_train(init, data, tmp_path / "run", system="pickling", steps=1) == 0
+        assert len(trust.key_path().read_bytes()) == 32
+    with tmpfs(tmp_path / "ro", "size=64k", read_only=True) as ro:
+        monkeypatch.setenv("XDG_CONFIG_HOME", str(ro))
+        assert run_train(init, data, tmp_path / "run2", system="pickling", steps=1) == 2
+        assert f"cannot make the checkpoint key {trust.key_path()} (Read-only file system)" in _error(capsys)
+        assert not (tmp_path / "run2").exists()
 
 
 @pytest.mark.subprocess
