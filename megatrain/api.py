@@ -151,10 +151,8 @@ class Engine:
         system's state holds pickles, as train's checkpoints are); `load` continues from it."""
         with written_aside(Path(path)) as tmp:
             self.system.save_state(tmp)
-            names = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
-            record = {"files": checkpoint.checksums(tmp, names)}
-            sign = bool(system_spec(self.case.system).pickled)
-            (tmp / STATE_FILE).write_text(json.dumps(trust.signed(record) if sign else record, indent=1) + "\n")
+            record = checkpoint.sealed(tmp, {}, system_spec(self.case.system).pickled)
+            (tmp / STATE_FILE).write_text(json.dumps(record, indent=1) + "\n")
 
     def load(self, path: str | os.PathLike, trust_checkpoint: bool = False) -> None:
         """Continue from a `save` directory: the next step is as if training had never stopped. A state whose files
@@ -170,7 +168,8 @@ class Engine:
         if problem := checkpoint.mismatch(d, record["files"]):
             raise ValueError(f"{problem}: the state in {d} was changed or damaged since it was saved")
         trust.check_trusted(d, record, system_spec(self.case.system).pickled, trust_checkpoint)
-        self.system.load_state(d)
+        with checkpoint.checked_loads(d, record["files"], trust_checkpoint):
+            self.system.load_state(d)
 
     def export(self, path: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None) -> Path:
         """The current weights as a Hugging Face checkpoint in `path` (in the compute dtype), with the tokenizer files

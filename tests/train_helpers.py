@@ -154,6 +154,14 @@ sys.exit(train_any(**json.loads(sys.argv[1]), fresh_process=False))
 """
 
 
+def python_process(code: str, *args: str) -> subprocess.CompletedProcess:
+    """`python -c code args` in a fresh process of one thread that imports this checkout and these helpers."""
+    paths = [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, paths))}
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+
+
 def train_any(system, init, data, out, extra=(), interrupt=0, resume=False, steps=STEPS, dtype="float32",
               device="cpu", fresh_process=None) -> int:
     """`train` of a case, interrupted by Ctrl-C during step `interrupt` or resumed; returns its exit code. The
@@ -163,10 +171,7 @@ def train_any(system, init, data, out, extra=(), interrupt=0, resume=False, step
     if fresh_process:
         job = {"system": system, "init": str(init), "data": str(data), "out": str(out), "extra": list(extra),
                "interrupt": interrupt, "resume": resume, "steps": steps, "dtype": dtype, "device": device}
-        paths = [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, paths))}
-        proc = subprocess.run([sys.executable, "-c", WORKER, json.dumps(job)], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=900)
+        proc = python_process(WORKER, json.dumps(job))
         assert proc.returncode in (0, 130), proc.stdout[-2000:] + proc.stderr[-4000:]
         return proc.returncode
     with pytest.MonkeyPatch.context() as mp:

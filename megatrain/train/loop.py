@@ -179,7 +179,8 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
     try:
         if resume_from is not None:
             t0 = time.perf_counter()
-            system.load_state(resume_from)
+            with checkpoint.checked_loads(resume_from, meta["files"], cfg.trust_checkpoint):
+                system.load_state(resume_from)
             memory.update(load_s=time.perf_counter() - t0, host_peak_gib_loaded=peak_host_rss_gib())
             torch.set_rng_state(torch.tensor(meta["torch_rng"], dtype=torch.uint8))
             log(f"resumed from {resume_from} at step {start}" + ("; nothing to train, exporting it (its export "
@@ -366,7 +367,7 @@ def _save(cfg: TrainConfig, system, out: Path, progress: Progress, total: int, r
             "torch_rng": torch.get_rng_state().tolist(), "run_id": run_id, "train_config": _settings(cfg)}
     with _writing(out / "checkpoints", progress, out):
         return checkpoint.save(out / "checkpoints", progress.step, system.save_state, meta, cfg.keep,
-                               sign=bool(system_spec(cfg.system).pickled))
+                               system_spec(cfg.system).pickled)
 
 
 def _exported_step(out: Path) -> int | None:

@@ -7,7 +7,9 @@ recomputed), fails it. The key is 32 random bytes made whole (written aside, lin
 run that signs, in the user's config directory ($XDG_CONFIG_HOME/megatrain/checkpoint.key, else
 ~/.config/megatrain/checkpoint.key), readable by this user only; a key of another length (an empty one signs for
 anyone) or that others can read is refused, never used.
-Formats that cannot run code (our raw tiles, safetensors, `torch.load(weights_only=True)`) need no key.
+Formats that cannot run code (our raw tiles, safetensors, `torch.load(weights_only=True)`) need no key. The bytes
+checked are the bytes loaded: a system opens each pickle once, through megatrain.train.checkpoint.open_checked, which
+checks them through that handle against the signed checksum and refuses a pickle another user could rewrite meanwhile.
 """
 
 from __future__ import annotations

@@ -6,21 +6,54 @@ import dataclasses
 import hashlib
 import json
 import os
+import pickle
+from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
-from train_helpers import fill, hf_model, pretokenized, run_train, tmpfs, train_any  # noqa: E402
+from train_helpers import (  # noqa: E402
+    fill,
+    hf_model,
+    pretokenized,
+    python_process,
+    run_train,
+    tmpfs,
+    train_any,
+)
 
 import megatrain  # noqa: E402
 from megatrain import systems  # noqa: E402
 from megatrain.cli import main  # noqa: E402
 from megatrain.systems import native  # noqa: E402
-from megatrain.train import trust  # noqa: E402
+from megatrain.train import checkpoint, trust  # noqa: E402
 
-# native's own state is read with weights_only=True; registered under this name, its .pt files count as pickles
-PICKLING = dataclasses.replace(native.SPEC, pickled=("*.pt",))
+
+class PicklingSystem(native.NativeSystem):
+    """native's state loaded as DeepSpeed loads its own: unpickled (weights_only=False), through open_checked."""
+
+    def load_state(self, in_dir):
+        with checkpoint.open_checked(Path(in_dir) / "native_state.pt") as f:
+            state = torch.load(f, map_location=self.device, weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.skipped_steps = state["skipped_steps"]
+
+
+# registered under this name, its .pt files are pickles
+PICKLING = dataclasses.replace(native.SPEC, factory=PicklingSystem, pickled=("*.pt",))
+
+
+class Payload:
+    """A pickle that runs code when it loads: it makes the file `marker`."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.mknod, (self.marker,)
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +118,54 @@ def test_a_pickle_planted_beside_a_signed_checkpoint_is_refused(files, tmp_path,
     (step / "extra.pt").write_bytes((step / "native_state.pt").read_bytes())  # in no checksum, so in no signature
     assert main(["train", "--resume", str(out), "--steps", "3"]) == 2
     assert "step-2/extra.pt is a pickle" in _error(capsys)
+
+
+def _swapped_after_the_checks(monkeypatch, replace) -> None:
+    """replace(checkpoint) once the next resume's checks (checksums, signature) have passed, before its load: the race
+    of a file swapped in between."""
+    check = trust.check_trusted
+
+    def checked(d, *args):
+        check(d, *args)
+        replace(d)
+
+    monkeypatch.setattr(trust, "check_trusted", checked)
+
+
+def test_a_pickle_swapped_in_between_the_check_and_the_load_runs_no_code(files, tmp_path, pickling, monkeypatch,
+                                                                          capsys):
+    init, data = files
+    out, marker = tmp_path / "run", tmp_path / "ran"
+    assert run_train(init, data, out, system="pickling", steps=2) == 0
+
+    def swap(d):
+        (d / "evil").write_bytes(pickle.dumps(Payload(marker)))
+        os.replace(d / "evil", d / "native_state.pt")
+
+    _swapped_after_the_checks(monkeypatch, swap)
+    assert main(["train", "--resume", str(out), "--steps", "3"]) == 2
+    assert "step-2/native_state.pt changed after the checkpoint's checksums were checked" in _error(capsys)
+    assert not marker.exists(), "the swapped pickle ran"
+
+
+def test_a_pickle_another_user_can_write_loads_only_with_trust_checkpoint(files, tmp_path, pickling, monkeypatch,
+                                                                          capsys):
+    init, data = files
+    out = tmp_path / "run"
+    old = os.umask(0o002)  # group-writable files: the run's own pickles are made writable by it alone
+    try:
+        assert run_train(init, data, out, system="pickling", steps=2) == 0
+    finally:
+        os.umask(old)
+    pt = out / "checkpoints" / "step-2" / "native_state.pt"
+    assert pt.stat().st_mode & 0o777 == 0o644
+    assert main(["train", "--resume", str(out), "--steps", "3"]) == 0
+    pt = out / "checkpoints" / "step-3" / "native_state.pt"
+    _swapped_after_the_checks(monkeypatch, lambda d: pt.chmod(0o664))  # another of its group could rewrite it
+    assert main(["train", "--resume", str(out), "--steps", "4"]) == 2
+    line = _error(capsys)
+    assert f"step-3/native_state.pt is a pickle another user can write (owner uid {os.getuid()}, mode 664)" in line
+    assert main(["train", "--resume", str(out), "--steps", "4", "--trust-checkpoint"]) == 0
 
 
 def test_formats_that_cannot_run_code_resume_from_anyone_and_need_no_key(files, tmp_path, monkeypatch):
@@ -163,3 +244,44 @@ def test_deepspeed_and_fsdp_checkpoints_from_elsewhere_are_refused_before_anythi
     _another_user(monkeypatch, tmp_path)
     assert main(["train", "--resume", str(out), "--steps", "2"]) == 2  # refused before the system is built
     assert pickle_file in _error(capsys)
+
+
+SWAPPER = f"""
+import os, pickle, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import pytest
+from test_trust import Payload, _swapped_after_the_checks
+from megatrain.cli import main
+
+out, pattern, marker, steps = sys.argv[1:]
+
+
+def swap(d):
+    (target,) = d.glob(pattern)
+    (d / "evil").write_bytes(pickle.dumps(Payload(marker)))
+    os.replace(d / "evil", target)
+
+
+with pytest.MonkeyPatch.context() as mp:
+    if pattern:
+        _swapped_after_the_checks(mp, swap)
+    sys.exit(main(["train", "--resume", out, "--steps", steps]))
+"""
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("system, pickle_file", [("deepspeed", "**/*model_states.pt"), ("fsdp", "fsdp/.metadata"),
+                                                 ("fsdp", "fsdp/*.distcp")])
+def test_deepspeed_and_fsdp_load_the_pickles_checked_not_ones_swapped_in_after_the_check(files, tmp_path, system,
+                                                                                       pickle_file):
+    if system == "deepspeed":
+        pytest.importorskip("deepspeed")
+    init, data = files
+    out, marker = tmp_path / "run", tmp_path / "ran"
+    assert train_any(system, init, data, out, steps=1) == 0
+    resumed = python_process(SWAPPER, str(out), "", str(marker), "2")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]  # every file it loads opened through open_checked
+    swapped = python_process(SWAPPER, str(out), pickle_file, str(marker), "3")
+    assert not marker.exists(), "the swapped pickle ran"
+    assert swapped.returncode == 2, swapped.stderr[-3000:]
+    assert "changed after the checkpoint's checksums were checked" in swapped.stderr.splitlines()[-1]
