@@ -14,6 +14,8 @@ from pathlib import Path
 
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+# the files of a tokenizer directory that decide its tokens: this reader's, and those transformers reads for chat
+TOKEN_FILES = ("tokenizer.json", *CONFIG_FILES, "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 
 
 class Tokenizer:

@@ -31,7 +31,7 @@ from megatrain.models.loss import IGNORE_INDEX
 from megatrain.models.registry import get_model_config
 from megatrain.preflight import preflight
 from megatrain.systems import build_system, system_spec
-from megatrain.tokenizer import Tokenizer
+from megatrain.tokenizer import TOKEN_FILES, Tokenizer
 from megatrain.train import checkpoint, trust
 from megatrain.train.config import TrainConfig, check_available
 from megatrain.train.data import Rows, data_files, read_examples
@@ -42,8 +42,7 @@ from megatrain.train.report_to import Reporters
 from megatrain.train.rundir import RunDir, aside, fault, recover_dir, written_aside
 from megatrain.train.runlog import LOG_FILE, RunLog
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "generation_config.json", "chat_template.jinja")
+TOKENIZER_FILES = (*TOKEN_FILES, "generation_config.json")  # what an export copies from the tokenizer's directory
 EXPORT_SHARD_BYTES = 2**29  # the most a Hugging Face export holds in memory beyond training's own state
 EXPORT_FILE = "megatrain_export.json"  # in hf/: the step exported and the run, beside the Hugging Face files
 # how this command treats the directory and its checkpoint: not the run's settings
@@ -86,11 +85,15 @@ def train(cfg: TrainConfig, log=print) -> int:
                              "export replaces): copy it out of there first, or choose another --out")
     tokenizer_dir = cfg.tokenizer or (cfg.init_from if cfg.init_from and
                                       (Path(cfg.init_from) / "tokenizer.json").exists() else None)
+    files = data_files(cfg.data, "--data", cfg.data_split)
+    token_files = [Path(tokenizer_dir) / name for name in TOKEN_FILES
+                   if tokenizer_dir and (Path(tokenizer_dir) / name).is_file()]
+    # what the rows are made of, fingerprinted before it is read (a change meanwhile reads as one): a resume refuses
+    # any change since the run's start
+    prints = {"data_files": fingerprints(files), "tokenizer_files": fingerprints(token_files)}
     tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
     model = shape or get_model_config(cfg.model)
     vocab = model.vocab_size
-    files = data_files(cfg.data, "--data", cfg.data_split)
-    prints = fingerprints(files)  # before reading: a file changed meanwhile reads as changed
     rows = Rows(read_examples(files, tokenizer, cfg.train_on_prompt), cfg.seq, vocab, cfg.shuffle, cfg.seed, cfg.pack)
     eval_rows = Rows(read_examples(data_files(cfg.eval_data, "--eval-data", cfg.eval_split), tokenizer,
                                    cfg.train_on_prompt, "--eval-data"), cfg.seq, vocab, False, cfg.seed, cfg.pack,
@@ -126,15 +129,17 @@ def train(cfg: TrainConfig, log=print) -> int:
 
 def _prepare(cfg: TrainConfig, run: RunDir, case, total: int, log, prints: dict) -> tuple:
     """(start step, checkpoint resumed from or None, its trainer.json, export only, run id): a resumed run's
-    leftovers recovered, what cannot run refused (training data whose fingerprints `prints` differ from the run's
-    start's among them: held-out data may change), the run started in --out."""
+    leftovers recovered, what cannot run refused (training data or a tokenizer whose fingerprints `prints` differ
+    from the run's start's among them: held-out data may change), the run started in --out."""
     out = run.out
     resume_from, meta = None, {"step": 0, "data_rows_consumed": 0}
     if cfg.resume:
-        recorded = run.recorded().get("data_files")
-        if recorded is not None and (change := fingerprint_change(recorded, prints)):
-            raise ValueError(f"--resume {out}: the data changed: {change}; resuming would train other rows at the "
-                             "recorded data position: restore the file, or start a new run in another --out")
+        recorded = run.recorded()
+        for key, what, why in (("data_files", "the data", "other rows at the recorded data position"),
+                               ("tokenizer_files", "the tokenizer", "other tokens than the run trained on")):
+            if recorded.get(key) is not None and (change := fingerprint_change(recorded[key], prints[key])):
+                raise ValueError(f"--resume {out}: {what} changed: {change}; resuming would train {why}: restore "
+                                 "the file, or start a new run in another --out")
         checkpoint.recover(out / "checkpoints")
         recover_dir(out / "hf")
         resume_from, meta = checkpoint.resume_point(out / "checkpoints", cfg.resume_fallback, log)
@@ -150,7 +155,7 @@ def _prepare(cfg: TrainConfig, run: RunDir, case, total: int, log, prints: dict)
     export_bytes = case.model_config().num_params() * case.dtype_bytes  # the export keeps the compute dtype
     # The old export is deleted only once the new one is complete.
     checkpoint.check_disk(case, out, saves, cfg.keep, export_bytes * (1 + (out / "hf").exists()))
-    run_id = run.start(_settings(cfg), data_files=prints)
+    run_id = run.start(_settings(cfg), **prints)
     _repair_metrics(out / "metrics.jsonl", start)
     return start, resume_from, meta, export_only, run_id
 

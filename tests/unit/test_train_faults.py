@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 from train_helpers import (  # noqa: E402
     ROOT,
     at_step,
+    chat_tokenizer,
     fill,
     hf_model,
     interrupt_at_step,
@@ -186,6 +187,18 @@ def test_a_resume_refuses_data_that_changed_since_the_run_started(straight, tmp_
     assert "was modified since the run started (its size and sampled blocks are the same" in _error(capsys)
     os.utime(mine, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert _resume(out, "--steps", "3") == 0
+
+
+def test_a_resume_refuses_a_tokenizer_changed_since_the_run_started(tmp_path, capsys):
+    tok, data, out = tmp_path / "tok", tmp_path / "text.jsonl", tmp_path / "run"
+    chat_tokenizer(tok)
+    data.write_text("".join(json.dumps({"text": " ".join(f"w{i + j}" for j in range(6))}) + "\n" for i in range(8)))
+    assert main(["train", "--model", "tiny", "--tokenizer", str(tok), "--data", str(data), "--seq", "8", "--batch",
+                 "2", "--steps", "1", "--out", str(out)]) == 0
+    config = tok / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "eos_token": "<|im_end|>"}))  # every row's EOS
+    assert _resume(out, "--steps", "2") == 2
+    assert f"the tokenizer changed: {config.resolve()} holds" in _error(capsys)
 
 
 def test_a_run_started_with_relative_paths_resumes_from_anywhere(straight, tmp_path, monkeypatch):
