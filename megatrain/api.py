@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import typing
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -26,7 +27,7 @@ import torch
 from megatrain.config import CaseConfig
 from megatrain.models.hf import check_hf_checkpoint, iter_hf_tensors
 from megatrain.models.loss import IGNORE_INDEX
-from megatrain.optim.config import OptimConfig
+from megatrain.optim.config import OptimConfig, check_lr
 from megatrain.preflight import preflight
 from megatrain.systems import build_system, system_spec
 from megatrain.train import checkpoint, trust
@@ -142,14 +143,15 @@ class Engine:
         return self.system.last_grad_norm
 
     def set_lr(self, lr: float) -> None:
-        """The learning rate of the following steps (a schedule is the caller's)."""
+        """The learning rate of the following steps (a schedule is the caller's): a finite number >= 0."""
+        check_lr(lr)
         self.system.set_lr(lr)
 
     def save(self, path: str | os.PathLike) -> None:
         """The full training state (weights, AdamW moments, step counts) into the directory `path`, swapped in whole
         once written (an existing one is replaced), with its files' checksums (signed with this user's key where the
         system's state holds pickles, as train's checkpoints are); `load` continues from it."""
-        with written_aside(Path(path)) as tmp:
+        with _writing(Path(path), "Engine.save"), written_aside(Path(path)) as tmp:
             self.system.save_state(tmp)
             record = checkpoint.sealed(tmp, {}, system_spec(self.case.system).pickled)
             (tmp / STATE_FILE).write_text(json.dumps(record, indent=1) + "\n")
@@ -175,8 +177,9 @@ class Engine:
         """The current weights as a Hugging Face checkpoint in `path` (in the compute dtype), with the tokenizer files
         of tokenizer_dir (default: the model directory's)."""
         tokenizer = tokenizer_dir or self.model_dir
-        export_checkpoint(self.system.export_weights(), self.case, Path(path),
-                          None if tokenizer is None else os.fspath(tokenizer), {"engine": self.case.model})
+        with _writing(Path(path), "Engine.export"):
+            export_checkpoint(self.system.export_weights(), self.case, Path(path),
+                              None if tokenizer is None else os.fspath(tokenizer), {"engine": self.case.model})
         return Path(path)
 
     def close(self) -> None:
@@ -192,18 +195,49 @@ class Engine:
     def _batch(self, input_ids: torch.Tensor, labels: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), each [batch, seq]: targets[:, i] is the token after inputs[:, i]; padding is no
         target."""
+        vocab = self.case.model_config().vocab_size
+        _check_ids("input_ids", input_ids, vocab)
         rows, tokens = input_ids.shape
         batch, seq = self.case.batch, self.case.seq
         if rows > batch or tokens > seq:
             raise ValueError(f"a batch of {rows} x {tokens} tokens is larger than the engine's batch x seq, {batch} x "
                              f"{seq}: give Engine(batch=, seq=) the largest batch you step")
         labels = input_ids if labels is None else labels
+        _check_ids("labels", labels, vocab, IGNORE_INDEX)
         if labels.shape != input_ids.shape:
             raise ValueError(f"labels {tuple(labels.shape)} and input_ids {tuple(input_ids.shape)} differ in shape")
         inputs = torch.zeros(batch, seq, dtype=torch.long)
         targets = torch.full((batch, seq), IGNORE_INDEX, dtype=torch.long)
         inputs[:rows, :tokens] = input_ids
-        targets[:rows, :tokens - 1] = labels[:, 1:]
+        targets[:rows, :max(tokens - 1, 0)] = labels[:, 1:]
         if not (targets != IGNORE_INDEX).any():
-            raise ValueError("the batch has no target: every label is -100, or rows of one token")
+            raise ValueError("the batch has no target: every label is -100, or rows of fewer than two tokens")
         return inputs, targets
+
+
+def _check_ids(name: str, ids, vocab: int, ignore: int | None = None) -> None:
+    """ValueError unless ids is a [rows, tokens] tensor of token ids of a vocabulary of `vocab` (or `ignore`)."""
+    if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.dtype.is_floating_point or ids.dtype.is_complex \
+            or ids.dtype == torch.bool:
+        got = f"a {type(ids).__name__}" if not isinstance(ids, torch.Tensor) else \
+            f"a {ids.ndim}-D tensor of {str(ids.dtype).removeprefix('torch.')}"
+        raise ValueError(f"{name} must be a 2-D torch.Tensor of token ids ([rows, tokens], an integer dtype), got "
+                         f"{got}: torch.tensor(ids) of a list of rows, .long() of floats")
+    ids = ids.long()  # uint8's 255 + 1 is 0
+    outside = (ids < 0) | (ids >= vocab)
+    bad = ids[outside & (ids != ignore) if ignore is not None else outside]
+    if bad.numel():
+        allowed = f"{ignore} (no loss) or " if ignore is not None else ""
+        raise ValueError(f"{name} holds {int(bad[0])}, which is not {allowed}a token id of the model's vocabulary "
+                         f"(0 to {vocab - 1}): a tokenizer of another model?")
+
+
+@contextmanager
+def _writing(path: Path, what: str):
+    """An OSError writing `path` (a full disk, a read-only or missing directory) as a ValueError naming it; what was
+    there stands (it is written aside and swapped in only once complete)."""
+    try:
+        yield
+    except OSError as exc:
+        raise ValueError(f"{what}({str(path)!r}): cannot write there ({exc.strerror}); nothing was replaced: free "
+                         "space, or choose a writable directory") from None

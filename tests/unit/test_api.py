@@ -115,6 +115,41 @@ def test_an_engine_saved_and_loaded_steps_on_bit_for_bit_and_pads_short_batches(
     assert cut == straight
 
 
+@pytest.mark.parametrize("lr", [float("nan"), float("inf"), -1e-3, 0.0, "1e-3"])
+def test_an_engine_refuses_a_learning_rate_that_trains_nothing_but_nan(lr):
+    with pytest.raises(ValueError, match=r"^lr must be a finite number > 0, got "):
+        megatrain.Engine("tiny", seq=8, batch=2, lr=lr)
+
+
+def test_an_engine_refuses_what_it_cannot_train_on_naming_what_to_change(tmp_path):
+    vocab = 256
+    ids = torch.randint(0, vocab, (2, 8))
+    with megatrain.Engine("tiny", seq=8, batch=2, lr=1e-3) as engine:
+        for lr in (float("nan"), float("inf"), -1e-3):
+            with pytest.raises(ValueError, match=r"^lr must be a finite number >= 0, got "):
+                engine.set_lr(lr)
+        engine.set_lr(0.0)  # a schedule's end
+        for step in (engine.step, engine.evaluate):
+            for bad, says in ((ids.tolist(), "input_ids must be a 2-D torch.Tensor .*, got a list"),
+                              (ids.float(), "got a 2-D tensor of float32"), (ids[0], "got a 1-D tensor"),
+                              (torch.full((2, 8), vocab), f"input_ids holds {vocab}, which is not a token id of the "
+                                                          f"model's vocabulary \\(0 to {vocab - 1}\\)"),
+                              (ids - vocab, "input_ids holds -")):
+                with pytest.raises(ValueError, match=says):
+                    step(bad)
+            with pytest.raises(ValueError, match="labels holds 300, which is not -100 \\(no loss\\) or a token id"):
+                step(ids, torch.full((2, 8), 300))
+            with pytest.raises(ValueError, match="the batch has no target: .* fewer than two tokens"):
+                step(ids[:, :0])
+        engine.evaluate(torch.full((2, 8), vocab - 1, dtype=torch.uint8))  # in the vocabulary, however typed
+        (tmp_path / "file").write_text("")
+        for where in (tmp_path / "file" / "state", Path("/proc/megatrain-state")):
+            for write, name in ((engine.save, "save"), (engine.export, "export")):
+                with pytest.raises(ValueError, match=f"Engine.{name}\\(.*\\): cannot write there \\((Not a "
+                                                     "directory|No such file or directory)\\); nothing was replaced"):
+                    write(where)
+
+
 @pytest.mark.subprocess
 def test_the_api_example_runs(tmp_path):
     root = Path(__file__).resolve().parents[2]
