@@ -163,7 +163,7 @@ class Engine:
         d = Path(path)
         try:
             record = json.loads((d / STATE_FILE).read_bytes())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             raise ValueError(f"{d} is not what Engine.save writes: {STATE_FILE} is missing or unreadable") from None
         if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
             raise ValueError(f"{d / STATE_FILE} lists no files: it is not what Engine.save writes")

@@ -39,7 +39,7 @@ class Tokenizer:
             file = self.path / name
             try:
                 config = json.loads(file.read_bytes()) if file.exists() else {}
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
                 raise ValueError(f"{file} is not valid JSON ({exc})") from None
             eos = config.get("eos_token") if isinstance(config, dict) else None
             if eos:

@@ -193,6 +193,8 @@ def load_suite(name_or_path: str) -> Suite:
         spec = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:  # its message names the line and column
         raise ValueError(f"{path}: not valid TOML: {exc}") from None
+    except (UnicodeDecodeError, RecursionError) as exc:
+        raise ValueError(f"{path}: not valid TOML ({exc})") from None
     for key, kind, what in (("description", str, "a string"), ("hardware", str | list, "hardware profile names"),
                             ("timeout_s", int | float, "a number of seconds"), ("defaults", dict, "a table"),
                             ("cases", list, "[[cases]] tables")):

@@ -43,7 +43,7 @@ def read_meta(d: Path) -> dict:
     path = d / META_FILE
     try:
         meta = json.loads(path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise ValueError(f"{path} is not valid JSON ({exc})") from None
     if not isinstance(meta, dict) or (missing := [k for k in META_KEYS if k not in meta]):
         raise ValueError(f"{path} lacks {', '.join(missing) if isinstance(meta, dict) else 'an object'}")

@@ -352,7 +352,7 @@ def _metrics_step(path: Path, number: int, line: str) -> int:
     """The step of line `number` of metrics.jsonl; ValueError naming it when it is not a line a run writes."""
     try:
         step = json.loads(line).get("step")
-    except (json.JSONDecodeError, AttributeError):
+    except (json.JSONDecodeError, AttributeError, RecursionError):
         step = None
     if type(step) is not int:
         raise ValueError(f"{path}:{number} is not a metrics line a run writes ({line.strip()[:60]!r}): delete that "
@@ -382,7 +382,7 @@ def _exported_step(out: Path) -> int | None:
         return None
     try:
         step = json.loads(path.read_bytes()).get("step")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, RecursionError):
         step = None
     if type(step) is not int:
         raise ValueError(f"{path} is not what an export writes: delete it (the next export writes it again)")

@@ -147,7 +147,7 @@ class RunDir:
             return {}
         try:
             record = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
             raise ValueError(f"{path} is not valid JSON ({exc}): the run's identity is lost; start a new run in "
                              "another --out") from None
         if not isinstance(record, dict) or not isinstance(record.get("run_id"), str):

@@ -90,6 +90,7 @@ def test_a_nonsensical_hyperparameter_is_refused_naming_its_flag(tmp_path, capsy
     ("option = 5", "train setting option=5: expected a table"),
     ('pack = "no"', "train setting pack='no': expected true or false"),
     ("adam_betas = [0.9]", "train setting adam_betas=[0.9]: expected a list of 2, each a number"),
+    ("data = " + "[" * 100_000 + "]" * 100_000, "run.toml: maximum recursion depth exceeded"),
 ])
 def test_a_config_file_value_of_the_wrong_type_is_refused_naming_key_type_and_value(tmp_path, capsys, data, line,
                                                                                    says):
@@ -190,6 +191,8 @@ def test_schedule_notes_say_a_warmup_as_long_as_the_run_and_a_decay_restretched_
     ('"a string with text in it"', 'a line must be a JSON object such as {"text": ...}, got "a string'),
     ("5", "a line must be a JSON object"),
     ("{oops", "not a JSON record"),
+    ('{"input_ids": ' + "[" * 200_000 + "]" * 200_000 + "}", "a JSON record nested too deep to read"),
+    ('{"input_ids": ' + "[" * 900 + "]" * 900 + "}", "[[[[[[[[[[[[[[[["),  # as deep as Python reads: read, refused
     ('{"text": null}', "text must be a string, got null"),
     ('{"instruction": "a"}', "output must be a string, got null"),
     ('{"messages": "hi"}', "messages must be a list of {role, content} objects"),
