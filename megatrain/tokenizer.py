@@ -77,7 +77,14 @@ class Tokenizer:
     def _render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
         if not messages:
             return []
-        text = self._template().apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        template = self._template()
+        from jinja2 import TemplateError  # transformers' own dependency, which renders the template
+
+        try:
+            text = template.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        except TemplateError as exc:  # a syntax error, a sandbox violation, the template's raise_exception
+            raise ValueError(f"the chat template of {self.path} fails on this conversation ({type(exc).__name__}: "
+                             f"{exc})") from None
         return self.encode(text)
 
     def _template(self):

@@ -109,7 +109,11 @@ def _example(record, where: str, tokenizer: Tokenizer | None, train_on_prompt: b
         return _document(_need(tokenizer, where), text)
     if "instruction" in record or "messages" in record or "conversations" in record:
         messages = _messages(record, where)
-        ids, assistant = _need(tokenizer, where).chat(messages)
+        tokenizer = _need(tokenizer, where)
+        try:
+            ids, assistant = tokenizer.chat(messages)
+        except ValueError as exc:  # the template's, said of the line it failed on
+            raise ValueError(f"{where}: {exc}") from None
         return Example(ids, [train_on_prompt or a for a in assistant])
     raise ValueError(f"{where}: a line needs input_ids, text, instruction/output (alpaca) or "
                      f"messages/conversations (chat); it has {sorted(record)}")

@@ -240,6 +240,32 @@ def test_chat_data_without_transformers_names_the_extra_and_text_data_needs_none
     assert main(["train", *tiny(text, tmp_path, "--tokenizer", str(tmp_path / "tok"), "--seq", "4")]) == 0
 
 
+ALTERNATING = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+               "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+               "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("template, line, says", [
+    ("{% for m in messages %}{{ m['content'] }", 1, "(TemplateSyntaxError: unexpected '}')"),
+    ("{{ messages.__class__.__mro__ }}", 1, "(SecurityError: access to attribute '__class__' of 'list' object is "
+                                            "unsafe.)"),
+    (ALTERNATING, 2, "(TemplateError: Conversation roles must alternate user/assistant/user/assistant/...)"),
+])
+def test_a_chat_template_failing_on_a_conversation_is_refused_naming_the_line(tmp_path, capsys, template, line,
+                                                                              says):
+    pytest.importorskip("transformers")
+    from train_helpers import chat_tokenizer
+
+    tok, chat = tmp_path / "tok", tmp_path / "chat.jsonl"
+    chat_tokenizer(tok)
+    (tok / "chat_template.jinja").write_text(template)
+    chat.write_text("".join(json.dumps({"messages": [{"role": role, "content": "w1"} for role in roles]}) + "\n"
+                            for roles in (("user", "assistant"), ("assistant", "assistant"))))
+    error = refused(capsys, tiny(chat, tmp_path, "--tokenizer", str(tok)))
+    assert error == f"error: --data {chat}:{line}: the chat template of {tok} fails on this conversation {says}"
+
+
 def test_data_without_a_target_token_is_refused(tmp_path, capsys):
     one_token_docs = tmp_path / "short.jsonl"
     one_token_docs.write_text("".join(json.dumps({"input_ids": [i]}) + "\n" for i in range(12)))
