@@ -52,6 +52,15 @@ def test_an_interrupted_suite_names_the_command_that_resumes_it(tmp_path, monkey
     assert said.endswith(f"to resume: python -m megatrain suite smoke --out-dir {out} --only native")
 
 
+def test_a_suite_only_that_is_no_regular_expression_is_refused_before_anything_is_made(tmp_path, capsys):
+    out = tmp_path / "smoke-local"
+    with pytest.raises(SystemExit) as exited:
+        main(["suite", "smoke", "--out-dir", str(out), "--only", "("])
+    assert exited.value.code == 2 and not out.exists()
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        "error: argument --only: '(' is not a regular expression (missing ), unterminated subpattern at position 0)")
+
+
 @pytest.mark.subprocess
 @pytest.mark.slow
 def test_a_wheel_carries_the_suites_and_runs_one_from_an_install(tmp_path):
