@@ -165,8 +165,9 @@ class Engine:
             record = json.loads((d / STATE_FILE).read_bytes())
         except (OSError, ValueError, RecursionError):
             raise ValueError(f"{d} is not what Engine.save writes: {STATE_FILE} is missing or unreadable") from None
-        if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
-            raise ValueError(f"{d / STATE_FILE} lists no files: it is not what Engine.save writes")
+        problem = checkpoint.files_problem(record.get("files")) if isinstance(record, dict) else "in an object"
+        if problem:
+            raise ValueError(f"{d / STATE_FILE}: files must be {problem}: it is not what Engine.save writes")
         if problem := checkpoint.mismatch(d, record["files"]):
             raise ValueError(f"{problem}: the state in {d} was changed or damaged since it was saved")
         trust.check_trusted(d, record, system_spec(self.case.system).pickled, trust_checkpoint)

@@ -16,6 +16,8 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
+import torch
+
 from megatrain.config import CaseConfig
 from megatrain.memory import GIB
 from megatrain.train import trust
@@ -47,7 +49,38 @@ def read_meta(d: Path) -> dict:
         raise ValueError(f"{path} is not valid JSON ({exc})") from None
     if not isinstance(meta, dict) or (missing := [k for k in META_KEYS if k not in meta]):
         raise ValueError(f"{path} lacks {', '.join(missing) if isinstance(meta, dict) else 'an object'}")
+    rng_bytes = torch.get_rng_state().numel()
+    for key, holds, must in (
+            ("step", _count(meta["step"]) and meta["step"] == _step(d), f"{_step(d)}, the step its directory names"),
+            ("total_steps", _count(meta["total_steps"]) and meta["total_steps"] >= 1, "a whole number >= 1"),
+            ("data_rows_consumed", _count(meta["data_rows_consumed"]), "a whole number >= 0"),
+            ("torch_rng", isinstance(meta["torch_rng"], list) and len(meta["torch_rng"]) == rng_bytes
+             and all(_count(b) and b < 256 for b in meta["torch_rng"]), f"a list of {rng_bytes} bytes (0-255)"),
+            ("train_config", isinstance(meta["train_config"], dict), "an object"),
+            ("run_id", isinstance(meta.get("run_id", ""), str), "a string"),
+            ("files", "files" not in meta or files_problem(meta["files"]) is None,
+             files_problem(meta.get("files", {})))):
+        if not holds:
+            raise ValueError(f"{path}: {key} must be {must}, got {json.dumps(meta.get(key))[:60]}")
     return meta
+
+
+def _count(value) -> bool:
+    """A whole number >= 0 (JSON's true is none)."""
+    return type(value) is int and value >= 0
+
+
+def files_problem(files) -> str | None:
+    """What in a record's `files` (checksums' output) is not what checksums writes, or None."""
+    if not isinstance(files, dict):
+        return "an object of file names"
+    for name, want in files.items():
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            return f"an object of names inside the checkpoint ({name!r} is not)"
+        if not (isinstance(want, dict) and set(want) == {"bytes", "sha256"} and _count(want["bytes"])
+                and isinstance(want["sha256"], list) and all(isinstance(h, str) for h in want["sha256"])):
+            return f"an object of {{bytes, sha256}} per file (that of {name!r} is not)"
+    return None
 
 
 def save(root: Path, step: int, write_state, meta: dict, keep: int, pickled: tuple[str, ...] = ()) -> Path:

@@ -187,3 +187,7 @@ def test_an_engine_loads_no_changed_state_and_no_pickle_another_user_saved(tmp_p
         victim.write_bytes(bytes(damaged))
         with pytest.raises(ValueError, match="does not match its checksum: the state in .* was changed"):
             engine.load(tmp_path / "state", trust_checkpoint=True)
+        for files in ([], {"../x": {"bytes": 1, "sha256": []}}, {"x": {"bytes": "1", "sha256": []}}):
+            (tmp_path / "state" / api.STATE_FILE).write_text(json.dumps({"files": files}))
+            with pytest.raises(ValueError, match="engine_state.json: files must be an object of"):
+                engine.load(tmp_path / "state", trust_checkpoint=True)

@@ -148,6 +148,21 @@ def test_a_damaged_checkpoint_is_refused_by_name_and_the_fallback_resumes_from_t
     assert _losses_once_each(out) == losses and _entries(out / "checkpoints") == ["step-4", "step-6", "step-8"]
 
 
+@pytest.mark.parametrize("key, value", [
+    ("step", "8"), ("step", 7), ("step", True), ("total_steps", [8]), ("data_rows_consumed", "32"), ("torch_rng", "x"),
+    ("torch_rng", [1, 2, 3]), ("torch_rng", [999] * 5056), ("run_id", 5), ("files", []), ("files", {"tiles.bin": "x"}),
+    ("files", {"../../run.json": {"bytes": 1, "sha256": ["0"]}}),
+])
+def test_a_trainer_json_of_valid_json_and_wrong_types_is_refused_naming_the_key(straight, tmp_path, capsys, key,
+                                                                               value):
+    out = tmp_path / "run"
+    shutil.copytree(straight[3], out)
+    meta = out / "checkpoints" / "step-8" / "trainer.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), key: value}))
+    assert _resume(out, "--steps", "9") == 2
+    assert f"step-8/trainer.json: {key} must be " in _error(capsys)
+
+
 def test_metrics_lose_a_torn_line_and_the_steps_after_the_resumed_checkpoint(straight, tmp_path):
     init, data, losses, _ = straight
     out = tmp_path / "run"
