@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -118,7 +119,11 @@ def train(cfg: TrainConfig, log=print) -> int:
                       source_config)
         return code
     except Exception as exc:  # the terminal shows it as the caller reports it; the log keeps it too
-        runlog.to_file(f"error: {exc}" if isinstance(exc, ValueError) else traceback.format_exc().rstrip())
+        if isinstance(exc, OSError) and first and exc.filename == str(out / LOG_FILE) \
+                and (failed := _unwritable(out / LOG_FILE, exc, out)) is not None:
+            raise failed from None
+        with contextlib.suppress(OSError):  # a log that cannot take it (a full disk) does not hide it
+            runlog.to_file(f"error: {exc}" if isinstance(exc, ValueError) else traceback.format_exc().rstrip())
         raise
     finally:
         reporters.close(code)
@@ -317,16 +322,24 @@ def _writing(where: Path, progress: Progress, out: Path):
     try:
         yield
     except OSError as exc:
-        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
-        if not full and exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+        if (failed := _unwritable(where, exc, out, progress.step)) is None:
             raise
-        last = checkpoint.latest(out / "checkpoints")
-        fix = "free space" if full else "make it writable"
-        raise ValueError(("disk full writing " if full else f"cannot write ({exc.strerror}) ") + f"{where} at step "
-                         f"{progress.step}: " + (f"the last complete checkpoint, {last}, is intact; {fix}, then "
-                                                 f"--resume {out}" if last else
-                                                 "no checkpoint to resume from (none saved yet, or --no-save): "
-                                                 f"{fix}, then train again with --overwrite")) from None
+        raise failed from None
+
+
+def _unwritable(where: Path, exc: OSError, out: Path, step: int | None = None) -> ValueError | None:
+    """The line that ends a run whose write of `where` failed with `exc` (at `step`), for a full disk or a place made
+    read-only; None for another error."""
+    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    if not full and exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return None
+    last = checkpoint.latest(out / "checkpoints")
+    fix = "free space" if full else "make it writable"
+    return ValueError(("disk full writing " if full else f"cannot write ({exc.strerror}) ") + f"{where}"
+                      + (f" at step {step}" if step is not None else "") + ": "
+                      + (f"the last complete checkpoint, {last}, is intact; {fix}, then --resume {out}" if last else
+                         "no checkpoint to resume from (none saved yet, or --no-save): "
+                         f"{fix}, then train again with --overwrite"))
 
 
 def _append(path: Path, line: dict, progress: Progress, out: Path) -> None:

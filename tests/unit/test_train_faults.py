@@ -3,6 +3,7 @@ checksum with a fallback, SIGTERM, divergence, torn metrics, bad or full disks (
 kill -9 at named points (MEGATRAIN_FAULT). CPU, about a minute; the ones marked subprocess spawn python -m megatrain:
 pytest tests/unit/test_train_faults.py"""
 
+import contextlib
 import json
 import math
 import os
@@ -307,6 +308,31 @@ def test_a_full_disk_mid_run_ends_in_one_line_and_the_run_resumes(straight, tmp_
         assert _entries(out / "checkpoints") == ["step-2"], "the partial checkpoint is deleted"
         filler.unlink()
         assert _resume(out) == 0 and _losses_once_each(out) == losses
+
+
+def _fill_under(path) -> None:
+    """Every write to the open file at path fails as on a full disk (/dev/full in its place, its descriptor kept)."""
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}") == str(path):
+                full = os.open("/dev/full", os.O_WRONLY)
+                os.dup2(full, fd)
+                os.close(full)
+
+
+def test_a_full_disk_at_the_train_log_ends_in_one_line_and_the_run_resumes(straight, tmp_path, capsys):
+    init, data, losses, _ = straight
+    out = tmp_path / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        at_step(mp, 3, lambda: _fill_under(out / "train.log"))  # its metrics line fits, its log line not
+        assert run_train(init, data, out, steps=8, extra=SAVES) == 2
+    assert _error(capsys) == f"error: disk full writing {out / 'train.log'}: the last complete checkpoint, " \
+        f"{out / 'checkpoints' / 'step-2'}, is intact; free space, then --resume {out}"
+    (out / "train.log").rename(tmp_path / "train.log")
+    (out / "train.log").symlink_to("/dev/full")  # full from the resume's first line
+    assert _resume(out) == 2 and "disk full writing" in _error(capsys)
+    (out / "train.log").unlink()
+    assert _resume(out) == 0 and _losses_once_each(out) == losses
 
 
 @pytest.mark.parametrize("saves", [True, False])
