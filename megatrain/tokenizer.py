@@ -32,6 +32,9 @@ class Tokenizer:
                              f"({exc})") from None
         eos = self._eos_name()
         self.eos = self.backend.token_to_id(eos) if eos else None
+        if eos and self.eos is None:  # named by a config file (the fallback names are the vocabulary's)
+            raise ValueError(f"{self.path}: its eos_token {eos!r} is no token of its tokenizer.json, so no document "
+                             "would end with it: name one the vocabulary holds")
         self._chat = None  # the transformers tokenizer, loaded by the first chat
 
     def _eos_name(self) -> str | None:
@@ -43,7 +46,11 @@ class Tokenizer:
                 raise ValueError(f"{file} is not valid JSON ({exc})") from None
             eos = config.get("eos_token") if isinstance(config, dict) else None
             if eos:
-                return eos["content"] if isinstance(eos, dict) else eos
+                name = eos.get("content") if isinstance(eos, dict) else eos
+                if not isinstance(name, str):
+                    raise ValueError(f"{file}: eos_token must be a token (a string, or an object with its content), "
+                                     f"got {json.dumps(eos)[:60]}")
+                return name
         return next((t for t in EOS_NAMES if self.backend.token_to_id(t) is not None), None)
 
     def encode(self, text: str) -> list[int]:
@@ -94,8 +101,16 @@ class Tokenizer:
             except ImportError:
                 raise ValueError(f"{self.path}: megatrain renders chat data with the tokenizer's chat template through "
                                  "transformers, which is not installed: pip install 'megatrain[chat]'") from None
-            self._chat = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
-            if not self._chat.chat_template:
+            try:
+                self._chat = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
+            except Exception as exc:  # transformers raises what its parsing of each file meets
+                raise ValueError(f"{self.path}: transformers cannot load it to render chat data ({type(exc).__name__}: "
+                                 f"{exc})") from None
+            template = self._chat.chat_template
+            if not template:
                 raise ValueError(f"{self.path}: the tokenizer has no chat template (tokenizer_config.json); "
                                  "chat data needs one")
+            if not isinstance(template, str):
+                raise ValueError(f"{self.path}: its chat template must be a Jinja template (a string), got "
+                                 f"{json.dumps(template, default=str)[:60]}")
         return self._chat

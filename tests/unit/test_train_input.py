@@ -266,6 +266,35 @@ def test_a_chat_template_failing_on_a_conversation_is_refused_naming_the_line(tm
     assert error == f"error: --data {chat}:{line}: the chat template of {tok} fails on this conversation {says}"
 
 
+@pytest.mark.parametrize("config, chat_only, says", [
+    ({"eos_token": 5}, False, "tokenizer_config.json: eos_token must be a token (a string, or an object with its "
+                              "content), got 5"),
+    ({"eos_token": {"x": 1}}, False, 'eos_token must be a token (a string, or an object with its content), got {"x"'),
+    ({"eos_token": "<nope>"}, False, "its eos_token '<nope>' is no token of its tokenizer.json, so no document would "
+                                     "end with it"),
+    ({"tokenizer_class": 5}, True, "transformers cannot load it to render chat data (AttributeError: "),
+    ({"added_tokens_decoder": {"x": 5}}, True, "transformers cannot load it to render chat data (TypeError: "),
+    ({"chat_template": 5}, True, "its chat template must be a Jinja template (a string), got 5"),
+])
+def test_a_damaged_tokenizer_config_is_refused_naming_it(tmp_path, capsys, config, chat_only, says):
+    pytest.importorskip("transformers")
+    from train_helpers import chat_tokenizer
+
+    tok, chat, text = tmp_path / "tok", tmp_path / "chat.jsonl", tmp_path / "text.jsonl"
+    chat_tokenizer(tok)
+    if "chat_template" in config:  # else the saved template file stands over the config's
+        (tok / "chat_template.jinja").unlink()
+    (tok / "tokenizer_config.json").write_text(json.dumps({**json.loads((tok / "tokenizer_config.json").read_text()),
+                                                           **config}))
+    chat.write_text(json.dumps({"messages": [{"role": role, "content": "w1"} for role in ("user", "assistant")]}))
+    text.write_text("".join(json.dumps({"text": "w1 w2 w3"}) + "\n" for _ in range(4)))
+    assert says in refused(capsys, tiny(chat, tmp_path, "--tokenizer", str(tok)))
+    if chat_only:  # text data needs no transformers
+        assert main(["train", *tiny(text, tmp_path, "--tokenizer", str(tok), "--seq", "4")]) == 0
+    else:
+        assert says in refused(capsys, tiny(text, tmp_path, "--tokenizer", str(tok), "--seq", "4"))
+
+
 def test_data_without_a_target_token_is_refused(tmp_path, capsys):
     one_token_docs = tmp_path / "short.jsonl"
     one_token_docs.write_text("".join(json.dumps({"input_ids": [i]}) + "\n" for i in range(12)))
