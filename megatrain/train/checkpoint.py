@@ -47,6 +47,8 @@ def read_meta(d: Path) -> dict:
         meta = json.loads(path.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise ValueError(f"{path} is not valid JSON ({exc})") from None
+    except OSError as exc:
+        raise ValueError(f"{path} cannot be read ({exc.strerror})") from None
     if not isinstance(meta, dict) or (missing := [k for k in META_KEYS if k not in meta]):
         raise ValueError(f"{path} lacks {', '.join(missing) if isinstance(meta, dict) else 'an object'}")
     rng_bytes = torch.get_rng_state().numel()

@@ -24,6 +24,7 @@ BEFORE_FIRST_STEP = {RUN_FILE, f".{RUN_FILE}.tmp", LOG_FILE, TENSORBOARD_DIR, "w
 # What a run writes into DIR: --overwrite discards only a directory that holds nothing else.
 RUN_ENTRIES = BEFORE_FIRST_STEP | {LOCK_FILE, TRASH, "metrics.jsonl", ".metrics.jsonl.tmp", "memory.json",
                                    "checkpoints", "hf", ".hf.tmp", ".hf.old"}
+RUN_FILES = (RUN_FILE, LOG_FILE, "metrics.jsonl", "memory.json")  # the entries a run reads or appends to as files
 
 
 def fault(point: str) -> None:
@@ -122,6 +123,10 @@ class RunDir:
             for entry in entries:  # a run that stopped before its first step: nothing of it to keep
                 shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
             entries = []
+        if resume and (folder := next((out / name for name in RUN_FILES if (out / name).is_dir()), None)):
+            self.close()
+            raise ValueError(f"--resume {out}: {folder} is a folder where the run keeps a file: move it out of the "
+                             "run's directory, then resume")
         if resume or not entries:
             return
         if not overwrite:

@@ -164,6 +164,17 @@ def test_a_trainer_json_of_valid_json_and_wrong_types_is_refused_naming_the_key(
     assert f"step-8/trainer.json: {key} must be " in _error(capsys)
 
 
+@pytest.mark.parametrize("name", ["run.json", "train.log", "metrics.jsonl", "memory.json",
+                                  "checkpoints/step-8/trainer.json"])
+def test_a_folder_where_the_run_keeps_a_file_is_refused_naming_it(straight, tmp_path, capsys, name):
+    out = tmp_path / "run"
+    shutil.copytree(straight[3], out)
+    (out / name).unlink()
+    (out / name).mkdir()
+    assert _resume(out, "--steps", "9") == 2
+    assert f"{out / name} " in _error(capsys)
+
+
 def test_metrics_lose_a_torn_line_and_the_steps_after_the_resumed_checkpoint(straight, tmp_path):
     init, data, losses, _ = straight
     out = tmp_path / "run"

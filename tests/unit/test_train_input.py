@@ -191,6 +191,7 @@ def test_schedule_notes_say_a_warmup_as_long_as_the_run_and_a_decay_restretched_
     ('"a string with text in it"', 'a line must be a JSON object such as {"text": ...}, got "a string'),
     ("5", "a line must be a JSON object"),
     ("{oops", "not a JSON record"),
+    ('{"text": "a\\ud800b"}', "text holds a lone surrogate, '\\ud800' at character 1, half of a UTF-16 pair"),
     ('{"input_ids": ' + "[" * 200_000 + "]" * 200_000 + "}", "a JSON record nested too deep to read"),
     ('{"input_ids": ' + "[" * 900 + "]" * 900 + "}", "[[[[[[[[[[[[[[[["),  # as deep as Python reads: read, refused
     ('{"text": null}', "text must be a string, got null"),
@@ -293,6 +294,18 @@ def test_a_damaged_tokenizer_config_is_refused_naming_it(tmp_path, capsys, confi
         assert main(["train", *tiny(text, tmp_path, "--tokenizer", str(tok), "--seq", "4")]) == 0
     else:
         assert says in refused(capsys, tiny(text, tmp_path, "--tokenizer", str(tok), "--seq", "4"))
+
+
+def test_a_conversation_of_no_messages_is_refused_naming_its_line(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from train_helpers import chat_tokenizer
+
+    chat_tokenizer(tmp_path / "tok")
+    chat = tmp_path / "chat.jsonl"
+    talk = [{"role": role, "content": "w1"} for role in ("user", "assistant")]
+    chat.write_text(json.dumps({"messages": talk}) + '\n{"messages": []}\n')
+    assert refused(capsys, tiny(chat, tmp_path, "--tokenizer", str(tmp_path / "tok"))) == \
+        f"error: --data {chat}:2: holds no token to train on: drop the line"
 
 
 def test_data_without_a_target_token_is_refused(tmp_path, capsys):
