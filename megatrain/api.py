@@ -31,7 +31,7 @@ from megatrain.optim.config import OptimConfig, check_lr
 from megatrain.preflight import preflight
 from megatrain.systems import build_system, system_spec
 from megatrain.train import checkpoint, trust
-from megatrain.train.config import TrainConfig, train_config
+from megatrain.train.config import TrainConfig, check_device, train_config
 from megatrain.train.loop import export_checkpoint, train
 from megatrain.train.rundir import RUN_FILE, written_aside
 
@@ -110,6 +110,15 @@ class Engine:
                  adam_betas: tuple[float, float] = TrainConfig.adam_betas, adam_eps: float = TrainConfig.adam_eps,
                  moments: str = TrainConfig.moments, seed: int = TrainConfig.seed, compile: bool = False,
                  option: dict | None = None, log=print):
+        if not isinstance(model, str | os.PathLike):
+            raise ValueError(f"Engine's model is a Hugging Face checkpoint directory or a registry name, got {model!r}")
+        # the settings by train's rules (train's data and length are the caller's loop here)
+        TrainConfig(**{"init_from" if Path(model).is_dir() else "model": os.fspath(model)}, data=["(the caller's)"],
+                    steps=1, seq=seq, batch=batch, micro_batch=micro_batch, system=system, device=device, dtype=dtype,
+                    precision=precision, lr=lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
+                    adam_betas=adam_betas, adam_eps=adam_eps, moments=moments, seed=seed, compile=compile,
+                    option={} if option is None else option)
+        check_device(device)
         path = Path(model)
         self.model_dir = path if path.is_dir() else None
         shape = check_hf_checkpoint(path) if self.model_dir else None
@@ -123,9 +132,16 @@ class Engine:
             log(note)
         if system_spec(system).pickled:  # its save signs with the user's key: one that cannot is refused now
             trust.check_key(create=True)
-        self.system = build_system(self.case)
+        self._system = build_system(self.case)
         if self.model_dir:
             self.system.load_weights(iter_hf_tensors(self.model_dir, cfg=shape))
+
+    @property
+    def system(self):
+        """The training system (megatrain.systems_registry.TrainSystem) this engine drives."""
+        if self._system is None:
+            raise ValueError("the engine is closed (close(), or its with block ended): make a new Engine")
+        return self._system
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
         """One optimizer step over input_ids [rows, tokens] (at most batch x seq, right-padded; fewer are padded with
@@ -151,7 +167,11 @@ class Engine:
         """The full training state (weights, AdamW moments, step counts) into the directory `path`, swapped in whole
         once written (an existing one is replaced), with its files' checksums (signed with this user's key where the
         system's state holds pickles, as train's checkpoints are); `load` continues from it."""
-        with _writing(Path(path), "Engine.save"), written_aside(Path(path)) as tmp:
+        d = Path(path)
+        if d.exists() and not (d.is_dir() and (d / STATE_FILE).is_file() or d.is_dir() and not any(d.iterdir())):
+            raise ValueError(f"Engine.save({str(d)!r}): {d} holds what Engine.save did not write, which saving there "
+                             "would delete: choose another path")
+        with _writing(d, "Engine.save"), written_aside(d) as tmp:
             self.system.save_state(tmp)
             record = checkpoint.sealed(tmp, {}, system_spec(self.case.system).pickled)
             (tmp / STATE_FILE).write_text(json.dumps(record, indent=1) + "\n")
@@ -178,14 +198,18 @@ class Engine:
         """The current weights as a Hugging Face checkpoint in `path` (in the compute dtype), with the tokenizer files
         of tokenizer_dir (default: the model directory's)."""
         tokenizer = tokenizer_dir or self.model_dir
+        if Path(path).exists() and not Path(path).is_dir():
+            raise ValueError(f"Engine.export({str(path)!r}) is a file, which the export would replace: choose a folder")
         with _writing(Path(path), "Engine.export"):
             export_checkpoint(self.system.export_weights(), self.case, Path(path),
                               None if tokenizer is None else os.fspath(tokenizer), {"engine": self.case.model})
         return Path(path)
 
     def close(self) -> None:
-        """Release the system's memory, threads and pinned buffers."""
-        self.system.close()
+        """Release the system's memory, threads and pinned buffers (once: closing again does nothing)."""
+        if self._system is not None:
+            self._system.close()
+            self._system = None
 
     def __enter__(self) -> Engine:
         return self

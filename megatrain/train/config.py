@@ -230,13 +230,17 @@ def _over_resumed(asked: dict, run_dir: str, fallback: bool) -> dict:
     return values
 
 
+def check_device(device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device on this machine; use --device cpu")
+
+
 def check_available(cfg: TrainConfig) -> tuple[ModelConfig | GenericConfig, dict] | None:
     """What cfg's values alone cannot tell, checked before anything is read or built: the CUDA device, the
     --init-from checkpoint, the data files, the --report-to packages and the checkpoint key of a system whose
     checkpoints are pickles (made now where the run will sign one), here. Returns --init-from's (model, its
     config.json), read once here (None without it)."""
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: torch sees no CUDA device on this machine; use --device cpu")
+    check_device(cfg.device)
     if system_spec(cfg.system).pickled and (cfg.save or cfg.resume and not cfg.trust_checkpoint):
         trust.check_key(create=cfg.save)  # not at the first save, after the training
     source = None

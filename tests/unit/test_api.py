@@ -4,6 +4,7 @@ loads; scripts/api_example.py runs. CPU, seconds (the example ~30 s, in the subp
 pytest tests/unit/test_api.py"""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -115,10 +116,22 @@ def test_an_engine_saved_and_loaded_steps_on_bit_for_bit_and_pads_short_batches(
     assert cut == straight
 
 
-@pytest.mark.parametrize("lr", [float("nan"), float("inf"), -1e-3, 0.0, "1e-3"])
-def test_an_engine_refuses_a_learning_rate_that_trains_nothing_but_nan(lr):
-    with pytest.raises(ValueError, match=r"^lr must be a finite number > 0, got "):
-        megatrain.Engine("tiny", seq=8, batch=2, lr=lr)
+@pytest.mark.parametrize("settings, says", [
+    *[({"lr": lr}, "--lr must be a finite number > 0, got ") for lr in (float("nan"), float("inf"), -1e-3, 0.0)],
+    ({"lr": "1e-3"}, "train setting lr='1e-3': expected a number"),
+    ({"batch": "2"}, "train setting batch='2': expected an integer"),
+    ({"seq": 8.5}, "train setting seq=8.5: expected an integer"),
+    ({"seed": -1}, "--seed must be in [0, 2**32), got -1"),
+    ({"adam_betas": (0.9,)}, "train setting adam_betas=(0.9,): expected a list of 2"),
+    ({"system": "paper"}, "--system paper is a benchmark peer"),
+    ({"device": "cuda"}, "--device cuda: torch sees no CUDA device"),
+    ({"model": None}, "Engine's model is a Hugging Face checkpoint directory or a registry name, got None"),
+])
+def test_an_engine_refuses_a_setting_as_train_does(settings, says):
+    if settings.get("device") == "cuda" and torch.cuda.is_available():
+        pytest.skip("CUDA is here")
+    with pytest.raises(ValueError, match=f"^{re.escape(says)}"):
+        megatrain.Engine(**{"model": "tiny", "seq": 8, "batch": 2, **settings})
 
 
 def test_an_engine_refuses_what_it_cannot_train_on_naming_what_to_change(tmp_path):
@@ -148,6 +161,19 @@ def test_an_engine_refuses_what_it_cannot_train_on_naming_what_to_change(tmp_pat
                 with pytest.raises(ValueError, match=f"Engine.{name}\\(.*\\): cannot write there \\((Not a "
                                                      "directory|No such file or directory)\\); nothing was replaced"):
                     write(where)
+        (tmp_path / "project").mkdir()
+        (tmp_path / "project" / "code.py").write_text("mine")
+        for mine in (tmp_path / "project", tmp_path / "file"):  # what saving there would delete
+            with pytest.raises(ValueError, match="holds what Engine.save did not write, which saving there would"):
+                engine.save(mine)
+        with pytest.raises(ValueError, match="is a file, which the export would replace: choose a folder"):
+            engine.export(tmp_path / "file")
+        assert (tmp_path / "project" / "code.py").read_text() == "mine" and (tmp_path / "file").is_file()
+        engine.save(tmp_path / "state")
+        engine.save(tmp_path / "state")  # its own save, replaced
+    engine.close()  # again: nothing
+    with pytest.raises(ValueError, match="the engine is closed"):
+        engine.step(ids)
 
 
 @pytest.mark.subprocess
