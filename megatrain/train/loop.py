@@ -89,9 +89,10 @@ def train(cfg: TrainConfig, log=print) -> int:
     files = data_files(cfg.data, "--data", cfg.data_split)
     token_files = [Path(tokenizer_dir) / name for name in TOKEN_FILES
                    if tokenizer_dir and (Path(tokenizer_dir) / name).is_file()]
-    # what the rows are made of, fingerprinted before it is read (a change meanwhile reads as one): a resume refuses
-    # any change since the run's start
-    prints = {"data_files": fingerprints(files), "tokenizer_files": fingerprints(token_files)}
+    # what the rows and the model are made of, fingerprinted before it is read (a change meanwhile reads as one): a
+    # resume refuses any change since the run's start
+    prints = {"data_files": fingerprints(files), "tokenizer_files": fingerprints(token_files),
+              "model_files": fingerprints([Path(cfg.init_from) / "config.json"] if cfg.init_from else [])}
     tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
     model = shape or get_model_config(cfg.model)
     vocab = model.vocab_size
@@ -141,7 +142,8 @@ def _prepare(cfg: TrainConfig, run: RunDir, case, total: int, log, prints: dict)
     if cfg.resume:
         recorded = run.recorded()
         for key, what, why in (("data_files", "the data", "other rows at the recorded data position"),
-                               ("tokenizer_files", "the tokenizer", "other tokens than the run trained on")):
+                               ("tokenizer_files", "the tokenizer", "other tokens than the run trained on"),
+                               ("model_files", "--init-from's config", "another model than the run's")):
             if recorded.get(key) is not None and (change := fingerprint_change(recorded[key], prints[key])):
                 raise ValueError(f"--resume {out}: {what} changed: {change}; resuming would train {why}: restore "
                                  "the file, or start a new run in another --out")

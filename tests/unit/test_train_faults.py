@@ -228,6 +228,16 @@ def test_a_resume_refuses_a_tokenizer_changed_since_the_run_started(tmp_path, ca
     assert f"the tokenizer changed: {config.resolve()} holds" in _error(capsys)
 
 
+def test_a_resume_refuses_an_init_from_config_changed_since_the_run_started(straight, tmp_path, capsys):
+    init, data, out = tmp_path / "init", straight[1], tmp_path / "run"
+    shutil.copytree(straight[0], init)
+    assert run_train(init, data, out, steps=1) == 0
+    config = init / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "rms_norm_eps": 0.5}))  # the weights' shapes stand
+    assert _resume(out, "--steps", "2") == 2
+    assert f"--init-from's config changed: {config.resolve()} holds" in _error(capsys)
+
+
 def test_a_run_started_with_relative_paths_resumes_from_anywhere(straight, tmp_path, monkeypatch):
     init, data, _, _ = straight
     shutil.copytree(init, tmp_path / "init")
