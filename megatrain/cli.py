@@ -139,12 +139,22 @@ def regex(text: str) -> str:
     return text
 
 
+def limit_s(text: str) -> float:
+    """A flag's time limit in seconds, checked as argparse reads it: a finite number > 0."""
+    from megatrain.bench.suite import seconds
+
+    value = float(text)  # argparse says a text that is no number is invalid
+    if not seconds(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
+    return value
+
+
 def _suite_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", help="suite name (suites/NAME.toml) or path to a .toml file")
     p.add_argument("--out-dir", default=None, help="results directory (default results/NAME)")
     p.add_argument("--only", default=None, metavar="REGEX", type=regex,
                    help="run the cases whose '<group> <name> <case_id>' matches")
-    p.add_argument("--timeout", type=float, default=None, metavar="S", help="per-case limit, overrides the suite's")
+    p.add_argument("--timeout", type=limit_s, default=None, metavar="S", help="per-case limit, overrides the suite's")
     p.add_argument("--dry-run", action="store_true", help="list the cases and their memory plans; run nothing")
     p.add_argument("--new-run", action="store_true", help="start a new run instead of resuming the latest one")
     p.add_argument("--any-hardware", action="store_true",
