@@ -26,6 +26,8 @@ from megatrain.train.lr import SCHEDULES
 from megatrain.train.report_to import check_report_to
 
 PATH_SETTINGS = ("init_from", "tokenizer", "data", "eval_data", "out", "resume")
+# how this command treats the directory and its checkpoint: not the run's settings, never taken from a checkpoint's
+PER_INVOCATION = ("overwrite", "resume_fallback", "trust_checkpoint")
 # the settings a resumed run keeps, each shaping its data, model or saved state; the others may change: the optimizer's
 # and the length from the resumed step on, the device, micro-batch, compile and the system's options only in rounding
 RESUME_FIXES = ("system", "init_from", "generic", "model", "tokenizer", "data", "data_split", "train_on_prompt",
@@ -219,6 +221,8 @@ def train_config(values: dict, config_file: str | None = None) -> TrainConfig:
 
 def _over_resumed(asked: dict, run_dir: str, fallback: bool) -> dict:
     resumed = _resolved(resumed_config(Path(run_dir), fallback))  # paths stored relative (an older run): as from here
+    # a checkpoint's trainer.json, signed or not, never grants --trust-checkpoint (or deletes with --resume-fallback)
+    resumed = {k: v for k, v in resumed.items() if k not in PER_INVOCATION}
     changed = [f"{k} {resumed.get(k)!r} -> {asked[k]!r}" for k in RESUME_FIXES
                if k in asked and asked[k] != resumed.get(k)]
     if changed:

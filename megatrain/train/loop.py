@@ -34,7 +34,7 @@ from megatrain.preflight import preflight
 from megatrain.systems import build_system, system_spec
 from megatrain.tokenizer import TOKEN_FILES, Tokenizer
 from megatrain.train import checkpoint, trust
-from megatrain.train.config import TrainConfig, check_available
+from megatrain.train.config import PER_INVOCATION, TrainConfig, check_available
 from megatrain.train.data import Rows, data_files, read_examples
 from megatrain.train.fingerprint import changed as fingerprint_change
 from megatrain.train.fingerprint import fingerprints
@@ -46,8 +46,6 @@ from megatrain.train.runlog import LOG_FILE, RunLog
 TOKENIZER_FILES = (*TOKEN_FILES, "generation_config.json")  # what an export copies from the tokenizer's directory
 EXPORT_SHARD_BYTES = 2**29  # the most a Hugging Face export holds in memory beyond training's own state
 EXPORT_FILE = "megatrain_export.json"  # in hf/: the step exported and the run, beside the Hugging Face files
-# how this command treats the directory and its checkpoint: not the run's settings
-PER_INVOCATION = ("overwrite", "resume_fallback", "trust_checkpoint")
 
 
 @dataclass

@@ -95,6 +95,19 @@ def test_a_pickle_checkpoint_written_here_resumes_and_from_elsewhere_needs_trust
     assert main(["train", "--resume", str(out), "--steps", "4", "--trust-checkpoint"]) == 0
 
 
+def test_a_checkpoint_cannot_grant_itself_trust_checkpoint(files, tmp_path, pickling, monkeypatch, capsys):
+    init, data = files
+    out = tmp_path / "run"
+    assert run_train(init, data, out, system="pickling", steps=2) == 0
+    _another_user(monkeypatch, tmp_path)  # a checkpoint from elsewhere, its settings written by whoever made it
+    meta = out / "checkpoints" / "step-2" / "trainer.json"
+    forged = json.loads(meta.read_text())
+    forged["train_config"].update(trust_checkpoint=True, resume_fallback=True)
+    meta.write_text(json.dumps(forged))
+    assert main(["train", "--resume", str(out), "--steps", "3"]) == 2
+    assert "step-2/native_state.pt is a pickle" in _error(capsys)
+
+
 def test_a_pickle_swapped_in_with_its_checksum_recomputed_is_refused(files, tmp_path, pickling, capsys):
     init, data = files
     out = tmp_path / "run"
