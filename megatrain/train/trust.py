@@ -28,9 +28,10 @@ SIGNATURE = "hmac_sha256"  # the key of trainer.json that holds the HMAC of the 
 
 
 def key_path() -> Path:
-    """The user's checkpoint key: $XDG_CONFIG_HOME/megatrain/checkpoint.key, else under ~/.config."""
-    config = os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config"
-    return Path(config) / "megatrain" / KEY_FILE
+    """The user's checkpoint key: $XDG_CONFIG_HOME/megatrain/checkpoint.key, else under ~/.config (as the XDG spec
+    says, a relative XDG_CONFIG_HOME is ignored: it would name another key in each working directory)."""
+    config = Path(os.environ.get("XDG_CONFIG_HOME") or "")
+    return (config if config.is_absolute() else Path.home() / ".config") / "megatrain" / KEY_FILE
 
 
 def _key(create: bool) -> bytes | None:

@@ -204,6 +204,11 @@ def test_a_key_others_can_read_is_refused_before_training(files, tmp_path, pickl
     assert "chmod 600" in _error(capsys) and not (tmp_path / "run").exists(), "refused before the run, not at its save"
 
 
+def test_a_relative_xdg_config_home_is_ignored_as_the_xdg_spec_says(monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", "config")  # else each working directory would hold another key
+    assert trust.key_path() == Path.home() / ".config" / "megatrain" / "checkpoint.key"
+
+
 def test_an_empty_or_short_key_is_refused_and_never_signs_or_verifies(files, tmp_path, pickling, monkeypatch,
                                                                       capsys):
     init, data = files
