@@ -94,6 +94,9 @@ def train(cfg: TrainConfig, log=print) -> int:
     tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
     model = shape or get_model_config(cfg.model)
     vocab = model.vocab_size
+    # before the rows are made, each --seq tokens wide: a --seq this machine cannot hold is refused before its rows'
+    # padding is allocated (the run's length, not known until they are, weighs nothing in it)
+    notes = preflight(build_case(cfg, 1, label, shape))
     rows = Rows(read_examples(files, tokenizer, cfg.train_on_prompt), cfg.seq, vocab, cfg.shuffle, cfg.seed, cfg.pack)
     eval_rows = Rows(read_examples(data_files(cfg.eval_data, "--eval-data", cfg.eval_split), tokenizer,
                                    cfg.train_on_prompt, "--eval-data"), cfg.seq, vocab, False, cfg.seed, cfg.pack,
@@ -106,7 +109,6 @@ def train(cfg: TrainConfig, log=print) -> int:
     case = build_case(cfg, total, label, shape)
     ranks = distributed.current(cfg.device)  # under torchrun: rank 0 owns --out, every rank trains
     first = ranks.first
-    notes = preflight(case)
     run = RunDir(out, cfg.resume is not None, cfg.overwrite) if first else None
     runlog = RunLog(log, out / LOG_FILE if first else None)
     reporters = Reporters(cfg.report_to if first else [], out)

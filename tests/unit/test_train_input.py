@@ -308,6 +308,11 @@ def test_a_conversation_of_no_messages_is_refused_naming_its_line(tmp_path, caps
         f"error: --data {chat}:2: holds no token to train on: drop the line"
 
 
+def test_a_seq_this_machine_cannot_hold_is_refused_before_its_rows_are_made(tmp_path, capsys, data):
+    line = refused(capsys, tiny(data, tmp_path, "--seq", str(10**12)))  # its rows' padding alone: 8 TB
+    assert "megatrain tiny b4 s1000000000000 does not fit here: host memory" in line
+
+
 def test_data_without_a_target_token_is_refused(tmp_path, capsys):
     one_token_docs = tmp_path / "short.jsonl"
     one_token_docs.write_text("".join(json.dumps({"input_ids": [i]}) + "\n" for i in range(12)))
