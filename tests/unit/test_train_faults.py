@@ -165,13 +165,20 @@ def test_a_trainer_json_of_valid_json_and_wrong_types_is_refused_naming_the_key(
 
 
 @pytest.mark.parametrize("name", ["run.json", "train.log", "metrics.jsonl", "memory.json",
-                                  "checkpoints/step-8/trainer.json"])
-def test_a_folder_where_the_run_keeps_a_file_is_refused_naming_it(straight, tmp_path, capsys, name):
+                                  "checkpoints/step-8/trainer.json", "hf", "tensorboard"])
+def test_a_folder_where_the_run_keeps_a_file_or_a_file_for_a_folder_is_refused_naming_it(straight, tmp_path, capsys,
+                                                                                         name):
     out = tmp_path / "run"
     shutil.copytree(straight[3], out)
-    (out / name).unlink()
-    (out / name).mkdir()
-    assert _resume(out, "--steps", "9") == 2
+    if (out / name).is_dir():
+        shutil.rmtree(out / name)
+        (out / name).write_text("")
+    elif (out / name).exists():
+        (out / name).unlink()
+        (out / name).mkdir()
+    else:  # a run that reports to TensorBoard made it a folder
+        (out / name).write_text("")
+    assert _resume(out, "--steps", "9", *(["--report-to", "tensorboard"] if name == "tensorboard" else [])) == 2
     assert f"{out / name} " in _error(capsys)
 
 
