@@ -52,6 +52,7 @@ def read_meta(d: Path) -> dict:
     if not isinstance(meta, dict) or (missing := [k for k in META_KEYS if k not in meta]):
         raise ValueError(f"{path} lacks {', '.join(missing) if isinstance(meta, dict) else 'an object'}")
     rng_bytes = torch.get_rng_state().numel()
+    files = files_problem(meta["files"]) if "files" in meta else None  # none: an older megatrain's, verify says
     for key, holds, must in (
             ("step", _count(meta["step"]) and meta["step"] == _step(d), f"{_step(d)}, the step its directory names"),
             ("total_steps", _count(meta["total_steps"]) and meta["total_steps"] >= 1, "a whole number >= 1"),
@@ -60,8 +61,7 @@ def read_meta(d: Path) -> dict:
              and all(_count(b) and b < 256 for b in meta["torch_rng"]), f"a list of {rng_bytes} bytes (0-255)"),
             ("train_config", isinstance(meta["train_config"], dict), "an object"),
             ("run_id", isinstance(meta.get("run_id", ""), str), "a string"),
-            ("files", "files" not in meta or files_problem(meta["files"]) is None,
-             files_problem(meta.get("files", {})))):
+            ("files", files is None, files)):
         if not holds:
             raise ValueError(f"{path}: {key} must be {must}, got {json.dumps(meta.get(key))[:60]}")
     return meta
