@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import typing
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -26,10 +27,11 @@ import torch
 from megatrain.flags import CaseFlags
 from megatrain.models.checkpoint import open_checkpoint
 from megatrain.models.loss import IGNORE_INDEX
+from megatrain.optim.config import check_lr
 from megatrain.preflight import preflight
 from megatrain.systems import build_system, system_spec
 from megatrain.train import checkpoint, trust
-from megatrain.train.config import TrainConfig, train_config
+from megatrain.train.config import TrainConfig, check_device, train_config
 from megatrain.train.loop import export_checkpoint, train
 from megatrain.train.rundir import RUN_FILE, written_aside
 
@@ -108,6 +110,15 @@ class Engine:
                  adam_betas: tuple[float, float] = TrainConfig.adam_betas, adam_eps: float = TrainConfig.adam_eps,
                  moments: str = TrainConfig.moments, seed: int = TrainConfig.seed, compile: bool = False,
                  option: dict | None = None, log=print):
+        if not isinstance(model, str | os.PathLike):
+            raise ValueError(f"Engine's model is a Hugging Face checkpoint directory or a registry name, got {model!r}")
+        # the settings by train's rules (train's data and length are the caller's loop here)
+        TrainConfig(**{"init_from" if Path(model).is_dir() else "model": os.fspath(model)}, data=["(the caller's)"],
+                    steps=1, seq=seq, batch=batch, micro_batch=micro_batch, system=system, device=device, dtype=dtype,
+                    precision=precision, lr=lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
+                    adam_betas=adam_betas, adam_eps=adam_eps, moments=moments, seed=seed, compile=compile,
+                    option={} if option is None else option)
+        check_device(device)
         path = Path(model)
         self.model_dir = path if path.is_dir() else None
         # the one road train --init-from takes: its model (hand-written or transformers' own) and config.json
@@ -120,9 +131,18 @@ class Engine:
                                     optim=flags.optim(beta1=adam_betas[0], beta2=adam_betas[1], eps=adam_eps))
         for note in preflight(self.case):  # refuses what does not fit this machine
             log(note)
-        self.system = build_system(self.case)
+        if system_spec(system).pickled:  # its save signs with the user's key: one that cannot is refused now
+            trust.check_key(create=True)
+        self._system = build_system(self.case)
         if self.checkpoint:
             self.system.load_weights(self.checkpoint.weights())
+
+    @property
+    def system(self):
+        """The training system (megatrain.systems_registry.TrainSystem) this engine drives."""
+        if self._system is None:
+            raise ValueError("the engine is closed (close(), or its with block ended): make a new Engine")
+        return self._system
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
         """One optimizer step over input_ids [rows, tokens] (at most batch x seq, right-padded; fewer are padded with
@@ -140,19 +160,22 @@ class Engine:
         return self.system.last_grad_norm
 
     def set_lr(self, lr: float) -> None:
-        """The learning rate of the following steps (a schedule is the caller's)."""
+        """The learning rate of the following steps (a schedule is the caller's): a finite number >= 0."""
+        check_lr(lr)
         self.system.set_lr(lr)
 
     def save(self, path: str | os.PathLike) -> None:
         """The full training state (weights, AdamW moments, step counts) into the directory `path`, swapped in whole
         once written (an existing one is replaced), with its files' checksums (signed with this user's key where the
         system's state holds pickles, as train's checkpoints are); `load` continues from it."""
-        with written_aside(Path(path)) as tmp:
+        d = Path(path)
+        if d.exists() and not (d.is_dir() and (d / STATE_FILE).is_file() or d.is_dir() and not any(d.iterdir())):
+            raise ValueError(f"Engine.save({str(d)!r}): {d} holds what Engine.save did not write, which saving there "
+                             "would delete: choose another path")
+        with _writing(d, "Engine.save"), written_aside(d) as tmp:
             self.system.save_state(tmp)
-            names = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
-            record = {"files": checkpoint.checksums(tmp, names)}
-            sign = bool(system_spec(self.case.system).pickled)
-            (tmp / STATE_FILE).write_text(json.dumps(trust.signed(record) if sign else record, indent=1) + "\n")
+            record = checkpoint.sealed(tmp, {}, system_spec(self.case.system).pickled)
+            (tmp / STATE_FILE).write_text(json.dumps(record, indent=1) + "\n")
 
     def load(self, path: str | os.PathLike, trust_checkpoint: bool = False) -> None:
         """Continue from a `save` directory: the next step is as if training had never stopped. A state whose files
@@ -161,28 +184,35 @@ class Engine:
         d = Path(path)
         try:
             record = json.loads((d / STATE_FILE).read_bytes())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             raise ValueError(f"{d} is not what Engine.save writes: {STATE_FILE} is missing or unreadable") from None
-        if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
-            raise ValueError(f"{d / STATE_FILE} lists no files: it is not what Engine.save writes")
+        problem = checkpoint.files_problem(record.get("files")) if isinstance(record, dict) else "in an object"
+        if problem:
+            raise ValueError(f"{d / STATE_FILE}: files must be {problem}: it is not what Engine.save writes")
         if problem := checkpoint.mismatch(d, record["files"]):
             raise ValueError(f"{problem}: the state in {d} was changed or damaged since it was saved")
         trust.check_trusted(d, record, system_spec(self.case.system).pickled, trust_checkpoint)
-        self.system.load_state(d)
+        with checkpoint.checked_loads(d, record["files"], trust_checkpoint):
+            self.system.load_state(d)
 
     def export(self, path: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None) -> Path:
         """The current weights as a Hugging Face checkpoint in `path` (in the compute dtype), as train exports them:
         the model directory's config.json carried over, with the tokenizer files and generation config of
         tokenizer_dir (default: the model directory's)."""
         tokenizer = tokenizer_dir or self.model_dir
-        export_checkpoint(self.system.export_weights(), self.case, Path(path),
-                          None if tokenizer is None else os.fspath(tokenizer), {"engine": self.case.model},
-                          self.checkpoint.config if self.checkpoint else None)
+        if Path(path).exists() and not Path(path).is_dir():
+            raise ValueError(f"Engine.export({str(path)!r}) is a file, which the export would replace: choose a folder")
+        with _writing(Path(path), "Engine.export"):
+            export_checkpoint(self.system.export_weights(), self.case, Path(path),
+                              None if tokenizer is None else os.fspath(tokenizer), {"engine": self.case.model},
+                              self.checkpoint.config if self.checkpoint else None)
         return Path(path)
 
     def close(self) -> None:
-        """Release the system's memory, threads and pinned buffers."""
-        self.system.close()
+        """Release the system's memory, threads and pinned buffers (once: closing again does nothing)."""
+        if self._system is not None:
+            self._system.close()
+            self._system = None
 
     def __enter__(self) -> Engine:
         return self
@@ -193,18 +223,49 @@ class Engine:
     def _batch(self, input_ids: torch.Tensor, labels: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), each [batch, seq]: targets[:, i] is the token after inputs[:, i]; padding is no
         target."""
+        vocab = self.case.model_config().vocab_size
+        _check_ids("input_ids", input_ids, vocab)
         rows, tokens = input_ids.shape
         batch, seq = self.case.batch, self.case.seq
         if rows > batch or tokens > seq:
             raise ValueError(f"a batch of {rows} x {tokens} tokens is larger than the engine's batch x seq, {batch} x "
                              f"{seq}: give Engine(batch=, seq=) the largest batch you step")
         labels = input_ids if labels is None else labels
+        _check_ids("labels", labels, vocab, IGNORE_INDEX)
         if labels.shape != input_ids.shape:
             raise ValueError(f"labels {tuple(labels.shape)} and input_ids {tuple(input_ids.shape)} differ in shape")
         inputs = torch.zeros(batch, seq, dtype=torch.long)
         targets = torch.full((batch, seq), IGNORE_INDEX, dtype=torch.long)
         inputs[:rows, :tokens] = input_ids
-        targets[:rows, :tokens - 1] = labels[:, 1:]
+        targets[:rows, :max(tokens - 1, 0)] = labels[:, 1:]
         if not (targets != IGNORE_INDEX).any():
-            raise ValueError("the batch has no target: every label is -100, or rows of one token")
+            raise ValueError("the batch has no target: every label is -100, or rows of fewer than two tokens")
         return inputs, targets
+
+
+def _check_ids(name: str, ids, vocab: int, ignore: int | None = None) -> None:
+    """ValueError unless ids is a [rows, tokens] tensor of token ids of a vocabulary of `vocab` (or `ignore`)."""
+    if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.dtype.is_floating_point or ids.dtype.is_complex \
+            or ids.dtype == torch.bool:
+        got = f"a {type(ids).__name__}" if not isinstance(ids, torch.Tensor) else \
+            f"a {ids.ndim}-D tensor of {str(ids.dtype).removeprefix('torch.')}"
+        raise ValueError(f"{name} must be a 2-D torch.Tensor of token ids ([rows, tokens], an integer dtype), got "
+                         f"{got}: torch.tensor(ids) of a list of rows, .long() of floats")
+    ids = ids.long()  # uint8's 255 + 1 is 0
+    outside = (ids < 0) | (ids >= vocab)
+    bad = ids[outside & (ids != ignore) if ignore is not None else outside]
+    if bad.numel():
+        allowed = f"{ignore} (no loss) or " if ignore is not None else ""
+        raise ValueError(f"{name} holds {int(bad[0])}, which is not {allowed}a token id of the model's vocabulary "
+                         f"(0 to {vocab - 1}): a tokenizer of another model?")
+
+
+@contextmanager
+def _writing(path: Path, what: str):
+    """An OSError writing `path` (a full disk, a read-only or missing directory) as a ValueError naming it; what was
+    there stands (it is written aside and swapped in only once complete)."""
+    try:
+        yield
+    except OSError as exc:
+        raise ValueError(f"{what}({str(path)!r}): cannot write there ({exc.strerror}); nothing was replaced: free "
+                         "space, or choose a writable directory") from None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import shlex
 import sys
 import warnings
@@ -129,12 +130,31 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
     add_train_arguments(p)
 
 
+def regex(text: str) -> str:
+    """A flag's regular expression, checked as argparse reads it: one that does not compile is refused (exit 2)."""
+    try:
+        re.compile(text)
+    except re.error as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a regular expression ({exc})") from None
+    return text
+
+
+def limit_s(text: str) -> float:
+    """A flag's time limit in seconds, checked as argparse reads it: a finite number > 0."""
+    from megatrain.bench.suite import seconds
+
+    value = float(text)  # argparse says a text that is no number is invalid
+    if not seconds(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
+    return value
+
+
 def _suite_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", help="suite name (suites/NAME.toml) or path to a .toml file")
     p.add_argument("--out-dir", default=None, help="results directory (default results/NAME)")
-    p.add_argument("--only", default=None, metavar="REGEX",
+    p.add_argument("--only", default=None, metavar="REGEX", type=regex,
                    help="run the cases whose '<group> <name> <case_id>' matches")
-    p.add_argument("--timeout", type=float, default=None, metavar="S", help="per-case limit, overrides the suite's")
+    p.add_argument("--timeout", type=limit_s, default=None, metavar="S", help="per-case limit, overrides the suite's")
     p.add_argument("--dry-run", action="store_true", help="list the cases and their memory plans; run nothing")
     p.add_argument("--new-run", action="store_true", help="start a new run instead of resuming the latest one")
     p.add_argument("--any-hardware", action="store_true",

@@ -68,9 +68,13 @@ def records(path: str | Path, flag: str = "--data") -> Iterator[tuple[str, objec
             if not line.strip():
                 continue
             try:
-                yield where, json.loads(line)
+                record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{where}: not a JSON record ({exc})") from None
+            except RecursionError:  # Python's JSON reader recurses once per level
+                raise ValueError(f"{where}: a JSON record nested too deep to read (arrays or objects ~1000 levels "
+                                 "in)") from None
+            yield where, record
 
 
 def _utf8(raw: bytes, file_where: str, first_line: int) -> str:

@@ -141,7 +141,7 @@ def parse_option_flags(items: list[str], flag_name: str = "--option") -> dict:
         key, value = item.split("=", 1)
         try:
             options[key] = json.loads(value)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             options[key] = value
     return options
 
@@ -152,7 +152,7 @@ def file_values(cls, path: str | None, flag_name: str = "--config") -> dict:
         return {}
     try:
         values = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError) as exc:
         raise ValueError(f"{flag_name} {path}: {exc}") from None
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - names)

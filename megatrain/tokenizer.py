@@ -14,6 +14,8 @@ from pathlib import Path
 
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+# the files of a tokenizer directory that decide its tokens: this reader's, and those transformers reads for chat
+TOKEN_FILES = ("tokenizer.json", *CONFIG_FILES, "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 
 
 class Tokenizer:
@@ -30,6 +32,9 @@ class Tokenizer:
                              f"({exc})") from None
         eos = self._eos_name()
         self.eos = self.backend.token_to_id(eos) if eos else None
+        if eos and self.eos is None:  # named by a config file (the fallback names are the vocabulary's)
+            raise ValueError(f"{self.path}: its eos_token {eos!r} is no token of its tokenizer.json, so no document "
+                             "would end with it: name one the vocabulary holds")
         self._chat = None  # the transformers tokenizer, loaded by the first chat
 
     def _eos_name(self) -> str | None:
@@ -37,11 +42,15 @@ class Tokenizer:
             file = self.path / name
             try:
                 config = json.loads(file.read_bytes()) if file.exists() else {}
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
                 raise ValueError(f"{file} is not valid JSON ({exc})") from None
             eos = config.get("eos_token") if isinstance(config, dict) else None
             if eos:
-                return eos["content"] if isinstance(eos, dict) else eos
+                name = eos.get("content") if isinstance(eos, dict) else eos
+                if not isinstance(name, str):
+                    raise ValueError(f"{file}: eos_token must be a token (a string, or an object with its content), "
+                                     f"got {json.dumps(eos)[:60]}")
+                return name
         return next((t for t in EOS_NAMES if self.backend.token_to_id(t) is not None), None)
 
     def encode(self, text: str) -> list[int]:
@@ -75,7 +84,14 @@ class Tokenizer:
     def _render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
         if not messages:
             return []
-        text = self._template().apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        template = self._template()
+        from jinja2 import TemplateError  # transformers' own dependency, which renders the template
+
+        try:
+            text = template.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        except TemplateError as exc:  # a syntax error, a sandbox violation, the template's raise_exception
+            raise ValueError(f"the chat template of {self.path} fails on this conversation ({type(exc).__name__}: "
+                             f"{exc})") from None
         return self.encode(text)
 
     def _template(self):
@@ -85,8 +101,16 @@ class Tokenizer:
             except ImportError:
                 raise ValueError(f"{self.path}: megatrain renders chat data with the tokenizer's chat template through "
                                  "transformers, which is not installed: pip install 'megatrain[chat]'") from None
-            self._chat = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
-            if not self._chat.chat_template:
+            try:
+                self._chat = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
+            except Exception as exc:  # transformers raises what its parsing of each file meets
+                raise ValueError(f"{self.path}: transformers cannot load it to render chat data ({type(exc).__name__}: "
+                                 f"{exc})") from None
+            template = self._chat.chat_template
+            if not template:
                 raise ValueError(f"{self.path}: the tokenizer has no chat template (tokenizer_config.json); "
                                  "chat data needs one")
+            if not isinstance(template, str):
+                raise ValueError(f"{self.path}: its chat template must be a Jinja template (a string), got "
+                                 f"{json.dumps(template, default=str)[:60]}")
         return self._chat

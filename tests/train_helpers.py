@@ -2,6 +2,7 @@
 command over them."""
 
 import ctypes
+import errno
 import importlib.util
 import json
 import os
@@ -162,6 +163,14 @@ sys.exit(train_any(**json.loads(sys.argv[1]), fresh_process=False))
 """
 
 
+def python_process(code: str, *args: str) -> subprocess.CompletedProcess:
+    """`python -c code args` in a fresh process of one thread that imports this checkout and these helpers."""
+    paths = [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, paths))}
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+
+
 def train_any(system, init, data, out, extra=(), interrupt=0, resume=False, steps=STEPS, dtype="float32",
               device="cpu", fresh_process=None) -> int:
     """`train` of a case, interrupted by Ctrl-C during step `interrupt` or resumed; returns its exit code. The
@@ -171,10 +180,7 @@ def train_any(system, init, data, out, extra=(), interrupt=0, resume=False, step
     if fresh_process:
         job = {"system": system, "init": str(init), "data": str(data), "out": str(out), "extra": list(extra),
                "interrupt": interrupt, "resume": resume, "steps": steps, "dtype": dtype, "device": device}
-        paths = [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, paths))}
-        proc = subprocess.run([sys.executable, "-c", WORKER, json.dumps(job)], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=900)
+        proc = python_process(WORKER, json.dumps(job))
         assert proc.returncode in (0, 130), proc.stdout[-2000:] + proc.stderr[-4000:]
         return proc.returncode
     with pytest.MonkeyPatch.context() as mp:
@@ -183,6 +189,19 @@ def train_any(system, init, data, out, extra=(), interrupt=0, resume=False, step
         if resume:
             return main(["train", "--resume", str(out)])
         return run_train(init, data, out, system=system, steps=steps, extra=extra, dtype=dtype, device=device)
+
+
+def fill(path, leave_bytes: int = 0) -> None:
+    """Fill the disk under path, then free leave_bytes of it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, bytes(2**16)):
+            pass
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    finally:
+        os.ftruncate(fd, max(os.fstat(fd).st_size - leave_bytes, 0))
+        os.close(fd)
 
 
 MS_RDONLY, MS_REMOUNT, MS_BIND = 1, 32, 4096

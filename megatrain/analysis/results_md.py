@@ -12,6 +12,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+from urllib.parse import quote
 
 from megatrain.analysis import headline, tables
 from megatrain.bench.suite import read_suite_records
@@ -30,11 +31,31 @@ full report of a suite, with every case, table and figure, is `python -m megatra
 """
 
 
+# ASCII punctuation Markdown could read as markup or an entity in a line of text (CommonMark's backslash escapes); an
+# underscore between two letters or digits (a name: host_optimizer) is none
+MARKUP = re.compile(r"[\\`*\[\]<>&~|]|(?<![^\W_])_|_(?![^\W_])")
+
+
+def text(plain: str) -> str:
+    """Plain text as Markdown that shows it as it is, as the HTML report's escaping does: on one line, each character
+    that could start markup, raw HTML or an entity escaped (a record's `<img onerror=...>` is shown, never run)."""
+    return MARKUP.sub(lambda m: "\\" + m.group(), " ".join(plain.splitlines()))
+
+
+def code(plain: str) -> str:
+    """Plain text as a Markdown code span, shown as it is: fenced by more backticks than it holds in a row."""
+    plain = " ".join(plain.splitlines())
+    fence = "`" * (max(map(len, re.findall("`+", plain)), default=0) + 1)
+    pad = " " if plain.startswith("`") or plain.endswith("`") else ""
+    return f"{fence}{pad}{plain}{pad}{fence}"
+
+
 def markdown(sentence_html: str) -> str:
-    """A headline sentence (HTML: <b>, <code>, escaped text) as Markdown."""
-    text = re.sub(r"</?b>", "**", sentence_html)
-    text = re.sub(r"</?code>", "`", text)
-    return html.unescape(re.sub(r"<[^>]+>", "", text))
+    """A headline sentence (HTML: <b>, <code>, escaped text) as Markdown showing the same text, no markup of its own."""
+    parts = re.split(r"(</?b>|<code>.*?</code>)", sentence_html)
+    return "".join("**" if part in ("<b>", "</b>") else
+                   code(html.unescape(part[len("<code>"):-len("</code>")])) if part.startswith("<code>") else
+                   text(html.unescape(re.sub(r"<[^>]+>", "", part))) for part in parts)
 
 
 def _section(suite: str, results_dir: Path, figures_dir: Path) -> str | None:
@@ -49,13 +70,14 @@ def _section(suite: str, results_dir: Path, figures_dir: Path) -> str | None:
         if head.figure is not None and head.figure.exists():
             figure = figures_dir / f"{suite}.png"
             shutil.copyfile(head.figure, figure)
-    lines = [f"## {head.question}", "", markdown(head.sentence), ""]
+    lines = [f"## {text(head.question)}", "", markdown(head.sentence), ""]
     if figure is not None:
-        lines += [f"![{suite}: the answer's figure](figures/{figure.name})", "", f"*{head.caption}*", ""]
+        lines += [f"![{text(suite)}: the answer's figure](figures/{quote(figure.name)})", "", f"*{text(head.caption)}*",
+                  ""]
     sessions = [_session(rows) for _, rows in sorted(scope.groupby("session"), key=lambda kv: kv[0], reverse=True)]
     earlier = f"; earlier sessions in the records: {'; '.join(sessions[1:])}" if len(sessions) > 1 else ""
     lines += [f"Latest session {sessions[0]}{earlier}. Records: "
-              f"[`results/{suite}/records.jsonl`](../results/{suite}/records.jsonl).", ""]
+              f"[{code(f'results/{suite}/records.jsonl')}](../results/{quote(suite)}/records.jsonl).", ""]
     return "\n".join(lines)
 
 
@@ -64,7 +86,7 @@ def _session(rows) -> str:
     commits = ", ".join(sorted({str(c)[:7] for c in rows["commit"]}))
     cases = f"{len(rows)} case{'s' * (len(rows) != 1)}"
     machine = get_profile(rows["hardware"].iloc[0]).description
-    return f"`{rows['session'].iloc[0]}` ({cases} on {machine} at commit {commits})"
+    return f"{code(str(rows['session'].iloc[0]))} ({cases} on {text(machine)} at commit {text(commits)})"
 
 
 def write(results_root: Path, docs_dir: Path) -> Path:

@@ -198,6 +198,8 @@ def read_jsonl(path: str | Path, check=None) -> list[dict]:
             record, why = None, "not UTF-8 text"
         except json.JSONDecodeError as exc:
             record, why = None, f"not JSON ({exc.msg} at column {exc.colno})"
+        except RecursionError:
+            record, why = None, "JSON nested too deep to read"
         else:
             why = "not a JSON object"
         if isinstance(record, dict) and check is not None and (found := check(record)):

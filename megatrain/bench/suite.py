@@ -42,6 +42,7 @@ import fcntl
 import hashlib
 import itertools
 import json
+import math
 import os
 import re
 import secrets
@@ -133,10 +134,15 @@ def _check_group_types(group: dict) -> None:
             raise ValueError(f"optim={value!r}: expected a table of AdamW settings")
         elif key in CASE_FIELDS and key != "optim":
             check_values(CaseConfig, {key: value}, "case setting")
-        elif key == "timeout_s" and (not isinstance(value, int | float) or isinstance(value, bool)):
-            raise ValueError(f"timeout_s={value!r}: expected a number of seconds")
+        elif key == "timeout_s" and not seconds(value):
+            raise ValueError(f"timeout_s={value!r}: expected a number of seconds > 0")
         elif key in GROUP_KEYS - {"timeout_s"} and not isinstance(value, str):
             raise ValueError(f"{key}={value!r}: expected a string")
+
+
+def seconds(value) -> bool:
+    """Whether value is a time limit: a finite number of seconds > 0 (TOML's nan and inf are numbers)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def _label(template: str, config: CaseConfig) -> str:
@@ -216,12 +222,18 @@ def load_suite(name_or_path: str) -> Suite:
         spec = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:  # its message names the line and column
         raise ValueError(f"{path}: not valid TOML: {exc}") from None
+    except (UnicodeDecodeError, RecursionError) as exc:
+        raise ValueError(f"{path}: not valid TOML ({exc})") from None
+    except OSError as exc:  # a folder named like a suite file
+        raise ValueError(f"{path}: cannot be read ({exc.strerror})") from None
     for key, kind, what in (("description", str, "a string"), ("hardware", str | list, "hardware profile names"),
                             ("timeout_s", int | float, "a number of seconds"), ("defaults", dict, "a table"),
                             ("num_layers_by_hardware", dict, "a table of profile = depth"),
                             ("cases", list, "[[cases]] tables")):
         if key in spec and (not isinstance(spec[key], kind) or isinstance(spec[key], bool)):
             raise ValueError(f"{path}: {key} = {json.dumps(spec[key], default=str)[:60]} must be {what}")
+    if "timeout_s" in spec and not seconds(spec["timeout_s"]):
+        raise ValueError(f"{path}: timeout_s = {spec['timeout_s']!r} must be a number of seconds > 0")
     if bad := [i for i, group in enumerate(spec.get("cases", [])) if not isinstance(group, dict)]:
         raise ValueError(f"{path}: cases entry {bad[0]} is not a table: write each group as a [[cases]] table")
     defaults = spec.get("defaults", {})

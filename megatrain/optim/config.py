@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # How AdamW keeps its two moments (megatrain.optim.compact says each format and its cost): fp32 (exact, the default),
@@ -22,11 +23,26 @@ class OptimConfig:
     moments: str = "fp32"  # MOMENTS
 
     def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise ValueError(f"betas must be in [0, 1), got {self.beta1}, {self.beta2}")
-        if self.max_grad_norm < 0:
-            raise ValueError(f"max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}")
+        for holds, name, value, must in (
+                (_finite(self.lr) and self.lr > 0, "lr", self.lr, "a finite number > 0"),
+                (all(_finite(b) and 0 <= b < 1 for b in (self.beta1, self.beta2)), "betas",
+                 f"{self.beta1!r}, {self.beta2!r}", "two numbers in [0, 1)"),
+                (_finite(self.eps) and self.eps > 0, "eps", self.eps, "a finite number > 0"),
+                (_finite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", self.weight_decay,
+                 "a finite number >= 0"),
+                (_finite(self.max_grad_norm) and self.max_grad_norm >= 0, "max_grad_norm", self.max_grad_norm,
+                 "a finite number >= 0 (0 disables clipping)")):
+            if not holds:  # NaN fails every comparison; a NaN learning rate trains nothing but NaN
+                raise ValueError(f"{name} must be {must}, got {value!r}")
         if self.moments not in MOMENTS:
             raise ValueError(f"moments must be one of {', '.join(MOMENTS)}, got {self.moments!r}")
+
+
+def _finite(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_lr(lr: float) -> None:
+    """A learning rate set between steps (a caller's schedule, which may reach 0): ValueError unless finite and >= 0."""
+    if not (_finite(lr) and lr >= 0):
+        raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from megatrain.analysis.tables import compiled
 from megatrain.bench.env import environment
+from megatrain.cli import regex
 from megatrain.config import CaseConfig
 from megatrain.engine.plan import CheckedPlan, check_fits
 from megatrain.hardware import LENT, get_profile, gpu_kind, specs
@@ -304,7 +305,7 @@ def main() -> None:
     v.add_argument("--out", type=Path, default=RESULTS / "perf_model")
     s = sub.add_parser("predict")
     s.add_argument("suite")
-    s.add_argument("--only")
+    s.add_argument("--only", type=regex)
     s.add_argument("--out", type=Path, required=True)
     j = sub.add_parser("project")
     j.add_argument("--out", type=Path, default=RESULTS / "perf_model")

@@ -474,7 +474,18 @@ class DeepSpeedSystem:
             raise ValueError(f"{in_dir} holds DeepSpeed ZeRO-3 partitions of {saved} rank(s) and this run has "
                              f"{self.world}: resume it on {saved} (torchrun --nproc-per-node {saved}"
                              + (", or without torchrun)" if saved == 1 else ")"))
-        path, _ = self.engine.load_checkpoint(str(in_dir), tag=CHECKPOINT_TAG)
+        from megatrain.train.checkpoint import open_checked
+
+        def load(path: str, map_location=None):  # DeepSpeed's own torch.load, of the very bytes checked and signed
+            with open_checked(path) as f:
+                return torch.load(f, map_location=map_location, weights_only=False)
+
+        engine = self.engine.checkpoint_engine
+        engine.load = load  # every file load_checkpoint reads, it reads through its checkpoint engine
+        try:
+            path, _ = self.engine.load_checkpoint(str(in_dir), tag=CHECKPOINT_TAG)
+        finally:
+            del engine.load
         if path is None:
             raise ValueError(f"{in_dir}: no DeepSpeed checkpoint '{CHECKPOINT_TAG}' to resume from")
 

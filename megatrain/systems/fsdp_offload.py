@@ -229,12 +229,11 @@ class FSDPSystem:
             (out_dir / "fsdp_system.json").write_text(json.dumps({"skipped_steps": self.skipped_steps}))
 
     def load_state(self, in_dir: Path) -> None:
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)  # the targets, loaded in place
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=Path(in_dir) / "fsdp")
+        _load_checked(state, Path(in_dir) / "fsdp")
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.skipped_steps = json.loads((Path(in_dir) / "fsdp_system.json").read_text())["skipped_steps"]
 
@@ -246,5 +245,40 @@ class FSDPSystem:
             torch.cuda.empty_cache()
 
 
+def _load_checked(state: dict, path: Path) -> None:
+    """dcp.load of the checkpoint at path into state, its every file (the .metadata and each .distcp, each opened
+    once) opened through open_checked: the bytes dcp unpickles are those checked and signed. open_checked's refusal
+    is raised as it is, not inside the errors dcp gathers from its ranks and metadata files."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from megatrain.train.checkpoint import open_checked
+
+    refusals = []
+
+    class Checked(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path, mode: str):
+            assert mode == "rb", "a checkpoint is only read while it loads"
+            try:
+                stream = open_checked(path)
+            except ValueError as exc:
+                refusals.append(exc)
+                raise
+            with stream:
+                yield stream
+
+    reader = dcp.FileSystemReader(path)
+    reader.fs = Checked()
+    try:
+        dcp.load(state, storage_reader=reader)
+    except (Exception, CheckpointException):  # the latter a BaseException
+        if refusals:
+            raise refusals[0] from None
+        raise
+
+
+# dcp unpickles .metadata, and the non-tensor values of the .distcp files (the optimizer's settings), with pickle
 SPEC = SystemSpec(factory=FSDPSystem, options=FSDPOptions, plan_memory=functools.partial(estimate_plan, memory_bytes),
-                  checkpoint_bytes=checkpoint_bytes, pickled=("fsdp/.metadata",))  # dcp reads it with pickle
+                  checkpoint_bytes=checkpoint_bytes, pickled=("fsdp/.metadata", "fsdp/*.distcp"))

@@ -12,7 +12,11 @@ import re
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import BinaryIO
+
+import torch
 
 from megatrain.config import CaseConfig
 from megatrain.memory import GIB
@@ -41,23 +45,53 @@ def read_meta(d: Path) -> dict:
     path = d / META_FILE
     try:
         meta = json.loads(path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise ValueError(f"{path} is not valid JSON ({exc})") from None
+    except OSError as exc:
+        raise ValueError(f"{path} cannot be read ({exc.strerror})") from None
     if not isinstance(meta, dict) or (missing := [k for k in META_KEYS if k not in meta]):
         raise ValueError(f"{path} lacks {', '.join(missing) if isinstance(meta, dict) else 'an object'}")
+    rng_bytes = torch.get_rng_state().numel()
+    files = files_problem(meta["files"]) if "files" in meta else None  # none: an older megatrain's, verify says
+    for key, holds, must in (
+            ("step", _count(meta["step"]) and meta["step"] == _step(d), f"{_step(d)}, the step its directory names"),
+            ("total_steps", _count(meta["total_steps"]) and meta["total_steps"] >= 1, "a whole number >= 1"),
+            ("data_rows_consumed", _count(meta["data_rows_consumed"]), "a whole number >= 0"),
+            ("torch_rng", isinstance(meta["torch_rng"], list) and len(meta["torch_rng"]) == rng_bytes
+             and all(_count(b) and b < 256 for b in meta["torch_rng"]), f"a list of {rng_bytes} bytes (0-255)"),
+            ("train_config", isinstance(meta["train_config"], dict), "an object"),
+            ("run_id", isinstance(meta.get("run_id", ""), str), "a string"),
+            ("files", files is None, files)):
+        if not holds:
+            raise ValueError(f"{path}: {key} must be {must}, got {json.dumps(meta.get(key))[:60]}")
     return meta
 
 
-def save(root: Path, step: int, write_state, meta: dict, keep: int, sign: bool = False) -> Path:
-    """write_state(dir) writes the system's state; meta (step, data position, RNG, config) and the files' checksums
-    go beside it, with sign (a state holding pickles) this user's HMAC of both (megatrain.train.trust). The new
-    checkpoint is complete before the oldest of this run's beyond `keep` is deleted."""
+def _count(value) -> bool:
+    """A whole number >= 0 (JSON's true is none)."""
+    return type(value) is int and value >= 0
+
+
+def files_problem(files) -> str | None:
+    """What in a record's `files` (checksums' output) is not what checksums writes, or None."""
+    if not isinstance(files, dict):
+        return "an object of file names"
+    for name, want in files.items():
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            return f"an object of names inside the checkpoint ({name!r} is not)"
+        if not (isinstance(want, dict) and set(want) == {"bytes", "sha256"} and _count(want["bytes"])
+                and isinstance(want["sha256"], list) and all(isinstance(h, str) for h in want["sha256"])):
+            return f"an object of {{bytes, sha256}} per file (that of {name!r} is not)"
+    return None
+
+
+def save(root: Path, step: int, write_state, meta: dict, keep: int, pickled: tuple[str, ...] = ()) -> Path:
+    """write_state(dir) writes the system's state; meta (step, data position, RNG, config) goes beside it as
+    sealed() records it. The new checkpoint is complete before the oldest of this run's beyond `keep` is deleted."""
     final = step_dir(root, step)
     with written_aside(final) as tmp:
         write_state(tmp)
-        names = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
-        record = {**meta, "files": checksums(tmp, names)}
-        (tmp / META_FILE).write_text(json.dumps(trust.signed(record) if sign else record, indent=1) + "\n")
+        (tmp / META_FILE).write_text(json.dumps(sealed(tmp, meta, pickled), indent=1) + "\n")
     older = [d for d in complete(root) if d != final]
     assert all(_step(d) < step for d in older), "a resume removes the checkpoints after its own"
     for d in older[:max(len(older) - (keep - 1), 0)]:
@@ -84,24 +118,40 @@ def recover(root: Path) -> None:
         recover_dir(root / name)
 
 
-def _block_sha256(path: Path, offset: int) -> str:
+def sealed(d: Path, meta: dict, pickled: tuple[str, ...]) -> dict:
+    """The record of a state just written into d: meta with the checksums of every file under d, and where the state
+    holds pickles (`pickled`: the system's glob patterns) this user's HMAC of both (megatrain.train.trust), those
+    files made writable by this user alone (open_checked loads no pickle another user could change meanwhile)."""
+    for path in (p for pattern in pickled for p in d.glob(pattern)):
+        path.chmod(path.stat().st_mode & ~0o022)
+    names = sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file())
+    record = {**meta, "files": checksums(d, names)}
+    return trust.signed(record) if pickled else record
+
+
+def _block_sha256(fd: int, offset: int) -> str:
     digest = hashlib.sha256()
-    with path.open("rb") as f:
-        f.seek(offset)
-        left = HASH_BLOCK_BYTES
-        while left and (chunk := f.read(min(left, READ_BYTES))):
-            digest.update(chunk)
-            left -= len(chunk)
+    end = offset + HASH_BLOCK_BYTES
+    while offset < end and (chunk := os.pread(fd, min(end - offset, READ_BYTES), offset)):
+        digest.update(chunk)
+        offset += len(chunk)
     return digest.hexdigest()
+
+
+def _checksums(fds: dict[str, int]) -> dict[str, dict]:
+    """{name: {"bytes", "sha256": [one per HASH_BLOCK_BYTES block]}} of the open files `fds`, read with pread (their
+    offsets stay where they were), the blocks hashed in parallel threads."""
+    sizes = {name: os.fstat(fd).st_size for name, fd in fds.items()}
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:  # hashlib lets go of the GIL on large buffers
+        blocks = {name: [pool.submit(_block_sha256, fds[name], at) for at in range(0, max(size, 1), HASH_BLOCK_BYTES)]
+                  for name, size in sizes.items()}
+        return {name: {"bytes": sizes[name], "sha256": [b.result() for b in blocks[name]]} for name in fds}
 
 
 def checksums(d: Path, names: list[str]) -> dict[str, dict]:
     """{name: {"bytes", "sha256": [one per HASH_BLOCK_BYTES block]}} of the files `names` under d."""
-    sizes = {name: (d / name).stat().st_size for name in names}
-    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:  # hashlib lets go of the GIL on large buffers
-        blocks = {name: [pool.submit(_block_sha256, d / name, at) for at in range(0, max(size, 1), HASH_BLOCK_BYTES)]
-                  for name, size in sizes.items()}
-        return {name: {"bytes": sizes[name], "sha256": [b.result() for b in blocks[name]]} for name in names}
+    with ExitStack() as stack:
+        return _checksums({name: stack.enter_context((d / name).open("rb")).fileno() for name in names})
 
 
 def verify(d: Path) -> str | None:
@@ -127,6 +177,49 @@ def mismatch(d: Path, files: dict[str, dict]) -> str | None:
     found = checksums(d, list(files))
     bad = [name for name, want in files.items() if found[name]["sha256"] != want["sha256"]]
     return f"{d / bad[0]} does not match its checksum" if bad else None
+
+
+# (checkpoint, its record's checksums, --trust-checkpoint) of the state a system is loading (checked_loads)
+_loading: tuple[Path, dict[str, dict], bool] | None = None
+
+
+@contextmanager
+def checked_loads(d: Path, files: dict[str, dict], trusted: bool):
+    """While a system loads its state from checkpoint d: `files` are the checksums of its record as it was checked
+    (and its signature verified), which every pickle the system opens through open_checked must match."""
+    global _loading
+    _loading = (d, files, trusted)
+    try:
+        yield
+    finally:
+        _loading = None
+
+
+def open_checked(path: str | os.PathLike) -> BinaryIO:
+    """A file of the checkpoint being loaded (checked_loads) opened for a loader that unpickles it, which reads it
+    through this handle alone: the bytes read through it match the file's checksum in the checked record, so what
+    unpickles is what was checked and signed, whatever takes the file's name meanwhile; and unless --trust-checkpoint
+    no other user can write them in place while it is open. ValueError naming the file otherwise."""
+    assert _loading is not None, "a checkpoint's pickles are opened inside checked_loads"
+    d, files, trusted = _loading
+    name = Path(os.path.relpath(os.path.abspath(path), os.path.abspath(d))).as_posix()
+    if name not in files:
+        raise ValueError(f"{path} is not among the files {d / META_FILE} lists (and signs): a file put there since; "
+                         "delete it")
+    f = open(path, "rb")  # the caller closes it
+    try:
+        st = os.fstat(f.fileno())
+        if not trusted and (st.st_uid != os.getuid() or st.st_mode & 0o022):
+            raise ValueError(f"{path} is a pickle another user can write (owner uid {st.st_uid}, mode "
+                             f"{st.st_mode & 0o777:o}), so what loads might not be what was checked: make it yours and "
+                             "chmod go-w it, or pass --trust-checkpoint if you trust whoever can write it")
+        if _checksums({name: f.fileno()})[name] != files[name]:
+            raise ValueError(f"{path} changed after the checkpoint's checksums were checked (replaced or written "
+                             "while it loaded): nothing of it was loaded; resume again")
+    except BaseException:
+        f.close()
+        raise
+    return f
 
 
 def resume_point(root: Path, fallback: bool, log) -> tuple[Path, dict]:

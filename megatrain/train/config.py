@@ -18,11 +18,14 @@ from megatrain.models.registry import get_model_config
 from megatrain.optim.config import OptimConfig
 from megatrain.options import check_field_types
 from megatrain.systems import SYSTEMS, parse_options, system_spec
+from megatrain.train import trust
 from megatrain.train.data import data_files
 from megatrain.train.lr import SCHEDULES
 from megatrain.train.report_to import check_report_to
 
 PATH_SETTINGS = ("init_from", "tokenizer", "data", "eval_data", "out", "resume")
+# how this command treats the directory and its checkpoint: not the run's settings, never taken from a checkpoint's
+PER_INVOCATION = ("overwrite", "resume_fallback", "trust_checkpoint")
 # the settings a resumed run keeps, each shaping its data, model or saved state; the others may change: the optimizer's
 # and the length from the resumed step on, the device, micro-batch, compile and the system's options only in rounding
 RESUME_FIXES = ("system", "init_from", "generic", "model", "tokenizer", "data", "data_split", "train_on_prompt",
@@ -215,6 +218,8 @@ def train_config(values: dict, config_file: str | None = None) -> TrainConfig:
 
 def _over_resumed(asked: dict, run_dir: str, fallback: bool) -> dict:
     resumed = _resolved(resumed_config(Path(run_dir), fallback))  # paths stored relative (an older run): as from here
+    # a checkpoint's trainer.json, signed or not, never grants --trust-checkpoint (or deletes with --resume-fallback)
+    resumed = {k: v for k, v in resumed.items() if k not in PER_INVOCATION}
     changed = [f"{k} {resumed.get(k)!r} -> {asked[k]!r}" for k in RESUME_FIXES
                if k in asked and asked[k] != resumed.get(k)]
     if changed:
@@ -226,12 +231,19 @@ def _over_resumed(asked: dict, run_dir: str, fallback: bool) -> dict:
     return values
 
 
+def check_device(device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device on this machine; use --device cpu")
+
+
 def check_available(cfg: TrainConfig) -> Checkpoint | None:
     """What cfg's values alone cannot tell, checked before anything is read or built: the CUDA device, the
-    --init-from checkpoint, the data files and the --report-to packages, here. Returns --init-from's checkpoint (its
+    --init-from checkpoint, the data files, the --report-to packages and the checkpoint key of a system whose
+    checkpoints are pickles (made now where the run will sign one), here. Returns --init-from's checkpoint (its
     model and config.json), read once here (None without it)."""
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: torch sees no CUDA device on this machine; use --device cpu")
+    check_device(cfg.device)
+    if system_spec(cfg.system).pickled and (cfg.save or cfg.resume and not cfg.trust_checkpoint):
+        trust.check_key(create=cfg.save)  # not at the first save, after the training
     source = None
     if cfg.init_from:
         try:

@@ -69,6 +69,11 @@ def _string(record: dict, key: str, where: str) -> str:
     value = record.get(key)
     if not isinstance(value, str):
         raise ValueError(f"{where}: {key} must be a string, got {json.dumps(value)[:60]}")
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:  # JSON's \ud800 escapes: half of a pair, no character
+        raise ValueError(f"{where}: {key} holds a lone surrogate, {value[exc.start]!r} at character {exc.start}, "
+                         "half of a UTF-16 pair that is no character: write the character itself") from None
     return value
 
 
@@ -109,7 +114,11 @@ def _example(record, where: str, tokenizer: Tokenizer | None, train_on_prompt: b
         return _document(_need(tokenizer, where), text)
     if "instruction" in record or "messages" in record or "conversations" in record:
         messages = _messages(record, where)
-        ids, assistant = _need(tokenizer, where).chat(messages)
+        tokenizer = _need(tokenizer, where)
+        try:
+            ids, assistant = tokenizer.chat(messages)
+        except ValueError as exc:  # the template's, said of the line it failed on
+            raise ValueError(f"{where}: {exc}") from None
         return Example(ids, [train_on_prompt or a for a in assistant])
     raise ValueError(f"{where}: a line needs input_ids, text, instruction/output (alpaca) or "
                      f"messages/conversations (chat); it has {sorted(record)}")
@@ -122,8 +131,11 @@ def read_examples(files: list[Path | HFData], tokenizer: Tokenizer | None, train
     examples = []
     for path in files:
         source = hf_records(path, flag) if isinstance(path, HFData) else records(path, flag)
-        examples += [replace(_example(record, where, tokenizer, train_on_prompt), where=where)
-                     for where, record in source]
+        for where, record in source:
+            example = _example(record, where, tokenizer, train_on_prompt)
+            if not example.ids:  # a conversation of no messages, a text of no tokens and no EOS
+                raise ValueError(f"{where}: holds no token to train on: drop the line")
+            examples.append(replace(example, where=where))
     if not examples:
         raise ValueError(f"{flag}: no examples in {', '.join(map(str, files))}")
     return examples

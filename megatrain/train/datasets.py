@@ -80,6 +80,9 @@ def _load(source: HFData, flag: str):
                          "reachable, load it and save_to_disk, then give that folder") from None
     except (OSError, ValueError) as exc:
         raise ValueError(f"{flag} {source}: {exc}") from None
+    except IndexError as exc:  # datasets concatenates a saved dataset's Arrow files, and one saved empty has none
+        raise ValueError(f"{flag} {source}: datasets cannot load it (IndexError: {exc}), as it fails on a dataset "
+                         "saved with no rows: give data that has rows") from None
     if not isinstance(loaded, datasets.DatasetDict):  # a saved Dataset is one split
         return loaded
     splits = list(loaded)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -29,9 +30,9 @@ from megatrain.models.registry import get_model_config
 from megatrain.models.safetensors_files import INDEX_FILE
 from megatrain.preflight import preflight
 from megatrain.systems import build_system, system_spec
-from megatrain.tokenizer import Tokenizer
+from megatrain.tokenizer import TOKEN_FILES, Tokenizer
 from megatrain.train import checkpoint, trust
-from megatrain.train.config import TrainConfig, check_available
+from megatrain.train.config import PER_INVOCATION, TrainConfig, check_available
 from megatrain.train.data import Rows, data_files, read_examples
 from megatrain.train.fingerprint import changed as fingerprint_change
 from megatrain.train.fingerprint import fingerprints
@@ -40,12 +41,9 @@ from megatrain.train.report_to import Reporters
 from megatrain.train.rundir import RunDir, aside, fault, recover_dir, written_aside
 from megatrain.train.runlog import LOG_FILE, RunLog
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "generation_config.json", "chat_template.jinja")
+TOKENIZER_FILES = (*TOKEN_FILES, "generation_config.json")  # what an export copies from the tokenizer's directory
 EXPORT_SHARD_BYTES = 2**29  # the most a Hugging Face export holds in memory beyond training's own state
 EXPORT_FILE = "megatrain_export.json"  # in hf/: the step exported and the run, beside the Hugging Face files
-# how this command treats the directory and its checkpoint: not the run's settings
-PER_INVOCATION = ("overwrite", "resume_fallback", "trust_checkpoint")
 
 
 @dataclass
@@ -78,11 +76,19 @@ def train(cfg: TrainConfig, log=print) -> int:
                              "export replaces): copy it out of there first, or choose another --out")
     tokenizer_dir = cfg.tokenizer or (cfg.init_from if cfg.init_from and
                                       (Path(cfg.init_from) / "tokenizer.json").exists() else None)
+    files = data_files(cfg.data, "--data", cfg.data_split)
+    token_files = [Path(tokenizer_dir) / name for name in TOKEN_FILES
+                   if tokenizer_dir and (Path(tokenizer_dir) / name).is_file()]
+    # what the rows and the model are made of, fingerprinted before it is read (a change meanwhile reads as one): a
+    # resume refuses any change since the run's start
+    prints = {"data_files": fingerprints(files), "tokenizer_files": fingerprints(token_files),
+              "model_files": fingerprints([Path(cfg.init_from) / "config.json"] if cfg.init_from else [])}
     tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
     model = init.shape if init else get_model_config(cfg.model)
     vocab = model.vocab_size
-    files = data_files(cfg.data, "--data", cfg.data_split)
-    prints = fingerprints(files)  # before reading: a file changed meanwhile reads as changed
+    # before the rows are made, each --seq tokens wide: a --seq this machine cannot hold is refused before its rows'
+    # padding is allocated (the run's length, not known until they are, weighs nothing in it)
+    notes = preflight(cfg.make_case(label, model_shape=init.shape if init else None, steps=1, warmup=0))
     rows = Rows(read_examples(files, tokenizer, cfg.train_on_prompt), cfg.seq, vocab, cfg.shuffle, cfg.seed, cfg.pack)
     eval_rows = Rows(read_examples(data_files(cfg.eval_data, "--eval-data", cfg.eval_split), tokenizer,
                                    cfg.train_on_prompt, "--eval-data"), cfg.seq, vocab, False, cfg.seed, cfg.pack,
@@ -95,7 +101,6 @@ def train(cfg: TrainConfig, log=print) -> int:
     case = cfg.make_case(label, model_shape=init.shape if init else None, steps=total, warmup=0)
     ranks = distributed.current(cfg.device)  # under torchrun: rank 0 owns --out, every rank trains
     first = ranks.first
-    notes = preflight(case)
     run = RunDir(out, cfg.resume is not None, cfg.overwrite) if first else None
     runlog = RunLog(log, out / LOG_FILE if first else None)
     reporters = Reporters(cfg.report_to if first else [], out)
@@ -107,7 +112,11 @@ def train(cfg: TrainConfig, log=print) -> int:
                       init)
         return code
     except Exception as exc:  # the terminal shows it as the caller reports it; the log keeps it too
-        runlog.to_file(f"error: {exc}" if isinstance(exc, ValueError) else traceback.format_exc().rstrip())
+        if isinstance(exc, OSError) and first and exc.filename == str(out / LOG_FILE) \
+                and (failed := _unwritable(out / LOG_FILE, exc, out)) is not None:
+            raise failed from None
+        with contextlib.suppress(OSError):  # a log that cannot take it (a full disk) does not hide it
+            runlog.to_file(f"error: {exc}" if isinstance(exc, ValueError) else traceback.format_exc().rstrip())
         raise
     finally:
         reporters.close(code)
@@ -118,15 +127,18 @@ def train(cfg: TrainConfig, log=print) -> int:
 
 def _prepare(cfg: TrainConfig, run: RunDir, case, total: int, log, prints: dict) -> tuple:
     """(start step, checkpoint resumed from or None, its trainer.json, export only, run id): a resumed run's
-    leftovers recovered, what cannot run refused (training data whose fingerprints `prints` differ from the run's
-    start's among them: held-out data may change), the run started in --out."""
+    leftovers recovered, what cannot run refused (training data or a tokenizer whose fingerprints `prints` differ
+    from the run's start's among them: held-out data may change), the run started in --out."""
     out = run.out
     resume_from, meta = None, {"step": 0, "data_rows_consumed": 0}
     if cfg.resume:
-        recorded = run.recorded().get("data_files")
-        if recorded is not None and (change := fingerprint_change(recorded, prints)):
-            raise ValueError(f"--resume {out}: the data changed: {change}; resuming would train other rows at the "
-                             "recorded data position: restore the file, or start a new run in another --out")
+        recorded = run.recorded()
+        for key, what, why in (("data_files", "the data", "other rows at the recorded data position"),
+                               ("tokenizer_files", "the tokenizer", "other tokens than the run trained on"),
+                               ("model_files", "--init-from's config", "another model than the run's")):
+            if recorded.get(key) is not None and (change := fingerprint_change(recorded[key], prints[key])):
+                raise ValueError(f"--resume {out}: {what} changed: {change}; resuming would train {why}: restore "
+                                 "the file, or start a new run in another --out")
         checkpoint.recover(out / "checkpoints")
         recover_dir(out / "hf")
         resume_from, meta = checkpoint.resume_point(out / "checkpoints", cfg.resume_fallback, log)
@@ -142,7 +154,7 @@ def _prepare(cfg: TrainConfig, run: RunDir, case, total: int, log, prints: dict)
     export_bytes = case.model_config().num_params() * case.dtype_bytes  # the export keeps the compute dtype
     # The old export is deleted only once the new one is complete.
     checkpoint.check_disk(case, out, saves, cfg.keep, export_bytes * (1 + (out / "hf").exists()))
-    run_id = run.start(_settings(cfg), data_files=prints)
+    run_id = run.start(_settings(cfg), **prints)
     _repair_metrics(out / "metrics.jsonl", start)
     return start, resume_from, meta, export_only, run_id
 
@@ -171,7 +183,8 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
     try:
         if resume_from is not None:
             t0 = time.perf_counter()
-            system.load_state(resume_from)
+            with checkpoint.checked_loads(resume_from, meta["files"], cfg.trust_checkpoint):
+                system.load_state(resume_from)
             memory.update(load_s=time.perf_counter() - t0, host_peak_gib_loaded=peak_host_rss_gib())
             torch.set_rng_state(torch.tensor(meta["torch_rng"], dtype=torch.uint8))
             log(f"resumed from {resume_from} at step {start}" + ("; nothing to train, exporting it (its export "
@@ -303,16 +316,24 @@ def _writing(where: Path, progress: Progress, out: Path):
     try:
         yield
     except OSError as exc:
-        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
-        if not full and exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+        if (failed := _unwritable(where, exc, out, progress.step)) is None:
             raise
-        last = checkpoint.latest(out / "checkpoints")
-        fix = "free space" if full else "make it writable"
-        raise ValueError(("disk full writing " if full else f"cannot write ({exc.strerror}) ") + f"{where} at step "
-                         f"{progress.step}: " + (f"the last complete checkpoint, {last}, is intact; {fix}, then "
-                                                 f"--resume {out}" if last else
-                                                 "no checkpoint to resume from (none saved yet, or --no-save): "
-                                                 f"{fix}, then train again with --overwrite")) from None
+        raise failed from None
+
+
+def _unwritable(where: Path, exc: OSError, out: Path, step: int | None = None) -> ValueError | None:
+    """The line that ends a run whose write of `where` failed with `exc` (at `step`), for a full disk or a place made
+    read-only; None for another error."""
+    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    if not full and exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return None
+    last = checkpoint.latest(out / "checkpoints")
+    fix = "free space" if full else "make it writable"
+    return ValueError(("disk full writing " if full else f"cannot write ({exc.strerror}) ") + f"{where}"
+                      + (f" at step {step}" if step is not None else "") + ": "
+                      + (f"the last complete checkpoint, {last}, is intact; {fix}, then --resume {out}" if last else
+                         "no checkpoint to resume from (none saved yet, or --no-save): "
+                         f"{fix}, then train again with --overwrite"))
 
 
 def _append(path: Path, line: dict, progress: Progress, out: Path) -> None:
@@ -338,7 +359,7 @@ def _metrics_step(path: Path, number: int, line: str) -> int:
     """The step of line `number` of metrics.jsonl; ValueError naming it when it is not a line a run writes."""
     try:
         step = json.loads(line).get("step")
-    except (json.JSONDecodeError, AttributeError):
+    except (json.JSONDecodeError, AttributeError, RecursionError):
         step = None
     if type(step) is not int:
         raise ValueError(f"{path}:{number} is not a metrics line a run writes ({line.strip()[:60]!r}): delete that "
@@ -358,7 +379,7 @@ def _save(cfg: TrainConfig, system, out: Path, progress: Progress, total: int, r
             "torch_rng": torch.get_rng_state().tolist(), "run_id": run_id, "train_config": _settings(cfg)}
     with _writing(out / "checkpoints", progress, out):
         return checkpoint.save(out / "checkpoints", progress.step, system.save_state, meta, cfg.keep,
-                               sign=bool(system_spec(cfg.system).pickled))
+                               system_spec(cfg.system).pickled)
 
 
 def _exported_step(out: Path) -> int | None:
@@ -368,7 +389,7 @@ def _exported_step(out: Path) -> int | None:
         return None
     try:
         step = json.loads(path.read_bytes()).get("step")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, RecursionError):
         step = None
     if type(step) is not int:
         raise ValueError(f"{path} is not what an export writes: delete it (the next export writes it again)")

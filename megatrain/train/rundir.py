@@ -24,6 +24,9 @@ BEFORE_FIRST_STEP = {RUN_FILE, f".{RUN_FILE}.tmp", LOG_FILE, TENSORBOARD_DIR, "w
 # What a run writes into DIR: --overwrite discards only a directory that holds nothing else.
 RUN_ENTRIES = BEFORE_FIRST_STEP | {LOCK_FILE, TRASH, "metrics.jsonl", ".metrics.jsonl.tmp", "memory.json",
                                    "checkpoints", "hf", ".hf.tmp", ".hf.old"}
+# the entries a run reads, writes into or appends to as files, and as folders
+RUN_FILES = (RUN_FILE, LOG_FILE, "metrics.jsonl", "memory.json")
+RUN_FOLDERS = ("checkpoints", "hf", TENSORBOARD_DIR, "wandb")
 
 
 def fault(point: str) -> None:
@@ -122,6 +125,12 @@ class RunDir:
             for entry in entries:  # a run that stopped before its first step: nothing of it to keep
                 shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
             entries = []
+        if resume and (wrong := next((name for name in (*RUN_FILES, *RUN_FOLDERS) if (out / name).exists()
+                                      and (out / name).is_dir() != (name in RUN_FOLDERS)), None)):
+            self.close()
+            kind, other = ("folder", "file") if wrong in RUN_FOLDERS else ("file", "folder")
+            raise ValueError(f"--resume {out}: {out / wrong} is a {other} where the run keeps a {kind}: move it out "
+                             "of the run's directory, then resume")
         if resume or not entries:
             return
         if not overwrite:
@@ -147,7 +156,7 @@ class RunDir:
             return {}
         try:
             record = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
             raise ValueError(f"{path} is not valid JSON ({exc}): the run's identity is lost; start a new run in "
                              "another --out") from None
         if not isinstance(record, dict) or not isinstance(record.get("run_id"), str):

@@ -3,6 +3,7 @@ invocation (a resumed run continues its log)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from collections.abc import Callable
@@ -17,8 +18,8 @@ class RunLog:
     lines go to the file alone."""
 
     def __init__(self, say: Callable[[str], None], path: Path | None = None):
-        self.say, self.bar = say, None
-        self.file = path.open("a", encoding="utf-8") if path is not None else None
+        self.say, self.bar, self.path = say, None, path
+        self.file = None  # opened by the first line
         # the engine's build lines (logger megatrain.build) go to the terminal by themselves; the file takes them too
         self._build = _ToFile(self)
         logging.getLogger("megatrain.build").addHandler(self._build)
@@ -39,10 +40,21 @@ class RunLog:
             self.to_file(line)
 
     def to_file(self, line: str) -> None:
-        """A line the terminal shows by other means (an error the caller prints)."""
-        if self.file is not None:
+        """A line the terminal shows by other means (an error the caller prints). A file that cannot take it (a full
+        disk) raises an OSError naming it, once: the lines after it go to the terminal alone."""
+        if self.path is None:
+            return
+        try:
+            if self.file is None:
+                self.file = self.path.open("a", encoding="utf-8")
             self.file.write(line + "\n")
             self.file.flush()  # a kill loses no line said
+        except OSError as exc:
+            path, self.path, file, self.file = self.path, None, self.file, None
+            if file is not None:
+                with contextlib.suppress(OSError):  # what it could not write goes with it
+                    file.close()
+            raise OSError(exc.errno, exc.strerror, str(path)) from None
 
     def close(self) -> None:
         logging.getLogger("megatrain.build").removeHandler(self._build)

@@ -4,6 +4,7 @@ loads; scripts/api_example.py runs. CPU, seconds (the example ~30 s, in the subp
 pytest tests/unit/test_api.py"""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -138,6 +139,66 @@ def test_an_engine_saved_and_loaded_steps_on_bit_for_bit_and_pads_short_batches(
     assert cut == straight
 
 
+@pytest.mark.parametrize("settings, says", [
+    *[({"lr": lr}, "--lr must be a finite number > 0, got ") for lr in (float("nan"), float("inf"), -1e-3, 0.0)],
+    ({"lr": "1e-3"}, "train setting lr='1e-3': expected a number"),
+    ({"batch": "2"}, "train setting batch='2': expected an integer"),
+    ({"seq": 8.5}, "train setting seq=8.5: expected an integer"),
+    ({"seed": -1}, "--seed must be in [0, 2**32), got -1"),
+    ({"adam_betas": (0.9,)}, "train setting adam_betas=(0.9,): expected a list of 2"),
+    ({"system": "paper"}, "--system paper is a benchmark peer"),
+    ({"device": "cuda"}, "--device cuda: torch sees no CUDA device"),
+    ({"model": None}, "Engine's model is a Hugging Face checkpoint directory or a registry name, got None"),
+])
+def test_an_engine_refuses_a_setting_as_train_does(settings, says):
+    if settings.get("device") == "cuda" and torch.cuda.is_available():
+        pytest.skip("CUDA is here")
+    with pytest.raises(ValueError, match=f"^{re.escape(says)}"):
+        megatrain.Engine(**{"model": "tiny", "seq": 8, "batch": 2, **settings})
+
+
+def test_an_engine_refuses_what_it_cannot_train_on_naming_what_to_change(tmp_path):
+    vocab = 256
+    ids = torch.randint(0, vocab, (2, 8))
+    with megatrain.Engine("tiny", seq=8, batch=2, lr=1e-3) as engine:
+        for lr in (float("nan"), float("inf"), -1e-3):
+            with pytest.raises(ValueError, match=r"^lr must be a finite number >= 0, got "):
+                engine.set_lr(lr)
+        engine.set_lr(0.0)  # a schedule's end
+        for step in (engine.step, engine.evaluate):
+            for bad, says in ((ids.tolist(), "input_ids must be a 2-D torch.Tensor .*, got a list"),
+                              (ids.float(), "got a 2-D tensor of float32"), (ids[0], "got a 1-D tensor"),
+                              (torch.full((2, 8), vocab), f"input_ids holds {vocab}, which is not a token id of the "
+                                                          f"model's vocabulary \\(0 to {vocab - 1}\\)"),
+                              (ids - vocab, "input_ids holds -")):
+                with pytest.raises(ValueError, match=says):
+                    step(bad)
+            with pytest.raises(ValueError, match="labels holds 300, which is not -100 \\(no loss\\) or a token id"):
+                step(ids, torch.full((2, 8), 300))
+            with pytest.raises(ValueError, match="the batch has no target: .* fewer than two tokens"):
+                step(ids[:, :0])
+        engine.evaluate(torch.full((2, 8), vocab - 1, dtype=torch.uint8))  # in the vocabulary, however typed
+        (tmp_path / "file").write_text("")
+        for where in (tmp_path / "file" / "state", Path("/proc/megatrain-state")):
+            for write, name in ((engine.save, "save"), (engine.export, "export")):
+                with pytest.raises(ValueError, match=f"Engine.{name}\\(.*\\): cannot write there \\((Not a "
+                                                     "directory|No such file or directory)\\); nothing was replaced"):
+                    write(where)
+        (tmp_path / "project").mkdir()
+        (tmp_path / "project" / "code.py").write_text("mine")
+        for mine in (tmp_path / "project", tmp_path / "file"):  # what saving there would delete
+            with pytest.raises(ValueError, match="holds what Engine.save did not write, which saving there would"):
+                engine.save(mine)
+        with pytest.raises(ValueError, match="is a file, which the export would replace: choose a folder"):
+            engine.export(tmp_path / "file")
+        assert (tmp_path / "project" / "code.py").read_text() == "mine" and (tmp_path / "file").is_file()
+        engine.save(tmp_path / "state")
+        engine.save(tmp_path / "state")  # its own save, replaced
+    engine.close()  # again: nothing
+    with pytest.raises(ValueError, match="the engine is closed"):
+        engine.step(ids)
+
+
 @pytest.mark.subprocess
 def test_the_api_example_runs(tmp_path):
     root = Path(__file__).resolve().parents[2]
@@ -175,3 +236,7 @@ def test_an_engine_loads_no_changed_state_and_no_pickle_another_user_saved(tmp_p
         victim.write_bytes(bytes(damaged))
         with pytest.raises(ValueError, match="does not match its checksum: the state in .* was changed"):
             engine.load(tmp_path / "state", trust_checkpoint=True)
+        for files in ([], {"../x": {"bytes": 1, "sha256": []}}, {"x": {"bytes": "1", "sha256": []}}):
+            (tmp_path / "state" / api.STATE_FILE).write_text(json.dumps({"files": files}))
+            with pytest.raises(ValueError, match="engine_state.json: files must be an object of"):
+                engine.load(tmp_path / "state", trust_checkpoint=True)

@@ -52,6 +52,26 @@ def test_an_interrupted_suite_names_the_command_that_resumes_it(tmp_path, monkey
     assert said.endswith(f"to resume: python -m megatrain suite smoke --out-dir {out} --only native")
 
 
+@pytest.mark.parametrize("flags, says", [
+    (["--only", "("], "argument --only: '(' is not a regular expression (missing ), unterminated subpattern at "
+                      "position 0)"),
+    (["--timeout", "-5"], "argument --timeout: '-5' is not a number of seconds > 0"),
+    (["--timeout", "nan"], "argument --timeout: 'nan' is not a number of seconds > 0"),
+])
+def test_a_suite_flag_out_of_its_kind_is_refused_before_anything_is_made(tmp_path, capsys, flags, says):
+    out = tmp_path / "smoke-local"
+    with pytest.raises(SystemExit) as exited:
+        main(["suite", "smoke", "--out-dir", str(out), *flags])
+    assert exited.value.code == 2 and not out.exists()
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: {says}")
+
+
+def test_a_suite_file_that_is_a_folder_is_one_line(tmp_path, capsys):
+    (tmp_path / "suite.toml").mkdir()
+    assert main(["suite", str(tmp_path / "suite.toml"), "--dry-run"]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'suite.toml'}: cannot be read (Is a directory)"
+
+
 @pytest.mark.subprocess
 @pytest.mark.slow
 def test_a_wheel_carries_the_suites_and_runs_one_from_an_install(tmp_path):

@@ -345,6 +345,20 @@ def test_every_record_string_reaches_the_page_escaped(tmp_path):
     assert "<img src=x" not in sentence and "<b>" in sentence
 
 
+def test_results_md_shows_record_strings_as_text_as_the_html_report_does(tmp_path):
+    from megatrain.analysis import results_md
+
+    results = tmp_path / "results"
+    for r in [_record("megatrain", 96, 320.0), _record("deepspeed", 96, 200.0)]:
+        r["suite"]["label"] = f"{r['system']}-{PAYLOAD}"
+        r["env"]["commit"] = PAYLOAD + "`\n# a heading"
+        append_jsonl(results / "reproduce_14b" / "records.jsonl", r)
+    page = results_md.write(results, tmp_path / "docs").read_text()
+    assert not re.search(r"(?<!\\)<img", page) and "\\<img src=x onerror=alert(1)\\>" in page, "shown, never run"
+    assert "\n# a heading" not in page and "](figures/reproduce_14b.png)" in page
+    assert results_md.markdown("<b>1.6x</b> <code>a`b</code> &lt;i&gt;") == "**1.6x** ``a`b`` \\<i\\>"
+
+
 @pytest.mark.parametrize("damage, says", [
     (lambda r: r["suite"].pop("run_id"), "lacks suite.run_id"),
     (lambda r: r.pop("status"), "lacks status"),

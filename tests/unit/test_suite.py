@@ -153,6 +153,10 @@ batch = [2, 4, 8]
     ('hardware = "cpu-ci"\n[[cases]]\nsystems = "native"\nmodels = "tiny"\noptim = {bogus = 1}\n',
      r"s\.toml: \[\[cases\]\] group 0: .*bogus"),
     ('hardware = "cpu-ci"\n[[cases]\nsystems = "native"\n', r"s\.toml: not valid TOML: .*line 2"),
+    ('hardware = "cpu-ci"\ntimeout_s = nan\n[[cases]]\nsystems = "native"\nmodels = "tiny"\n',
+     r"s\.toml: timeout_s = nan must be a number of seconds > 0"),
+    ('hardware = "cpu-ci"\n[[cases]]\nsystems = "native"\nmodels = "tiny"\ntimeout_s = -5\n',
+     r"timeout_s=-5: expected a number of seconds > 0"),
 ])
 def test_invalid_suites_say_what_to_change(tmp_path, text, match):
     with pytest.raises(ValueError, match=match):

@@ -118,3 +118,17 @@ def test_a_folder_with_jsonl_files_stays_read_by_megatrain_beside_a_json_file(tm
     _jsonl(folder / "rows.jsonl", FORMATS["input_ids"])
     (folder / "meta.json").write_text("{}")
     assert data_files([str(folder)]) == [folder / "rows.jsonl"]
+
+
+def test_a_dataset_saved_without_rows_is_one_line(tmp_path, capsys):
+    empty = datasets.Dataset.from_dict({"input_ids": []})
+    empty.save_to_disk(tmp_path / "saved")
+    datasets.DatasetDict({"train": empty}).save_to_disk(tmp_path / "dict")
+    empty.to_parquet(tmp_path / "empty.parquet")
+    flags = ["--model", "tiny", "--seq", "4", "--batch", "2", "--steps", "1", "--out", str(tmp_path / "run")]
+    for data in ("saved", "dict", "empty.parquet"):
+        assert main(["train", *flags, "--data", str(tmp_path / data)]) == 2
+        (line,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # no progress bars
+        assert line.startswith(f"error: --data {tmp_path / data}: ")
+        assert data == "empty.parquet" or line.endswith("as it fails on a dataset saved with no rows: give data that "
+                                                        "has rows")

@@ -3,7 +3,7 @@ checksum with a fallback, SIGTERM, divergence, torn metrics, bad or full disks (
 kill -9 at named points (MEGATRAIN_FAULT). CPU, about a minute; the ones marked subprocess spawn python -m megatrain:
 pytest tests/unit/test_train_faults.py"""
 
-import errno
+import contextlib
 import json
 import math
 import os
@@ -20,6 +20,8 @@ transformers = pytest.importorskip("transformers")
 from train_helpers import (  # noqa: E402
     ROOT,
     at_step,
+    chat_tokenizer,
+    fill,
     hf_model,
     interrupt_at_step,
     metrics,
@@ -147,6 +149,39 @@ def test_a_damaged_checkpoint_is_refused_by_name_and_the_fallback_resumes_from_t
     assert _losses_once_each(out) == losses and _entries(out / "checkpoints") == ["step-4", "step-6", "step-8"]
 
 
+@pytest.mark.parametrize("key, value", [
+    ("step", "8"), ("step", 7), ("step", True), ("total_steps", [8]), ("data_rows_consumed", "32"), ("torch_rng", "x"),
+    ("torch_rng", [1, 2, 3]), ("torch_rng", [999] * 5056), ("run_id", 5), ("files", []), ("files", {"tiles.bin": "x"}),
+    ("files", {"../../run.json": {"bytes": 1, "sha256": ["0"]}}),
+])
+def test_a_trainer_json_of_valid_json_and_wrong_types_is_refused_naming_the_key(straight, tmp_path, capsys, key,
+                                                                               value):
+    out = tmp_path / "run"
+    shutil.copytree(straight[3], out)
+    meta = out / "checkpoints" / "step-8" / "trainer.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), key: value}))
+    assert _resume(out, "--steps", "9") == 2
+    assert f"step-8/trainer.json: {key} must be " in _error(capsys)
+
+
+@pytest.mark.parametrize("name", ["run.json", "train.log", "metrics.jsonl", "memory.json",
+                                  "checkpoints/step-8/trainer.json", "hf", "tensorboard"])
+def test_a_folder_where_the_run_keeps_a_file_or_a_file_for_a_folder_is_refused_naming_it(straight, tmp_path, capsys,
+                                                                                         name):
+    out = tmp_path / "run"
+    shutil.copytree(straight[3], out)
+    if (out / name).is_dir():
+        shutil.rmtree(out / name)
+        (out / name).write_text("")
+    elif (out / name).exists():
+        (out / name).unlink()
+        (out / name).mkdir()
+    else:  # a run that reports to TensorBoard made it a folder
+        (out / name).write_text("")
+    assert _resume(out, "--steps", "9", *(["--report-to", "tensorboard"] if name == "tensorboard" else [])) == 2
+    assert f"{out / name} " in _error(capsys)
+
+
 def test_metrics_lose_a_torn_line_and_the_steps_after_the_resumed_checkpoint(straight, tmp_path):
     init, data, losses, _ = straight
     out = tmp_path / "run"
@@ -186,6 +221,28 @@ def test_a_resume_refuses_data_that_changed_since_the_run_started(straight, tmp_
     assert "was modified since the run started (its size and sampled blocks are the same" in _error(capsys)
     os.utime(mine, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert _resume(out, "--steps", "3") == 0
+
+
+def test_a_resume_refuses_a_tokenizer_changed_since_the_run_started(tmp_path, capsys):
+    tok, data, out = tmp_path / "tok", tmp_path / "text.jsonl", tmp_path / "run"
+    chat_tokenizer(tok)
+    data.write_text("".join(json.dumps({"text": " ".join(f"w{i + j}" for j in range(6))}) + "\n" for i in range(8)))
+    assert main(["train", "--model", "tiny", "--tokenizer", str(tok), "--data", str(data), "--seq", "8", "--batch",
+                 "2", "--steps", "1", "--out", str(out)]) == 0
+    config = tok / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "eos_token": "<|im_end|>"}))  # every row's EOS
+    assert _resume(out, "--steps", "2") == 2
+    assert f"the tokenizer changed: {config.resolve()} holds" in _error(capsys)
+
+
+def test_a_resume_refuses_an_init_from_config_changed_since_the_run_started(straight, tmp_path, capsys):
+    init, data, out = tmp_path / "init", straight[1], tmp_path / "run"
+    shutil.copytree(straight[0], init)
+    assert run_train(init, data, out, steps=1) == 0
+    config = init / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "rms_norm_eps": 0.5}))  # the weights' shapes stand
+    assert _resume(out, "--steps", "2") == 2
+    assert f"--init-from's config changed: {config.resolve()} holds" in _error(capsys)
 
 
 def test_a_run_started_with_relative_paths_resumes_from_anywhere(straight, tmp_path, monkeypatch):
@@ -272,7 +329,7 @@ def test_a_full_disk_mid_run_ends_in_one_line_and_the_run_resumes(straight, tmp_
     with tmpfs(tmp_path / "disk", "size=8m") as disk:
         out, filler = disk / "run", disk / "filler"
         with pytest.MonkeyPatch.context() as mp:
-            at_step(mp, 3, lambda: _fill(filler))
+            at_step(mp, 3, lambda: fill(filler))
             assert run_train(init, data, out, steps=8, extra=SAVES) == 2
         line = _error(capsys)
         assert "disk full writing" in line and "step-2, is intact" in line
@@ -281,17 +338,29 @@ def test_a_full_disk_mid_run_ends_in_one_line_and_the_run_resumes(straight, tmp_
         assert _resume(out) == 0 and _losses_once_each(out) == losses
 
 
-def _fill(path, leave_bytes: int = 0) -> None:
-    """Fill the disk under path, then free leave_bytes of it."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
-    try:
-        while os.write(fd, bytes(2**16)):
-            pass
-    except OSError as exc:
-        assert exc.errno == errno.ENOSPC
-    finally:
-        os.ftruncate(fd, max(os.fstat(fd).st_size - leave_bytes, 0))
-        os.close(fd)
+def _fill_under(path) -> None:
+    """Every write to the open file at path fails as on a full disk (/dev/full in its place, its descriptor kept)."""
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}") == str(path):
+                full = os.open("/dev/full", os.O_WRONLY)
+                os.dup2(full, fd)
+                os.close(full)
+
+
+def test_a_full_disk_at_the_train_log_ends_in_one_line_and_the_run_resumes(straight, tmp_path, capsys):
+    init, data, losses, _ = straight
+    out = tmp_path / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        at_step(mp, 3, lambda: _fill_under(out / "train.log"))  # its metrics line fits, its log line not
+        assert run_train(init, data, out, steps=8, extra=SAVES) == 2
+    assert _error(capsys) == f"error: disk full writing {out / 'train.log'}: the last complete checkpoint, " \
+        f"{out / 'checkpoints' / 'step-2'}, is intact; free space, then --resume {out}"
+    (out / "train.log").rename(tmp_path / "train.log")
+    (out / "train.log").symlink_to("/dev/full")  # full from the resume's first line
+    assert _resume(out) == 2 and "disk full writing" in _error(capsys)
+    (out / "train.log").unlink()
+    assert _resume(out) == 0 and _losses_once_each(out) == losses
 
 
 @pytest.mark.parametrize("saves", [True, False])
@@ -302,7 +371,7 @@ def test_a_full_disk_during_the_export_ends_in_one_line(straight, tmp_path, caps
     with tmpfs(tmp_path / "disk", "size=8m") as disk:
         out = disk / "run"
         with pytest.MonkeyPatch.context() as mp:  # room for the last step's metrics and checkpoint, not the export
-            at_step(mp, 2, lambda: _fill(disk / "filler", leave_bytes=room))
+            at_step(mp, 2, lambda: fill(disk / "filler", leave_bytes=room))
             assert run_train(init, data, out, steps=2, extra=[] if saves else ["--no-save"]) == 2
         line = _error(capsys)
         assert f"disk full writing {out / 'hf'} at step 2" in line

@@ -90,6 +90,7 @@ def test_a_nonsensical_hyperparameter_is_refused_naming_its_flag(tmp_path, capsy
     ("option = 5", "train setting option=5: expected a table"),
     ('pack = "no"', "train setting pack='no': expected true or false"),
     ("adam_betas = [0.9]", "train setting adam_betas=[0.9]: expected a list of 2, each a number"),
+    ("data = " + "[" * 100_000 + "]" * 100_000, "run.toml: maximum recursion depth exceeded"),
 ])
 def test_a_config_file_value_of_the_wrong_type_is_refused_naming_key_type_and_value(tmp_path, capsys, data, line,
                                                                                    says):
@@ -190,6 +191,9 @@ def test_schedule_notes_say_a_warmup_as_long_as_the_run_and_a_decay_restretched_
     ('"a string with text in it"', 'a line must be a JSON object such as {"text": ...}, got "a string'),
     ("5", "a line must be a JSON object"),
     ("{oops", "not a JSON record"),
+    ('{"text": "a\\ud800b"}', "text holds a lone surrogate, '\\ud800' at character 1, half of a UTF-16 pair"),
+    ('{"input_ids": ' + "[" * 200_000 + "]" * 200_000 + "}", "a JSON record nested too deep to read"),
+    ('{"input_ids": ' + "[" * 900 + "]" * 900 + "}", "[[[[[[[[[[[[[[[["),  # as deep as Python reads: read, refused
     ('{"text": null}', "text must be a string, got null"),
     ('{"instruction": "a"}', "output must be a string, got null"),
     ('{"messages": "hi"}', "messages must be a list of {role, content} objects"),
@@ -235,6 +239,78 @@ def test_chat_data_without_transformers_names_the_extra_and_text_data_needs_none
     assert line.endswith("renders chat data with the tokenizer's chat template through transformers, which is not "
                          "installed: pip install 'megatrain[chat]'")
     assert main(["train", *tiny(text, tmp_path, "--tokenizer", str(tmp_path / "tok"), "--seq", "4")]) == 0
+
+
+ALTERNATING = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+               "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+               "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("template, line, says", [
+    ("{% for m in messages %}{{ m['content'] }", 1, "(TemplateSyntaxError: unexpected '}')"),
+    ("{{ messages.__class__.__mro__ }}", 1, "(SecurityError: access to attribute '__class__' of 'list' object is "
+                                            "unsafe.)"),
+    (ALTERNATING, 2, "(TemplateError: Conversation roles must alternate user/assistant/user/assistant/...)"),
+])
+def test_a_chat_template_failing_on_a_conversation_is_refused_naming_the_line(tmp_path, capsys, template, line,
+                                                                              says):
+    pytest.importorskip("transformers")
+    from train_helpers import chat_tokenizer
+
+    tok, chat = tmp_path / "tok", tmp_path / "chat.jsonl"
+    chat_tokenizer(tok)
+    (tok / "chat_template.jinja").write_text(template)
+    chat.write_text("".join(json.dumps({"messages": [{"role": role, "content": "w1"} for role in roles]}) + "\n"
+                            for roles in (("user", "assistant"), ("assistant", "assistant"))))
+    error = refused(capsys, tiny(chat, tmp_path, "--tokenizer", str(tok)))
+    assert error == f"error: --data {chat}:{line}: the chat template of {tok} fails on this conversation {says}"
+
+
+@pytest.mark.parametrize("config, chat_only, says", [
+    ({"eos_token": 5}, False, "tokenizer_config.json: eos_token must be a token (a string, or an object with its "
+                              "content), got 5"),
+    ({"eos_token": {"x": 1}}, False, 'eos_token must be a token (a string, or an object with its content), got {"x"'),
+    ({"eos_token": "<nope>"}, False, "its eos_token '<nope>' is no token of its tokenizer.json, so no document would "
+                                     "end with it"),
+    ({"tokenizer_class": 5}, True, "transformers cannot load it to render chat data (AttributeError: "),
+    ({"added_tokens_decoder": {"x": 5}}, True, "transformers cannot load it to render chat data (TypeError: "),
+    ({"chat_template": 5}, True, "its chat template must be a Jinja template (a string), got 5"),
+])
+def test_a_damaged_tokenizer_config_is_refused_naming_it(tmp_path, capsys, config, chat_only, says):
+    pytest.importorskip("transformers")
+    from train_helpers import chat_tokenizer
+
+    tok, chat, text = tmp_path / "tok", tmp_path / "chat.jsonl", tmp_path / "text.jsonl"
+    chat_tokenizer(tok)
+    if "chat_template" in config:  # else the saved template file stands over the config's
+        (tok / "chat_template.jinja").unlink()
+    (tok / "tokenizer_config.json").write_text(json.dumps({**json.loads((tok / "tokenizer_config.json").read_text()),
+                                                           **config}))
+    chat.write_text(json.dumps({"messages": [{"role": role, "content": "w1"} for role in ("user", "assistant")]}))
+    text.write_text("".join(json.dumps({"text": "w1 w2 w3"}) + "\n" for _ in range(4)))
+    assert says in refused(capsys, tiny(chat, tmp_path, "--tokenizer", str(tok)))
+    if chat_only:  # text data needs no transformers
+        assert main(["train", *tiny(text, tmp_path, "--tokenizer", str(tok), "--seq", "4")]) == 0
+    else:
+        assert says in refused(capsys, tiny(text, tmp_path, "--tokenizer", str(tok), "--seq", "4"))
+
+
+def test_a_conversation_of_no_messages_is_refused_naming_its_line(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from train_helpers import chat_tokenizer
+
+    chat_tokenizer(tmp_path / "tok")
+    chat = tmp_path / "chat.jsonl"
+    talk = [{"role": role, "content": "w1"} for role in ("user", "assistant")]
+    chat.write_text(json.dumps({"messages": talk}) + '\n{"messages": []}\n')
+    assert refused(capsys, tiny(chat, tmp_path, "--tokenizer", str(tmp_path / "tok"))) == \
+        f"error: --data {chat}:2: holds no token to train on: drop the line"
+
+
+def test_a_seq_this_machine_cannot_hold_is_refused_before_its_rows_are_made(tmp_path, capsys, data):
+    line = refused(capsys, tiny(data, tmp_path, "--seq", str(10**12)))  # its rows' padding alone: 8 TB
+    assert "megatrain tiny b4 s1000000000000 does not fit here: host memory" in line
 
 
 def test_data_without_a_target_token_is_refused(tmp_path, capsys):
