@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 
-from megatrain.flags import CaseFlags
 from megatrain.models.checkpoint import open_checkpoint
 from megatrain.models.loss import IGNORE_INDEX
 from megatrain.optim.config import check_lr
@@ -112,23 +111,20 @@ class Engine:
                  option: dict | None = None, log=print):
         if not isinstance(model, str | os.PathLike):
             raise ValueError(f"Engine's model is a Hugging Face checkpoint directory or a registry name, got {model!r}")
-        # the settings by train's rules (train's data and length are the caller's loop here)
-        TrainConfig(**{"init_from" if Path(model).is_dir() else "model": os.fspath(model)}, data=["(the caller's)"],
-                    steps=1, seq=seq, batch=batch, micro_batch=micro_batch, system=system, device=device, dtype=dtype,
-                    precision=precision, lr=lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
-                    adam_betas=adam_betas, adam_eps=adam_eps, moments=moments, seed=seed, compile=compile,
-                    option={} if option is None else option)
+        # the settings by train's rules (train's data and length are the caller's loop here), which make the case too
+        source = {"init_from" if Path(model).is_dir() else "model": os.fspath(model)}
+        settings = TrainConfig(**source, data=["(the caller's)"], steps=1, seq=seq, batch=batch,
+                               micro_batch=micro_batch, system=system, device=device, dtype=dtype, precision=precision,
+                               lr=lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm, adam_betas=adam_betas,
+                               adam_eps=adam_eps, moments=moments, seed=seed, compile=compile,
+                               option={} if option is None else option)
         check_device(device)
         path = Path(model)
         self.model_dir = path if path.is_dir() else None
         # the one road train --init-from takes: its model (hand-written or transformers' own) and config.json
         self.checkpoint = open_checkpoint(path) if self.model_dir else None
         shape = self.checkpoint.shape if self.checkpoint else None
-        flags = CaseFlags(system=system, device=device, dtype=dtype, precision=precision, compile=compile,
-                          option=option or {}, seq=seq, batch=batch, micro_batch=micro_batch, lr=lr,
-                          weight_decay=weight_decay, max_grad_norm=max_grad_norm, moments=moments, seed=seed)
-        self.case = flags.make_case(path.name if shape else os.fspath(model), model_shape=shape, steps=1, warmup=0,
-                                    optim=flags.optim(beta1=adam_betas[0], beta2=adam_betas[1], eps=adam_eps))
+        self.case = settings.make_case(path.name if shape else os.fspath(model), model_shape=shape, steps=1, warmup=0)
         for note in preflight(self.case):  # refuses what does not fit this machine
             log(note)
         if system_spec(system).pickled:  # its save signs with the user's key: one that cannot is refused now

@@ -27,7 +27,6 @@ from megatrain.bench.suite import SUITES_DIR
 from megatrain.hardware import get_profile
 from megatrain.models.registry import MODELS
 from megatrain.systems import SYSTEMS
-from megatrain.workspace import WORKSPACE
 
 # Systems as a sentence names them (their registry lines); figures and tables use the labels.
 SYSTEM_NAMES = {system: line.name or system for system, line in SYSTEMS.items()}
@@ -438,7 +437,7 @@ def _deepest(ladders: pd.DataFrame) -> str:
 # ---- over_deepspeed: each system's speed over DeepSpeed ZeRO-3 offload's at equal kernels, the paper's as its own ----
 
 # Where the answer finds the model of DeepSpeed's step projected onto the paper's machine (megatrain.perf_model)
-DEEPSPEED_PROJECTION = "results/perf_model/deepspeed_projection.json"
+DEEPSPEED_PROJECTION = scaling_report.PERF / "deepspeed_projection.json"
 
 
 def _papers_batch(claims: tuple[paper.Claim, ...]) -> int | None:
@@ -512,7 +511,7 @@ def _why(projection_path: Path) -> str | None:
 
 
 def over_deepspeed(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path,
-                   projection_path: Path = WORKSPACE / DEEPSPEED_PROJECTION):
+                   projection_path: Path = DEEPSPEED_PROJECTION):
     """The paper's headline question: every system's TFLOPS over DeepSpeed ZeRO-3 offload's at the same model, batch
     and kernels, one kernel setting at a time. It opens with the deepest session that ran beside DeepSpeed at the
     paper's batch (a full-depth record supersedes a cut one; the latest of equals), then the ratio over batch from the

@@ -88,7 +88,8 @@ def train(cfg: TrainConfig, log=print) -> int:
     vocab = model.vocab_size
     # before the rows are made, each --seq tokens wide: a --seq this machine cannot hold is refused before its rows'
     # padding is allocated (the run's length, not known until they are, weighs nothing in it)
-    notes = preflight(cfg.make_case(label, model_shape=init.shape if init else None, steps=1, warmup=0))
+    planned = cfg.make_case(label, model_shape=init.shape if init else None, steps=1, warmup=0)
+    notes = preflight(planned)
     rows = Rows(read_examples(files, tokenizer, cfg.train_on_prompt), cfg.seq, vocab, cfg.shuffle, cfg.seed, cfg.pack)
     eval_rows = Rows(read_examples(data_files(cfg.eval_data, "--eval-data", cfg.eval_split), tokenizer,
                                    cfg.train_on_prompt, "--eval-data"), cfg.seq, vocab, False, cfg.seed, cfg.pack,
@@ -98,7 +99,7 @@ def train(cfg: TrainConfig, log=print) -> int:
     if packs and (why := model.packing_refusal()):
         raise ValueError(why)  # before anything is built, not at the first packed row
     total = cfg.steps if cfg.steps is not None else math.ceil(cfg.epochs * len(rows) / cfg.batch)
-    case = cfg.make_case(label, model_shape=init.shape if init else None, steps=total, warmup=0)
+    case = dataclasses.replace(planned, steps=total)
     ranks = distributed.current(cfg.device)  # under torchrun: rank 0 owns --out, every rank trains
     first = ranks.first
     run = RunDir(out, cfg.resume is not None, cfg.overwrite) if first else None
