@@ -52,6 +52,9 @@ def generic_model(kind: str, path, **extra):
 # megatrain and native check with every family: they check it with one of each structure (dense with sliding layers
 # and a tied head; MLA over experts with a router's buffer; linear and full attention over experts)
 OFFLOAD_GENERIC_KINDS = ("gemma3", "deepseek_v3", "qwen3_next")
+# families whose tiny training amplifies rounding so fast that transformers differs from itself (its eager attention
+# against its sdpa: 2e-4 in the loss by step 10, for Gemma 4) are compared over the steps before that
+SHORT, SHORT_STEPS = ("gemma4", "gemma4_moe", "gemma4_unified"), 4
 
 
 def _cases():
@@ -66,10 +69,11 @@ def _cases():
 def test_train_matches_transformers_and_the_export_reloads_with_its_logits(tmp_path, system, kind):
     init = generic_model(kind, tmp_path / "init")
     data = pretokenized(tmp_path / "data.jsonl")
-    assert train_any(system, init, data, tmp_path / "run") == 0
-    ref_losses, ref_model = reference_training(init, data)
+    steps = SHORT_STEPS if kind in SHORT else STEPS
+    assert train_any(system, init, data, tmp_path / "run", steps=steps) == 0
+    ref_losses, ref_model = reference_training(init, data, steps)
     ours = [m for m in metrics(tmp_path / "run") if "loss" in m]
-    assert [m["step"] for m in ours] == list(range(1, STEPS + 1))
+    assert [m["step"] for m in ours] == list(range(1, steps + 1))
     torch.testing.assert_close(torch.tensor([m["loss"] for m in ours]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     assert max(m["grad_norm"] for m in ours) > CLIP  # clipping acted
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf",

@@ -7,9 +7,14 @@ hidden state (position embeddings, the mask of its attention type, position ids)
 passes it (`capture`: the forward runs with every decoder layer replaced by a recorder), and the logits are what the
 model's own causal-LM forward makes of the last hidden state (`head_logits`: softcapping, scaling, whatever it does).
 
+State that crosses layers is recorded, not refused (`Crossings`): an input of a layer that the preamble computed from
+the embedding unit's weights (Gemma 4's per-layer inputs: its gradient goes back into the preamble), and a mapping
+the forward hands every layer, through which a layer publishes tensors that later layers read (Gemma 4's shared KV:
+the readers' gradients go back to the publisher); megatrain.engine.generic_program carries both across the stream.
+
 What the path cannot stream is refused by name (a ValueError saying why): a model whose layers read something
-computed from the weights or from another layer (per-layer inputs, a value residual), share state through a cache
-(KV sharing), are called out of order or more than once, or whose forward changes the hidden states between layers;
+nested in their inputs that was computed from the weights, share state through a cache, are called out of order or
+more than once, or whose forward changes the hidden states between layers;
 parameters outside the embedding, the layers, the final norm and the head; quantized checkpoints; the router's
 load-balancing loss.
 """
@@ -17,7 +22,8 @@ load-balancing loss.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+import functools
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -57,6 +63,21 @@ class Layout:
     vocab_size: int
     hidden_size: int
     buffers: tuple[tuple[str, tuple[int, ...]], ...] = ()  # full name and shape of each buffer a checkpoint holds
+
+
+@dataclass(frozen=True)
+class Crossings:
+    """What crosses between the layers besides the hidden state, per decoder layer: which of its inputs the preamble
+    computed from the embedding unit's weights (positional ones by index among those after the hidden states,
+    keyword ones by name), and the names of the keyword inputs that are a mapping every layer is handed, through
+    which layers publish tensors to later ones."""
+
+    preamble: tuple[frozenset, ...]
+    shared: tuple[frozenset, ...]
+
+    @property
+    def any(self) -> bool:
+        return any(self.preamble) or any(self.shared)
 
 
 class LayerCall(NamedTuple):
@@ -276,6 +297,7 @@ class Skeleton(Parts):
             problem = _preamble_problem(calls, out, len(self.layers))
             if problem is None:
                 self.tuple_outputs = tuple_outputs
+                self.crossings = crossings(calls)
                 return
             problems.append(problem)
         raise ValueError((problems or failures)[0])
@@ -317,15 +339,29 @@ def head_logits(parts: Parts, params: Mapping[str, torch.Tensor], h_1TH: torch.T
     """The logits [1, T, V] the causal LM's own forward makes of hidden states h_1TH: the final norm (with
     final_norm), the LM head, and whatever the family does to the logits; `params` the head's (names from the
     causal LM, the tied head's matrix under the head's own name), the rest of the model not run."""
-    from transformers.modeling_outputs import MoeModelOutputWithPast
-
     def decoder_output(*args, **kwargs):
         h = parts.norm(h_1TH) if final_norm and parts.norm is not None else h_1TH
-        return MoeModelOutputWithPast(last_hidden_state=h)
+        return _decoder_output_class()(last_hidden_state=h)
 
     ids = torch.zeros(h_1TH.shape[:2], dtype=torch.long, device=h_1TH.device)
     with _forwards({parts.base: decoder_output}):
         return functional_call(parts.model, dict(params), (), {"input_ids": ids}).logits
+
+
+@functools.cache
+def _decoder_output_class():
+    from transformers.modeling_outputs import MoeModelOutputWithPast
+
+    class DecoderOutput(MoeModelOutputWithPast):
+        """The decoder's output as the head sees it: the last hidden states, and None for any other output a family's
+        forward passes along without using (Gemma 4's shared_kv_states, returned only on request)."""
+
+        def __getattr__(self, name):
+            if name.startswith("_"):
+                raise AttributeError(name)
+            return None
+
+    return DecoderOutput
 
 
 def _preamble_problem(calls: list[LayerCall], out, num_layers: int) -> str | None:
@@ -337,17 +373,42 @@ def _preamble_problem(calls: list[LayerCall], out, num_layers: int) -> str | Non
         return f"its forward calls the decoder layers in the order {order}, not each once in order"
     for i, (_, hidden, args, kwargs) in enumerate(calls):
         inputs = {**{f"positional input {j + 1}": a for j, a in enumerate(args)}, **kwargs}
-        if shared := [k for k, v in inputs.items() if isinstance(v, Cache) or _any_tensor(v, _requires_grad)]:
-            return (f"its decoder layers read inputs computed from the weights, from another layer or shared "
-                    f"between layers ({', '.join(shared)}: per-layer inputs, KV sharing)")
-        if args:
-            return f"its forward passes decoder layer {i} {len(args)} positional inputs besides the hidden states"
-        if hidden is not calls[max(i - 1, 0)][1]:
+        if cached := [k for k, v in inputs.items() if isinstance(v, Cache)]:
+            return f"its decoder layers share state through a cache ({', '.join(cached)}), not a mapping of tensors"
+        # a tensor the preamble computed from the weights is carried whole (Crossings); one nested in an input is not
+        if nested := [k for k, v in inputs.items() if not _from_preamble(v) and _any_tensor(v, _requires_grad)]:
+            return (f"its decoder layers read inputs computed from the weights nested in other inputs "
+                    f"({', '.join(nested)})")
+        if plain := [a for a in args if not _from_preamble(a)]:
+            return f"its forward passes decoder layer {i} {len(plain)} positional inputs besides the hidden states"
+        if not _whole_view(hidden, calls[max(i - 1, 0)][1]):
             return f"its forward changes the hidden states between decoder layers {i - 1} and {i}"
     last = getattr(out, "last_hidden_state", None)
     if last is not calls[-1][1]:
         return "its forward changes the last layer's output other than by the final norm"
     return None
+
+
+def _whole_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` is `b` or a view of all of it (Gemma 4 slices the hidden states to the positions it keeps logits
+    of, all of them in training, before its KV-sharing layers)."""
+    return a is b or (a.shape == b.shape and a.stride() == b.stride() and a.data_ptr() == b.data_ptr()
+                      and a.storage_offset() == b.storage_offset())
+
+
+def crossings(calls: list[LayerCall]) -> Crossings:
+    """The state crossing layers in a captured forward (one whose embedding unit's weights required gradients)."""
+    from transformers import Cache
+
+    preamble = [frozenset([*(j for j, a in enumerate(args) if _from_preamble(a)),
+                           *(k for k, v in kwargs.items() if _from_preamble(v))]) for _, _, args, kwargs in calls]
+    shared = [frozenset(k for k, v in kwargs.items() if isinstance(v, MutableMapping) and not isinstance(v, Cache))
+              for _, _, _, kwargs in calls]
+    return Crossings(tuple(preamble), tuple(shared))
+
+
+def _from_preamble(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.requires_grad
 
 
 def structure_key(layer: nn.Module) -> tuple:
