@@ -273,3 +273,24 @@ def test_state_crossing_layers_keeps_the_model_causal(kind):
         finally:
             engine.close()
     assert losses[0] == losses[1] != losses[2]  # the same to the bit; and an earlier token changes it
+
+
+def test_gemma4_runs_through_bench_and_the_python_api(tmp_path, capfd):
+    """bench --model CHECKPOINT and megatrain.Engine reach the same program: the Engine's losses are train's."""
+    import megatrain
+    from train_helpers import BATCH, BETAS, EPS, LR, SEQ, WD
+
+    init = generic_model("gemma4", tmp_path / "init")
+    assert main(["bench", "--system", "megatrain", "--model", str(init), "--batch", "2", "--seq", "16", "--steps",
+                 "2", "--json"]) == 0
+    record = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
+    assert record["status"] == "ok" and all(math.isfinite(x) for x in record["losses"])
+    data = pretokenized(tmp_path / "data.jsonl", rows=8)
+    constant = ["--lr-schedule", "constant", "--warmup-steps", "0"]
+    assert train_any("megatrain", init, data, tmp_path / "cli", steps=2, extra=constant) == 0
+    rows = [json.loads(line)["input_ids"] for line in data.read_text().splitlines()]
+    with megatrain.Engine(init, seq=SEQ + 1, batch=BATCH, micro_batch=2, lr=LR, weight_decay=WD, max_grad_norm=CLIP,
+                          adam_betas=BETAS, adam_eps=EPS, dtype="float32", device="cpu") as engine:
+        losses = [engine.step(torch.tensor(rows[i:i + BATCH])) for i in (0, BATCH)]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor([m["loss"] for m in metrics(tmp_path / "cli")]),
+                               rtol=1e-5, atol=0)

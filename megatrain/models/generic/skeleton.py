@@ -280,9 +280,9 @@ class Skeleton(Parts):
 
     def _check_preamble(self) -> None:
         """One capture of a short sequence, the embedding unit's weights requiring gradients: the layers must be
-        called once each in order, each on the previous one's output, with nothing computed from the weights or
-        another layer among their other inputs, and the decoder's output must be the last one's (the final norm
-        alone between)."""
+        called once each in order, each on the previous one's output, what their other inputs computed from the
+        weights must be whole tensors (recorded in self.crossings with the mappings they share), and the decoder's
+        output must be the last one's (the final norm alone between)."""
         params = {local: _zeros_requiring_grad(shape) for local, shape in self.units[0].shapes}
         params.update(self.base_buffers("cpu"))
         ids, positions = torch.zeros(1, 8, dtype=torch.long), torch.arange(8)[None]
