@@ -277,8 +277,9 @@ def test_state_crossing_layers_keeps_the_model_causal(kind):
 
 def test_gemma4_runs_through_bench_and_the_python_api(tmp_path, capfd):
     """bench --model CHECKPOINT and megatrain.Engine reach the same program: the Engine's losses are train's."""
-    import megatrain
     from train_helpers import BATCH, BETAS, EPS, LR, SEQ, WD
+
+    import megatrain
 
     init = generic_model("gemma4", tmp_path / "init")
     assert main(["bench", "--system", "megatrain", "--model", str(init), "--batch", "2", "--seq", "16", "--steps",
@@ -294,3 +295,24 @@ def test_gemma4_runs_through_bench_and_the_python_api(tmp_path, capfd):
         losses = [engine.step(torch.tensor(rows[i:i + BATCH])) for i in (0, BATCH)]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor([m["loss"] for m in metrics(tmp_path / "cli")]),
                                rtol=1e-5, atol=0)
+
+
+def test_the_memory_plan_holds_the_state_crossing_layers_and_refuses_a_gpu_that_cannot(monkeypatch):
+    """Gemma 4's per-layer inputs (4 layers x 8) and the keys and values its two publishers keep (2 x 2 x 2 heads x
+    16) for every token of the step are on the GPU beside the rest: a GPU that holds all but them is refused."""
+    from megatrain.engine.config import EngineConfig, MegaTrainOptions
+    from megatrain.engine.plan import check_fits, plan_memory
+    from megatrain.memory import Budget
+
+    cfg = GenericConfig.from_hf(generic_config("gemma4", **SHAPE).to_dict())
+    assert cfg.crossing_numel_per_token == 4 * 8 + 2 * 2 * 2 * 16
+    config = EngineConfig(model=cfg, batch=8, micro_batch=2, seq=1024, device="cuda",
+                          options=MegaTrainOptions(resident_layers=0, resident_embedding=False))
+    large = Budget(host_bytes=2**40, gpu_bytes=2**40, host_source="test")
+    crossing = 8 * 1024 * cfg.crossing_numel_per_token * 4
+    planned = plan_memory(config, large).gpu_bytes
+    short = Budget(host_bytes=2**40, gpu_bytes=planned - crossing // 2, host_source="test")
+    assert not check_fits(config, short).fits
+    monkeypatch.setattr(GenericConfig, "crossing_numel_per_token", property(lambda self: 0))
+    assert planned - plan_memory(config, large).gpu_bytes == crossing
+    assert check_fits(config, short).fits

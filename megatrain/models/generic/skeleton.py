@@ -63,6 +63,7 @@ class Layout:
     vocab_size: int
     hidden_size: int
     buffers: tuple[tuple[str, tuple[int, ...]], ...] = ()  # full name and shape of each buffer a checkpoint holds
+    crossing_numel_per_token: int = 0  # elements a token's state crossing layers holds (Crossings) over a step
 
 
 @dataclass(frozen=True)
@@ -251,7 +252,8 @@ class Skeleton(Parts):
                       embedding_name=self.base_prefix + self.embedding_name,
                       head_weight_name=self.head_weight_name, vocab_size=embedding[0],
                       hidden_size=embedding[1],
-                      buffers=tuple((n, tuple(b.shape)) for n, b in persistent_buffers(self.model).items()))
+                      buffers=tuple((n, tuple(b.shape)) for n, b in persistent_buffers(self.model).items()),
+                      crossing_numel_per_token=self.crossing_numel_per_token)
 
     # ---- the forward preamble -------------------------------------------------------------------------------------
     def capture(self, params: Mapping[str, torch.Tensor], input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -298,9 +300,32 @@ class Skeleton(Parts):
             if problem is None:
                 self.tuple_outputs = tuple_outputs
                 self.crossings = crossings(calls)
+                self.crossing_numel_per_token = self._crossing_numel(calls) // ids.numel()
                 return
             problems.append(problem)
         raise ValueError((problems or failures)[0])
+
+    def _crossing_numel(self, calls: list[LayerCall]) -> int:
+        """Elements of the captured sequence's state crossing layers: its preamble inputs, and what the layers publish
+        through shared mappings, found by running them (zero weights, on the CPU) in order, only where they share
+        one."""
+        preamble = sum(call.args[k].numel() if isinstance(k, int) else call.kwargs[k].numel()
+                       for call, keys in zip(calls, self.crossings.preamble, strict=True) for k in keys)
+        if not any(self.crossings.shared):
+            return preamble
+        shared: dict[str, dict] = {}
+        hidden = calls[0].hidden.detach()
+        with torch.no_grad():
+            for i, (call, names) in enumerate(zip(calls, self.crossings.shared, strict=True)):
+                params = {n: torch.zeros(1, *s[1:]).expand(s) if len(s) >= 2 else torch.zeros(s)
+                          for n, s in ((n, tuple(p.shape)) for n, p in self.layers[i].named_parameters())}
+                args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in call.args)
+                kwargs = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in call.kwargs.items()}
+                out = functional_call(self.layers[i], {**params, **self.layer_buffers(i, "cpu")}, (hidden, *args),
+                                      {**kwargs, **{n: shared.setdefault(n, {}) for n in names}})
+                hidden = out[0] if isinstance(out, tuple) else out
+        return preamble + sum(t.numel() for mapping in shared.values() for v in mapping.values()
+                              for t in ((v,) if isinstance(v, torch.Tensor) else v))
 
     def base_buffers(self, device: torch.device | str) -> dict[str, torch.Tensor]:
         """The decoder's buffers outside its layers (rotary frequencies, an embedding scale), names in the base."""
