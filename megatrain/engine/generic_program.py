@@ -237,8 +237,7 @@ class GenericProgram:
         template = self.templates[self.skeleton.structure[index]]
         args, kwargs = context.layer_args[index], context.layer_kwargs[index]
         crossings = self.skeleton.crossings
-        grad = torch.is_grad_enabled()
-        if grad and crossings.preamble[index]:
+        if torch.is_grad_enabled() and crossings.preamble[index]:
             keys = sorted(crossings.preamble[index], key=str)
             values = [args[k] if isinstance(k, int) else kwargs[k] for k in keys]
             tapped = dict(zip(keys, (_Tap.apply(x_BSH, context.preamble_grads, (index, k), v)[0]

@@ -76,10 +76,6 @@ class Crossings:
     preamble: tuple[frozenset, ...]
     shared: tuple[frozenset, ...]
 
-    @property
-    def any(self) -> bool:
-        return any(self.preamble) or any(self.shared)
-
 
 class LayerCall(NamedTuple):
     """One decoder layer's call in a captured forward."""
