@@ -215,7 +215,7 @@ CROSSING_PLANS = {
 
 @pytest.mark.parametrize("micro_batch", [1, 2])
 @pytest.mark.parametrize("plan", CROSSING_PLANS)
-@pytest.mark.parametrize("kind", ["gemma4", "gemma4_moe"])
+@pytest.mark.parametrize("kind", ["gemma4", "gemma4_moe", "gemma4_unified"])
 def test_state_crossing_layers_has_transformers_gradient_for_every_weight(kind, plan, micro_batch):
     """One engine step's loss and gradients (the host's, and a resident unit's on its device) against
     transformers', weight by weight: a gradient that missed a crossing (the per-layer table's, a KV publisher's from
