@@ -50,8 +50,9 @@ def generic_model(kind: str, path, **extra):
 
 # DeepSpeed and FSDP2 train transformers' module through one wrapper (GenericCausalLM) whatever the family, which
 # megatrain and native check with every family: they check it with one of each structure (dense with sliding layers
-# and a tied head; MLA over experts with a router's buffer; linear and full attention over experts)
-OFFLOAD_GENERIC_KINDS = ("gemma3", "deepseek_v3", "qwen3_next")
+# and a tied head; MLA over experts with a router's buffer; linear and full attention over experts; state crossing
+# layers, checkpointed per layer: gemma4)
+OFFLOAD_GENERIC_KINDS = ("gemma3", "deepseek_v3", "qwen3_next", "gemma4")
 # a family whose tiny training amplifies rounding (a token routed to another expert of a near tie) so fast that it
 # leaves 1e-5 before step 10 is compared over the steps before (Gemma 4 over experts: 6e-6 at step 5, 2e-5 at 10)
 SHORT, SHORT_STEPS = ("gemma4_moe",), 5
