@@ -12,6 +12,9 @@ embedding unit's backward runs that preamble again with gradients (its embedding
 tokens, not a [V, H] matrix, come back). The head is the model's own norm, LM head and logit transform, chunked
 (megatrain.models.generic.head).
 
+The templates train in train mode (dropout and router jitter as config.json sets them, each unit's forward of a
+micro-batch drawing from its own seed: megatrain.models.draws), the held-out loss runs in eval mode.
+
 Packed rows pass per-document position ids, from which transformers builds document masks (models.generic.module.
 position_ids; a model with layers other than attention is refused packed rows).
 """
@@ -28,6 +31,7 @@ from torch.func import functional_call
 
 from megatrain.engine.layout import Unit
 from megatrain.engine.templates import CompiledCall, add_rows
+from megatrain.models.draws import Draws
 from megatrain.models.generic.config import GenericConfig
 from megatrain.models.generic.head import chunked_loss, cross_entropy_sum
 from megatrain.models.generic.module import position_ids
@@ -41,6 +45,7 @@ class Context:
     the keyword arguments the model's layer loop passes each layer."""
 
     position_ids: torch.Tensor  # [B, S]
+    index: int = 0  # the micro-batch's, in this process's step (its draws' seeds: megatrain.models.draws)
     layer_kwargs: list[dict] = field(default_factory=list)
 
 
@@ -102,6 +107,9 @@ class GenericProgram:
         for i, s in enumerate(skeleton.structure):
             first.setdefault(s, i)
         self.templates = {s: ModuleTemplate(skeleton.layers[i], config.compile) for s, i in first.items()}
+        # what training draws, where config.json asks for dropout or jitter: one seed per unit's forward of a
+        # micro-batch of a step, so recompute replays its forward's masks (None: nothing random, nothing reseeded)
+        self.draws = Draws(config.seed) if cfg.random_settings else None
 
     @property
     def compiled(self) -> bool:
@@ -112,10 +120,23 @@ class GenericProgram:
     def contexts(self, segments_BS: torch.Tensor | None, micro_batches: int) -> list[Context]:
         """Each micro-batch's position ids (megatrain.models.generic.module.position_ids)."""
         positions = position_ids(self.cfg, micro_batches * self.micro_batch, self.seq, segments_BS, self.device)
-        return [Context(positions[i:i + self.micro_batch]) for i in range(0, positions.shape[0], self.micro_batch)]
+        return [Context(positions[i:i + self.micro_batch], i // self.micro_batch)
+                for i in range(0, positions.shape[0], self.micro_batch)]
+
+    def train(self, mode: bool) -> None:
+        """Train mode (dropout and jitter as config.json sets them) or eval mode (a held-out loss) for every
+        template and the preamble."""
+        self.skeleton.model.train(mode)
+
+    def _reseed(self, unit: int, context: Context) -> None:
+        """Before unit `unit`'s forward (first, recomputed or in backward) of a micro-batch: its draws' seed."""
+        if self.draws is not None and self.skeleton.model.training:
+            self.draws.micro_batch = context.index
+            self.draws.reseed(unit, self.device)
 
     def embed(self, params: dict, tokens_BS: torch.Tensor, context: Context) -> torch.Tensor:
         """The first layer's input, from the model's own forward preamble; records the layers' keyword arguments."""
+        self._reseed(0, context)
         calls, _ = self.skeleton.capture({**params, **self.base_buffers}, tokens_BS,
                                          context.position_ids[:tokens_BS.shape[0]])
         context.layer_kwargs = [call.kwargs for call in calls]
@@ -127,6 +148,7 @@ class GenericProgram:
         preamble run again with gradients, a sparse gradient's rows added in place (megatrain.engine.templates.
         add_rows)."""
         leaves = {name: p.detach().requires_grad_() for name, p in params.items()}
+        self._reseed(0, context)  # the preamble's draws (an embedding dropout) as its forward drew them
         with torch.enable_grad():
             calls, _ = self.skeleton.capture({**leaves, **self.base_buffers}, tokens_BS,
                                              context.position_ids[:tokens_BS.shape[0]])
@@ -142,6 +164,7 @@ class GenericProgram:
     def layer(self, unit: Unit, params: dict, x_BSH: torch.Tensor, context: Context) -> torch.Tensor:
         index = unit.index - 1
         template = self.templates[self.skeleton.structure[index]]
+        self._reseed(unit.index, context)
         return template.run(index, {**params, **self.layer_buffers[index]}, x_BSH, context.layer_kwargs[index])
 
     def head_loss(self, params: dict, h_BSH: torch.Tensor, labels_BS: torch.Tensor, normalizer: int) -> torch.Tensor:

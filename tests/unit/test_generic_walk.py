@@ -21,6 +21,9 @@ MUST_TRAIN = ("gemma3_text", "mixtral", "phi3", "deepseek_v3", "qwen3_next", "ll
 def test_a_family_trains_and_one_that_reads_another_layers_state_is_refused():
     types = causal_lm_types()
     assert try_family("olmo2", types["olmo2"]).status == "trains"
+    # in train mode: Seed-OSS's class defaults draw attention and residual dropout, equal to transformers' own
+    drawn = try_family("seed_oss", types["seed_oss"])
+    assert drawn.status == "trains" and "attention_dropout=0.1, residual_dropout=0.1" in drawn.detail
     refused = try_family("bart", types["bart"])  # its layers take the encoder's states, positionally
     assert refused.status == "refused" and "positional inputs" in refused.detail
 
