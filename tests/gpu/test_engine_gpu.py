@@ -461,7 +461,11 @@ def test_a_compiled_layer_recomputes_the_masks_its_forward_drew(check):
              "eager_forward_vs_recompute": (outputs[False][0] - outputs[False][1]).abs().max().item(),
              "compiled_vs_eager": (outputs[True][0] - outputs[False][0]).abs().max().item()}
     check.update(**diffs)
-    assert diffs["compiled_forward_vs_recompute"] == 0 and diffs["eager_forward_vs_recompute"] == 0, diffs
+    # eager: the same kernels, bit for bit. Compiled: the two graphs fuse the layer otherwise, so they round otherwise
+    # (3e-8 on an H200, run-7765f61-h200); another mask would move an output by a dropped activation (compiled
+    # against eager: 6e-2)
+    assert diffs["eager_forward_vs_recompute"] == 0, diffs
+    assert diffs["compiled_forward_vs_recompute"] <= 1e-5 * diffs["compiled_vs_eager"] + 1e-6, diffs
 
 
 # ---- 5: a non-finite gradient norm skips the update -------------------------------------------------------------
