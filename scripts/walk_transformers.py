@@ -23,7 +23,8 @@ def markdown(results: list, version: str) -> str:
     counts = Counter(r.status for r in results)
     lines = [f"# The generic path over transformers {version}", "",
              f"{counts['trains']} of {len(results)} text decoders (model types with a *ForCausalLM class) train "
-             "through transformers' own modules, equal to transformers to 1e-5 (one step, tiny size, fp32, CPU: "
+             "through transformers' own modules, equal to transformers to 1e-5 (one step, tiny size, fp32, CPU, train "
+             "mode: a family's default dropout or jitter drawn alike on both sides, named after its numbers; "
              "scripts/walk_transformers.py).", "",
              "| status | model types |", "| --- | --- |",
              *[f"| {s} | {counts[s]} |" for s in STATUSES], ""]

@@ -92,6 +92,8 @@ def _gemma4(kind: str, shape: dict) -> transformers.PretrainedConfig:
 # gemma4_moe; gemma4_unified).
 GENERIC_KINDS = ("gemma3", "mixtral", "phi3", "deepseek_v3", "qwen3_next", "llama4", "glm4_moe", "olmo2", "granite",
                  "gemma4", "gemma4_moe", "gemma4_unified")
+# configs whose training draws random numbers (dropout, jitter): every system against transformers in train mode
+RANDOM_KINDS = ("seed_oss", "phi3-dropout", "qwen2-dropout", "mixtral-jitter")
 
 
 def generic_config(kind: str, **shape) -> transformers.PretrainedConfig:
@@ -123,6 +125,17 @@ def generic_config(kind: str, **shape) -> transformers.PretrainedConfig:
     if kind == "glm4_moe":
         return transformers.Glm4MoeConfig(**shape, **moe, head_dim=16, first_k_dense_replace=1,
                                           n_routed_experts=EXPERTS, n_group=1, topk_group=1)
+    if kind == "seed_oss":  # its class defaults: attention and residual dropout 0.1
+        return transformers.SeedOssConfig(**shape, head_dim=16)
+    if kind == "phi3-dropout":  # dropout of the embedding (the preamble's draw), the residuals and the attention
+        return transformers.Phi3Config(**shape, pad_token_id=0, bos_token_id=1, eos_token_id=2, embd_pdrop=0.1,
+                                       resid_pdrop=0.1, attention_dropout=0.1)
+    if kind == "qwen2-dropout":  # a hand-written family whose dropout only transformers' modules train
+        return transformers.Qwen2Config(**shape, attention_dropout=0.2,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if kind == "mixtral-jitter":  # the router's jitter noise on its inputs in training
+        return transformers.MixtralConfig(**shape, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                                          router_jitter_noise=0.1)
     if kind == "olmo2":
         return transformers.Olmo2Config(**shape, pad_token_id=0, bos_token_id=None, eos_token_id=1)
     if kind == "granite":

@@ -121,10 +121,14 @@ def interrupt_at_step(monkeypatch, n: int, sig=signal.SIGINT) -> None:
     at_step(monkeypatch, n, lambda: os.kill(os.getpid(), sig))
 
 
-def reference_training(init, data, steps=STEPS):
-    """(losses, model) of run_train's `steps` done with the transformers model, torch.optim.AdamW, clip_grad_norm_ and
-    the same schedule."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(init, attn_implementation="eager").float()
+def reference_training(init, data, attn="eager", steps=STEPS):
+    """(losses, model) of run_train's `steps` done with the transformers model in train mode, torch.optim.AdamW,
+    clip_grad_norm_ and the same schedule. A config with dropout or jitter draws each layer's masks from the seed
+    train's systems draw them from (megatrain.models.draws: one per step, unit and micro-batch), set by forward
+    pre-hooks on transformers' own modules, which apply the masks; such a model's attention must be the one our
+    systems run (attn: sdpa), whose dropout draws where eager's does not."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(init, attn_implementation=attn).float().train()
+    draws = seeded_draws(model)
     params = [p for p in model.parameters()]
     decay = [p for name, p in model.named_parameters() if p.ndim >= 2 and not name.endswith("bias")]  # experts' [E, n]
     groups = [{"params": decay, "weight_decay": WD},
@@ -138,7 +142,8 @@ def reference_training(init, data, steps=STEPS):
         block = torch.tensor([rows[(step * BATCH + i) % len(rows)] for i in range(BATCH)])
         inputs, targets = block[:, :-1], block[:, 1:]
         total = 0.0
-        for mb in (slice(0, 2), slice(2, 4)):
+        for m, mb in enumerate((slice(0, 2), slice(2, 4))):
+            draws.step, draws.micro_batch = step, m
             out = model(inputs[mb])
             loss = torch.nn.functional.cross_entropy(out.logits.reshape(-1, VOCAB), targets[mb].reshape(-1),
                                                      reduction="sum") / targets.numel()
@@ -151,6 +156,18 @@ def reference_training(init, data, steps=STEPS):
         opt.zero_grad()
         losses.append(total)
     return losses, model
+
+
+def seeded_draws(model, seed=0):
+    """The Draws (megatrain.models.draws) of a transformers causal LM, train's default seed, reseeding its units as
+    every system does (megatrain.models.generic.module.reseed_units); set its step and micro-batch."""
+    from megatrain.models.draws import Draws
+    from megatrain.models.generic.module import reseed_units
+    from megatrain.models.generic.skeleton import Parts
+
+    draws = Draws(seed)
+    reseed_units(Parts(model), draws, lambda: model.training)
+    return draws
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,6 +1,7 @@
 """Which of transformers' causal LMs the generic path trains, measured: every model type whose causal-LM class is a
 `*ForCausalLM`, built at a tiny size (its own config class with the sizes below), one step streamed through the engine
-against transformers' own loss and gradient norm on the same batch (fp32, CPU).
+against transformers' own loss and gradient norm on the same batch (fp32, CPU), in train mode: a family whose config
+class sets dropout or jitter draws it, its masks seeded alike on both sides (megatrain.models.draws).
 
 Each family ends in one of: 'trains' (loss and gradient norm equal transformers' to 1e-5 and 1e-4), 'refused' (the
 generic path names why it cannot stream it), 'differs' (it ran, and computed something else), 'fails' (the engine
@@ -83,7 +84,10 @@ def try_family(model_type: str, causal_lm: str) -> FamilyResult:
     """Measure one model type (never raises: the outcome is the result)."""
     import transformers
 
+    from megatrain.models.draws import Draws
     from megatrain.models.generic import GenericConfig
+    from megatrain.models.generic.module import reseed_units
+    from megatrain.models.generic.skeleton import Parts
     from megatrain.models.weights import named_weights
 
     try:
@@ -94,7 +98,7 @@ def try_family(model_type: str, causal_lm: str) -> FamilyResult:
             return FamilyResult(model_type, causal_lm, "unbuilt", f"at the tiny sizes it still has {params / 1e6:.0f}M "
                                 "parameters (sizes of its own the walk does not shrink)")
         torch.manual_seed(0)
-        reference = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+        reference = transformers.AutoModelForCausalLM.from_config(config).float().train()
     except Exception as exc:
         return FamilyResult(model_type, causal_lm, "unbuilt", _error(exc))
     cfg = GenericConfig.from_hf(reference.config.to_dict())
@@ -108,6 +112,8 @@ def try_family(model_type: str, causal_lm: str) -> FamilyResult:
     x, y = tokens[:, :-1], tokens[:, 1:]
     try:
         weights = {n: t.detach().clone() for n, t in named_weights(reference).items()}
+        if cfg.random_settings:  # its dropout's masks drawn as the engine draws them (step 0, micro-batch 0)
+            reseed_units(Parts(reference), Draws(), lambda: reference.training)
         ref_loss, ref_norm = _reference_step(reference, x, y)
     except Exception as exc:  # transformers' own model does not run at the tiny size: nothing to measure against
         return FamilyResult(model_type, causal_lm, "unbuilt", f"transformers' own forward: {_error(exc)}")
@@ -118,7 +124,8 @@ def try_family(model_type: str, causal_lm: str) -> FamilyResult:
     except Exception as exc:
         return FamilyResult(model_type, causal_lm, "fails", _error(exc))
     if math.isclose(loss, ref_loss, rel_tol=1e-5) and math.isclose(norm, ref_norm, rel_tol=1e-4):
-        return FamilyResult(model_type, causal_lm, "trains", f"loss {loss:.6f}, gradient norm {norm:.5f}")
+        draws = "".join(f", {k}={v:g}" for k, v in cfg.random_settings.items())  # drawn alike on both sides
+        return FamilyResult(model_type, causal_lm, "trains", f"loss {loss:.6f}, gradient norm {norm:.5f}{draws}")
     return FamilyResult(model_type, causal_lm, "differs", f"loss {loss:.6f} vs transformers' {ref_loss:.6f}, "
                         f"gradient norm {norm:.5f} vs {ref_norm:.5f}")
 

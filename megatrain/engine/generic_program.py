@@ -21,6 +21,9 @@ gradients summed per name), and a publisher's recompute hands its published tens
 output (`_Inject`), so that the schedule's one autograd call per layer backpropagates both; each layer runs backward
 after every later one, so every reader's gradient is in before its publisher's backward. The schedule is unchanged.
 
+The templates train in train mode (dropout and router jitter as config.json sets them, each unit's forward of a
+micro-batch drawing from its own seed: megatrain.models.draws), the held-out loss runs in eval mode.
+
 Packed rows pass per-document position ids, from which transformers builds document masks (models.generic.module.
 position_ids; a model with layers other than attention is refused packed rows).
 """
@@ -38,6 +41,7 @@ from torch.func import functional_call
 
 from megatrain.engine.layout import Unit
 from megatrain.engine.templates import CompiledCall, add_rows
+from megatrain.models.draws import Draws
 from megatrain.models.generic.config import GenericConfig
 from megatrain.models.generic.head import chunked_loss, cross_entropy_sum
 from megatrain.models.generic.module import position_ids
@@ -52,6 +56,7 @@ class Context:
 
     position_ids: torch.Tensor  # [B, S]
     layer_args: list[tuple] = field(default_factory=list)  # positional inputs besides the hidden states
+    index: int = 0  # the micro-batch's, in this process's step (its draws' seeds: megatrain.models.draws)
     layer_kwargs: list[dict] = field(default_factory=list)
     published: dict = field(default_factory=dict)  # (mapping input, key) -> what a layer published there
     published_grads: dict = field(default_factory=dict)  # (mapping input, key) -> its readers' summed gradients
@@ -183,6 +188,9 @@ class GenericProgram:
         for i, s in enumerate(skeleton.structure):
             first.setdefault(s, i)
         self.templates = {s: ModuleTemplate(skeleton.layers[i], config.compile) for s, i in first.items()}
+        # what training draws, where config.json asks for dropout or jitter: one seed per unit's forward of a
+        # micro-batch of a step, so recompute replays its forward's masks (None: nothing random, nothing reseeded)
+        self.draws = Draws(config.seed) if cfg.random_settings else None
 
     @property
     def compiled(self) -> bool:
@@ -193,10 +201,23 @@ class GenericProgram:
     def contexts(self, segments_BS: torch.Tensor | None, micro_batches: int) -> list[Context]:
         """Each micro-batch's position ids (megatrain.models.generic.module.position_ids)."""
         positions = position_ids(self.cfg, micro_batches * self.micro_batch, self.seq, segments_BS, self.device)
-        return [Context(positions[i:i + self.micro_batch]) for i in range(0, positions.shape[0], self.micro_batch)]
+        return [Context(positions[i:i + self.micro_batch], index=i // self.micro_batch)
+                for i in range(0, positions.shape[0], self.micro_batch)]
+
+    def train(self, mode: bool) -> None:
+        """Train mode (dropout and jitter as config.json sets them) or eval mode (a held-out loss) for every
+        template and the preamble."""
+        self.skeleton.model.train(mode)
+
+    def _reseed(self, unit: int, context: Context) -> None:
+        """Before unit `unit`'s forward (first, recomputed or in backward) of a micro-batch: its draws' seed."""
+        if self.draws is not None and self.skeleton.model.training:
+            self.draws.micro_batch = context.index
+            self.draws.reseed(unit, self.device)
 
     def embed(self, params: dict, tokens_BS: torch.Tensor, context: Context) -> torch.Tensor:
         """The first layer's input, from the model's own forward preamble; records the layers' keyword arguments."""
+        self._reseed(0, context)
         calls, _ = self.skeleton.capture({**params, **self.base_buffers}, tokens_BS,
                                          context.position_ids[:tokens_BS.shape[0]])
         context.layer_args = [call.args for call in calls]
@@ -211,6 +232,7 @@ class GenericProgram:
         gradients gathered in the layers' backward), a sparse gradient's rows added in place (megatrain.engine.
         templates.add_rows)."""
         leaves = {name: p.detach().requires_grad_() for name, p in params.items()}
+        self._reseed(0, context)  # the preamble's draws (an embedding dropout) as its forward drew them
         with torch.enable_grad():
             calls, _ = self.skeleton.capture({**leaves, **self.base_buffers}, tokens_BS,
                                              context.position_ids[:tokens_BS.shape[0]])
@@ -235,6 +257,7 @@ class GenericProgram:
         the preamble and other layers tapped, and what it published given its readers' gradients."""
         index = unit.index - 1
         template = self.templates[self.skeleton.structure[index]]
+        self._reseed(unit.index, context)
         args, kwargs = context.layer_args[index], context.layer_kwargs[index]
         crossings = self.skeleton.crossings
         if torch.is_grad_enabled() and crossings.preamble[index]:

@@ -97,6 +97,9 @@ class Schedule:
         self.grad_staging = None if grad_dt == torch.float32 else \
             [torch.empty(slot_numel, dtype=grad_dt, device=device) for _ in range(2)]
         self.program = build_program(config, device)
+        self.draws = self.program.draws  # dropout's seeds (megatrain.models.draws; None: the model draws nothing)
+        if self.draws is not None:  # under torchrun: this rank's rows come after the lower ranks' micro-batches
+            self.draws.first_micro_batch = ranks.rank * config.micro_batches
         self.acts = ActivationStore(streams, device, offloaded_layers, model.num_layers, config.micro_batches,
                                     (config.micro_batch, config.seq, model.hidden_size), dt, recomputed_inputs)
         self.uses = use_order(model.num_layers, frozenset(resident_units), self.acts.recomputed)
@@ -154,6 +157,8 @@ class Schedule:
                 self.store.hand_over_grads()
             self.optimizer.submit(clip, step.grad_ready, self.lr, delayed)
         self._record_step(step, host_t0, step_s, total_norm, skip)
+        if self.draws is not None:
+            self.draws.step += 1
         return loss
 
     def _land_delayed_update(self) -> float:
@@ -424,6 +429,15 @@ class Schedule:
         as an export has them), on the compute stream, each streamed unit's weights are copied to
         a temporary GPU buffer in turn (resident units are read where they live) and every micro-batch passes it."""
         self.optimizer.flush()
+        self.program.train(False)  # no dropout or jitter in a held-out loss
+        try:
+            return self._evaluate(inputs_BS, labels_BS, normalizer, segments_BS)
+        finally:
+            self.program.train(True)
+
+    @torch.no_grad()
+    def _evaluate(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, normalizer: int,
+                  segments_BS: torch.Tensor | None) -> float:
         s, dev, mb, units = self.streams, self.device, self.config.micro_batch, self.units
         with s.use("compute"):
             def weights(unit):

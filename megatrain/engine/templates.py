@@ -134,6 +134,8 @@ class HandWrittenProgram:
         self.head = HeadTemplate(model)
         self.cos, self.sin = rotary_tables(model, config.seq, device, config.torch_dtype)
 
+    draws = None  # the hand-written model draws nothing (no dropout): nothing to reseed
+
     @property
     def compiled(self) -> bool:
         return self.template.compiled
@@ -141,6 +143,9 @@ class HandWrittenProgram:
     @property
     def mlp_chunk_tokens(self) -> int:
         return self.template.module.mlp.chunk_tokens
+
+    def train(self, mode: bool) -> None:
+        """Nothing to switch: the hand-written model computes alike in train and eval mode."""
 
     def contexts(self, segments_BS: torch.Tensor | None, micro_batches: int) -> list[tuple]:
         """(cos, sin, {layer type: mask}) of each micro-batch: the shared tables and the model's masks, or for packed

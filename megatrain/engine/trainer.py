@@ -78,6 +78,7 @@ class StreamingSystem:
                                      stress_seed=config.options.stream_stress)
             self.schedule = Schedule(config, self.store, self.optimizer, self.streams, self.device, resident,
                                      self.plan.offloaded_layers, self.plan.recomputed_inputs, ranks)
+        self.draws = self.schedule.draws  # dropout's seeds: train sets their step (a resumed run draws the same)
 
     @contextlib.contextmanager
     def _phase(self, name: str):

@@ -156,6 +156,17 @@ HF_CONFIGS: dict[str, dict] = {
                                num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
                                norm_topk_prob=True, full_attention_interval=4, partial_rotary_factor=0.25,
                                rope_theta=10_000_000.0, max_position_embeddings=262144, tie_word_embeddings=False),
+    # the generic path with dropout (trained in train mode, megatrain.models.draws): Seed-OSS's class defaults
+    "tiny-hf-seed-oss": dict(_TINY_HF, model_type="seed_oss", attention_bias=True, attention_dropout=0.1,
+                             residual_dropout=0.1),
+    "tiny-hf-seed-oss-no-dropout": dict(_TINY_HF, model_type="seed_oss", attention_bias=True, attention_dropout=0.0,
+                                        residual_dropout=0.0),
+    # ByteDance's Seed-OSS-36B as its config.json publishes it: attention and residual dropout 0.1
+    "seed-oss-36b": dict(model_type="seed_oss", vocab_size=155136, hidden_size=5120, intermediate_size=27648,
+                         num_hidden_layers=64, num_attention_heads=80, num_key_value_heads=8, head_dim=128,
+                         attention_bias=True, attention_out_bias=False, mlp_bias=False, attention_dropout=0.1,
+                         residual_dropout=0.1, rms_norm_eps=1e-6, rope_theta=10000000.0,
+                         max_position_embeddings=524288, tie_word_embeddings=False),
     "deepseek-v2-lite": dict(model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
                              moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
                              num_key_value_heads=16, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,

@@ -110,6 +110,12 @@ class ModelShape(Protocol):
     @property
     def router_aux_loss_coef(self) -> float: ...
 
+    # ---- training ------------------------------------------------------------------------------------------------
+    @property
+    def random_settings(self) -> dict[str, float]:
+        """The config's settings that make training draw random numbers (dropout, jitter; megatrain.models.draws),
+        by config.json key: empty for a model whose training is deterministic."""
+
     # ---- accounting ----------------------------------------------------------------------------------------------
     def unit_shapes(self) -> tuple[UnitShapes, ...]:
         """The streamed units in forward order: the embedding, each decoder layer, the head."""

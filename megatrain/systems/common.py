@@ -12,6 +12,7 @@ import torch
 
 from megatrain.config import CaseConfig
 from megatrain.engine.distributed import Ranks
+from megatrain.models.draws import Draws
 from megatrain.models.loss import valid_tokens
 from megatrain.optim.config import OptimConfig
 from megatrain.systems.dist import rows_of_rank, summed_loss
@@ -52,7 +53,11 @@ def accumulate_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     normalizer, inputs_BS, labels_BS, segments_BS = rows_of_rank(ranks, inputs_BS, labels_BS, segments_BS)
     total = torch.zeros((), device=device)
     last = (inputs_BS.shape[0] - 1) // case.micro_batch
+    if (draws := draws_of(model, case.seed)) is not None:
+        draws.first_micro_batch = ranks.rank * (inputs_BS.shape[0] // case.micro_batch)
     for m, (x, y, seg) in enumerate(micro_batches(case, device, inputs_BS, labels_BS, segments_BS)):
+        if draws is not None:
+            draws.micro_batch = m
         with accumulating() if m < last else contextlib.nullcontext():
             with autocast():
                 loss = model(x, y, normalizer, seg, aux_weight(x, batch_BS))
@@ -67,7 +72,18 @@ def accumulate_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     if stepped:
         optimizer.step() if step is None else step(norm)
     optimizer.zero_grad(set_to_none=True)
+    if draws is not None:
+        draws.step += 1
     return summed_loss(ranks, total), stepped, float(norm)
+
+
+def draws_of(model: torch.nn.Module, seed: int | None = None) -> Draws | None:
+    """The random draws of a module (megatrain.models.draws; under DDP or DeepSpeed's engine, of the module inside),
+    None when its training draws nothing; with `seed`, seeded by it (the case's seed, as the engine's)."""
+    draws = getattr(getattr(model, "module", model), "draws", None)
+    if draws is not None and seed is not None:
+        draws.seed = seed
+    return draws
 
 
 def max_norm(optim: OptimConfig) -> float:
@@ -101,7 +117,12 @@ def evaluate_micro_batches(model: torch.nn.Module, case: CaseConfig, device: tor
     """The summed token loss over the batch's valid tokens, micro-batch by micro-batch, without gradients (`model`:
     a module, or DeepSpeed's engine around one); the cross-entropy alone, without a router's load-balancing loss."""
     normalizer, total = valid_tokens(labels_BS), 0.0
-    for x, y, seg in micro_batches(case, device, inputs_BS, labels_BS, segments_BS):
-        with autocast():
-            total += float(model(x, y, normalizer, seg, 0.0))
+    training = model.training
+    model.eval()  # no dropout or jitter in a held-out loss
+    try:
+        for x, y, seg in micro_batches(case, device, inputs_BS, labels_BS, segments_BS):
+            with autocast():
+                total += float(model(x, y, normalizer, seg, 0.0))
+    finally:
+        model.train(training)
     return total

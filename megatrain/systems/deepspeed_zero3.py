@@ -47,7 +47,7 @@ from megatrain.optim.state_bytes import FP32_BYTES, checkpoint_bytes_per_param, 
 from megatrain.options import CommonOptions
 from megatrain.preflight import activation_bytes, estimate_plan, largest_unit_params
 from megatrain.systems import SystemSpec
-from megatrain.systems.common import aux_weight, evaluate_micro_batches, micro_batches
+from megatrain.systems.common import aux_weight, draws_of, evaluate_micro_batches, micro_batches
 from megatrain.systems.dist import (
     kept_on_first,
     ranks_of,
@@ -274,6 +274,8 @@ def _compile_layers(model: torch.nn.Module) -> list[CompiledCall]:
 def _module_through(template, index: int, layer: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
     """A transformers decoder layer's forward: its structure's template with the layer's own (under ZeRO-3: gathered)
     parameters and buffers (and its positional inputs, Gemma 4's per-layer input)."""
+    if template.module.training != layer.training:  # the template draws (dropout) as the layer it runs for would
+        template.module.train(layer.training)
     return template.run(index, {**dict(layer.named_parameters()), **dict(layer.named_buffers())}, hidden_states,
                         args, kwargs)
 
@@ -380,6 +382,7 @@ class DeepSpeedSystem:
             self.optimizer_desc = "torch.optim.AdamW (client optimizer on the host partitions)"
         self.engine, *_ = ds.initialize(model=model, optimizer=optimizer,
                                         model_parameters=groups if optimizer is None else None, config=self.config)
+        self.draws = draws_of(model, case.seed)
 
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, segments_BS: torch.Tensor | None = None) -> float:
         """One step over the global batch (under torchrun, this rank's rows of it)."""
@@ -387,7 +390,11 @@ class DeepSpeedSystem:
         normalizer, inputs_BS, labels_BS, segments_BS = rows_of_rank(self.ranks, inputs_BS, labels_BS, segments_BS)
         total = torch.zeros((), device=self.device)
         steps_before = self.engine.global_steps
-        for x, y, seg in micro_batches(self.case, self.device, inputs_BS, labels_BS, segments_BS):
+        if self.draws is not None:
+            self.draws.first_micro_batch = self.ranks.rank * (inputs_BS.shape[0] // self.case.micro_batch)
+        for m, (x, y, seg) in enumerate(micro_batches(self.case, self.device, inputs_BS, labels_BS, segments_BS)):
+            if self.draws is not None:
+                self.draws.micro_batch = m
             loss = self.engine(x, y, normalizer, seg, aux_weight(x, batch_BS))
             # The normaliser already spans the global batch: DeepSpeed's own 1/GAS scaling would count the
             # accumulation twice, and it averages the ranks' gradients where their sum is the one-process gradient.
@@ -398,6 +405,8 @@ class DeepSpeedSystem:
         # steps), and one micro-batch is its step (zenflow_refusal): there is nothing of ours to check against
         assert self.case.opts.zenflow or self.engine.global_steps == steps_before + 1, \
             "micro-batches and gradient_accumulation_steps disagree"
+        if self.draws is not None:
+            self.draws.step += 1
         return summed_loss(self.ranks, total)
 
     @property

@@ -36,7 +36,13 @@ from megatrain.optim.state_bytes import FP32_BYTES, checkpoint_bytes_per_param, 
 from megatrain.options import CommonOptions
 from megatrain.preflight import activation_bytes, estimate_plan, largest_unit_params, pinned_bytes
 from megatrain.systems import SystemSpec
-from megatrain.systems.common import COMPILED_LAYERS, accumulate_and_step, compile_layers, evaluate_micro_batches
+from megatrain.systems.common import (
+    COMPILED_LAYERS,
+    accumulate_and_step,
+    compile_layers,
+    draws_of,
+    evaluate_micro_batches,
+)
 from megatrain.systems.dist import (
     kept_on_first,
     ranks_of,
@@ -146,6 +152,7 @@ class FSDPSystem:
             _ShardTarget(p).copy_(full)
         reset_buffers(self.model, self.device)  # a generic model's (rotary tables, router biases): to_empty left none
         self.optimizer = torch_adamw(self.model.named_parameters(), case.optim, fused=True)
+        self.draws = draws_of(self.model, case.seed)  # dropout's seeds (None: the model draws nothing)
         self.skipped_steps = 0
         self.last_grad_norm = float("nan")
 

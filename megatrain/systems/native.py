@@ -31,7 +31,13 @@ from megatrain.optim.state_bytes import FP32_BYTES, checkpoint_bytes_per_param, 
 from megatrain.options import CommonOptions
 from megatrain.preflight import activation_bytes, estimate_plan
 from megatrain.systems import SystemSpec
-from megatrain.systems.common import COMPILED_LAYERS, accumulate_and_step, compile_layers, evaluate_micro_batches
+from megatrain.systems.common import (
+    COMPILED_LAYERS,
+    accumulate_and_step,
+    compile_layers,
+    draws_of,
+    evaluate_micro_batches,
+)
 from megatrain.systems.dist import ranks_of
 
 
@@ -102,6 +108,7 @@ class NativeSystem:
             self.trained.register_comm_hook(None, _summed)
         self.autocast = case.precision == "mixed" and self.dtype != torch.float32
         self.optimizer = self._optimizer()
+        self.draws = draws_of(self.model, case.seed)  # dropout's seeds (None: the model draws nothing)
         self.ckpt = ckpt
         self.skipped_steps = 0
         self.last_grad_norm = float("nan")

@@ -153,6 +153,9 @@ def refusal(case: CaseConfig, world: int = 1) -> str | None:
     if cfg.family not in FAMILIES:
         return f"the paper's code is compared on the hand-written families here ({', '.join(FAMILIES)}); " \
                f"{case.model} is a {cfg.family}"
+    if settings := cfg.random_settings:
+        return f"the paper's code is compared on the hand-written models here, which have no dropout; {case.model} " \
+               f"sets {', '.join(settings)}"
     if cfg.is_moe:
         return f"the paper's code is compared on dense models here; {case.model} is a mixture of experts"
     if SLIDING in cfg.layer_types and attention(case.opts) == "sdpa":

@@ -254,6 +254,8 @@ def _run_steps(cfg, system, case, rows, eval_rows, progress: Progress, total, ou
         lr = lr_at(progress.step, total, cfg.lr, cfg.lr_schedule, cfg.warmup_steps, cfg.min_lr)
         system.set_lr(lr)
         inputs, labels, segments = rows.batch(progress.rows_consumed, cfg.batch)
+        if (draws := getattr(system, "draws", None)) is not None:  # dropout's seeds, by the step (a resumed run's too)
+            draws.step = progress.step
         t0 = time.perf_counter()
         loss = system.step(inputs, labels, segments)
         if case.device == "cuda":

@@ -83,11 +83,19 @@ FP32_SETS = {
     "generic-hybrid": ({"model": "tiny-hf-qwen3-next"}, {}),
     "generic-hybrid-offload-recompute-resident": ({"model": "tiny-hf-qwen3-next"}, {
         "offload_activations": 1, "recompute_inputs": 1, "resident_layers": 1}),
+    # dropout (Seed-OSS's attention and residual 0.1, train mode): every unit's masks drawn from the seed native's
+    # draw them from, the recomputed forward drawing its first forward's (eager on both sides: Inductor's dropout
+    # draws other masks than eager's). Native's reordering noise is the same model's without dropout: another split
+    # of the batch draws other masks, which is no rounding.
+    "generic-dropout": ({"model": "tiny-hf-seed-oss", "compile": False}, {}),
+    "generic-dropout-offload-recompute-resident": ({"model": "tiny-hf-seed-oss", "compile": False}, {
+        "offload_activations": 1, "recompute_inputs": 1, "resident_layers": 1}),
 }
+NOISE_MODEL = {"tiny-hf-seed-oss": "tiny-hf-seed-oss-no-dropout"}  # whose rounding noise a model that draws has
 STRESS_SETS = ["compiled", "tied", "resident-embedding-2-layers", "offload-activations", "offload-first-2-layers",
                "offload-mlp-chunks-1-resident-eager", "recompute-2-inputs", "recompute-1-offload-1-tied", "moe",
                "gpt-oss-offload-recompute", "generic-dense", "generic-mla-moe", "generic-hybrid",
-               "generic-hybrid-offload-recompute-resident"]
+               "generic-hybrid-offload-recompute-resident", "generic-dropout-offload-recompute-resident"]
 STRESS_SEEDS = [1, 2, 3]
 _runs: dict[str, tuple] = {}
 
@@ -151,7 +159,8 @@ def _fp32_check(check: dict, name: str, clipping: str, stress_seed: int | None) 
     kw = {**FP32_BASE, **fields, "optim": CLIPPING[clipping]}
     # native (eager, the reference) computes the same function the same way: with the engine's MLP sequence chunks
     native_kw = {**kw, "compile": False, "options": {k: v for k, v in options.items() if k == "mlp_chunk_tokens"}}
-    native, noise = _run("native", **native_kw), _native_reorderings(**native_kw)
+    native = _run("native", **native_kw)
+    noise = _native_reorderings(**{**native_kw, "model": NOISE_MODEL.get(kw["model"], kw["model"])})
     plain = _run("megatrain", options=options, **kw)
     ours = plain if stress_seed is None else \
         train("megatrain", FP32_STEPS, options={**options, "stream_stress": stress_seed}, **kw)
@@ -225,6 +234,7 @@ SANITIZER_SETS = {
     "generic-dense": ({"model": "tiny-hf-gemma3"}, {}),
     "generic-mla-moe": ({"model": "tiny-hf-deepseek-v3"}, {}),
     "generic-hybrid": ({"model": "tiny-hf-qwen3-next"}, {"offload_activations": 1}),
+    "generic-dropout": ({"model": "tiny-hf-seed-oss"}, {"offload_activations": 1, "recompute_inputs": 1}),
 }
 _SANITIZED_RUNS = """
 import json, sys
@@ -274,6 +284,9 @@ CURVE_SHAPES = {
     # first layer and an MoE one of 64 experts, top-6, two shared, MLA)
     "gemma-3-27b-2l-b4-s1024": dict(model="gemma-3-27b", num_layers=2, batch=4, seq=1024),
     "deepseek-v2-lite-2l-b4-s1024": dict(model="deepseek-v2-lite", num_layers=2, batch=4, seq=1024),
+    # Seed-OSS-36B's layers with its attention and residual dropout 0.1 (4 of its 64), train mode, eager on both
+    # sides (the masks drawn alike: megatrain.models.draws)
+    "seed-oss-36b-4l-b4-s1024": dict(model="seed-oss-36b", num_layers=4, batch=4, seq=1024),
 }
 # the long-context options together: 8 of 28 inputs recomputed, the next 8 offloaded, SwiGLU in 4k-token chunks
 LONG_CONTEXT = {"recompute_inputs": 8, "offload_activations": 8, "mlp_chunk_tokens": 4096}
@@ -284,6 +297,7 @@ CURVE_SETS = {
     "mixed-torch-kernel": ("mixed", {}, {"optimizer_kernel": "torch"}),
     "bf16-torch-kernel": ("bf16", {}, {"optimizer_kernel": "torch"}),
     "mixed-eager": ("mixed", {"compile": False}, {}),
+    "bf16-eager": ("bf16", {"compile": False}, {}),
     "mixed-micro-batch-2": ("mixed", {"micro_batch": 2}, {}),
     "mixed-resident-by-plan": ("mixed", {}, {"resident_embedding": "auto", "resident_layers": "auto"}),
     "bf16-resident-embedding-4-layers": ("bf16", {}, {"resident_embedding": True, "resident_layers": 4}),
@@ -304,7 +318,7 @@ CURVE_CASES = [("qwen2.5-0.5b-b8-s1024", name) for name in CURVE_SETS if "long-c
     ("llama3.1-8b-4l-b4-s1024", name) for name in ("mixed", "bf16", "bf16-offload-stress")] + [
     ("gpt-oss-20b-2l-b4-s1024", name) for name in ("mixed", "bf16", "bf16-offload-stress")] + [
     (shape, name) for shape in ("gemma-3-27b-2l-b4-s1024", "deepseek-v2-lite-2l-b4-s1024")
-    for name in ("mixed", "bf16", "bf16-offload-stress")]
+    for name in ("mixed", "bf16", "bf16-offload-stress")] + [("seed-oss-36b-4l-b4-s1024", "bf16-eager")]
 # The curve a shape's mixed precision follows where native's autocast computes something else: a mixture's top-k
 # routing is discontinuous, so a router logit rounded another way sends a token to another expert. Native's mixed
 # precision (fp32 parameters under autocast) keeps the residual stream, the norms and GPT-OSS's sinks in fp32; the
@@ -415,6 +429,43 @@ def test_bf16_loss_curve_tracks_native(shape, name, check):
                  max_excess_over_tol=excess, rising_steps=rises)
     assert excess <= 0, f"loss leaves native's band by {excess:.4f} (curve {ours.tolist()} vs {ref.tolist()})"
     assert not rises, f"loss rises at steps {rises} where native's falls: {ours.tolist()}"
+
+
+def test_a_compiled_layer_recomputes_the_masks_its_forward_drew(check):
+    """The engine's compiled template runs a layer's forward without gradients and its recompute with them: two
+    Inductor graphs. With dropout, reseeded alike (megatrain.models.draws), both must draw the same masks, or the
+    gradient is another forward's. Eager beside it, and eager against compiled (which differ: other RNG)."""
+    from megatrain.engine.config import EngineConfig
+    from megatrain.engine.generic_program import GenericProgram
+    from megatrain.engine.layout import Unit
+    from megatrain.models import get_model_config
+
+    device, cfg = torch.device("cuda"), get_model_config("tiny-hf-seed-oss")
+    outputs = {}
+    for compiled in (True, False):
+        program = GenericProgram(EngineConfig(model=cfg, batch=2, micro_batch=2, seq=256, device="cuda",
+                                              compile=compiled), device)
+        gen = torch.Generator().manual_seed(0)
+        embedding, layer = ({n: (0.05 * torch.randn(s, generator=gen)).to(device) for n, s in unit.shapes}
+                            for unit in cfg.unit_shapes()[:2])
+        context = program.contexts(None, 1)[0]
+        x = program.embed(embedding, torch.randint(0, cfg.vocab_size, (2, 256), generator=gen).to(device), context)
+        unit = Unit(1, "layer", (), 0, 0, 0)
+        with torch.no_grad():
+            forward = program.layer(unit, layer, x, context)
+        with torch.enable_grad():
+            recomputed = program.layer(unit, {n: p.requires_grad_() for n, p in layer.items()},
+                                       x.detach().requires_grad_(), context)
+        outputs[compiled] = forward, recomputed.detach()
+    diffs = {"compiled_forward_vs_recompute": (outputs[True][0] - outputs[True][1]).abs().max().item(),
+             "eager_forward_vs_recompute": (outputs[False][0] - outputs[False][1]).abs().max().item(),
+             "compiled_vs_eager": (outputs[True][0] - outputs[False][0]).abs().max().item()}
+    check.update(**diffs)
+    # eager: the same kernels, bit for bit. Compiled: the two graphs fuse the layer otherwise, so they round otherwise
+    # (3e-8 on an H200, run-7765f61-h200); another mask would move an output by a dropped activation (compiled
+    # against eager: 6e-2)
+    assert diffs["eager_forward_vs_recompute"] == 0, diffs
+    assert diffs["compiled_forward_vs_recompute"] <= 1e-5 * diffs["compiled_vs_eager"] + 1e-6, diffs
 
 
 # ---- 5: a non-finite gradient norm skips the update -------------------------------------------------------------

@@ -11,8 +11,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from families import EXPERTS, GENERIC_KINDS, TOP_K, generic_config  # noqa: E402
+from families import EXPERTS, GENERIC_KINDS, RANDOM_KINDS, TOP_K, generic_config  # noqa: E402
 from train_helpers import (  # noqa: E402
+    BATCH,
     CLIP,
     SHAPE,
     STEPS,
@@ -76,7 +77,7 @@ def test_train_matches_transformers_and_the_export_reloads_with_its_logits(tmp_p
     data = pretokenized(tmp_path / "data.jsonl")
     steps = SHORT_STEPS if kind in SHORT else STEPS
     assert train_any(system, init, data, tmp_path / "run", steps=steps) == 0
-    ref_losses, ref_model = reference_training(init, data, steps)
+    ref_losses, ref_model = reference_training(init, data, steps=steps)
     ours = [m for m in metrics(tmp_path / "run") if "loss" in m]
     assert [m["step"] for m in ours] == list(range(1, steps + 1))
     torch.testing.assert_close(torch.tensor([m["loss"] for m in ours]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
@@ -89,6 +90,36 @@ def test_train_matches_transformers_and_the_export_reloads_with_its_logits(tmp_p
         ours_logits, ref_logits = exported(tokens).logits, ref_model.eval()(tokens).logits
     tolerance = 1e-2 if kind in ROUGH_LOGITS else 1e-4
     torch.testing.assert_close(ours_logits, ref_logits, rtol=tolerance, atol=tolerance)
+
+
+def _random_cases():
+    for system in ("megatrain", "native", "deepspeed", "fsdp"):
+        for kind in RANDOM_KINDS if system in ("megatrain", "native") else ("seed_oss",):
+            marks = [pytest.mark.subprocess] if system in ("deepspeed", "fsdp") else []
+            marks += needs_deepspeed if system == "deepspeed" else []
+            yield pytest.param(system, kind, marks=marks, id=f"{system}-{kind}")
+
+
+@pytest.mark.parametrize("system,kind", _random_cases())
+def test_dropout_and_jitter_train_as_transformers_in_train_mode(tmp_path, system, kind):
+    """A config's dropout (attention, residual, embedding) and router jitter train as transformers' own modules train
+    them in train mode, drawing each layer's masks from the seed the reference draws them from; without them (what
+    every system trained before: eval mode) the curve is another."""
+    init = generic_model(kind, tmp_path / "init")
+    data = pretokenized(tmp_path / "data.jsonl")
+    assert train_any(system, init, data, tmp_path / "run") == 0
+    ref_losses, _ = reference_training(init, data, attn="sdpa")
+    ours = torch.tensor([m["loss"] for m in metrics(tmp_path / "run") if "loss" in m])
+    torch.testing.assert_close(ours, torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    if system == "megatrain":
+        eval_mode = transformers.AutoModelForCausalLM.from_pretrained(init).float().eval()
+        tokens = torch.tensor([json.loads(line)["input_ids"] for line in
+                               (tmp_path / "data.jsonl").read_text().splitlines()[:BATCH]])  # step 1's rows
+        with torch.no_grad():
+            logits = eval_mode(tokens[:, :-1]).logits
+        undrawn = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        # step 1's loss drew masks: eval mode misses it by more than the tolerance train mode meets
+        assert abs(float(undrawn) - float(ours[0])) > 1e-5 * float(ours[0])
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
@@ -118,10 +149,11 @@ def test_a_hand_written_family_through_the_generic_path_matches_transformers(tmp
     assert json.loads((tmp_path / "run" / "hf" / "config.json").read_text())["model_type"] == "llama"
 
 
-@pytest.mark.parametrize("system", ["megatrain", "native"])
-def test_a_checkpoint_resumes_bit_for_bit(tmp_path, system):
-    """DeepSeek-V3's router biases are buffers a checkpoint holds: a resume that lost them would route otherwise."""
-    init = generic_model("deepseek_v3", tmp_path / "init")
+@pytest.mark.parametrize("system,kind", [(s, k) for s in ("megatrain", "native") for k in ("deepseek_v3", "seed_oss")])
+def test_a_checkpoint_resumes_bit_for_bit(tmp_path, system, kind):
+    """DeepSeek-V3's router biases are buffers a checkpoint holds: a resume that lost them would route otherwise.
+    Seed-OSS's dropout: a resumed run draws the masks of the uninterrupted one (its steps' seeds)."""
+    init = generic_model(kind, tmp_path / "init")
     data = pretokenized(tmp_path / "data.jsonl", rows=10)
     extra = ["--save-every", "2"]
     assert train_any(system, init, data, tmp_path / "straight", extra=extra) == 0

@@ -22,6 +22,9 @@ def test_a_family_trains_and_one_that_reads_another_layers_state_is_refused():
     types = causal_lm_types()
     assert try_family("olmo2", types["olmo2"]).status == "trains"
     assert try_family("gemma4_text", types["gemma4_text"]).status == "trains"  # its per-layer inputs cross layers
+    # in train mode: Seed-OSS's class defaults draw attention and residual dropout, equal to transformers' own
+    drawn = try_family("seed_oss", types["seed_oss"])
+    assert drawn.status == "trains" and "attention_dropout=0.1, residual_dropout=0.1" in drawn.detail
     refused = try_family("bart", types["bart"])  # its layers take the encoder's states, positionally
     assert refused.status == "refused" and "positional inputs" in refused.detail
 

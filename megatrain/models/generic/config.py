@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from megatrain.models.draws import random_settings
 from megatrain.models.masks import FULL, SLIDING, attended_pairs
 from megatrain.models.shape import UnitShapes
 
@@ -169,6 +170,12 @@ class GenericConfig:
 
     router_stats = False  # the router's load-balancing loss is refused in the generic path (skeleton)
     router_aux_loss_coef = 0.0
+
+    @property
+    def random_settings(self) -> dict[str, float]:
+        """config.json's dropout and jitter settings above 0 (megatrain.models.draws): transformers' modules apply
+        them in train mode."""
+        return random_settings(self.hf)
 
     # ---- accounting: from the module's parameter names and shapes ----------------------------------------------
     def unit_shapes(self) -> tuple[UnitShapes, ...]:

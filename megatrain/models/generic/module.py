@@ -6,15 +6,23 @@ GenericCausalLM holds the causal LM's own children, so its parameters keep trans
 sharding and compile); forward(tokens, labels, normalizer, segments, aux_weight) is megatrain.models.Transformer's:
 the loss chunked over the head (megatrain.models.generic.head), every decoder layer checkpointed inside its forward
 (transformers' own place for it: a sharding system's hooks stay outside the checkpoint).
+
+It trains in train mode, as transformers' Trainer does: dropout and router jitter run as config.json sets them. A
+model with such settings (megatrain.models.draws) reseeds the device's generator before its preamble and before each
+decoder layer from `draws` (its training step and micro-batch, set by the system), so a checkpointed layer's recompute
+draws what its forward drew (torch.utils.checkpoint restores the state the reseed left) and every system draws the
+engine's masks.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from megatrain.models.draws import Draws
 from megatrain.models.generic.config import GenericConfig
 from megatrain.models.generic.head import chunked_loss, cross_entropy_sum
 from megatrain.models.generic.skeleton import Parts, build_causal_lm, head_logits
@@ -51,6 +59,16 @@ class GenericCausalLM(nn.Module):
         if activation_checkpointing:
             for layer in self.layers:
                 layer.forward = functools.partial(checkpointed, layer.forward)
+        # what training draws, where config.json asks for dropout or jitter (None: nothing random, nothing reseeded)
+        self.draws = Draws() if cfg.random_settings else None
+        if self.draws is not None:
+            reseed_units(self.parts, self.draws, lambda: self.training)
+        self.train()
+
+    def train(self, mode: bool = True) -> GenericCausalLM:
+        super().train(mode)
+        self.causal_lm.training = mode  # not a registered child (its children are): its own flag too
+        return self
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -77,6 +95,22 @@ class GenericCausalLM(nn.Module):
             return cross_entropy_sum(head_logits(self.parts, {}, h_1TH, final_norm=False), labels_T, normalizer)
 
         return chunked_loss(chunk_loss, head, h, labels_BS, self.cfg.vocab_size, bound=False)
+
+
+def reseed_units(parts: Parts, draws: Draws, training: Callable[[], bool]) -> None:
+    """Forward pre-hooks on a causal LM's decoder (unit 0: its preamble) and each decoder layer i (unit i + 1) that
+    seed the device's generator for the unit's draws of `draws`' step and micro-batch, while training() says the
+    model trains (a held-out loss draws nothing): what the engine's program does before each unit, on transformers'
+    own modules (every module-owning system, and the references of the tests and the walk)."""
+    def hook(unit: int):
+        def reseed(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if training():
+                draws.reseed(unit, next(t.device for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)))
+        return reseed
+
+    parts.base.register_forward_pre_hook(hook(0), with_kwargs=True)
+    for i, layer in enumerate(parts.layers):
+        layer.register_forward_pre_hook(hook(i + 1), with_kwargs=True)
 
 
 def checkpointed(forward, *args, **kwargs):

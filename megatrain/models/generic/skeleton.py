@@ -205,6 +205,7 @@ class Skeleton(Parts):
         self.structure = self._structures()
         self._check_preamble()
         self._check_head()
+        self.model.train()  # its modules are the templates that train (dropout as config.json sets it); checked in eval
 
     # ---- units ----------------------------------------------------------------------------------------------------
     def _units(self) -> tuple[UnitShapes, ...]:

@@ -163,6 +163,12 @@ class ModelConfig:
         """Whether each layer reports its routing for the load-balancing loss."""
         return self.is_moe and self.router_aux_loss_coef > 0
 
+    @property
+    def random_settings(self) -> dict[str, float]:
+        """None: the hand-written model has no dropout (a config.json that sets one trains through transformers'
+        modules, megatrain.models.handwritten.hf.config_from_hf)."""
+        return {}
+
     def layer_type(self, layer: int) -> str:
         """The attention of decoder layer `layer` (0-based): 'full_attention' or 'sliding_attention'."""
         return self.layer_types[layer] if self.layer_types else FULL

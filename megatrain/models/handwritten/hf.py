@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
 
+from megatrain.models.draws import random_settings
 from megatrain.models.handwritten.config import ModelConfig
 from megatrain.models.handwritten.families import ALL, ALTERNATE, FAMILIES, MOE_FAMILIES, NONE, ROWS, SUFFIX
 from megatrain.models.masks import FULL, SLIDING
@@ -144,9 +144,9 @@ def config_from_hf(hf: Mapping) -> ModelConfig:
         raise ValueError(f"mlp_bias=true is not part of {family}")
     if hf.get("attention_bias") and row.attention_bias is None:
         raise ValueError(f"attention_bias=true is not part of {family}")
-    if hf.get("attention_dropout", 0.0):
-        warnings.warn(f"attention_dropout={hf['attention_dropout']} is ignored: our attention has no dropout",
-                      stacklevel=2)
+    if settings := random_settings(hf):  # transformers' own modules train with them (megatrain.models.checkpoint)
+        raise ValueError(f"{', '.join(f'{k}={v:g}' for k, v in settings.items())}: the hand-written {family} has no "
+                         "dropout")
     missing = [k for k in REQUIRED_KEYS if k not in hf]
     if missing:
         raise ValueError(f"config.json lacks {', '.join(missing)}")

@@ -1,0 +1,107 @@
+"""Train mode: dropout and every train-mode random op (megatrain.models.draws) drawn from one seed per step, unit and
+micro-batch, so the engine's recompute replays its forward's masks and every system draws the same ones; the held-out
+loss draws nothing. CPU, seconds a case: pytest tests/unit/test_draws.py"""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from engine_helpers import train  # noqa: E402
+from families import generic_config  # noqa: E402
+from train_helpers import SHAPE  # noqa: E402
+
+from megatrain.config import CaseConfig  # noqa: E402
+from megatrain.data import make_batches  # noqa: E402
+from megatrain.models.checkpoint import shape_from_config  # noqa: E402
+from megatrain.models.draws import Draws, draw_seed, random_settings  # noqa: E402
+from megatrain.models.generic import GenericConfig  # noqa: E402
+from megatrain.systems import build_system  # noqa: E402
+from megatrain.systems.paper_code import refusal  # noqa: E402
+
+
+def _shape(kind: str, **extra) -> GenericConfig:
+    return GenericConfig.from_hf(generic_config(kind, **{**SHAPE, "num_hidden_layers": 3, **extra}).to_dict())
+
+
+def test_random_settings_are_the_dropout_and_jitter_above_zero_nested_configs_too():
+    hf = {"attention_dropout": 0.1, "residual_dropout": 0.0, "classifier_dropout": 0.5, "router_jitter_noise": 0.01,
+          "hidden_dropout": True, "text_config": {"resid_pdrop": 0.2, "embd_pdrop": 0}}
+    assert random_settings(hf) == {"attention_dropout": 0.1, "router_jitter_noise": 0.01,
+                                   "text_config.resid_pdrop": 0.2}
+
+
+def test_each_step_unit_and_micro_batch_has_its_own_seed():
+    seeds = {draw_seed(0, s, u, m) for s in range(4) for u in range(5) for m in range(3)}
+    assert len(seeds) == 60 and all(0 <= x < 2**63 for x in seeds)
+    assert draw_seed(1, 0, 0, 0) != draw_seed(0, 0, 0, 0)
+    draws = Draws(seed=7, step=3, micro_batch=1, first_micro_batch=2)
+    draws.reseed(1, torch.device("cpu"))  # this rank's second micro-batch is the step's fourth
+    assert torch.equal(torch.rand(4), torch.rand(4, generator=torch.Generator().manual_seed(draw_seed(7, 3, 1, 3))))
+
+
+def test_a_hand_written_family_with_dropout_trains_through_transformers_modules():
+    """Its dropout is honoured where it was dropped with a warning: the hand-written Qwen2 refuses it by name, and the
+    config trains through transformers' own modules."""
+    hf = generic_config("qwen2-dropout", **SHAPE).to_dict()
+    assert shape_from_config(hf).kind == "generic"
+    assert shape_from_config({**hf, "attention_dropout": 0.0}).kind == "handwritten"
+    from megatrain.models.handwritten.hf import config_from_hf
+
+    with pytest.raises(ValueError, match=r"attention_dropout=0.2: the hand-written qwen2 has no dropout"):
+        config_from_hf(hf)
+
+
+def test_the_paper_code_is_refused_a_model_that_draws(monkeypatch):
+    import megatrain.systems.paper_code as paper
+
+    monkeypatch.setattr(paper, "missing_code", lambda: None)
+    monkeypatch.setattr(paper.importlib.util, "find_spec", lambda name: object())
+    case = CaseConfig(system="native", model="seed-oss", model_shape=_shape("qwen2-dropout"), batch=2, seq=8,
+                      device="cuda", dtype="bfloat16", precision="bf16")
+    object.__setattr__(case, "system", "paper")
+    assert "attention_dropout" in refusal(case)
+
+
+# the engine's plans: every layer input kept, offloaded, recomputed; resident layers and embedding; one micro-batch
+# cut alike (the cut decides the draws, as in every system)
+PLANS = {"streamed": {}, "offloaded": {"offload_activations": True}, "recomputed": {"recompute_inputs": 2},
+         "resident": {"resident_layers": 2, "resident_embedding": True}}
+
+
+@pytest.mark.parametrize("kind", ["seed_oss", "phi3-dropout"])
+def test_with_dropout_every_plan_equals_native_with_and_without_recompute(kind):
+    """The engine always recomputes a layer in backward: with dropout on, every plan equals plain PyTorch with
+    activation checkpointing off (no recompute) and on, and the native runs equal each other bitwise."""
+    case = dict(model=kind, model_shape=_shape(kind), batch=4, micro_batch=2, seq=16, steps=3)
+    plain, plain_params, _ = train("native", **case, options={"activation_checkpointing": False})
+    checkpointed, checkpointed_params, _ = train("native", **case, options={"activation_checkpointing": True})
+    assert plain == checkpointed
+    assert all(torch.equal(plain_params[n], checkpointed_params[n]) for n in plain_params)
+    runs = {name: train("megatrain", **case, options=options) for name, options in PLANS.items()}
+    for name, (losses, params, _) in runs.items():
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain), rtol=1e-5, atol=0, msg=name)
+        for n in params:
+            torch.testing.assert_close(params[n], plain_params[n], rtol=1e-5, atol=1e-6, msg=f"{name} {n}")
+    # a layer input kept, offloaded or regenerated by a third forward: bit for bit alike (resident units are updated
+    # by the GPU's AdamW kernel, not the host's, so they are alike to rounding)
+    assert runs["offloaded"][0] == runs["recomputed"][0] == runs["streamed"][0]
+    # and the draws are there: the same model without them trains otherwise
+    hf = dict(_shape(kind).hf)
+    quiet = GenericConfig.from_hf({**hf, **{k: 0.0 for k in random_settings(hf)}})
+    undrawn, _, _ = train("native", **{**case, "model_shape": quiet})
+    assert abs(undrawn[0] - plain[0]) > 1e-4
+
+
+def test_the_held_out_loss_draws_nothing_and_training_stays_in_train_mode():
+    case = CaseConfig(system="megatrain", model="seed_oss", model_shape=_shape("seed_oss"), batch=2, seq=16, steps=2)
+    system = build_system(case)
+    try:
+        batch = make_batches(case, case.model_config().vocab_size).batch_at(0)
+        first, second = system.evaluate(*batch), system.evaluate(*batch)
+        assert first == second
+        losses = [system.step(*batch) for _ in range(2)]
+        assert system.schedule.program.skeleton.model.training and system.draws.step == 2
+        assert losses[0] != pytest.approx(first, rel=1e-6)  # training drew masks
+    finally:
+        system.close()
