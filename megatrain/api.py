@@ -170,7 +170,9 @@ class Engine:
                              "would delete: choose another path")
         with _writing(d, "Engine.save"), written_aside(d) as tmp:
             self.system.save_state(tmp)
-            record = checkpoint.sealed(tmp, {}, system_spec(self.case.system).pickled)
+            # the steps whose dropout was drawn: a loaded engine draws the next step's masks (megatrain.models.draws)
+            meta = {} if (draws := getattr(self.system, "draws", None)) is None else {"steps_drawn": draws.step}
+            record = checkpoint.sealed(tmp, meta, system_spec(self.case.system).pickled)
             (tmp / STATE_FILE).write_text(json.dumps(record, indent=1) + "\n")
 
     def load(self, path: str | os.PathLike, trust_checkpoint: bool = False) -> None:
@@ -188,8 +190,15 @@ class Engine:
         if problem := checkpoint.mismatch(d, record["files"]):
             raise ValueError(f"{problem}: the state in {d} was changed or damaged since it was saved")
         trust.check_trusted(d, record, system_spec(self.case.system).pickled, trust_checkpoint)
+        if (draws := getattr(self.system, "draws", None)) is not None:
+            drawn = record.get("steps_drawn", 0)
+            if not isinstance(drawn, int) or isinstance(drawn, bool) or drawn < 0:
+                raise ValueError(f"{d / STATE_FILE}: steps_drawn must be an integer >= 0, got {drawn!r}: it is not "
+                                 "what Engine.save writes")
         with checkpoint.checked_loads(d, record["files"], trust_checkpoint):
             self.system.load_state(d)
+        if draws is not None:
+            draws.step = drawn
 
     def export(self, path: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None) -> Path:
         """The current weights as a Hugging Face checkpoint in `path` (in the compute dtype), as train exports them:

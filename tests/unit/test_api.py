@@ -118,15 +118,16 @@ def test_an_engine_loop_trains_and_exports_as_train_does(tmp_path, kind):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_an_engine_saved_and_loaded_steps_on_bit_for_bit_and_pads_short_batches(tmp_path):
+@pytest.mark.parametrize("model", ["tiny", "tiny-hf-seed-oss"])  # the second with dropout: its draws go on too
+def test_an_engine_saved_and_loaded_steps_on_bit_for_bit_and_pads_short_batches(tmp_path, model):
     gen = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, 256, (3, 7), generator=gen) for _ in range(4)]  # fewer rows and tokens than 4 x 8
     settings = dict(seq=8, batch=4, lr=1e-3, device="cpu", dtype="float32")
-    with megatrain.Engine("tiny", **settings) as engine:
+    with megatrain.Engine(model, **settings) as engine:
         straight = [engine.step(b) for b in batches[:2]]
         engine.save(tmp_path / "state")
         straight += [engine.step(b) for b in batches[2:]]
-    with megatrain.Engine("tiny", **settings) as engine:  # a fresh engine, of the same seed's initial weights
+    with megatrain.Engine(model, **settings) as engine:  # a fresh engine, of the same seed's initial weights
         engine.load(tmp_path / "state")
         cut = straight[:2] + [engine.step(b) for b in batches[2:]]
         labels = batches[0].clone()
