@@ -19,10 +19,16 @@ from megatrain.systems.dist import rows_of_rank, summed_loss
 
 
 def micro_batches(case: CaseConfig, device: torch.device, inputs_BS: torch.Tensor, labels_BS: torch.Tensor,
-                  segments_BS: torch.Tensor | None = None):
-    """(inputs, labels, segments or None) of each micro-batch of a step, on `device`."""
+                  segments_BS: torch.Tensor | None = None, draws: Draws | None = None, rank: int = 0):
+    """(inputs, labels, segments or None) of each micro-batch of a step, on `device`; with `draws`, each one's place
+    in the global batch (rank `rank`'s rows after the lower ranks') set as theirs before it is yielded
+    (megatrain.models.draws: ranks draw as one process would)."""
     mb = case.micro_batch
+    if draws is not None:
+        draws.first_micro_batch = rank * (inputs_BS.shape[0] // mb)
     for start in range(0, inputs_BS.shape[0], mb):
+        if draws is not None:
+            draws.micro_batch = start // mb
         seg = None if segments_BS is None else segments_BS[start:start + mb].to(device, non_blocking=True)
         yield (inputs_BS[start:start + mb].to(device, non_blocking=True),
                labels_BS[start:start + mb].to(device, non_blocking=True), seg)
@@ -53,11 +59,9 @@ def accumulate_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     normalizer, inputs_BS, labels_BS, segments_BS = rows_of_rank(ranks, inputs_BS, labels_BS, segments_BS)
     total = torch.zeros((), device=device)
     last = (inputs_BS.shape[0] - 1) // case.micro_batch
-    if (draws := draws_of(model, case.seed)) is not None:
-        draws.first_micro_batch = ranks.rank * (inputs_BS.shape[0] // case.micro_batch)
-    for m, (x, y, seg) in enumerate(micro_batches(case, device, inputs_BS, labels_BS, segments_BS)):
-        if draws is not None:
-            draws.micro_batch = m
+    draws = draws_of(model)
+    for m, (x, y, seg) in enumerate(micro_batches(case, device, inputs_BS, labels_BS, segments_BS, draws,
+                                                  ranks.rank)):
         with accumulating() if m < last else contextlib.nullcontext():
             with autocast():
                 loss = model(x, y, normalizer, seg, aux_weight(x, batch_BS))

@@ -390,11 +390,8 @@ class DeepSpeedSystem:
         normalizer, inputs_BS, labels_BS, segments_BS = rows_of_rank(self.ranks, inputs_BS, labels_BS, segments_BS)
         total = torch.zeros((), device=self.device)
         steps_before = self.engine.global_steps
-        if self.draws is not None:
-            self.draws.first_micro_batch = self.ranks.rank * (inputs_BS.shape[0] // self.case.micro_batch)
-        for m, (x, y, seg) in enumerate(micro_batches(self.case, self.device, inputs_BS, labels_BS, segments_BS)):
-            if self.draws is not None:
-                self.draws.micro_batch = m
+        for x, y, seg in micro_batches(self.case, self.device, inputs_BS, labels_BS, segments_BS, self.draws,
+                                       self.ranks.rank):
             loss = self.engine(x, y, normalizer, seg, aux_weight(x, batch_BS))
             # The normaliser already spans the global batch: DeepSpeed's own 1/GAS scaling would count the
             # accumulation twice, and it averages the ranks' gradients where their sum is the one-process gradient.
