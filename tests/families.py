@@ -67,12 +67,31 @@ def family_config(kind: str, **shape) -> transformers.PretrainedConfig:
     raise AssertionError(kind)
 
 
+def _gemma4(kind: str, shape: dict) -> transformers.PretrainedConfig:
+    """Gemma 4 at `shape` made 4 layers deep: per-layer inputs of 8 per layer, sliding and full layers, and the
+    last two layers reusing the keys and values of the first two (each of its own attention type). Initialised wider
+    than its default (0.02), at which the tiny model amplifies rounding so fast that transformers' own eager and sdpa
+    attention leave 1e-5 apart within 10 steps (2e-4 there)."""
+    settings = {"num_hidden_layers": 4, "head_dim": 16, "global_head_dim": 16, "sliding_window": WINDOW,
+                "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": shape["vocab_size"],
+                "layer_types": ["sliding_attention", "full_attention"] * 2, "num_kv_shared_layers": 2,
+                "initializer_range": 0.1}
+    settings = {**settings, **shape, "num_hidden_layers": 4}  # what the caller gives wins, but the depth
+    if kind == "gemma4_unified":
+        return transformers.Gemma4UnifiedTextConfig(**settings)
+    moe = dict(enable_moe_block=True, num_experts=EXPERTS, top_k_experts=TOP_K, moe_intermediate_size=32)
+    return transformers.Gemma4TextConfig(**settings, **(moe if kind == "gemma4_moe" else {}))
+
+
 # Families only the generic path trains (transformers' own modules, megatrain.models.generic), each at the tiny shape
 # with what it adds: sliding and full layers with softcapped logits (gemma3, tied), experts (mixtral), fused projections
 # (phi3), MLA with shared experts after a dense layer (deepseek_v3, glm4_moe without MLA), linear and full attention
 # over experts (qwen3_next), chunked and full attention, one expert and a shared one (llama4), q/k norms after the
-# projections (olmo2), embedding, residual, attention and logit multipliers (granite).
-GENERIC_KINDS = ("gemma3", "mixtral", "phi3", "deepseek_v3", "qwen3_next", "llama4", "glm4_moe", "olmo2", "granite")
+# projections (olmo2), embedding, residual, attention and logit multipliers (granite); state crossing layers: per-layer
+# inputs and the last two layers reading the first two's keys and values (gemma4, over experts beside the MLP:
+# gemma4_moe; gemma4_unified).
+GENERIC_KINDS = ("gemma3", "mixtral", "phi3", "deepseek_v3", "qwen3_next", "llama4", "glm4_moe", "olmo2", "granite",
+                 "gemma4", "gemma4_moe", "gemma4_unified")
 # configs whose training draws random numbers (dropout, jitter): every system against transformers in train mode
 RANDOM_KINDS = ("seed_oss", "phi3-dropout", "qwen2-dropout", "mixtral-jitter")
 
@@ -122,4 +141,6 @@ def generic_config(kind: str, **shape) -> transformers.PretrainedConfig:
     if kind == "granite":
         return transformers.GraniteConfig(**shape, embedding_multiplier=2.0, residual_multiplier=0.5,
                                           attention_multiplier=0.3, logits_scaling=0.5)
+    if kind.startswith("gemma4"):
+        return _gemma4(kind, shape)
     raise AssertionError(kind)

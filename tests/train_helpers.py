@@ -121,8 +121,8 @@ def interrupt_at_step(monkeypatch, n: int, sig=signal.SIGINT) -> None:
     at_step(monkeypatch, n, lambda: os.kill(os.getpid(), sig))
 
 
-def reference_training(init, data, attn="eager"):
-    """(losses, model) of run_train's steps done with the transformers model in train mode, torch.optim.AdamW,
+def reference_training(init, data, attn="eager", steps=STEPS):
+    """(losses, model) of run_train's `steps` done with the transformers model in train mode, torch.optim.AdamW,
     clip_grad_norm_ and the same schedule. A config with dropout or jitter draws each layer's masks from the seed
     train's systems draw them from (megatrain.models.draws: one per step, unit and micro-batch), set by forward
     pre-hooks on transformers' own modules, which apply the masks; such a model's attention must be the one our
@@ -136,9 +136,9 @@ def reference_training(init, data, attn="eager"):
     opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
     rows = [json.loads(line)["input_ids"] for line in data.read_text().splitlines()]
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, STEPS, LR, "cosine", WARMUP, MIN_LR)
+            g["lr"] = lr_at(step, steps, LR, "cosine", WARMUP, MIN_LR)
         block = torch.tensor([rows[(step * BATCH + i) % len(rows)] for i in range(BATCH)])
         inputs, targets = block[:, :-1], block[:, 1:]
         total = 0.0

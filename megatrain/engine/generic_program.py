@@ -12,6 +12,15 @@ embedding unit's backward runs that preamble again with gradients (its embedding
 tokens, not a [V, H] matrix, come back). The head is the model's own norm, LM head and logit transform, chunked
 (megatrain.models.generic.head).
 
+State crossing layers (Skeleton.crossings): an input the preamble computed from the embedding unit's weights (Gemma
+4's per-layer inputs) is replayed like the others, and in backward passes through a tap (`_Tap`) whose backward adds
+the layer's gradient for it to the micro-batch's context; the embedding unit's backward sends those gradients into
+the preamble with the first layer's. A mapping handed to every layer (Gemma 4's shared KV) is replaced by the
+context's own (`Published`): forward keeps what a layer publishes, readers get it back (tapped in backward, their
+gradients summed per name), and a publisher's recompute hands its published tensors the readers' sum through its
+output (`_Inject`), so that the schedule's one autograd call per layer backpropagates both; each layer runs backward
+after every later one, so every reader's gradient is in before its publisher's backward. The schedule is unchanged.
+
 The templates train in train mode (dropout and router jitter as config.json sets them, each unit's forward of a
 micro-batch drawing from its own seed: megatrain.models.draws), the held-out loss runs in eval mode.
 
@@ -23,6 +32,7 @@ from __future__ import annotations
 
 import sys
 import types
+from collections import UserDict
 from dataclasses import dataclass, field
 
 import torch
@@ -45,8 +55,79 @@ class Context:
     the keyword arguments the model's layer loop passes each layer."""
 
     position_ids: torch.Tensor  # [B, S]
+    layer_args: list[tuple] = field(default_factory=list)  # positional inputs besides the hidden states
     index: int = 0  # the micro-batch's, in this process's step (its draws' seeds: megatrain.models.draws)
     layer_kwargs: list[dict] = field(default_factory=list)
+    published: dict = field(default_factory=dict)  # (mapping input, key) -> what a layer published there
+    published_grads: dict = field(default_factory=dict)  # (mapping input, key) -> its readers' summed gradients
+    preamble_grads: dict = field(default_factory=dict)  # (layer, input) -> the layer's gradient for a preamble input
+
+
+def _accumulate(grads: dict, key, values: tuple) -> None:
+    """Add the gradients `values` (a tuple, None where none came) into grads[key]."""
+    old = grads.get(key, (None,) * len(values))
+    grads[key] = tuple(o if g is None else g if o is None else o + g for o, g in zip(old, values, strict=True))
+
+
+class _Tap(torch.autograd.Function):
+    """The identity on `values` in forward, with the layer's input x_BSH as an input only so that backward runs
+    (the schedule asks for the input's and the weights' gradients); backward adds the gradients of `values` into
+    grads[key] and passes none on."""
+
+    @staticmethod
+    def forward(ctx, x_BSH, grads, key, *values):
+        ctx.grads, ctx.key = grads, key
+        return tuple(v.view_as(v) for v in values)
+
+    @staticmethod
+    def backward(ctx, *dvalues):
+        _accumulate(ctx.grads, ctx.key, dvalues)
+        return (None,) * (3 + len(dvalues))
+
+
+class _Inject(torch.autograd.Function):
+    """The identity on the layer's output y_BSH in forward; backward also gives the tensors the layer published
+    (`published`, flat) their readers' summed gradients (`dpublished`)."""
+
+    @staticmethod
+    def forward(ctx, y_BSH, dpublished, *published):
+        ctx.dpublished = dpublished
+        return y_BSH.view_as(y_BSH)
+
+    @staticmethod
+    def backward(ctx, dy_BSH):
+        return (dy_BSH, None, *ctx.dpublished)
+
+
+class Published(UserDict):
+    """The mapping a layer is handed in place of the one its model's forward shares between layers: reads and
+    writes go to the micro-batch's context under (`name`, key). With gradients off (forward) a write is kept for the
+    readers and a read returns it; with gradients on (a layer's recompute in backward) a read is tapped (_Tap) and
+    a write is remembered, for _Inject."""
+
+    def __init__(self, name: str, context: Context, x_BSH: torch.Tensor):
+        super().__init__()
+        self.name, self.context, self.x_BSH, self.written = name, context, x_BSH, []
+
+    def __getitem__(self, key):
+        value = self.context.published[self.name, key]
+        if not torch.is_grad_enabled():
+            return value
+        flat = _Tap.apply(self.x_BSH, self.context.published_grads, (self.name, key), *_flat(value))
+        return flat[0] if isinstance(value, torch.Tensor) else type(value)(flat)
+
+    def __setitem__(self, key, value):
+        if torch.is_grad_enabled():
+            self.written.append(((self.name, key), _flat(value)))
+        else:
+            self.context.published[self.name, key] = value
+
+    def __contains__(self, key):
+        return (self.name, key) in self.context.published
+
+
+def _flat(value) -> tuple[torch.Tensor, ...]:
+    return (value,) if isinstance(value, torch.Tensor) else tuple(value)
 
 
 class ModuleTemplate(CompiledCall):
@@ -62,16 +143,16 @@ class ModuleTemplate(CompiledCall):
         super().__init__(types.MethodType(types.FunctionType(own, ModuleTemplate._layer.__globals__), self),
                          compile_layer)
 
-    def _layer(self, params: dict, x_BSH: torch.Tensor, kwargs: dict) -> torch.Tensor:
-        out = functional_call(self.module, params, (x_BSH,), kwargs)
+    def _layer(self, params: dict, x_BSH: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+        out = functional_call(self.module, params, (x_BSH, *args), kwargs)
         return out[0] if isinstance(out, tuple) else out
 
-    def run(self, index: int, params: dict, x_BSH: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    def run(self, index: int, params: dict, x_BSH: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
         for m in self.indexed:  # the layer's own index, where transformers keeps one
             for attribute in PER_LAYER_ATTRIBUTES:
                 if hasattr(m, attribute):
                     setattr(m, attribute, index)
-        return self(params, x_BSH, kwargs)
+        return self(params, x_BSH, args, kwargs)
 
 
 def _sanitized() -> bool:
@@ -120,7 +201,7 @@ class GenericProgram:
     def contexts(self, segments_BS: torch.Tensor | None, micro_batches: int) -> list[Context]:
         """Each micro-batch's position ids (megatrain.models.generic.module.position_ids)."""
         positions = position_ids(self.cfg, micro_batches * self.micro_batch, self.seq, segments_BS, self.device)
-        return [Context(positions[i:i + self.micro_batch], i // self.micro_batch)
+        return [Context(positions[i:i + self.micro_batch], index=i // self.micro_batch)
                 for i in range(0, positions.shape[0], self.micro_batch)]
 
     def train(self, mode: bool) -> None:
@@ -139,20 +220,30 @@ class GenericProgram:
         self._reseed(0, context)
         calls, _ = self.skeleton.capture({**params, **self.base_buffers}, tokens_BS,
                                          context.position_ids[:tokens_BS.shape[0]])
+        context.layer_args = [call.args for call in calls]
         context.layer_kwargs = [call.kwargs for call in calls]
+        context.published, context.published_grads, context.preamble_grads = {}, {}, {}
         return calls[0].hidden
 
     def embed_backward(self, grads: dict, params: dict, tokens_BS: torch.Tensor, dy_BSH: torch.Tensor,
                        context: Context, cuda: bool) -> None:
         """Add the embedding unit's gradient for output gradient dy_BSH into `grads` (fp32 views of the unit): the
-        preamble run again with gradients, a sparse gradient's rows added in place (megatrain.engine.templates.
-        add_rows)."""
+        preamble run again with gradients, from the first layer's input and every layer's input it computed (their
+        gradients gathered in the layers' backward), a sparse gradient's rows added in place (megatrain.engine.
+        templates.add_rows)."""
         leaves = {name: p.detach().requires_grad_() for name, p in params.items()}
         self._reseed(0, context)  # the preamble's draws (an embedding dropout) as its forward drew them
         with torch.enable_grad():
             calls, _ = self.skeleton.capture({**leaves, **self.base_buffers}, tokens_BS,
                                              context.position_ids[:tokens_BS.shape[0]])
-            computed = torch.autograd.grad(calls[0].hidden, list(leaves.values()), dy_BSH, allow_unused=True)
+            outputs, output_grads = [calls[0].hidden], [dy_BSH]
+            for (index, key), (g,) in context.preamble_grads.items():
+                if g is not None:
+                    _, _, args, kwargs = calls[index]
+                    outputs.append(args[key] if isinstance(key, int) else kwargs[key])
+                    output_grads.append(g)
+            context.preamble_grads = {}
+            computed = torch.autograd.grad(outputs, list(leaves.values()), output_grads, allow_unused=True)
         for name, g in zip(leaves, computed, strict=True):
             if g is None:
                 continue
@@ -162,10 +253,32 @@ class GenericProgram:
                 grads[name].add_(g)
 
     def layer(self, unit: Unit, params: dict, x_BSH: torch.Tensor, context: Context) -> torch.Tensor:
+        """Decoder-layer unit `unit`'s output; with gradients on (its recompute in backward), the inputs crossing from
+        the preamble and other layers tapped, and what it published given its readers' gradients."""
         index = unit.index - 1
         template = self.templates[self.skeleton.structure[index]]
         self._reseed(unit.index, context)
-        return template.run(index, {**params, **self.layer_buffers[index]}, x_BSH, context.layer_kwargs[index])
+        args, kwargs = context.layer_args[index], context.layer_kwargs[index]
+        crossings = self.skeleton.crossings
+        if torch.is_grad_enabled() and crossings.preamble[index]:
+            keys = sorted(crossings.preamble[index], key=str)
+            values = [args[k] if isinstance(k, int) else kwargs[k] for k in keys]
+            tapped = dict(zip(keys, (_Tap.apply(x_BSH, context.preamble_grads, (index, k), v)[0]
+                                     for k, v in zip(keys, values, strict=True)), strict=True))
+            args = tuple(tapped.get(j, a) for j, a in enumerate(args))
+            kwargs = {k: tapped.get(k, v) for k, v in kwargs.items()}
+        shared = {name: Published(name, context, x_BSH) for name in crossings.shared[index]}
+        y_BSH = template.run(index, {**params, **self.layer_buffers[index]}, x_BSH, args, {**kwargs, **shared})
+        written = [w for mapping in shared.values() for w in mapping.written]
+        if not written:
+            return y_BSH
+        tensors, dtensors = [], []
+        for key, values in written:  # the readers' gradients, taken: this is the publisher's one backward
+            summed = context.published_grads.pop(key, (None,) * len(values))
+            context.published.pop(key, None)
+            tensors += values
+            dtensors += summed
+        return _Inject.apply(y_BSH, tuple(dtensors), *tensors)
 
     def head_loss(self, params: dict, h_BSH: torch.Tensor, labels_BS: torch.Tensor, normalizer: int) -> torch.Tensor:
         """The final norm, the LM head, the model's logit transform and the cross-entropy, chunked."""

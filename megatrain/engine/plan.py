@@ -248,6 +248,8 @@ def _bytes(config: EngineConfig, placement: Placement) -> MemoryPlan:
     work = backward_work_bytes(model, tokens_mb, dtype_bytes, config.options.mlp_chunk_tokens)
     # beside it, the input and output gradient of the layer computing
     gpu = buffers + checkpoints + work + 2 * layer_input_bytes(model, tokens_mb, dtype_bytes) + GPU_RESERVE_BYTES
+    # the state crossing layers (per-layer inputs, shared keys and values): every micro-batch's, kept all the step
+    gpu += config.batch * config.seq * model.crossing_numel_per_token * dtype_bytes
     # the state once for the host; each rank's process, scratch and offloaded activations beside it
     host = host_state + config.ranks * (scratch + PROCESS_OVERHEAD_BYTES + offloaded * activation)
     extra_loads = _loaded_numel(units, resident, recomputed) - _loaded_numel(units, resident, 0)

@@ -46,6 +46,11 @@ class ModelShape(Protocol):
     def hidden_size(self) -> int: ...
 
     @property
+    def crossing_numel_per_token(self) -> int:
+        """Elements a token's state that crosses decoder layers holds over a step, besides the hidden state (per-layer
+        inputs, keys and values shared with later layers)."""
+
+    @property
     def intermediate_size(self) -> int: ...
 
     @property

@@ -271,13 +271,13 @@ def _compile_layers(model: torch.nn.Module) -> list[CompiledCall]:
     return list(templates.values())
 
 
-def _module_through(template, index: int, layer: torch.nn.Module, hidden_states: torch.Tensor, **kwargs):
+def _module_through(template, index: int, layer: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
     """A transformers decoder layer's forward: its structure's template with the layer's own (under ZeRO-3: gathered)
-    parameters and buffers."""
+    parameters and buffers (and its positional inputs, Gemma 4's per-layer input)."""
     if template.module.training != layer.training:  # the template draws (dropout) as the layer it runs for would
         template.module.train(layer.training)
     return template.run(index, {**dict(layer.named_parameters()), **dict(layer.named_buffers())}, hidden_states,
-                        kwargs)
+                        args, kwargs)
 
 
 def _forward_through(template: LayerTemplate, layer: DecoderLayer, x_BSH: torch.Tensor, cos_SD: torch.Tensor,

@@ -13,14 +13,15 @@ transformers = pytest.importorskip("transformers")
 
 from megatrain.checks.walk import as_dicts, causal_lm_types, try_family, walk  # noqa: E402
 
-# the families of issue 44's done-when: the walk must find each trains
+# the families of issue 44's done-when, and issue 59's (per-layer inputs): the walk must find each trains
 MUST_TRAIN = ("gemma3_text", "mixtral", "phi3", "deepseek_v3", "qwen3_next", "llama4_text", "glm4_moe", "olmo2",
-              "granite")
+              "granite", "gemma4_text", "gemma4_unified_text")
 
 
 def test_a_family_trains_and_one_that_reads_another_layers_state_is_refused():
     types = causal_lm_types()
     assert try_family("olmo2", types["olmo2"]).status == "trains"
+    assert try_family("gemma4_text", types["gemma4_text"]).status == "trains"  # its per-layer inputs cross layers
     # in train mode: Seed-OSS's class defaults draw attention and residual dropout, equal to transformers' own
     drawn = try_family("seed_oss", types["seed_oss"])
     assert drawn.status == "trains" and "attention_dropout=0.1, residual_dropout=0.1" in drawn.detail

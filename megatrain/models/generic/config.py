@@ -82,6 +82,10 @@ class GenericConfig:
         return self.layout.hidden_size
 
     @property
+    def crossing_numel_per_token(self) -> int:
+        return self.layout.crossing_numel_per_token
+
+    @property
     def num_heads(self) -> int:
         return int(self.hf.get(_first(self.hf, HEADS_KEYS)) or 1)
 

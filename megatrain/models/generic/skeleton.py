@@ -7,9 +7,14 @@ hidden state (position embeddings, the mask of its attention type, position ids)
 passes it (`capture`: the forward runs with every decoder layer replaced by a recorder), and the logits are what the
 model's own causal-LM forward makes of the last hidden state (`head_logits`: softcapping, scaling, whatever it does).
 
+State that crosses layers is recorded, not refused (`Crossings`): an input of a layer that the preamble computed from
+the embedding unit's weights (Gemma 4's per-layer inputs: its gradient goes back into the preamble), and a mapping
+the forward hands every layer, through which a layer publishes tensors that later layers read (Gemma 4's shared KV:
+the readers' gradients go back to the publisher); megatrain.engine.generic_program carries both across the stream.
+
 What the path cannot stream is refused by name (a ValueError saying why): a model whose layers read something
-computed from the weights or from another layer (per-layer inputs, a value residual), share state through a cache
-(KV sharing), are called out of order or more than once, or whose forward changes the hidden states between layers;
+nested in their inputs that was computed from the weights, share state through a cache, are called out of order or
+more than once, or whose forward changes the hidden states between layers;
 parameters outside the embedding, the layers, the final norm and the head; quantized checkpoints; the router's
 load-balancing loss.
 """
@@ -17,7 +22,8 @@ load-balancing loss.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+import functools
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -57,6 +63,18 @@ class Layout:
     vocab_size: int
     hidden_size: int
     buffers: tuple[tuple[str, tuple[int, ...]], ...] = ()  # full name and shape of each buffer a checkpoint holds
+    crossing_numel_per_token: int = 0  # elements a token's state crossing layers holds (Crossings) over a step
+
+
+@dataclass(frozen=True)
+class Crossings:
+    """What crosses between the layers besides the hidden state, per decoder layer: which of its inputs the preamble
+    computed from the embedding unit's weights (positional ones by index among those after the hidden states,
+    keyword ones by name), and the names of the keyword inputs that are a mapping every layer is handed, through
+    which layers publish tensors to later ones."""
+
+    preamble: tuple[frozenset, ...]
+    shared: tuple[frozenset, ...]
 
 
 class LayerCall(NamedTuple):
@@ -231,7 +249,8 @@ class Skeleton(Parts):
                       embedding_name=self.base_prefix + self.embedding_name,
                       head_weight_name=self.head_weight_name, vocab_size=embedding[0],
                       hidden_size=embedding[1],
-                      buffers=tuple((n, tuple(b.shape)) for n, b in persistent_buffers(self.model).items()))
+                      buffers=tuple((n, tuple(b.shape)) for n, b in persistent_buffers(self.model).items()),
+                      crossing_numel_per_token=self.crossing_numel_per_token)
 
     # ---- the forward preamble -------------------------------------------------------------------------------------
     def capture(self, params: Mapping[str, torch.Tensor], input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -260,9 +279,9 @@ class Skeleton(Parts):
 
     def _check_preamble(self) -> None:
         """One capture of a short sequence, the embedding unit's weights requiring gradients: the layers must be
-        called once each in order, each on the previous one's output, with nothing computed from the weights or
-        another layer among their other inputs, and the decoder's output must be the last one's (the final norm
-        alone between)."""
+        called once each in order, each on the previous one's output, what their other inputs computed from the
+        weights must be whole tensors (recorded in self.crossings with the mappings they share), and the decoder's
+        output must be the last one's (the final norm alone between)."""
         params = {local: _zeros_requiring_grad(shape) for local, shape in self.units[0].shapes}
         params.update(self.base_buffers("cpu"))
         ids, positions = torch.zeros(1, 8, dtype=torch.long), torch.arange(8)[None]
@@ -277,9 +296,33 @@ class Skeleton(Parts):
             problem = _preamble_problem(calls, out, len(self.layers))
             if problem is None:
                 self.tuple_outputs = tuple_outputs
+                self.crossings = crossings(calls)
+                self.crossing_numel_per_token = self._crossing_numel(calls) // ids.numel()
                 return
             problems.append(problem)
         raise ValueError((problems or failures)[0])
+
+    def _crossing_numel(self, calls: list[LayerCall]) -> int:
+        """Elements of the captured sequence's state crossing layers: its preamble inputs, and what the layers publish
+        through shared mappings, found by running them (zero weights, on the CPU) in order, only where they share
+        one."""
+        preamble = sum(call.args[k].numel() if isinstance(k, int) else call.kwargs[k].numel()
+                       for call, keys in zip(calls, self.crossings.preamble, strict=True) for k in keys)
+        if not any(self.crossings.shared):
+            return preamble
+        shared: dict[str, dict] = {}
+        hidden = calls[0].hidden.detach()
+        with torch.no_grad():
+            for i, (call, names) in enumerate(zip(calls, self.crossings.shared, strict=True)):
+                params = {n: torch.zeros(1, *s[1:]).expand(s) if len(s) >= 2 else torch.zeros(s)
+                          for n, s in ((n, tuple(p.shape)) for n, p in self.layers[i].named_parameters())}
+                args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in call.args)
+                kwargs = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in call.kwargs.items()}
+                out = functional_call(self.layers[i], {**params, **self.layer_buffers(i, "cpu")}, (hidden, *args),
+                                      {**kwargs, **{n: shared.setdefault(n, {}) for n in names}})
+                hidden = out[0] if isinstance(out, tuple) else out
+        return preamble + sum(t.numel() for mapping in shared.values() for v in mapping.values()
+                              for t in ((v,) if isinstance(v, torch.Tensor) else v))
 
     def base_buffers(self, device: torch.device | str) -> dict[str, torch.Tensor]:
         """The decoder's buffers outside its layers (rotary frequencies, an embedding scale), names in the base."""
@@ -318,15 +361,29 @@ def head_logits(parts: Parts, params: Mapping[str, torch.Tensor], h_1TH: torch.T
     """The logits [1, T, V] the causal LM's own forward makes of hidden states h_1TH: the final norm (with
     final_norm), the LM head, and whatever the family does to the logits; `params` the head's (names from the
     causal LM, the tied head's matrix under the head's own name), the rest of the model not run."""
-    from transformers.modeling_outputs import MoeModelOutputWithPast
-
     def decoder_output(*args, **kwargs):
         h = parts.norm(h_1TH) if final_norm and parts.norm is not None else h_1TH
-        return MoeModelOutputWithPast(last_hidden_state=h)
+        return _decoder_output_class()(last_hidden_state=h)
 
     ids = torch.zeros(h_1TH.shape[:2], dtype=torch.long, device=h_1TH.device)
     with _forwards({parts.base: decoder_output}):
         return functional_call(parts.model, dict(params), (), {"input_ids": ids}).logits
+
+
+@functools.cache
+def _decoder_output_class():
+    from transformers.modeling_outputs import MoeModelOutputWithPast
+
+    class DecoderOutput(MoeModelOutputWithPast):
+        """The decoder's output as the head sees it: the last hidden states, and None for any other output a family's
+        forward passes along without using (Gemma 4's shared_kv_states, returned only on request)."""
+
+        def __getattr__(self, name):
+            if name.startswith("_"):
+                raise AttributeError(name)
+            return None
+
+    return DecoderOutput
 
 
 def _preamble_problem(calls: list[LayerCall], out, num_layers: int) -> str | None:
@@ -338,17 +395,42 @@ def _preamble_problem(calls: list[LayerCall], out, num_layers: int) -> str | Non
         return f"its forward calls the decoder layers in the order {order}, not each once in order"
     for i, (_, hidden, args, kwargs) in enumerate(calls):
         inputs = {**{f"positional input {j + 1}": a for j, a in enumerate(args)}, **kwargs}
-        if shared := [k for k, v in inputs.items() if isinstance(v, Cache) or _any_tensor(v, _requires_grad)]:
-            return (f"its decoder layers read inputs computed from the weights, from another layer or shared "
-                    f"between layers ({', '.join(shared)}: per-layer inputs, KV sharing)")
-        if args:
-            return f"its forward passes decoder layer {i} {len(args)} positional inputs besides the hidden states"
-        if hidden is not calls[max(i - 1, 0)][1]:
+        if cached := [k for k, v in inputs.items() if isinstance(v, Cache)]:
+            return f"its decoder layers share state through a cache ({', '.join(cached)}), not a mapping of tensors"
+        # a tensor the preamble computed from the weights is carried whole (Crossings); one nested in an input is not
+        if nested := [k for k, v in inputs.items() if not _from_preamble(v) and _any_tensor(v, _requires_grad)]:
+            return (f"its decoder layers read inputs computed from the weights nested in other inputs "
+                    f"({', '.join(nested)})")
+        if plain := [a for a in args if not _from_preamble(a)]:
+            return f"its forward passes decoder layer {i} {len(plain)} positional inputs besides the hidden states"
+        if not _whole_view(hidden, calls[max(i - 1, 0)][1]):
             return f"its forward changes the hidden states between decoder layers {i - 1} and {i}"
     last = getattr(out, "last_hidden_state", None)
     if last is not calls[-1][1]:
         return "its forward changes the last layer's output other than by the final norm"
     return None
+
+
+def _whole_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` is `b` or a view of all of it (Gemma 4 slices the hidden states to the positions it keeps logits
+    of, all of them in training, before its KV-sharing layers)."""
+    return a is b or (a.shape == b.shape and a.stride() == b.stride() and a.data_ptr() == b.data_ptr()
+                      and a.storage_offset() == b.storage_offset())
+
+
+def crossings(calls: list[LayerCall]) -> Crossings:
+    """The state crossing layers in a captured forward (one whose embedding unit's weights required gradients)."""
+    from transformers import Cache
+
+    preamble = [frozenset([*(j for j, a in enumerate(args) if _from_preamble(a)),
+                           *(k for k, v in kwargs.items() if _from_preamble(v))]) for _, _, args, kwargs in calls]
+    shared = [frozenset(k for k, v in kwargs.items() if isinstance(v, MutableMapping) and not isinstance(v, Cache))
+              for _, _, _, kwargs in calls]
+    return Crossings(tuple(preamble), tuple(shared))
+
+
+def _from_preamble(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.requires_grad
 
 
 def structure_key(layer: nn.Module) -> tuple:

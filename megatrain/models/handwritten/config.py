@@ -156,6 +156,8 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    crossing_numel_per_token = 0  # only the hidden state passes from a layer to the next
+
     @property
     def router_stats(self) -> bool:
         """Whether each layer reports its routing for the load-balancing loss."""
