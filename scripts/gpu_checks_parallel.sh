@@ -5,7 +5,7 @@
 # MegaTrain plan that places units by the GPU memory free at its start can meet an allocation of the other groups
 # later (an out-of-memory or CUBLAS_STATUS_ALLOC_FAILED); run such a check again alone. Torchrun checks take a free
 # port. A lent machine's device time is what this saves.
-#   bash scripts/gpu_checks_parallel.sh OUT_DIR NAME [SRC_DIR]
+#   [GPU_CHECKS_K='generic or sanitizer'] bash scripts/gpu_checks_parallel.sh OUT_DIR NAME [SRC_DIR]
 # Group K (1-4) writes OUT_DIR/NAME.gK.jsonl (a record per check) and OUT_DIR/NAME.gK.log; when all end, their records
 # are joined into OUT_DIR/NAME.jsonl. The exit status is the worst group's.
 set -uo pipefail
@@ -21,10 +21,12 @@ group() {  # K TESTS [PYTEST ARGS...]: scripts/gpu_checks.sh over the group's te
     local k=$1 tests=$2; shift 2
     GPU_TESTS=$tests bash "$here/gpu_checks.sh" "$dir/$name.g$k.jsonl" "$src" "$@" > "$dir/$name.g$k.log" 2>&1
 }
-group 1 tests/gpu/test_engine_gpu.py -k "sanitizer or curve" & p1=$!
-group 2 tests/gpu/test_engine_gpu.py -k "not (sanitizer or curve)" & p2=$!
-group 3 "$g3" & p3=$!
-group 4 "$g4" & p4=$!
+# GPU_CHECKS_K (a pytest -k expression) runs a subset: each group's checks that match it as well
+k=${GPU_CHECKS_K:+ and ($GPU_CHECKS_K)}
+group 1 tests/gpu/test_engine_gpu.py -k "(sanitizer or curve)$k" & p1=$!
+group 2 tests/gpu/test_engine_gpu.py -k "not (sanitizer or curve)$k" & p2=$!
+group 3 "$g3" ${GPU_CHECKS_K:+-k "$GPU_CHECKS_K"} & p3=$!
+group 4 "$g4" ${GPU_CHECKS_K:+-k "$GPU_CHECKS_K"} & p4=$!
 rc=0
 for p in $p1 $p2 $p3 $p4; do wait "$p" || rc=$?; done
 cat "$dir/$name".g[1234].jsonl > "$dir/$name.jsonl" 2>/dev/null

@@ -143,6 +143,18 @@ HF_CONFIGS: dict[str, dict] = {
                                moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_num_value_heads=4,
                                linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
                                layer_types=["linear_attention", "full_attention"] * 2),
+    # state crossing layers (Gemma 4): per-layer inputs of 8 a layer, and the last two layers reusing the keys and
+    # values of the first two (one sliding, one full); initialised at 0.1, as the CPU tests' (tests/families.py), where
+    # the tiny model does not amplify rounding as it does at 0.02. Over experts beside the MLP: -moe
+    "tiny-hf-gemma4": dict(_TINY_HF, model_type="gemma4_text", global_head_dim=16, sliding_window=64,
+                           hidden_size_per_layer_input=8, vocab_size_per_layer_input=256, num_kv_shared_layers=2,
+                           layer_types=["sliding_attention", "full_attention"] * 2, initializer_range=0.1,
+                           tie_word_embeddings=True),
+    "tiny-hf-gemma4-moe": dict(_TINY_HF, model_type="gemma4_text", global_head_dim=16, sliding_window=64,
+                               hidden_size_per_layer_input=8, vocab_size_per_layer_input=256, num_kv_shared_layers=2,
+                               layer_types=["sliding_attention", "full_attention"] * 2, initializer_range=0.1,
+                               tie_word_embeddings=True, enable_moe_block=True, num_experts=4, top_k_experts=2,
+                               moe_intermediate_size=32),
     "llama3.1-8b-hf": config_to_hf(MODELS["llama3.1-8b"]),
     "qwen3-8b-hf": config_to_hf(MODELS["qwen3-8b"]),
     "gemma-3-27b": dict(model_type="gemma3_text", vocab_size=262208, hidden_size=5376, intermediate_size=21504,
@@ -167,6 +179,17 @@ HF_CONFIGS: dict[str, dict] = {
                          attention_bias=True, attention_out_bias=False, mlp_bias=False, attention_dropout=0.1,
                          residual_dropout=0.1, rms_norm_eps=1e-6, rope_theta=10000000.0,
                          max_position_embeddings=524288, tie_word_embeddings=False),
+    # Gemma-4-E4B's text decoder at its published widths: 42 layers of 2560, 8 query heads and 2 KV heads of 256 on
+    # its sliding layers (512 on its full ones), a 10240 GELU MLP, 5 sliding layers (512-token window) to 1 full,
+    # per-layer inputs of 256 from their own 262k table, the last 18 layers reusing earlier layers' keys and values;
+    # what the release's config.json sets beyond these is left at transformers' Gemma4TextConfig defaults. Cut to
+    # fewer layers, the shared layers keep their share (GenericConfig.with_layers): 5 of 12
+    "gemma-4-e4b": dict(model_type="gemma4_text", vocab_size=262144, hidden_size=2560, intermediate_size=10240,
+                        num_hidden_layers=42, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+                        global_head_dim=512, hidden_size_per_layer_input=256, vocab_size_per_layer_input=262144,
+                        sliding_window=512, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 7,
+                        num_kv_shared_layers=18, rms_norm_eps=1e-6, max_position_embeddings=131072,
+                        tie_word_embeddings=True),
     "deepseek-v2-lite": dict(model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
                              moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
                              num_key_value_heads=16, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,

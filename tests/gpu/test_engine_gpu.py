@@ -90,12 +90,19 @@ FP32_SETS = {
     "generic-dropout": ({"model": "tiny-hf-seed-oss", "compile": False}, {}),
     "generic-dropout-offload-recompute-resident": ({"model": "tiny-hf-seed-oss", "compile": False}, {
         "offload_activations": 1, "recompute_inputs": 1, "resident_layers": 1}),
+    # state crossing layers (Gemma 4): per-layer inputs from the preamble, the last two layers reading the first two's
+    # keys and values; their gradients reach the producer's backward from every reader, offloaded and recomputed too
+    "generic-cross-layer": ({"model": "tiny-hf-gemma4"}, {}),
+    "generic-cross-layer-moe": ({"model": "tiny-hf-gemma4-moe"}, {}),
+    "generic-cross-layer-offload-recompute-resident": ({"model": "tiny-hf-gemma4"}, {
+        "offload_activations": 1, "recompute_inputs": 1, "resident_layers": 1}),
 }
 NOISE_MODEL = {"tiny-hf-seed-oss": "tiny-hf-seed-oss-no-dropout"}  # whose rounding noise a model that draws has
 STRESS_SETS = ["compiled", "tied", "resident-embedding-2-layers", "offload-activations", "offload-first-2-layers",
                "offload-mlp-chunks-1-resident-eager", "recompute-2-inputs", "recompute-1-offload-1-tied", "moe",
                "gpt-oss-offload-recompute", "generic-dense", "generic-mla-moe", "generic-hybrid",
-               "generic-hybrid-offload-recompute-resident", "generic-dropout-offload-recompute-resident"]
+               "generic-hybrid-offload-recompute-resident", "generic-dropout-offload-recompute-resident",
+               "generic-cross-layer", "generic-cross-layer-offload-recompute-resident"]
 STRESS_SEEDS = [1, 2, 3]
 _runs: dict[str, tuple] = {}
 
@@ -235,6 +242,7 @@ SANITIZER_SETS = {
     "generic-mla-moe": ({"model": "tiny-hf-deepseek-v3"}, {}),
     "generic-hybrid": ({"model": "tiny-hf-qwen3-next"}, {"offload_activations": 1}),
     "generic-dropout": ({"model": "tiny-hf-seed-oss"}, {"offload_activations": 1, "recompute_inputs": 1}),
+    "generic-cross-layer": ({"model": "tiny-hf-gemma4"}, {"offload_activations": 1, "recompute_inputs": 1}),
 }
 _SANITIZED_RUNS = """
 import json, sys
@@ -287,6 +295,9 @@ CURVE_SHAPES = {
     # Seed-OSS-36B's layers with its attention and residual dropout 0.1 (4 of its 64), train mode, eager on both
     # sides (the masks drawn alike: megatrain.models.draws)
     "seed-oss-36b-4l-b4-s1024": dict(model="seed-oss-36b", num_layers=4, batch=4, seq=1024),
+    # Gemma-4-E4B's layers, 12 of its 42 (5 sliding to 1 full), the last 5 reusing layers 5's and 6's keys and values,
+    # per-layer inputs from its 262k table: the state crossing layers at its published width
+    "gemma-4-e4b-12l-b4-s1024": dict(model="gemma-4-e4b", num_layers=12, batch=4, seq=1024),
 }
 # the long-context options together: 8 of 28 inputs recomputed, the next 8 offloaded, SwiGLU in 4k-token chunks
 LONG_CONTEXT = {"recompute_inputs": 8, "offload_activations": 8, "mlp_chunk_tokens": 4096}
@@ -318,7 +329,8 @@ CURVE_CASES = [("qwen2.5-0.5b-b8-s1024", name) for name in CURVE_SETS if "long-c
     ("llama3.1-8b-4l-b4-s1024", name) for name in ("mixed", "bf16", "bf16-offload-stress")] + [
     ("gpt-oss-20b-2l-b4-s1024", name) for name in ("mixed", "bf16", "bf16-offload-stress")] + [
     (shape, name) for shape in ("gemma-3-27b-2l-b4-s1024", "deepseek-v2-lite-2l-b4-s1024")
-    for name in ("mixed", "bf16", "bf16-offload-stress")] + [("seed-oss-36b-4l-b4-s1024", "bf16-eager")]
+    for name in ("mixed", "bf16", "bf16-offload-stress")] + [("seed-oss-36b-4l-b4-s1024", "bf16-eager")] + [
+    ("gemma-4-e4b-12l-b4-s1024", name) for name in ("bf16", "bf16-offload-stress")]
 # The curve a shape's mixed precision follows where native's autocast computes something else: a mixture's top-k
 # routing is discontinuous, so a router logit rounded another way sends a token to another expert. Native's mixed
 # precision (fp32 parameters under autocast) keeps the residual stream, the norms and GPT-OSS's sinks in fp32; the

@@ -126,6 +126,8 @@ class GenericConfig:
         hf = self.hf
         if hf.get("layer_types"):
             return tuple(hf["layer_types"])
+        if built := _built_layer_types(self.hf_json):  # the pattern transformers' config class fills in (Gemma's 5:1)
+            return built
         slides = hf.get("sliding_window") and hf.get("use_sliding_window", True)
         return (SLIDING if slides else FULL,) * self.num_layers
 
@@ -242,6 +244,13 @@ class GenericConfig:
             raise ValueError(f"{self.family}'s config sets its depth by none of {', '.join(LAYERS_KEYS)}: num_layers "
                              "cannot change it")
         hf[key] = num_layers
+        # a count of the last layers that reuse an earlier layer's keys and values (Gemma 3n and 4's
+        # num_kv_shared_layers) keeps its share of the depth, and at least one producing layer of each attention type
+        # before it: Gemma-4-E4B's last 18 of 42 layers become the last 5 of 12, not 18 of 12
+        if (shared := hf.get("num_kv_shared_layers")) and num_layers != old:
+            types = hf.get("layer_types") or []
+            producers = 1 + max((n for n, kind in enumerate(types) if kind not in types[:n]), default=0)
+            hf["num_kv_shared_layers"] = max(0, min(round(shared * num_layers / old), num_layers - producers))
         return GenericConfig.from_hf(hf)
 
     def to_dict(self) -> dict:
@@ -266,6 +275,19 @@ def _first(hf: Mapping, keys: tuple[str, ...]) -> str:
 
 def _numel(shapes: Mapping[str, tuple[int, ...]]) -> int:
     return sum(math.prod(shape) for shape in shapes.values())
+
+
+@functools.lru_cache(maxsize=64)
+def _built_layer_types(hf_json: str) -> tuple[str, ...]:
+    """The layer types transformers' config class sets where the config.json lists none (Gemma 3 and 4 by their
+    sliding-window pattern), or () where it sets none."""
+    from megatrain.models.generic.skeleton import transformers_config
+
+    try:
+        config = transformers_config(GenericConfig(hf_json))
+    except ValueError:  # a config transformers refuses: refused, with why, where the model is built
+        return ()
+    return tuple(getattr(config, "layer_types", None) or ())
 
 
 @functools.lru_cache(maxsize=16)
