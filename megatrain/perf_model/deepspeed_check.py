@@ -78,6 +78,8 @@ def unmodelled(r: dict) -> str | None:
         return "several ranks (the model is one GPU's)"
     if r["config"].get("options", {}).get("zenflow"):
         return "ZenFlow"
+    if record_case(r).model_config().kind == "generic":
+        return "transformers' own modules (the generic path: no layer profile is an ingredient)"
     return None
 
 

@@ -120,11 +120,14 @@ def gpu_records(system: str = "megatrain") -> list[tuple[str, dict]]:
 def unmodelled(r: dict) -> str | None:
     """What of a record's case the model leaves out, if anything: compact AdamW moments (the host kernel's rate for
     them is no ingredient), several ranks (the model is one GPU's; the ranks' reduce-scatter and sharded updates are
-    no ingredient)."""
+    no ingredient), a family trained through transformers' modules (its layers are profiled as the hand-written
+    ones are not)."""
     if ((r.get("config") or {}).get("optim") or {}).get("moments", "fp32") != "fp32":
         return "compact AdamW moments"
     if (r.get("config") or {}).get("ranks", 1) > 1:
         return "several ranks"
+    if record_case(r).model_config().kind == "generic":
+        return "transformers' own modules (the generic path: no layer profile is an ingredient)"
     return None
 
 
