@@ -75,6 +75,11 @@ def tiny_config(model_type: str):
     sizes = {k: v for k, v in TINY.items() if defaults.get(k) is not None or (k in defaults and k in ALWAYS)}
     if "qk_rope_head_dim" in sizes and "head_dim" in sizes:  # MLA: head_dim is the rotary part's
         sizes["head_dim"] = sizes["qk_rope_head_dim"]
+    if defaults.get("num_kv_shared_layers"):  # the last layers reuse earlier ones' keys and values (Gemma 3n: 15 of
+        # 35): at 4 layers the last 2, after one producer of each attention type
+        sizes["num_kv_shared_layers"] = 2
+        if defaults.get("layer_types"):
+            sizes["layer_types"] = ["sliding_attention", "full_attention"] * 2
     tokens = {k: [1] if isinstance(v, list) else 1 for k, v in defaults.items()
               if k.endswith("_token_id") and v is not None and (max(v) if isinstance(v, list) else v) >= 128}
     return config_class(**sizes, **tokens)

@@ -35,22 +35,16 @@ import torch
 from megatrain.engine.activations import ActivationStore
 from megatrain.engine.config import EngineConfig
 from megatrain.engine.distributed import Ranks
-from megatrain.engine.generic_program import GenericProgram
 from megatrain.engine.host_optimizer import HostOptimizer, torch_adamw_unit
 from megatrain.engine.layout import Unit
+from megatrain.engine.programs import Program, build_program
 from megatrain.engine.resident import ResidentUnit
 from megatrain.engine.store import OPT_CHUNK, HostStore
 from megatrain.engine.streams import StreamSet
-from megatrain.engine.templates import HandWrittenProgram, bind
+from megatrain.engine.templates import bind
 from megatrain.engine.uses import Use, use_order
-from megatrain.models import ModelConfig
 from megatrain.models.handwritten.moe import load_balancing_grad, load_balancing_loss
 from megatrain.optim.host_adamw import FlatAdamW
-
-
-def build_program(config: EngineConfig, device: torch.device) -> HandWrittenProgram | GenericProgram:
-    """The program of config.model: the hand-written one, or transformers' own modules for a generic model."""
-    return (HandWrittenProgram if isinstance(config.model, ModelConfig) else GenericProgram)(config, device)
 
 
 @dataclass
@@ -96,7 +90,7 @@ class Schedule:
         grad_dt = store.grads.dtype  # the streamed gradients leave through staging in their own dtype
         self.grad_staging = None if grad_dt == torch.float32 else \
             [torch.empty(slot_numel, dtype=grad_dt, device=device) for _ in range(2)]
-        self.program = build_program(config, device)
+        self.program: Program = build_program(config, device)
         self.draws = self.program.draws  # dropout's seeds (megatrain.models.draws; None: the model draws nothing)
         if self.draws is not None:  # under torchrun: this rank's rows come after the lower ranks' micro-batches
             self.draws.first_micro_batch = ranks.rank * config.micro_batches

@@ -75,7 +75,7 @@ def steps_from_json(items: list, device: torch.device) -> dict:
 
 def save_engine_state(out_dir: Path, store: HostStore, counters: dict,
                       buffers: dict[str, torch.Tensor] | None = None) -> None:
-    """The store's tiles, the counters and the model's buffers (a generic model's, megatrain.engine.generic_program;
+    """The store's tiles, the counters and the model's buffers (a generic model's, megatrain.engine.programs.generic;
     none for the hand-written model) into out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = write_tiles(out_dir / TILES_FILE, state_tiles(store))

@@ -10,13 +10,11 @@ from __future__ import annotations
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch.func import functional_call
 
 from megatrain.engine.layout import Unit
-from megatrain.models import DecoderLayer, ModelConfig, RMSNorm, rotary_tables
+from megatrain.models import DecoderLayer, ModelConfig, RMSNorm
 from megatrain.models.loss import linear_cross_entropy
-from megatrain.models.masks import rope_and_masks
 
 
 def bind(unit: Unit, flat: torch.Tensor, requires_grad: bool) -> dict[str, torch.Tensor]:
@@ -112,69 +110,3 @@ def add_rows(grad_VH: torch.Tensor, tokens_T: torch.Tensor, rows_TH: torch.Tenso
         grad_VH.index_put_((tokens_T,), rows_TH, accumulate=True)
     else:
         grad_VH.index_add_(0, tokens_T, rows_TH)
-
-
-class HandWrittenProgram:
-    """The hand-written model (megatrain.models.Transformer) as the schedule runs it: the embedding lookup, one layer
-    template called with the rotary tables and its attention type's mask, the chunked head.
-
-    The schedule calls a program's `contexts` once per step (what each micro-batch's layers need besides their
-    input), `embed` and `embed_backward` for the embedding unit, `layer` for each decoder layer and `head_loss` for
-    the head; the trainer loads, exports and saves its `buffers` beside the streamed weights
-    (megatrain.engine.generic_program is the other program: transformers' own modules)."""
-
-    head_weight_name = "lm_head.weight"  # the head unit's matrix; a tied head borrows the embedding's
-    embed_weight_name = "embed_tokens.weight"
-
-    def __init__(self, config, device: torch.device):
-        model = config.model
-        self.model, self.device, self.micro_batch = model, device, config.micro_batch
-        self.template = LayerTemplate(model, compile_layer=config.compile,
-                                      mlp_chunk_tokens=config.options.mlp_chunk_tokens)
-        self.head = HeadTemplate(model)
-        self.cos, self.sin = rotary_tables(model, config.seq, device, config.torch_dtype)
-
-    draws = None  # the hand-written model draws nothing (no dropout): nothing to reseed
-
-    @property
-    def compiled(self) -> bool:
-        return self.template.compiled
-
-    @property
-    def mlp_chunk_tokens(self) -> int:
-        return self.template.module.mlp.chunk_tokens
-
-    def train(self, mode: bool) -> None:
-        """Nothing to switch: the hand-written model computes alike in train and eval mode."""
-
-    def contexts(self, segments_BS: torch.Tensor | None, micro_batches: int) -> list[tuple]:
-        """(cos, sin, {layer type: mask}) of each micro-batch: the shared tables and the model's masks, or for packed
-        rows per-document positions and document masks (models.masks.rope_and_masks); on the compute stream."""
-        model, mb = self.model, self.micro_batch
-
-        def rope(segments):
-            return rope_and_masks(self.cos, self.sin, segments, self.device, model.sliding_window, model.layer_types)
-
-        if segments_BS is None:
-            return [rope(None)] * micro_batches
-        return [rope(segments_BS[i:i + mb].to(self.device)) for i in range(0, segments_BS.shape[0], mb)]
-
-    def embed(self, params: dict, tokens_BS: torch.Tensor, context) -> torch.Tensor:
-        return F.embedding(tokens_BS, params[self.embed_weight_name])
-
-    def embed_backward(self, grads: dict, params: dict, tokens_BS: torch.Tensor, dy_BSH: torch.Tensor, context,
-                       cuda: bool) -> None:
-        """Add the embedding's gradient for output gradient dy_BSH into `grads` (fp32 views of the unit)."""
-        add_rows(grads[self.embed_weight_name], tokens_BS.flatten(), dy_BSH.flatten(0, 1), cuda)
-
-    def layer(self, unit: Unit, params: dict, x_BSH: torch.Tensor, context):
-        """Decoder-layer unit `unit`'s output (with the load-balancing loss, also its routing: DecoderLayer)."""
-        cos, sin, masks = context
-        return self.template(params, x_BSH, cos, sin, masks[self.model.layer_type(unit.index - 1)])
-
-    def head_loss(self, params: dict, h_BSH: torch.Tensor, labels_BS: torch.Tensor, normalizer: int) -> torch.Tensor:
-        return self.head.loss(params["norm.weight"], params[self.head_weight_name], h_BSH, labels_BS, normalizer)
-
-    def buffers(self) -> dict[str, torch.Tensor]:
-        """The model's weights that are not trained but a checkpoint holds, by name, where they live: none here."""
-        return {}

@@ -258,7 +258,7 @@ def _compile_layers(model: torch.nn.Module) -> list[CompiledCall]:
         for layer in model.layers:
             layer.forward = functools.partial(_forward_through, template, layer)
         return [template]
-    from megatrain.engine.generic_program import ModuleTemplate
+    from megatrain.engine.programs.generic import ModuleTemplate
     from megatrain.models.generic.module import checkpointed
     from megatrain.models.generic.skeleton import Skeleton
 

@@ -10,7 +10,7 @@ model's own causal-LM forward makes of the last hidden state (`head_logits`: sof
 State that crosses layers is recorded, not refused (`Crossings`): an input of a layer that the preamble computed from
 the embedding unit's weights (Gemma 4's per-layer inputs: its gradient goes back into the preamble), and a mapping
 the forward hands every layer, through which a layer publishes tensors that later layers read (Gemma 4's shared KV:
-the readers' gradients go back to the publisher); megatrain.engine.generic_program carries both across the stream.
+the readers' gradients go back to the publisher); megatrain.engine.programs.generic carries both across the stream.
 
 What the path cannot stream is refused by name (a ValueError saying why): a model whose layers read something
 nested in their inputs that was computed from the weights, share state through a cache, are called out of order or

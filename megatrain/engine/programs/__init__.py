@@ -1,0 +1,65 @@
+"""The programs the schedule streams a model through, one per kind of model (ModelShape.kind), behind one interface.
+
+A program is what the schedule (megatrain.engine.schedule) calls to compute: the stream, the slots, the activations'
+places and the optimizer are the schedule's and the same for every kind. `handwritten` runs our own layers
+(megatrain.models.handwritten) through one layer template; `generic` runs transformers' own modules
+(megatrain.models.generic) as stateless templates, with their preamble's state and any state crossing layers. A new
+kind of model is a new program here and one row in PROGRAMS.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from megatrain.engine.layout import Unit
+from megatrain.engine.programs.generic import GenericProgram
+from megatrain.engine.programs.handwritten import HandWrittenProgram
+
+
+class Program(Protocol):
+    """What the schedule asks of a model's program.
+
+    `contexts` once per step: what each micro-batch's layers need besides their input; `embed` and `embed_backward`
+    for the embedding unit, `layer` for a decoder layer (forward and, with gradients on, its recompute), `head_loss`
+    for the head; `buffers` the model's untrained weights a checkpoint holds (loaded, exported and saved beside the
+    streamed ones); `train` the mode dropout follows; `draws` the seeds it reseeds from (None: it draws nothing)."""
+
+    head_weight_name: str  # the head unit's matrix; a tied head borrows the embedding's
+    embed_weight_name: str
+    draws: object | None
+
+    @property
+    def compiled(self) -> bool: ...
+
+    @property
+    def mlp_chunk_tokens(self) -> int: ...
+
+    def train(self, mode: bool) -> None: ...
+
+    def contexts(self, segments_BS: torch.Tensor | None, micro_batches: int) -> list: ...
+
+    def embed(self, params: dict, tokens_BS: torch.Tensor, context) -> torch.Tensor: ...
+
+    def embed_backward(self, grads: dict, params: dict, tokens_BS: torch.Tensor, dy_BSH: torch.Tensor, context,
+                       cuda: bool) -> None: ...
+
+    def layer(self, unit: Unit, params: dict, x_BSH: torch.Tensor, context): ...
+
+    def head_loss(self, params: dict, h_BSH: torch.Tensor, labels_BS: torch.Tensor,
+                  normalizer: int) -> torch.Tensor: ...
+
+    def buffers(self) -> dict[str, torch.Tensor]: ...
+
+
+# a model's kind (ModelShape.kind) -> its program
+PROGRAMS: dict[str, type] = {"handwritten": HandWrittenProgram, "generic": GenericProgram}
+
+
+def build_program(config, device: torch.device) -> Program:
+    """The program of config.model (an EngineConfig's), by its kind."""
+    kind = config.model.kind
+    if kind not in PROGRAMS:
+        raise ValueError(f"no engine program trains a model of kind {kind!r}; the kinds: {', '.join(PROGRAMS)}")
+    return PROGRAMS[kind](config, device)
