@@ -362,9 +362,22 @@ def _papers_ratio(claim: paper.Claim) -> str:
 
 
 def throughput(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path):
-    session = scope[scope["session"] == scope["session"].max()]
+    """The latest session's answer and figure; then, for the models it did not run, each one's latest session's
+    answer (a suite whose sessions ran other models: families' Llama and Qwen shapes on one machine, Gemma 4 on
+    another), newest first. Every ratio stays within one session."""
+    newest = scope.groupby("model_name")["session"].transform("max")  # a model at any depth
+    sessions = sorted(scope.loc[scope["session"] == newest, "session"].unique(), reverse=True)
+    text, figure, caption = _throughput(scope[scope["session"] == sessions[0]], scope, claims, path)
+    for older in sessions[1:]:
+        models = scope.loc[(scope["session"] == older) & (newest == older), "model_name"].unique()
+        more, _, _ = _throughput(scope[(scope["session"] == older) & scope["model_name"].isin(models)], scope, (), None)
+        text += " " + more
+    return text, figure, caption
+
+
+def _throughput(session: pd.DataFrame, scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: Path | None):
     ok = session[session["status"] == "ok"]
-    figure = plots.summary_tflops(session, path)
+    figure = plots.summary_tflops(session, path) if path is not None else None
     if ok.empty:
         return f"{BOLD}No case ran ok in the latest session.{END_BOLD}", figure, ""
     seq = plots._main_seq(ok)
