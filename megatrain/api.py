@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from megatrain.engine import distributed
 from megatrain.models.checkpoint import open_checkpoint
 from megatrain.models.loss import IGNORE_INDEX
 from megatrain.optim.config import check_lr
@@ -98,8 +99,9 @@ class Engine:
     `step` is one AdamW step over a batch, the loss (token cross-entropy) computed inside. `model` is a local
     Hugging Face checkpoint directory (its weights loaded) or a registry shape (python -m megatrain models, initialised
     from `seed`). The settings are train's, by the same names and with its defaults (device cpu: give device="cuda",
-    dtype="bfloat16" on a GPU); `option` holds the system's (--option KEY=VALUE). One process, one device: torchrun
-    ranks are the CLI's."""
+    dtype="bfloat16" on a GPU); `option` holds the system's (--option KEY=VALUE). Under torchrun every rank makes the
+    same Engine and steps the same global batch, as train's ranks do: each trains its share of the rows, and the
+    state is one copy in host memory; save and export write from rank 0 and return on every rank once written."""
 
     def __init__(self, model: str | os.PathLike, *, seq: int = TrainConfig.seq, batch: int = TrainConfig.batch,
                  micro_batch: int = TrainConfig.micro_batch, system: str = TrainConfig.system,
@@ -119,6 +121,9 @@ class Engine:
                                adam_eps=adam_eps, moments=moments, seed=seed, compile=compile,
                                option={} if option is None else option)
         check_device(device)
+        self.ranks = distributed.current(device)  # under torchrun: this rank's (the process groups made here)
+        if not self.ranks.first:
+            log = _silent  # rank 0 speaks for the ranks, as train's does
         path = Path(model)
         self.model_dir = path if path.is_dir() else None
         # the one road train --init-from takes: its model (hand-written or transformers' own) and config.json
@@ -128,7 +133,10 @@ class Engine:
         for note in preflight(self.case):  # refuses what does not fit this machine
             log(note)
         if system_spec(system).pickled:  # its save signs with the user's key: one that cannot is refused now
-            trust.check_key(create=True)
+            if self.ranks.first:
+                trust.check_key(create=True)
+            self.ranks.barrier()
+            trust.check_key(create=False)
         self._system = build_system(self.case)
         if self.checkpoint:
             self.system.load_weights(self.checkpoint.weights())
@@ -168,12 +176,17 @@ class Engine:
         if d.exists() and not (d.is_dir() and (d / STATE_FILE).is_file() or d.is_dir() and not any(d.iterdir())):
             raise ValueError(f"Engine.save({str(d)!r}): {d} holds what Engine.save did not write, which saving there "
                              "would delete: choose another path")
+        if not self.ranks.first:  # every rank takes part, rank 0 writes the one copy of the state
+            self.system.save_state(None)
+            self.ranks.barrier()
+            return
         with _writing(d, "Engine.save"), written_aside(d) as tmp:
             self.system.save_state(tmp)
             # the steps whose dropout was drawn: a loaded engine draws the next step's masks (megatrain.models.draws)
             meta = {} if (draws := getattr(self.system, "draws", None)) is None else {"steps_drawn": draws.step}
             record = checkpoint.sealed(tmp, meta, system_spec(self.case.system).pickled)
             (tmp / STATE_FILE).write_text(json.dumps(record, indent=1) + "\n")
+        self.ranks.barrier()
 
     def load(self, path: str | os.PathLike, trust_checkpoint: bool = False) -> None:
         """Continue from a `save` directory: the next step is as if training had never stopped. A state whose files
@@ -207,10 +220,12 @@ class Engine:
         tokenizer = tokenizer_dir or self.model_dir
         if Path(path).exists() and not Path(path).is_dir():
             raise ValueError(f"Engine.export({str(path)!r}) is a file, which the export would replace: choose a folder")
-        with _writing(Path(path), "Engine.export"):
-            export_checkpoint(self.system.export_weights(), self.case, Path(path),
-                              None if tokenizer is None else os.fspath(tokenizer), {"engine": self.case.model},
-                              self.checkpoint.config if self.checkpoint else None)
+        weights = self.system.export_weights()  # with several ranks, every rank's part: the weights are on rank 0
+        if self.ranks.first:
+            with _writing(Path(path), "Engine.export"):
+                export_checkpoint(weights, self.case, Path(path), None if tokenizer is None else os.fspath(tokenizer),
+                                  {"engine": self.case.model}, self.checkpoint.config if self.checkpoint else None)
+        self.ranks.barrier()
         return Path(path)
 
     def close(self) -> None:
@@ -246,6 +261,10 @@ class Engine:
         if not (targets != IGNORE_INDEX).any():
             raise ValueError("the batch has no target: every label is -100, or rows of fewer than two tokens")
         return inputs, targets
+
+
+def _silent(line: str) -> None:
+    """The log of a rank other than 0: rank 0 speaks for the ranks."""
 
 
 def _check_ids(name: str, ids, vocab: int, ignore: int | None = None) -> None:

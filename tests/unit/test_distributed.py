@@ -349,3 +349,46 @@ def test_a_peer_heard_of_before_it_reads_as_ended_is_named_once_it_does():
         assert ranks.unanswering() == f"rank 1 (pid {ending.pid}, ended)"
     finally:
         ending.wait()
+
+
+_ENGINE_SCRIPT = """
+import json, os, sys
+import torch
+import megatrain
+init, out = sys.argv[1], sys.argv[2]
+rows = torch.randint(0, 128, (8, 17), generator=torch.Generator().manual_seed(0))
+settings = dict(seq=17, batch=4, micro_batch=1, lr=1e-3, dtype="float32", device="cpu", log=lambda line: None)
+with megatrain.Engine(init, **settings) as engine:
+    losses = [engine.step(rows[i:i + 4]) for i in (0, 4)]
+    engine.export(out + "/hf")
+    engine.save(out + "/state")
+with megatrain.Engine(init, **settings) as engine:
+    engine.load(out + "/state")
+    losses.append(engine.step(rows[:4]))
+print(json.dumps({"rank": int(os.environ.get("RANK", 0)), "losses": losses}), flush=True)
+"""
+
+
+@pytest.mark.subprocess
+def test_the_engine_under_torchrun_trains_saves_and_exports_as_one_process(one_process, tmp_path):
+    """megatrain.Engine on 2 ranks, each stepping the same global batch (train's ranks' contract), equals one
+    process: the losses, the export rank 0 writes (returned on every rank once written) and a save both ranks load."""
+    init = one_process[0]
+    script = tmp_path / "engine.py"
+    script.write_text(_ENGINE_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    runs = {}
+    for name, launcher in (("one", []), ("two", ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                                 "2"])):
+        proc = subprocess.run([sys.executable, *launcher, str(script), str(init), str(tmp_path / name)], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=300)
+        _ok(proc)
+        runs[name] = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    (one,), two = runs["one"], runs["two"]
+    assert sorted(r["rank"] for r in two) == [0, 1]
+    for rank in two:  # the ranks sum their shares' gradients in another order than one process: rounding apart
+        torch.testing.assert_close(torch.tensor(rank["losses"]), torch.tensor(one["losses"]), rtol=1e-6, atol=0)
+    a, b = (load_file(tmp_path / name / "hf" / "model.safetensors") for name in ("one", "two"))
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5, msg=name)
