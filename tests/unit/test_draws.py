@@ -105,3 +105,23 @@ def test_the_held_out_loss_draws_nothing_and_training_stays_in_train_mode():
         assert losses[0] != pytest.approx(first, rel=1e-6)  # training drew masks
     finally:
         system.close()
+
+
+@pytest.mark.slow
+def test_a_compiled_model_that_draws_stays_compiled_and_every_system_draws_alike():
+    """Compiled, a layer's reseeding pre-hook ran inside its graph: each seed a constant to recompile for, until the
+    recompile limit sent the layer to eager in native, MegaTrain and FSDP2 alike (compile_check's eager_fallback).
+    The reseed is left out of the graph: every system stays compiled and draws the same masks (Inductor's, which
+    are not eager's: a compiled run is compared with compiled runs)."""
+    from megatrain.bench.case import run_case
+
+    losses = {}
+    for system in ("native", "megatrain", "fsdp"):
+        record = run_case(CaseConfig(model="tiny-hf-seed-oss", system=system, batch=4, micro_batch=2, seq=32, steps=3,
+                                     warmup=0, device="cpu", dtype="float32", compile=True))
+        assert record["status"] == "ok", record["error"]
+        check = record["system_config"]["compile_check"]
+        assert not check["eager_fallback"] and not check["recompile_limit_hits"], (system, check)
+        losses[system] = torch.tensor(record["losses"])
+    for system in ("megatrain", "fsdp"):
+        torch.testing.assert_close(losses[system], losses["native"], rtol=1e-6, atol=0, msg=system)
