@@ -448,8 +448,8 @@ def test_a_compiled_layer_recomputes_the_masks_its_forward_drew(check):
     Inductor graphs. With dropout, reseeded alike (megatrain.models.draws), both must draw the same masks, or the
     gradient is another forward's. Eager beside it, and eager against compiled (which differ: other RNG)."""
     from megatrain.engine.config import EngineConfig
-    from megatrain.engine.programs.generic import GenericProgram
     from megatrain.engine.layout import Unit
+    from megatrain.engine.programs.generic import GenericProgram
     from megatrain.models import get_model_config
 
     device, cfg = torch.device("cuda"), get_model_config("tiny-hf-seed-oss")
