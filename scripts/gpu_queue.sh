@@ -9,7 +9,10 @@
 #   bash scripts/gpu_queue.sh collect SECONDS SUITE [SUITE ...]
 #       waits until the queue ends or SECONDS pass, then puts the log and a tarball of each
 #       suite's results (paths results/SUITE/...) into $OUT. Each call of it keeps the lent machine
-#       busy (and so held); the next call must follow within the machine's idle release (30 s).
+#       busy (and so held); the next call must follow within the machine's idle release (30 s). On a machine
+#       without the queue (the lent one was given back in between: a fresh one started) it ends at once, status 3,
+#       instead of holding the new machine for SECONDS (it did: 540 s of a session's 1800 spent waiting on nothing).
+#       At most 8 files come back from $OUT: put more into a tarball.
 #
 # Results go to /tmp/megatrain-queue/results/SUITE, outside the repository copy: each device call
 # re-syncs that copy from the developer's tree, which would replace or delete records written
@@ -60,6 +63,10 @@ start)
     ;;
 collect)
     seconds=$1; shift
+    if [ ! -e "$Q/log" ]; then  # a fresh machine: the one that ran the queue was given back (idle 30 s) with it
+        echo "no queue on this machine: the machine that ran it was given back, and its results with it" >&2
+        exit 3
+    fi
     end=$((SECONDS + seconds))
     while [ ! -e "$Q/done" ] && [ $SECONDS -lt $end ]; do sleep 5; done
     O=${OUT:-/tmp/out}; mkdir -p "$O"

@@ -3,8 +3,12 @@ write the table: results/generic/transformers-<version>.json (one object per mod
 refused ones with their reasons, the rest by status).
 
     python scripts/walk_transformers.py [--only TYPE,...] [--out DIR]
+    python scripts/walk_transformers.py --curves cuda [--jobs N] [--out DIR]
 
-CPU, a few seconds a family (all of them: minutes).
+CPU, a few seconds a family (all of them: minutes). --curves DEVICE walks again, on DEVICE, every family the table
+of this transformers says trains: CPU_STEPS steps in bf16 against transformers' own run (megatrain.checks.walk.
+curve_family), in N processes side by side, into transformers-<version>-curves.json (with the machine and commit it
+ran on), and adds its column to the table's .md.
 """
 
 import argparse
@@ -16,10 +20,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: this checkout's package
 
-from megatrain.checks.walk import STATUSES, as_dicts, causal_lm_types, walk  # noqa: E402
+from megatrain.checks.walk import (  # noqa: E402
+    CURVE_STATUSES,
+    CURVE_STEPS,
+    STATUSES,
+    FamilyResult,
+    as_dicts,
+    causal_lm_types,
+    curve_family,
+    walk,
+)
 
 
-def markdown(results: list, version: str) -> str:
+def markdown(results: list, version: str, curves: dict | None = None) -> str:
     counts = Counter(r.status for r in results)
     lines = [f"# The generic path over transformers {version}", "",
              f"{counts['trains']} of {len(results)} text decoders (model types with a *ForCausalLM class) train "
@@ -33,6 +46,22 @@ def markdown(results: list, version: str) -> str:
         if not chosen:
             continue
         lines += [f"## {status}", ""]
+        if status == "trains" and curves:
+            by_type = {c["model_type"]: c for c in curves["families"]}
+            env = curves["env"]
+            where = env["gpu"] or env["device"]
+            lines += [f"In bf16 on {where} ({CURVE_STEPS} steps of one repeated batch, eager, the engine against "
+                      "transformers' own module under torch.optim.AdamW from the same weights, within 3 of native's "
+                      "spreads + 1% of its loss + 1e-4 at every step; commit "
+                      f"{env['commit'][:7]}, torch {env['torch']}): "
+                      + ", ".join(f"{sum(c['status'] == st for c in curves['families'])} {st}"
+                                  for st in CURVE_STATUSES) + ".", "",
+                      "| model type | class | bf16 curve | detail |", "| --- | --- | --- | --- |"]
+            for r in chosen:
+                c = by_type.get(r.model_type, {"status": "not run", "detail": ""})
+                lines.append(f"| {r.model_type} | {r.causal_lm} | {c['status']} | {c['detail'].replace('|', '/')} |")
+            lines.append("")
+            continue
         if status == "trains":
             lines += [", ".join(r.model_type for r in chosen), ""]
             continue
@@ -48,7 +77,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default=None, help="comma-separated model types (default: all)")
     parser.add_argument("--out", default=str(ROOT / "results" / "generic"))
+    parser.add_argument("--curves", metavar="DEVICE", help="the bf16 curves of the families the table says train")
+    parser.add_argument("--jobs", type=int, default=1, help="--curves: processes side by side")
     args = parser.parse_args()
+    out = Path(args.out)
+    stem = f"transformers-{transformers.__version__}"
+    if args.curves:
+        return curves(args.curves, args.jobs, out, stem)
     types = causal_lm_types()
     if args.only:
         types = {t: types[t] for t in args.only.split(",")}
@@ -57,12 +92,40 @@ def main() -> None:
         (result,) = walk({model_type: causal_lm})
         print(f"{model_type:28s} {result.status:8s} {result.detail[:100]}", flush=True)
         results.append(result)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"transformers-{transformers.__version__}"
     (out / f"{stem}.json").write_text(json.dumps(as_dicts(results), indent=1) + "\n")
-    (out / f"{stem}.md").write_text(markdown(results, transformers.__version__) + "\n")
+    (out / f"{stem}.md").write_text(markdown(results, transformers.__version__, _curves(out, stem)) + "\n")
     print(f"{sum(r.status == 'trains' for r in results)} of {len(results)} train; {out / stem}.md")
+
+
+def _curves(out: Path, stem: str) -> dict | None:
+    path = out / f"{stem}-curves.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _curve_job(args: tuple) -> dict:
+    return curve_family(*args)
+
+
+def curves(device: str, jobs: int, out: Path, stem: str) -> None:
+    """The bf16 curves of every family the table says trains, written beside it, and the table's .md again."""
+    import multiprocessing
+
+    import transformers
+
+    from megatrain.bench.env import environment
+
+    results = [FamilyResult(**r) for r in json.loads((out / f"{stem}.json").read_text())]
+    todo = [(r.model_type, r.causal_lm, device) for r in results if r.status == "trains"]
+    done = []
+    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+        for c in pool.imap(_curve_job, todo):
+            print(f"{c['model_type']:28s} {c['status']:7s} {c['detail'][:100]}", flush=True)
+            done.append(c)
+    record = {"env": {**environment(), "device": device}, "steps": CURVE_STEPS, "families": done}
+    (out / f"{stem}-curves.json").write_text(json.dumps(record, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(markdown(results, transformers.__version__, record) + "\n")
+    print(f"{sum(c['status'] == 'tracks' for c in done)} of {len(done)} track transformers in bf16 on {device}")
 
 
 if __name__ == "__main__":

@@ -170,3 +170,79 @@ def walk(model_types: dict[str, str] | None = None) -> list[FamilyResult]:
 
 def as_dicts(results: list[FamilyResult]) -> list[dict]:
     return [asdict(r) for r in results]
+
+
+# ---- the walk on a GPU: several steps in bf16, the engine against transformers' own run ----------------------------
+CURVE_STEPS, CURVE_LR = 8, 1e-3
+CURVE_FLOOR, CURVE_SHARE = 1e-4, 0.01  # the band's absolute floor and its share of the loss (the GPU curves')
+CURVE_STATUSES = ("tracks", "leaves", "fails")
+
+
+def band_excess(native: list[float], reordered: list[float], ours: list[float]) -> float:
+    """By how much `ours` leaves native's band at its worst step (<= 0: inside; inf: a loss not finite): 3 spreads
+    + 1% of native's loss + 1e-4, the spread |reordered - native| raised at each step to the largest share of the
+    loss any step's was (two runs crossing at a step leave no spread there, which is chance)."""
+    ref, ours_t = torch.tensor(native, dtype=torch.float64), torch.tensor(ours, dtype=torch.float64)
+    if not torch.isfinite(ours_t).all():
+        return math.inf
+    spread = (torch.tensor(reordered, dtype=torch.float64) - ref).abs()
+    spread = torch.maximum(spread, (spread / ref.abs()).max() * ref.abs())
+    return ((ours_t - ref).abs() - (3 * spread + CURVE_SHARE * ref.abs() + CURVE_FLOOR)).max().item()
+
+
+def curve_family(model_type: str, causal_lm: str, device: str = "cuda") -> dict:
+    """One model type at the tiny size, CURVE_STEPS AdamW steps of one repeated batch in bf16 precision (bf16
+    weights, fp32 moments), eager: the engine (streamed) against transformers' own module under plain PyTorch
+    (`native`: the model's module and torch.optim.AdamW) from the same weights, judged as the GPU suite's curves
+    are: each step within 3 spreads + 1% of the loss + 1e-4 of native's, the spread native's own with its gradient
+    sums in another order (micro-batches of one row). Never raises: 'fails' carries the error."""
+    import transformers
+
+    from megatrain.config import CaseConfig
+    from megatrain.models.draws import random_settings
+    from megatrain.models.generic import GenericConfig
+    from megatrain.models.weights import named_weights
+    from megatrain.optim.config import OptimConfig
+    from megatrain.systems import build_system
+
+    out = {"model_type": model_type, "causal_lm": causal_lm}
+    try:
+        torch.manual_seed(0)
+        reference = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type)).float()
+        cfg = GenericConfig.from_hf(reference.config.to_dict())
+        weights = {n: t.detach().clone() for n, t in named_weights(reference).items()}
+        del reference
+        tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
+        x, y = tokens[:, :-1], tokens[:, 1:]
+
+        def without_draws(hf: dict) -> dict:  # the same model computing the same way with nothing drawn
+            return {k: without_draws(v) if isinstance(v, dict) else
+                    0.0 if k in random_settings({k: v}) else v for k, v in hf.items()}
+
+        # native's rounding noise: its run with the gradient sums in another order, of the model without its draws
+        # (another split of the batch draws other dropout masks, which is no rounding)
+        quiet = GenericConfig.from_hf(without_draws(cfg.hf)) if cfg.random_settings else cfg
+
+        def losses(system: str, micro_batch: int, shape=cfg) -> list[float]:
+            case = CaseConfig(model=model_type, model_shape=shape, system=system, batch=BATCH, micro_batch=micro_batch,
+                              seq=SEQ, device=device, dtype="bfloat16", precision="bf16", steps=CURVE_STEPS,
+                              warmup=0, repeat_batch=True, optim=OptimConfig(lr=CURVE_LR, max_grad_norm=1.0))
+            built = build_system(case)
+            try:
+                built.load_weights(weights.items())
+                return [built.step(x, y) for _ in range(CURVE_STEPS)]
+            finally:
+                built.close()
+
+        native, ours = losses("native", BATCH), losses("megatrain", BATCH)
+        quiet_native = native if quiet is cfg else losses("native", BATCH, quiet)
+        reordered = losses("native", 1, quiet)
+    except Exception as exc:
+        return {**out, "status": "fails", "detail": _error(exc)}
+    # the spread in the band: |reordered - native| of the model without draws, carried onto the curve that draws
+    excess = band_excess(native, [n + r - q for n, r, q in zip(native, reordered, quiet_native, strict=True)], ours)
+    status = "tracks" if excess <= 0 else "leaves"
+    detail = f"loss {native[0]:.4f} -> {native[-1]:.4f} (transformers), {ours[0]:.4f} -> {ours[-1]:.4f} (engine)" + \
+        ("" if status == "tracks" else f"; {excess:.2e} outside the band")
+    return {**out, "status": status, "detail": detail, "losses": ours, "native_losses": native,
+            "native_reordered_losses": reordered, "native_undrawn_losses": quiet_native, "max_excess_over_band": excess}

@@ -155,3 +155,16 @@ class ModelShape(Protocol):
 
     def packing_refusal(self) -> str | None:
         """Why packed rows (several documents a row) cannot train this model, or None."""
+
+
+class HeadSizes:
+    """The attention's projection widths from a shape's heads, one definition for both kinds of model (ModelConfig
+    and GenericConfig inherit it): a query's num_heads x head_dim, a key's or value's num_kv_heads x head_dim."""
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim

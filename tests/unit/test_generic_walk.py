@@ -11,7 +11,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from megatrain.checks.walk import as_dicts, causal_lm_types, try_family, walk  # noqa: E402
+from megatrain.checks.walk import as_dicts, band_excess, causal_lm_types, curve_family, try_family, walk  # noqa: E402
 
 # the families of issue 44's done-when, and issue 59's (per-layer inputs): the walk must find each trains
 MUST_TRAIN = ("gemma3_text", "mixtral", "phi3", "deepseek_v3", "qwen3_next", "llama4_text", "glm4_moe", "olmo2",
@@ -27,6 +27,19 @@ def test_a_family_trains_and_one_that_reads_another_layers_state_is_refused():
     assert drawn.status == "trains" and "attention_dropout=0.1, residual_dropout=0.1" in drawn.detail
     refused = try_family("bart", types["bart"])  # its layers take the encoder's states, positionally
     assert refused.status == "refused" and "positional inputs" in refused.detail
+
+
+def test_the_walks_bf16_curve_tracks_transformers_and_its_band_sees_a_wrong_one():
+    """The walk's GPU column (scripts/walk_transformers.py --curves cuda), here on the CPU: a family with its dropout
+    drawn tracks transformers' own bf16 run; a curve 3% off native's, or one gone non-finite, leaves the band."""
+    curve = curve_family("seed_oss", causal_lm_types()["seed_oss"], "cpu")
+    assert curve["status"] == "tracks", curve
+    native = curve["native_losses"]  # the spread: native's reordering of the model without its dropout
+    reordered = [n + r - q for n, r, q in zip(native, curve["native_reordered_losses"], curve["native_undrawn_losses"],
+                                              strict=True)]
+    assert band_excess(native, reordered, curve["losses"]) == curve["max_excess_over_band"] <= 0
+    assert band_excess(native, reordered, [x * 1.03 for x in native]) > 0
+    assert band_excess(native, reordered, native[:-1] + [float("nan")]) == float("inf")
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from megatrain.models.draws import random_settings
 from megatrain.models.masks import FULL, SLIDING, attended_pairs
-from megatrain.models.shape import UnitShapes
+from megatrain.models.shape import HeadSizes, UnitShapes
 
 if TYPE_CHECKING:  # annotations only: the skeleton (which builds the model, with transformers) says the layout
     from megatrain.models.generic.skeleton import Layout
@@ -33,7 +33,7 @@ ATTENTION_TYPES = (FULL, SLIDING, CHUNKED)  # layer types whose attention takes 
 
 
 @dataclass(frozen=True)
-class GenericConfig:
+class GenericConfig(HeadSizes):
     """A transformers decoder-only causal LM, by its config.json (canonical JSON, so the shape is hashable and a
     record keeps it). Built without memory; `layout` builds the model on the meta device once per config.
 
@@ -99,13 +99,6 @@ class GenericConfig:
         # MLA's query-key width is its qk_head_dim (its head_dim is the rotary part alone)
         return int(hf.get("qk_head_dim") or hf.get("head_dim") or self.hidden_size // self.num_heads)
 
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
     @property
     def intermediate_size(self) -> int:

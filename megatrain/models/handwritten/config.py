@@ -8,11 +8,11 @@ from dataclasses import asdict, dataclass, replace
 from megatrain.models.handwritten.families import FAMILIES, MOE_FAMILIES, NONE, ROWS
 from megatrain.models.masks import FULL, LAYER_TYPES, SLIDING, attended_pairs
 from megatrain.models.rope import RopeScaling
-from megatrain.models.shape import UnitShapes
+from megatrain.models.shape import HeadSizes, UnitShapes
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(HeadSizes):
     """Shape of a Llama/Qwen2/Qwen3/Mistral-style decoder, or of a Qwen3-MoE/GPT-OSS mixture of experts.
 
     Attributes:
@@ -177,13 +177,6 @@ class ModelConfig:
         """(query, key) pairs decoder layer `layer` scores in one sequence (megatrain.models.masks.attended_pairs)."""
         return attended_pairs(seq, self.sliding_window if self.layer_type(layer) != FULL else 0)
 
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
     # ---- accounting: every count derives from the named tensor shapes below ---------------------------------
     def layer_shapes(self) -> dict[str, tuple[int, ...]]:
