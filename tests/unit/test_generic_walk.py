@@ -58,3 +58,13 @@ def test_every_transformers_decoder_through_the_generic_path():
         (Path(out) / f"transformers-{transformers.__version__}.json").write_text(json.dumps(as_dicts(results)))
     assert {t: by_type[t].status for t in MUST_TRAIN} == dict.fromkeys(MUST_TRAIN, "trains")
     assert not [r for r in results if r.status == "differs"], "a family that runs must compute transformers' loss"
+
+
+def test_a_layer_buffer_meets_the_compute_dtype_in_bf16():
+    """MiniMax's lightning attention multiplies bf16 activations by its decay buffers: the engine kept them fp32
+    (a matmul of fp32 and bf16 raised), where transformers' bf16 model holds them in bf16; DeepSeek-V3's router
+    correction, which transformers keeps in fp32, beside it."""
+    types = causal_lm_types()
+    for family in ("minimax", "deepseek_v3"):
+        curve = curve_family(family, types[family], "cpu")
+        assert curve["status"] == "tracks", curve

@@ -182,7 +182,19 @@ class GenericProgram:
         self.base_buffers = skeleton.base_buffers(device)
         # the same under the causal LM's names, for the head (a final norm's buffers; the rest is not read there)
         self.head_buffers = {skeleton.base_prefix + n: b for n, b in self.base_buffers.items()}
-        self.layer_buffers = [skeleton.layer_buffers(i, device) for i in range(cfg.num_layers)]
+        # a layer's floating buffers in the compute dtype, as transformers loads a model in bf16 (from_pretrained's
+        # dtype), but those its class keeps in fp32 (DeepSeek-V3's router correction): the layer computes in that
+        # dtype with no autocast, and MiniMax's decay buffers meet bf16 activations in a matmul
+        keep = [*(getattr(skeleton.model, "_keep_in_fp32_modules", None) or ()),
+                *(getattr(skeleton.model, "_keep_in_fp32_modules_strict", None) or ())]
+
+        def computed(name: str, buffer: torch.Tensor) -> torch.Tensor:
+            if not buffer.is_floating_point() or any(k in name for k in keep):
+                return buffer
+            return buffer.to(config.torch_dtype)
+
+        self.layer_buffers = [{n: computed(n, b) for n, b in skeleton.layer_buffers(i, device).items()}
+                              for i in range(cfg.num_layers)]
         self._persistent = list(persistent_buffers(skeleton.model))
         first = {}
         for i, s in enumerate(skeleton.structure):
