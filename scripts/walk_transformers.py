@@ -6,7 +6,7 @@ refused ones with their reasons, the rest by status).
     python scripts/walk_transformers.py --curves cuda [--jobs N] [--out DIR]
 
 CPU, a few seconds a family (all of them: minutes). --curves DEVICE walks again, on DEVICE, every family the table
-of this transformers says trains: CPU_STEPS steps in bf16 against transformers' own run (megatrain.checks.walk.
+of this transformers says trains: CURVE_STEPS (8) steps in bf16 against transformers' own run (megatrain.checks.walk.
 curve_family), in N processes side by side, into transformers-<version>-curves.json (with the machine and commit it
 ran on), and adds its column to the table's .md.
 """

@@ -20,6 +20,7 @@ from megatrain.perf_model import deepspeed
 from megatrain.perf_model.model import Ingredients, Machine, Model
 from megatrain.perf_model.model_check import (
     RESULTS,
+    generic_path,
     gpu_records,
     ingredients,
     projected_machine,
@@ -78,9 +79,7 @@ def unmodelled(r: dict) -> str | None:
         return "several ranks (the model is one GPU's)"
     if r["config"].get("options", {}).get("zenflow"):
         return "ZenFlow"
-    if record_case(r).model_config().kind == "generic":
-        return "transformers' own modules (the generic path: no layer profile is an ingredient)"
-    return None
+    return generic_path(r)
 
 
 def validation_rows() -> list[dict]:

@@ -126,6 +126,12 @@ def unmodelled(r: dict) -> str | None:
         return "compact AdamW moments"
     if (r.get("config") or {}).get("ranks", 1) > 1:
         return "several ranks"
+    return generic_path(r)
+
+
+def generic_path(r: dict) -> str | None:
+    """Why a record trained through transformers' own modules is not modelled (by this model and DeepSpeed's), or
+    None for a hand-written model."""
     if record_case(r).model_config().kind == "generic":
         return "transformers' own modules (the generic path: no layer profile is an ingredient)"
     return None

@@ -99,7 +99,6 @@ class GenericConfig(HeadSizes):
         # MLA's query-key width is its qk_head_dim (its head_dim is the rotary part alone)
         return int(hf.get("qk_head_dim") or hf.get("head_dim") or self.hidden_size // self.num_heads)
 
-
     @property
     def intermediate_size(self) -> int:
         return int(self.hf.get("intermediate_size") or 4 * self.hidden_size)
