@@ -477,6 +477,20 @@ def _depth_phrase(rows: pd.DataFrame) -> str:
     return f"full depth ({full} layers)" if layers == full else f"{layers} of its {full} layers"
 
 
+def _residency(rows: pd.DataFrame) -> str:
+    """A cut session where MegaTrain's plan held every layer on the GPU, said so: its ratio there is not the streaming
+    engine's (DeepSpeed ZeRO-3 offload streams every layer at any depth); '' where its plan streamed some, or where
+    the session also ran it streamed (its own label, beside)."""
+    layers, full = _depth(rows)
+    mine = rows[(rows["system"] == "megatrain") & (rows["status"] == "ok")]
+    planned = mine[mine["label"].map(_is_default)]
+    if layers == full or planned.empty or int(planned["resident_units"].min()) <= layers:
+        return ""
+    streamed = (mine["resident_units"] == 0).any()
+    return (f"; there MegaTrain's plan holds all {layers} layers on the GPU and streams none" +
+            (", its streamed runs beside" if streamed else ", so its ratio is not the streaming engine's"))
+
+
 def _ratios_at(pairs: pd.DataFrame, batch: int) -> str:
     """Each label's ratio at one batch, per kernel setting: 'eager, MegaTrain 1.25x and FSDP2 offload 0.92x;
     compiled, MegaTrain 1.36x'."""
@@ -555,14 +569,15 @@ def over_deepspeed(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: P
         which = "the paper's" if batch == papers_batch else \
             f"the largest beside DeepSpeed here; the paper's {papers_batch} did not run beside it"
         model = session["model_name"].iloc[0]
-        parts = [f"At batch {batch} ({which}), {model} at {_depth_phrase(session)}, seq {seq}, on {_machine(session)}, "
+        parts = [f"At batch {batch} ({which}), {model} at {_depth_phrase(session)}, seq {seq}, on {_machine(session)}"
+                 f"{_residency(session)}, "
                  f"each system's TFLOPS over DeepSpeed ZeRO-3 offload's at the same kernels: "
                  f"{BOLD}{_ratios_at(mine, batch)}{END_BOLD}"]
         several = [n for n in pairs["session"].unique() if pairs[pairs["session"] == n]["batch"].nunique() > 1]
         if several:
             other = max(several, key=rank)
             rows = at_seq[at_seq["session"] == other]
-            where = "" if other == name else f" ({_depth_phrase(rows)}, on {_machine(rows)})"
+            where = "" if other == name else f" ({_depth_phrase(rows)}, on {_machine(rows)}{_residency(rows)})"
             parts.append(f"over batch{where}: {_over_batch(pairs[pairs['session'] == other])}")
         else:
             parts.append("no session has yet run more than one batch beside DeepSpeed: the ratio over batch is not "

@@ -607,6 +607,40 @@ def test_a_full_depth_session_opens_the_14b_answer_and_the_deepest_with_several_
                            "GB of a 2-GPU host with 256 GiB,") and "The model" not in text
 
 
+def test_a_cut_depth_where_megatrain_streams_nothing_says_so_beside_its_ratio(tmp_path):
+    """At 10 of the 14B's 48 layers MegaTrain's plan held every layer on the GPU (resident units: the embedding and
+    the 10 layers) while DeepSpeed streamed them all: the ratio there is said not to be the streaming engine's, or
+    where its streamed runs (nothing resident) are in the session, they are named beside it."""
+    def cut(system, batch, tflops, label=None, units=11):
+        r = _kernels_record(system, batch, tflops, num_layers=10, run_id="20260303-000000-cccc")
+        r["suite"]["hardware"] = "h200-141g-128g"
+        r["suite"]["machine"] = {**GPU_MACHINE, "host_mem_gib": 125.9, "cpu_cores": 16}
+        if system == "megatrain":
+            r["system_config"] = {"resident_units": list(range(units))}
+        if label:
+            r["suite"]["label"], r["suite"]["case_id"] = label, f"{label}-{batch}"
+        return r
+
+    planned = [cut("megatrain", 16, 417.0), cut("deepspeed", 16, 111.0), cut("megatrain", 96, 468.0),
+               cut("deepspeed", 96, 301.0)]
+    text, _, _ = headline.over_deepspeed(tables.latest_records(tables.records_frame(planned)), THE_184X,
+                                         tmp_path / "f.png", tmp_path / "none.json")
+    assert text.startswith("At batch 96 (the paper's), qwen2.5-14b at 10 of its 48 layers, seq 1024, on one H200 141 "
+                           "GB, 128 GiB host; there MegaTrain's plan holds all 10 layers on the GPU and streams none, "
+                           "so its ratio is not the streaming engine's, each system's"), text
+    streamed = [cut("megatrain", b, t, label="megatrain-streamed", units=0) for b, t in ((16, 300.0), (96, 420.0))]
+    text, _, _ = headline.over_deepspeed(tables.latest_records(tables.records_frame(planned + streamed)), THE_184X,
+                                         tmp_path / "g.png", tmp_path / "none.json")
+    assert "streams none, its streamed runs beside, each system's" in text, text
+    assert "MegaTrain (streamed) 1.40x" in text and "MegaTrain (streamed) 2.70x, 1.40x at batch 16, 96" in text, text
+    # its plan streaming some layers (full depth: 8 of 49 units resident) is the streaming engine: nothing to say
+    full = [_kernels_record("megatrain", 96, 404.0), _kernels_record("deepspeed", 96, 323.0)]
+    full[0]["system_config"] = {"resident_units": list(range(8))}
+    text, _, _ = headline.over_deepspeed(tables.latest_records(tables.records_frame(full)), THE_184X,
+                                         tmp_path / "h.png", tmp_path / "none.json")
+    assert "streams none" not in text, text
+
+
 def test_no_ratio_across_kernel_settings_says_which_system_ran_alone(tmp_path):
     """The committed 14B session: MegaTrain compiled, DeepSpeed and FSDP2 eager. Its headline used to open with
     MegaTrain's compiled 1.36x over DeepSpeed eager."""
