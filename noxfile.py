@@ -87,12 +87,19 @@ def report(session):
 def perf_model(session):
     """The performance model against every committed engine record, its projections of the paper's machines, the
     DeepSpeed step model against every DeepSpeed record and both on the paper's GH200 (results/perf_model/), and the
-    scaling report that shows them."""
-    session.run(PY, "-m", "megatrain.perf_model.model_check", "validate")
-    session.run(PY, "-m", "megatrain.perf_model.model_check", "project")
-    session.run(PY, "-m", "megatrain.perf_model.deepspeed_check")
-    session.run(PY, "-m", "megatrain.perf_model.deepspeed_projection")
-    session.run(PY, "-m", "megatrain", "report", "scaling")
+    scaling report that shows them.
+
+    Every file it writes names the tree as the session found it: each step would otherwise see the files of the steps
+    before it as uncommitted changes, and a clean checkout's outputs would say 'dirty'."""
+    from megatrain.bench.env import git_commit
+
+    commit, dirty = git_commit()
+    tree = {"MEGATRAIN_COMMIT": commit, "MEGATRAIN_DIRTY": "1" if dirty else "0"}
+    session.run(PY, "-m", "megatrain.perf_model.model_check", "validate", env=tree)
+    session.run(PY, "-m", "megatrain.perf_model.model_check", "project", env=tree)
+    session.run(PY, "-m", "megatrain.perf_model.deepspeed_check", env=tree)
+    session.run(PY, "-m", "megatrain.perf_model.deepspeed_projection", env=tree)
+    session.run(PY, "-m", "megatrain", "report", "scaling", env=tree)
 
 
 @nox.session(python=False)
