@@ -66,8 +66,6 @@ class Draws:
     micro_batch: int = 0  # this process's micro-batch of the step
     first_micro_batch: int = 0  # under torchrun, the step's micro-batches before this rank's: ranks draw as one would
 
-    @torch.compiler.disable  # a compiled layer's pre-hook calls it: traced, each seed would be a constant to
-    # recompile for (every unit and micro-batch of every step), until the recompile limit sends the layer to eager
     def reseed(self, unit: int, device: torch.device) -> None:
         """Seed `device`'s default generator for `unit`'s forward of the current micro-batch and step."""
         if device.type == "cuda":

@@ -101,8 +101,14 @@ def reseed_units(parts: Parts, draws: Draws, training: Callable[[], bool]) -> No
     """Forward pre-hooks on a causal LM's decoder (unit 0: its preamble) and each decoder layer i (unit i + 1) that
     seed the device's generator for the unit's draws of `draws`' step and micro-batch, while training() says the
     model trains (a held-out loss draws nothing): what the engine's program does before each unit, on transformers'
-    own modules (every module-owning system, and the references of the tests and the walk)."""
+    own modules (every module-owning system, and the references of the tests and the walk).
+
+    A compiled layer leaves its hook out of its graph (torch.compiler.disable): traced, each seed would be a constant
+    to recompile for (every unit and micro-batch of every step), until the recompile limit sent the layer to eager.
+    Disabled here, where a model draws, and not on Draws itself: the decorator imports torch's compiler (~1.3 s),
+    which a process that neither draws nor compiles never needs."""
     def hook(unit: int):
+        @torch.compiler.disable
         def reseed(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if training():
                 draws.reseed(unit, next(t.device for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)))
