@@ -623,3 +623,41 @@ def test_update_delay_is_refused_across_ranks():
     with pytest.raises(ValueError, match="runs in one process"):
         EngineConfig(model=get_model_config("tiny"), batch=2, micro_batch=2, seq=16, ranks=2,
                      options=MegaTrainOptions(update_delay=1))
+
+
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+def test_a_compiled_layer_leaves_flex_attention_to_its_own_graph():
+    """The GPU's document mask (a BlockMask, built here on the CPU) through a compiled layer, the engine's template and
+    native's in-place compile alike: FlexAttention stays out of the layer's graphs (torch 2.11's Inductor lowered it
+    inside the engine's no-grad layer graph with stale q/k strides: 4e-5 from native on packed rows on an H200), and
+    the layer computes what the eager one does with the dense mask."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from megatrain.models.masks import _allowed, document_positions
+
+    cfg = get_model_config("tiny")
+    seq, gen = 16, torch.Generator().manual_seed(0)
+    segments_BS = torch.tensor([[0] * seq, [0] * 6 + [1] * 10])
+    positions = document_positions(segments_BS)
+    cos, sin = (t[positions][:, None] for t in rotary_tables(cfg, seq, torch.device("cpu"), torch.float32))
+    block = create_block_mask(lambda b, h, q, kv: _allowed(q, kv, 0, segments_BS, b), 2, None, seq, seq, device="cpu")
+    index, rows = torch.arange(seq), torch.arange(2)[:, None, None]
+    dense = _allowed(index[None, :, None], index[None, None, :], 0, segments_BS, rows)[:, None]
+    layer = Transformer(cfg).layers[0]
+    x = torch.randn(2, seq, cfg.hidden_size, generator=gen)
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    template = LayerTemplate(cfg, compile_layer=False)
+    engine = torch.compile(template._layer, dynamic=False, backend=record)
+    native = torch.compile(layer, dynamic=False, backend=record)
+    with torch.no_grad():  # FlexAttention's CPU kernel has no backward
+        eager = layer(x, cos, sin, dense)
+        outs = [engine(dict(layer.named_parameters()), x, cos, sin, block), native(x, cos, sin, block)]
+    flex = [n for g in graphs for n in g.graph.nodes if "flex_attention" in str(n.target)]
+    assert graphs and not flex, f"FlexAttention lowered inside a compiled layer: {flex}"
+    for out in outs:
+        torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-6)

@@ -41,6 +41,17 @@ def compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
+# Its own graph also inside a compiled layer (Dynamo breaks the layer's graph around the call; torch._dynamo loads at
+# the first call, not at import): every system, eager or compiled, runs the one standalone flex kernel on q, k and v
+# of fixed strides. Lowered inside a layer's graph, torch 2.11's Inductor (its flex templates not yet frozen to their
+# input layouts, `always_freeze_layout`) can build the kernel on strides of a q or k layout it re-decides later: the
+# engine's no-grad forward on packed rows sat 4e-5 from native at step 1 on an H200, the size of keys read wrongly.
+@torch._disable_dynamo(recursive=False)
+def standalone_flex_attention(*args, **kwargs):
+    """compiled_flex_attention()(*args, **kwargs), outside any enclosing compiled graph."""
+    return compiled_flex_attention()(*args, **kwargs)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -68,7 +79,7 @@ class Attention(nn.Module):
         if self.sinks is not None:
             o = attention_with_sinks(q, k, v, mask_B1SS, self.sinks)
         elif isinstance(mask_B1SS, BlockMask):
-            o = compiled_flex_attention()(q, k, v, block_mask=mask_B1SS, enable_gqa=gqa)
+            o = standalone_flex_attention(q, k, v, block_mask=mask_B1SS, enable_gqa=gqa)
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1SS, is_causal=mask_B1SS is None,
                                                enable_gqa=gqa)
@@ -84,7 +95,7 @@ def attention_with_sinks(q_BNSD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: tor
     causal) computes the scores, as transformers' eager GPT-OSS does."""
     gqa = k_BKSD.shape[1] != q_BNSD.shape[1]
     if isinstance(mask_B1SS, BlockMask):
-        o, lse_BNS = (flex or compiled_flex_attention())(q_BNSD, k_BKSD, v_BKSD, block_mask=mask_B1SS,
+        o, lse_BNS = (flex or standalone_flex_attention)(q_BNSD, k_BKSD, v_BKSD, block_mask=mask_B1SS,
                                                           enable_gqa=gqa, return_lse=True)
         scale_BNS = torch.sigmoid(lse_BNS.float() - sinks_N.float()[:, None])
         return (o * scale_BNS[..., None].to(o.dtype)).to(q_BNSD.dtype)
