@@ -626,8 +626,8 @@ def test_a_cut_depth_where_megatrain_streams_nothing_says_so_beside_its_ratio(tm
     text, _, _ = headline.over_deepspeed(tables.latest_records(tables.records_frame(planned)), THE_184X,
                                          tmp_path / "f.png", tmp_path / "none.json")
     assert text.startswith("At batch 96 (the paper's), qwen2.5-14b at 10 of its 48 layers, seq 1024, on one H200 141 "
-                           "GB, 128 GiB host; there MegaTrain's plan keeps and updates all 10 layers on the GPU, streaming none, "
-                           "so its ratio is not the streaming engine's, each system's"), text
+                           "GB, 128 GiB host; there MegaTrain's plan keeps and updates all 10 layers on the GPU, "
+                           "streaming none, so its ratio is not the streaming engine's, each system's"), text
     streamed = [cut("megatrain", b, t, label="megatrain-streamed", units=0) for b, t in ((16, 300.0), (96, 420.0))]
     text, _, _ = headline.over_deepspeed(tables.latest_records(tables.records_frame(planned + streamed)), THE_184X,
                                          tmp_path / "g.png", tmp_path / "none.json")
