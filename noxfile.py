@@ -89,12 +89,12 @@ def perf_model(session):
     DeepSpeed step model against every DeepSpeed record and both on the paper's GH200 (results/perf_model/), and the
     scaling report that shows them.
 
-    Every file it writes names the tree as the session found it: each step would otherwise see the files of the steps
-    before it as uncommitted changes, and a clean checkout's outputs would say 'dirty'."""
+    A clean checkout's files name it clean: each step would otherwise see the files of the steps before it as
+    uncommitted changes and say 'dirty'. A tree already changed is left to say so itself, with its changes' hash."""
     from megatrain.bench.env import git_commit
 
     commit, dirty = git_commit()
-    tree = {"MEGATRAIN_COMMIT": commit, "MEGATRAIN_DIRTY": "1" if dirty else "0"}
+    tree = {"MEGATRAIN_COMMIT": commit, "MEGATRAIN_DIRTY": "0"} if dirty is False else {}
     session.run(PY, "-m", "megatrain.perf_model.model_check", "validate", env=tree)
     session.run(PY, "-m", "megatrain.perf_model.model_check", "project", env=tree)
     session.run(PY, "-m", "megatrain.perf_model.deepspeed_check", env=tree)

@@ -12,7 +12,10 @@
 #       busy (and so held); the next call must follow within the machine's idle release (30 s). On a machine
 #       without the queue (the lent one was given back in between: a fresh one started) it ends at once, status 3,
 #       instead of holding the new machine for SECONDS (it did: 540 s of a session's 1800 spent waiting on nothing).
-#       At most 8 files come back from $OUT: put more into a tarball.
+#       At most 8 files come back from $OUT: put more into a tarball. A chain of collects is not guaranteed even
+#       when each call follows the last at once: one of two such hand-overs found a fresh machine (the queue and
+#       its unfinished items lost, ~140 s of a fresh start spent). Order the queue most telling first, and keep
+#       work whose records must come back within the first call's window.
 #
 # Results go to /tmp/megatrain-queue/results/SUITE, outside the repository copy: each device call
 # re-syncs that copy from the developer's tree, which would replace or delete records written

@@ -487,7 +487,7 @@ def _residency(rows: pd.DataFrame) -> str:
     if layers == full or planned.empty or int(planned["resident_units"].min()) <= layers:
         return ""
     streamed = (mine["resident_units"] == 0).any()
-    return (f"; there MegaTrain's plan holds all {layers} layers on the GPU and streams none" +
+    return (f"; there MegaTrain's plan keeps and updates all {layers} layers on the GPU, streaming none" +
             (", its streamed runs beside" if streamed else ", so its ratio is not the streaming engine's"))
 
 

@@ -8,6 +8,7 @@ import hashlib
 import os
 import platform
 import subprocess
+import sys
 from importlib import metadata
 
 import torch
@@ -59,6 +60,11 @@ def same_code(env: dict) -> bool:
 
 
 def _version(pkg: str) -> str | None:
+    """The version of `pkg` that runs here: the imported module's own where it is imported (a copy put first on
+    PYTHONPATH shadows the installed one, whose metadata would name the other), else the installed distribution's."""
+    module = sys.modules.get(pkg)
+    if isinstance(getattr(module, "__version__", None), str):
+        return module.__version__
     try:
         return metadata.version(pkg)
     except metadata.PackageNotFoundError:

@@ -626,19 +626,19 @@ def test_a_cut_depth_where_megatrain_streams_nothing_says_so_beside_its_ratio(tm
     text, _, _ = headline.over_deepspeed(tables.latest_records(tables.records_frame(planned)), THE_184X,
                                          tmp_path / "f.png", tmp_path / "none.json")
     assert text.startswith("At batch 96 (the paper's), qwen2.5-14b at 10 of its 48 layers, seq 1024, on one H200 141 "
-                           "GB, 128 GiB host; there MegaTrain's plan holds all 10 layers on the GPU and streams none, "
-                           "so its ratio is not the streaming engine's, each system's"), text
+                           "GB, 128 GiB host; there MegaTrain's plan keeps and updates all 10 layers on the GPU, "
+                           "streaming none, so its ratio is not the streaming engine's, each system's"), text
     streamed = [cut("megatrain", b, t, label="megatrain-streamed", units=0) for b, t in ((16, 300.0), (96, 420.0))]
     text, _, _ = headline.over_deepspeed(tables.latest_records(tables.records_frame(planned + streamed)), THE_184X,
                                          tmp_path / "g.png", tmp_path / "none.json")
-    assert "streams none, its streamed runs beside, each system's" in text, text
+    assert "streaming none, its streamed runs beside, each system's" in text, text
     assert "MegaTrain (streamed) 1.40x" in text and "MegaTrain (streamed) 2.70x, 1.40x at batch 16, 96" in text, text
     # its plan streaming some layers (full depth: 8 of 49 units resident) is the streaming engine: nothing to say
     full = [_kernels_record("megatrain", 96, 404.0), _kernels_record("deepspeed", 96, 323.0)]
     full[0]["system_config"] = {"resident_units": list(range(8))}
     text, _, _ = headline.over_deepspeed(tables.latest_records(tables.records_frame(full)), THE_184X,
                                          tmp_path / "h.png", tmp_path / "none.json")
-    assert "streams none" not in text, text
+    assert "streaming none" not in text, text
 
 
 def test_no_ratio_across_kernel_settings_says_which_system_ran_alone(tmp_path):

@@ -370,3 +370,16 @@ def test_a_run_resumes_only_on_the_same_code_uncommitted_changes_included(tmp_pa
     (tmp_path / "code.py").write_text("x = 3\n")
     assert not env.same_code(edited), "nor a run of other uncommitted changes"
     assert not env.same_code({**edited, "diff_sha256": None}), "changes that cannot be read match nothing"
+
+
+def test_a_record_names_the_version_that_runs_not_the_one_installed_beneath_it(monkeypatch):
+    """A copy of transformers first on PYTHONPATH (a second version tried beside the installed one) shadows the
+    installed package; the installed one's metadata named the other version (a walk under 5.17 recorded 5.24)."""
+    import types
+
+    from megatrain.bench import env
+
+    monkeypatch.setitem(sys.modules, "transformers", types.SimpleNamespace(__version__="5.17.0-shadowing"))
+    assert env._version("transformers") == "5.17.0-shadowing"
+    monkeypatch.setitem(sys.modules, "transformers", types.SimpleNamespace())  # no version of its own: the metadata's
+    assert env._version("transformers") != "5.17.0-shadowing"

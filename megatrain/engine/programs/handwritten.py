@@ -14,12 +14,8 @@ from megatrain.models.masks import rope_and_masks
 
 class HandWrittenProgram:
     """The hand-written model (megatrain.models.Transformer) as the schedule runs it: the embedding lookup, one layer
-    template called with the rotary tables and its attention type's mask, the chunked head.
-
-    The schedule calls a program's `contexts` once per step (what each micro-batch's layers need besides their
-    input), `embed` and `embed_backward` for the embedding unit, `layer` for each decoder layer and `head_loss` for
-    the head; the trainer loads, exports and saves its `buffers` beside the streamed weights
-    (megatrain.engine.programs.generic is the other program: transformers' own modules)."""
+    template called with the rotary tables and its attention type's mask, the chunked head. What the schedule asks of
+    it is megatrain.engine.programs.Program's; megatrain.engine.programs.generic is the other program."""
 
     head_weight_name = "lm_head.weight"  # the head unit's matrix; a tied head borrows the embedding's
     embed_weight_name = "embed_tokens.weight"

@@ -177,7 +177,6 @@ class ModelConfig(HeadSizes):
         """(query, key) pairs decoder layer `layer` scores in one sequence (megatrain.models.masks.attended_pairs)."""
         return attended_pairs(seq, self.sliding_window if self.layer_type(layer) != FULL else 0)
 
-
     # ---- accounting: every count derives from the named tensor shapes below ---------------------------------
     def layer_shapes(self) -> dict[str, tuple[int, ...]]:
         """Each parameter of one decoder layer: its name in megatrain.models.DecoderLayer (in that module's order)
