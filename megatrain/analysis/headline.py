@@ -352,6 +352,14 @@ def _unpaired(rows: pd.DataFrame, reference: str, aside: tuple[str, ...] = ()) -
     return plots.ordered_labels(labels)
 
 
+def _not_ok(who: str, where: str, status: str, error: str | None) -> str:
+    """A case of the answer's that has no ratio, and why: 'the paper's code diverged at batch 64 (loss nan from step
+    2 of 5 on; ...)', 'FSDP2 offload did not run batch 96 (oom, host memory)'."""
+    if status == tables.DIVERGED:
+        return f"{who} diverged at {where} ({error}): no ratio"
+    return f"{who} did not run {where} ({tables.short_reason(status, error)})"
+
+
 def _papers_ratio(claim: paper.Claim) -> str:
     """A published figure of another system as the paper's own: with its MegaTrain counterpart, the ratio it states."""
     mine = paper.counterpart(claim)
@@ -414,8 +422,8 @@ def _throughput(session: pd.DataFrame, scope: pd.DataFrame, claims: tuple[paper.
         for (label, model, batch), g in failed.groupby(["label", "model", "batch"]):
             if plots.split_label(label)[2] and label.removesuffix(plots.COMPILED_SUFFIX) in set(failed["label"]):
                 continue  # said once for its eager and compiled cases
-            parts.append(f"{prose(label.removesuffix(plots.COMPILED_SUFFIX))} did not run {model} at batch {batch} "
-                         f"({tables.short_reason(g['status'].iloc[0], g['error'].iloc[0])})")
+            parts.append(_not_ok(prose(label.removesuffix(plots.COMPILED_SUFFIX)), f"{model} at batch {batch}",
+                                 g["status"].iloc[0], g["error"].iloc[0]))
         if deepest := _deepest(session[~session["model"].isin(ratios["model"])]):
             parts.append(f"the deepest each trained here: {deepest}")
     for claim in claims:
@@ -484,11 +492,32 @@ def _residency(rows: pd.DataFrame) -> str:
     layers, full = _depth(rows)
     mine = rows[(rows["system"] == "megatrain") & (rows["status"] == "ok")]
     planned = mine[mine["label"].map(_is_default)]
-    if layers == full or planned.empty or int(planned["resident_units"].min()) <= layers:
+    if layers == full or planned.empty or int(planned["resident_layers"].min()) < layers:
         return ""
-    streamed = (mine["resident_units"] == 0).any()
+    streamed = (mine["resident_layers"] == 0).any()
     return (f"; there MegaTrain's plan keeps and updates all {layers} layers on the GPU, streaming none" +
             (", its streamed runs beside" if streamed else ", so its ratio is not the streaming engine's"))
+
+
+def _streamed_elsewhere(scope: pd.DataFrame, rows: pd.DataFrame) -> str:
+    """For a session whose MegaTrain plan streamed no layer (_residency): the latest other session on the same kind
+    of machine that ran MegaTrain at that depth streaming every layer, its TFLOPS per kernel setting and batch, with
+    no ratio (DeepSpeed did not run in it); '' where none did."""
+    first = rows.fillna({"host_kind": "", "gpu": ""}).iloc[0]
+    streamed = scope[(scope["system"] == "megatrain") & (scope["status"] == "ok") & (scope["resident_layers"] == 0)
+                     & (scope["num_layers"] == first["num_layers"])
+                     & (scope["host_kind"].fillna("") == first["host_kind"]) & (scope["gpu"].fillna("") == first["gpu"])
+                     & (scope["session"] != first["session"])]
+    if streamed.empty:
+        return ""
+    latest = streamed[streamed["session"] == streamed["session"].max()]
+    said = []
+    for compiled, g in latest.groupby("compile"):  # eager first
+        g = g.sort_values("batch", ascending=False).drop_duplicates("batch")
+        said.append(f"{'compiled' if compiled else 'eager'} {' and '.join(f'{t:.0f}' for t in g['tflops'])} TFLOPS "
+                    f"at batch {' and '.join(str(b) for b in g['batch'])}")
+    return (f"MegaTrain streaming every one of those layers (resident_layers=0; session {latest['session'].iloc[0]}, "
+            f"commit {str(latest['commit'].iloc[0])[:7]}, no DeepSpeed beside it, so no ratio): {'; '.join(said)}")
 
 
 def _ratios_at(pairs: pd.DataFrame, batch: int) -> str:
@@ -579,6 +608,8 @@ def over_deepspeed(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: P
             rows = at_seq[at_seq["session"] == other]
             where = "" if other == name else f" ({_depth_phrase(rows)}, on {_machine(rows)}{_residency(rows)})"
             parts.append(f"over batch{where}: {_over_batch(pairs[pairs['session'] == other])}")
+            if _residency(rows) and (streamed := _streamed_elsewhere(at_seq, rows)):
+                parts.append(streamed)
         else:
             parts.append("no session has yet run more than one batch beside DeepSpeed: the ratio over batch is not "
                          "measured")
@@ -586,8 +617,7 @@ def over_deepspeed(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: P
     parts += _no_ratio(_unpaired(at_seq, "deepspeed"), SYSTEM_NAMES["deepspeed"])
     failed = at_seq[at_seq["status"] != "ok"]  # every system's: a ratio missing because ours failed is said too
     for (label, batch), g in failed.groupby(["label", "batch"], sort=False):
-        parts.append(f"{prose(label)} did not run batch {batch} "
-                     f"({tables.short_reason(g['status'].iloc[0], g['error'].iloc[0])})")
+        parts.append(_not_ok(prose(label), f"batch {batch}", g["status"].iloc[0], g["error"].iloc[0]))
     for claim in claims:
         stated = f"batch {claim.batch}" if claim.batch else \
             "batch not stated" + (f" (its ablation of the same case runs {papers_batch})" if papers_batch else "")

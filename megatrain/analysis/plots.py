@@ -49,7 +49,7 @@ UNKNOWN_VARIANT_SHADE = 0.3
 COMPILED_SUFFIX = "-compiled"  # megatrain.analysis.tables labels a compiled case so
 PAPER_STYLE = {"color": "white", "edgecolor": "black", "hatch": "..", "linewidth": 0.8}  # the paper's bars
 STATUS_COLORS = {"ok": "#11772d", "skipped": "#9e9e9e", "oom": "#b3261e", "error": "#a05a00", "timeout": "#a05a00",
-                 "killed": "#a05a00"}  # as the report's status cells
+                 "killed": "#a05a00", "diverged": "#b3261e"}  # as the report's status cells
 
 
 def split_label(label: str) -> tuple[str | None, str, bool]:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 
 from megatrain.analysis import headline, plots, results_md, scaling_report, tables
-from megatrain.bench.record import STATUSES
+from megatrain.bench.record import STATUSES as RECORD_STATUSES
 from megatrain.bench.suite import read_suite_records
 from megatrain.hardware import get_profile
 from megatrain.memory import GIB, GPU_FILL, PROCESS_OVERHEAD_BYTES
@@ -25,6 +25,7 @@ from megatrain.probe import Machine
 from megatrain.workspace import WORKSPACE
 
 MAX_TRACES = 6
+STATUSES = (*RECORD_STATUSES, tables.DIVERGED)  # a row's: the records' and the ones tables derives
 DENSE_COLUMNS = 16  # a table with more columns is set smaller, to fit the page's width
 CSS = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1200px; padding: 0 1em; color: #222; }
@@ -38,7 +39,7 @@ th { background: #f4f4f4; font-weight: 600; } td.text, th.text { text-align: lef
 td.text { overflow-wrap: anywhere; }  /* anywhere: a long label may also narrow its column */
 table.dense { font-size: 11px; } table.dense th, table.dense td { padding: 2px 4px; }
 tr:nth-child(even) td { background: #fafafa; }
-.ok { color: #11772d; font-weight: 600; } .oom { color: #b3261e; font-weight: 600; }
+.ok { color: #11772d; font-weight: 600; } .oom, .diverged { color: #b3261e; font-weight: 600; }
 .error, .timeout { color: #a05a00; font-weight: 600; } .skipped { color: #666; }
 code, pre { background: #f4f4f4; padding: 1px 4px; } pre { padding: 8px; overflow-x: auto; white-space: pre-wrap; }
 figure { margin: 1em 0; } figure img { max-width: 100%; border: 1px solid #eee; }

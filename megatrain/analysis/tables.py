@@ -9,6 +9,8 @@ latest record.
 
 from __future__ import annotations
 
+import math
+
 import pandas as pd
 
 from megatrain.analysis import paper
@@ -20,6 +22,9 @@ from megatrain.models.registry import MODELS, get_model_config
 from megatrain.probe import Machine
 
 GIB = 2**30
+# a status the records do not carry but their rows do: a case that ran (status ok) and ended on a non-finite loss. Its
+# step time is real, but it times arithmetic on non-finite weights, not training: no ratio is taken from it
+DIVERGED = "diverged"
 
 
 def model_label(record: dict) -> str:
@@ -79,7 +84,9 @@ def records_frame(records: list[dict]) -> pd.DataFrame:
             if r["status"] == "ok" and r["peak_host_rss_gib"] else None,
             "plan_host_gib": plan["host_bytes"] / GIB if "host_bytes" in plan else None,
             "plan_gpu_gib": plan["gpu_bytes"] / GIB if "gpu_bytes" in plan else None,
-            "resident_units": len((r.get("system_config") or {}).get("resident_units") or [])
+            "resident_units": len(_resident(r)) if r["system"] == "megatrain" and r["status"] == "ok" else None,
+            # of them decoder layers (units 1..L; 0 is the embedding, L + 1 the head)
+            "resident_layers": sum(1 <= u <= r["num_layers"] for u in _resident(r))
             if r["system"] == "megatrain" and r["status"] == "ok" else None,
             "update_delay": (r.get("system_config") or {}).get("update_delay", 0) if r["system"] == "megatrain"
             else None, "moments": (r["config"].get("optim") or {}).get("moments", "fp32"),
@@ -97,6 +104,11 @@ def records_frame(records: list[dict]) -> pd.DataFrame:
     return df
 
 
+def _resident(record: dict) -> list[int]:
+    """The units MegaTrain's plan kept on the GPU (their indices)."""
+    return (record.get("system_config") or {}).get("resident_units") or []
+
+
 def _status_and_error(record: dict) -> tuple[str, str | None]:
     """The record's status and error. A case its own pre-flight refused (exit code 2 with the refusal) reads as the
     suite runner records it now, skipped with the refusal, also in records written before the runner recognised it
@@ -105,7 +117,22 @@ def _status_and_error(record: dict) -> tuple[str, str | None]:
     unrecognised = "exit code 2 without a record: "
     if record["status"] == "error" and error and error.startswith(unrecognised) and PREFLIGHT_REFUSAL in error:
         return "skipped", error.removeprefix(unrecognised).removeprefix("error: ")
+    if record["status"] == "ok" and (diverged := _diverged(record)):
+        return DIVERGED, diverged
     return record["status"], error
+
+
+def _diverged(record: dict) -> str | None:
+    """Why an ok record's run diverged, or None: its last loss is not finite (a system that skips a non-finite step,
+    as ours does, recovers; one that applies it trains on non-finite weights from then on)."""
+    losses = record.get("losses") or []
+    if not losses or math.isfinite(losses[-1]):
+        return None
+    first = len(losses)
+    while first > 0 and not math.isfinite(losses[first - 1]):
+        first -= 1
+    return (f"loss {losses[first]} from step {first + 1} of {len(losses)} on; its {record['tflops']:.0f} TFLOPS time "
+            "arithmetic on non-finite weights")
 
 
 def short_reason(status: str, error: str | None) -> str:

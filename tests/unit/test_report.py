@@ -633,6 +633,16 @@ def test_a_cut_depth_where_megatrain_streams_nothing_says_so_beside_its_ratio(tm
                                          tmp_path / "g.png", tmp_path / "none.json")
     assert "streaming none, its streamed runs beside, each system's" in text, text
     assert "MegaTrain (streamed) 1.40x" in text and "MegaTrain (streamed) 2.70x, 1.40x at batch 16, 96" in text, text
+    # streamed in a later session (another commit; the embedding resident, every layer streamed): its TFLOPS beside,
+    # with no ratio to the DeepSpeed of another session
+    later = [cut("megatrain", b, t, label="megatrain-streamed", units=1) for b, t in ((16, 226.0), (96, 460.0))]
+    for r in later:
+        r["suite"]["run_id"], r["env"] = "20260304-000000-dddd", {**r["env"], "commit": "f" * 40}
+    text, _, _ = headline.over_deepspeed(tables.latest_records(tables.records_frame(planned + later)), THE_184X,
+                                         tmp_path / "g2.png", tmp_path / "none.json")
+    assert "so its ratio is not the streaming engine's" in text and "MegaTrain (streamed) 1." not in text, text
+    assert "; MegaTrain streaming every one of those layers (resident_layers=0; session 20260304-000000-dddd, commit " \
+           "fffffff, no DeepSpeed beside it, so no ratio): eager 460 and 226 TFLOPS at batch 96 and 16" in text, text
     # its plan streaming some layers (full depth: 8 of 49 units resident) is the streaming engine: nothing to say
     full = [_kernels_record("megatrain", 96, 404.0), _kernels_record("deepspeed", 96, 323.0)]
     full[0]["system_config"] = {"resident_units": list(range(8))}
@@ -793,6 +803,27 @@ def test_throughput_says_side_by_side_models_apart_from_each_systems_deepest(tmp
     assert ("the deepest each trained here: MegaTrain (bf16) qwen2.5-7b 10 layers" in head.sentence and
             "; 11 skipped, host memory)" in head.sentence), head.sentence
     assert "plain PyTorch (bf16) qwen2.5-7b 15 layers" in head.sentence and "every rung ran" in head.sentence
+
+
+def test_a_run_that_ends_on_a_non_finite_loss_is_diverged_and_gets_no_ratio(tmp_path):
+    # the paper's code at batch 64 on an H200 (paper_peer, 6a6515e): its loss NaN from step 2 on, its step time that
+    # of arithmetic on NaN weights; a system that skips a NaN step and recovers has not diverged
+    nan = float("nan")
+    records = [_record("megatrain", 16, 410.0, model="qwen2.5-7b", suite="paper_peer"),
+               _record("megatrain", 64, 436.0, model="qwen2.5-7b", suite="paper_peer", skipped_steps=1,
+                       losses=[12.6, nan, 12.5]),
+               _record("paper", 16, 88.0, model="qwen2.5-7b", suite="paper_peer", precision="bf16",
+                       losses=[12.6, 12.6, 12.6]),
+               _record("paper", 64, 212.0, model="qwen2.5-7b", suite="paper_peer", precision="bf16",
+                       losses=[12.6, nan, nan, nan, nan])]
+    df = tables.records_frame(records)
+    assert list(df["status"]) == ["ok", "ok", "ok", "diverged"]
+    assert df["error"].iloc[3] == "loss nan from step 2 of 5 on; its 212 TFLOPS time arithmetic on non-finite weights"
+    head = headline.headline("paper_peer", tables.latest_records(df), tmp_path)
+    assert "<b>MegaTrain trains 4.66x as fast as the paper's code" in head.sentence, head.sentence
+    assert "the paper's code (bf16) diverged at qwen2.5-7b at batch 64 (loss nan from step 2 of 5 on" in head.sentence
+    assert "0.49x" not in head.sentence and "2.06x" not in head.sentence
+    assert "diverged'>diverged</td>" in html_table(tables.results_table(df))  # coloured as a failure
 
 
 def test_multi_gpu_opens_with_each_systems_speed_over_its_one_gpu_and_megatrain_over_each_peer(tmp_path):
