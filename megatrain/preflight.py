@@ -124,10 +124,13 @@ def plan_memory(case: CaseConfig, machine: Machine) -> dict:
 
 
 def plan_case(case: CaseConfig, machine: Machine) -> dict:
-    """plan_memory, or for a system this environment cannot run, a plan that does not fit and says why."""
-    missing = unavailable(case.system)
-    if missing:
-        return {"fits": False, "reason": f"{case.system} cannot run here: {missing}"}
+    """plan_memory, or for a case this environment lacks something to run (a package, the system's code), a plan
+    that does not fit, says why, and is marked `missing`: a suite that resumes plans such a case again."""
+    if missing := unavailable(case.system):
+        return {"fits": False, "reason": f"{case.system} cannot run here: {missing}", "missing": True}
+    spec = system_spec(case.system)
+    if spec.missing is not None and (missing := spec.missing(case)):
+        return {"fits": False, "reason": missing, "missing": True}
     return plan_memory(case, machine)
 
 

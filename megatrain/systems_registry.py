@@ -70,6 +70,9 @@ class SystemSpec:
             memory (a device or launch it does not support), {fits: False, reason} alone, as for a missing package.
         checkpoint_bytes: case -> bytes of one save_state checkpoint (the weights and the optimizer state).
         package: the package it needs beyond torch, also the name of its pip extra; None when it needs none.
+        missing: case -> what else this environment lacks to run the case (the system's own code, a package an
+            option needs), or None. A case skipped for a missing package or for this is run again when its suite
+            resumes: installing what it lacked changes nothing the records measured.
         trains: False for a benchmark peer only (bench and suites), which `train` refuses: it has no evaluation,
             export or resume.
         pickled: glob patterns (relative to a save_state directory) of the files load_state unpickles, which can run
@@ -81,6 +84,7 @@ class SystemSpec:
     plan_memory: Callable[[Case, Budget], dict]
     checkpoint_bytes: Callable[[Case], int]
     package: str | None = None
+    missing: Callable[[Case], str | None] | None = None
     trains: bool = True
     pickled: tuple[str, ...] = ()
 

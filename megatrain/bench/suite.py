@@ -70,7 +70,8 @@ from megatrain.workspace import CHECKOUT, WORKSPACE
 SUITES_DIR = WORKSPACE / "suites" if (WORKSPACE / "suites").is_dir() else Path(__file__).parents[1] / "suites"
 # where the probe and every case run: a checkout's root, so that `python -m megatrain` is its code; else the workspace
 CASE_CWD = CHECKOUT or WORKSPACE
-FINAL_STATUSES = ("ok", "oom", "skipped")  # error, timeout and killed are run again on resume
+FINAL_STATUSES = ("ok", "oom", "skipped")  # error, timeout and killed are run again on resume; so is a case
+# skipped for what the environment lacked (_lacked)
 # Group keys whose values (scalar or list) span the product, and the case field each sets.
 PRODUCT_KEYS = {"systems": "system", "models": "model", "batch": "batch", "seq": "seq", "num_layers": "num_layers",
                 "precision": "precision", "compile": "compile", "hardware": "hardware", "ranks": "ranks"}
@@ -353,6 +354,13 @@ def run_case_subprocess(case: SuiteCase, command: list[str], trace_file: Path) -
     return Record(case.config, status, error, stderr_tail=tail).to_dict(), facts
 
 
+def _lacked(record: dict) -> bool:
+    """A case skipped because this environment lacked a package or the system's code (preflight.plan_case's
+    `missing`): not final, as what it lacked may be there now (the wheels or the paper's code not carried to a GPU
+    host: its resumed run skipped them again)."""
+    return record["status"] == "skipped" and bool(((record.get("suite") or {}).get("plan") or {}).get("missing"))
+
+
 PREFLIGHT_REFUSAL = "does not fit here"  # megatrain.preflight.preflight's refusal (exit code 2)
 
 
@@ -495,7 +503,7 @@ def run_suite(suite: Suite, out_dir: Path, only: str | None = None, timeout_s: f
     resumed = run_id is not None
     run_id = run_id or new_run_id()
     latest = {r["suite"]["case_id"]: r for r in existing if r["suite"]["run_id"] == run_id}
-    done = {cid for cid, r in latest.items() if r["status"] in FINAL_STATUSES}
+    done = {cid for cid, r in latest.items() if r["status"] in FINAL_STATUSES and not _lacked(r)}
     log(f"run {run_id} ({'resumed: ' + str(len(done)) + ' cases already final' if resumed else 'new'}); "
         f"records: {records_path}")
     stopped: dict[str, str] = {}  # ladder chain -> why it stopped

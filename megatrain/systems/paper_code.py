@@ -122,8 +122,9 @@ def attention(opts: PaperOptions) -> str:
     return "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
 
 
-def refusal(case: CaseConfig, world: int = 1) -> str | None:
-    """Why the paper's code cannot run `case` on `world` ranks, whatever the memory, if it cannot."""
+def missing_here(case: CaseConfig) -> str | None:
+    """What this environment lacks to run `case` with the paper's code (the code, a package it or an option needs),
+    or None: installed later, the case runs (a suite that resumes runs it again)."""
     if reason := missing_code():
         return reason
     for module, install in (("transformers", "pip install -e '.[chat]'"), ("yaml", "pip install pyyaml"),
@@ -136,6 +137,13 @@ def refusal(case: CaseConfig, world: int = 1) -> str | None:
     if case.opts.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         return "attn_implementation=flash_attention_2 needs flash-attn, which is not installed: leave the option " \
                "out (auto: SDPA without a mask)"
+    return None
+
+
+def refusal(case: CaseConfig, world: int = 1) -> str | None:
+    """Why the paper's code cannot run `case` on `world` ranks, whatever the memory, if it cannot."""
+    if reason := missing_here(case):
+        return reason
     if case.device != "cuda":
         return "the paper's code runs on a CUDA GPU only (its streams, events and pinned buffers): run it with " \
                "--device cuda"
@@ -374,5 +382,5 @@ class PaperSystem:
         del self.model, self.optimizer, self.params
 
 
-SPEC = SystemSpec(factory=PaperSystem, options=PaperOptions, plan_memory=plan_memory,
+SPEC = SystemSpec(factory=PaperSystem, options=PaperOptions, plan_memory=plan_memory, missing=missing_here,
                   checkpoint_bytes=checkpoint_bytes, trains=False)

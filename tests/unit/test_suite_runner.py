@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import megatrain.bench.suite
+import megatrain.preflight
 from megatrain.bench.record import read_jsonl, validate
 from megatrain.bench.suite import load_suite, run_suite
 from megatrain.probe import Machine
@@ -163,6 +164,24 @@ def test_a_case_run_on_another_kind_of_machine_is_labelled_by_that_machine_and_s
     assert [(r["suite"]["hardware"], r["suite"]["planned_hardware"]) for r in first] == [("cpu-ci", "h100-80g")] * 2
     again = _run(suite, out, only="good|oom", any_hardware=True)
     assert [r["suite"]["group"] for r in again] == ["oom"], "the relabelled cases count as done: the run resumes"
+
+
+def test_a_case_skipped_for_a_missing_package_runs_when_its_suite_resumes_where_the_package_is(tmp_path,
+                                                                                              monkeypatch):
+    # on a GPU host the DeepSpeed wheel and the paper's code travel only when carried: a run without them recorded
+    # their cases skipped, and the resumed run, with them there, skipped them again as final
+    (tmp_path / "robust.toml").write_text(SUITE)
+    suite = load_suite(str(tmp_path / "robust.toml"))
+    _run(suite, tmp_path / "probed", only="good")  # the machine probed once (one_probe), in a run of its own
+    out = tmp_path / "results"
+    installed = megatrain.preflight.unavailable
+    monkeypatch.setattr(megatrain.preflight, "unavailable", lambda system: "package 'x' is not installed")
+    first = _run(suite, out, only="good")
+    assert [r["status"] for r in first] == ["skipped"] * 2 and first[0]["suite"]["plan"]["missing"]
+    monkeypatch.setattr(megatrain.preflight, "unavailable", installed)
+    again = _run(suite, out, only="good")
+    assert [r["status"] for r in again] == ["ok"] * 2 and again[0]["suite"]["run_id"] == first[0]["suite"]["run_id"]
+    assert _run(suite, out, only="good") == [], "ok is final"
 
 
 def test_a_case_killed_by_a_signal_that_is_not_the_oom_killer_is_recorded_killed_and_run_again(tmp_path):
