@@ -17,6 +17,10 @@
 #       its unfinished items lost, ~140 s of a fresh start spent). Order the queue most telling first, and keep
 #       work whose records must come back within the first call's window.
 #
+# Every call that starts a queue carries .whl and .paper (the device tool's carry; both are git-ignored): without
+# them DeepSpeed's and the paper's cases are recorded skipped, and a later call must carry them for the resumed
+# suite to run those cases again (it does: a skip for what the machine lacked is not final).
+#
 # Results go to /tmp/megatrain-queue/results/SUITE, outside the repository copy: each device call
 # re-syncs that copy from the developer's tree, which would replace or delete records written
 # into results/ by an earlier call (it did: one record was lost that way). Every case's record is
