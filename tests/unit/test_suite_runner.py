@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import megatrain.bench.env
 import megatrain.bench.suite
 import megatrain.preflight
 from megatrain.bench.record import read_jsonl, validate
@@ -170,6 +171,9 @@ def test_a_case_skipped_for_a_missing_package_runs_when_its_suite_resumes_where_
                                                                                               monkeypatch):
     # on a GPU host the DeepSpeed wheel and the paper's code travel only when carried: a run without them recorded
     # their cases skipped, and the resumed run, with them there, skipped them again as final
+    # the skipped records are written in this process, with its cached environment: one another test cached under
+    # its own MEGATRAIN_COMMIT would name other code, and the second run would not resume
+    megatrain.bench.env.environment.cache_clear()
     (tmp_path / "robust.toml").write_text(SUITE)
     suite = load_suite(str(tmp_path / "robust.toml"))
     _run(suite, tmp_path / "probed", only="good")  # the machine probed once (one_probe), in a run of its own
