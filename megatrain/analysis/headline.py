@@ -606,9 +606,10 @@ def over_deepspeed(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: P
         if several:
             other = max(several, key=rank)
             rows = at_seq[at_seq["session"] == other]
-            where = "" if other == name else f" ({_depth_phrase(rows)}, on {_machine(rows)}{_residency(rows)})"
+            residency = _residency(rows)
+            where = "" if other == name else f" ({_depth_phrase(rows)}, on {_machine(rows)}{residency})"
             parts.append(f"over batch{where}: {_over_batch(pairs[pairs['session'] == other])}")
-            if _residency(rows) and (streamed := _streamed_elsewhere(at_seq, rows)):
+            if residency and (streamed := _streamed_elsewhere(at_seq, rows)):
                 parts.append(streamed)
         else:
             parts.append("no session has yet run more than one batch beside DeepSpeed: the ratio over batch is not "

@@ -65,6 +65,7 @@ def records_frame(records: list[dict]) -> pd.DataFrame:
         trace = r.get("trace") or {}
         hardware = actual_profile(s["hardware"], Machine.from_dict(s["machine"])) if s.get("machine") else s["hardware"]
         status, error = _status_and_error(r)
+        resident = _resident(r) if r["system"] == "megatrain" and r["status"] == "ok" else None
         rows[(s["run_id"], s["case_id"])] = {
             "run_id": s["run_id"], "case_id": s["case_id"], "suite": s["name"], "group": s["group"],
             "label": _label(r), "hardware": hardware,
@@ -84,10 +85,9 @@ def records_frame(records: list[dict]) -> pd.DataFrame:
             if r["status"] == "ok" and r["peak_host_rss_gib"] else None,
             "plan_host_gib": plan["host_bytes"] / GIB if "host_bytes" in plan else None,
             "plan_gpu_gib": plan["gpu_bytes"] / GIB if "gpu_bytes" in plan else None,
-            "resident_units": len(_resident(r)) if r["system"] == "megatrain" and r["status"] == "ok" else None,
+            "resident_units": None if resident is None else len(resident),
             # of them decoder layers (units 1..L; 0 is the embedding, L + 1 the head)
-            "resident_layers": sum(1 <= u <= r["num_layers"] for u in _resident(r))
-            if r["system"] == "megatrain" and r["status"] == "ok" else None,
+            "resident_layers": None if resident is None else sum(1 <= u <= r["num_layers"] for u in resident),
             "update_delay": (r.get("system_config") or {}).get("update_delay", 0) if r["system"] == "megatrain"
             else None, "moments": (r["config"].get("optim") or {}).get("moments", "fp32"),
             "exposed_optim_frac": (r.get("metrics") or {}).get("exposed_optim_frac"),

@@ -70,8 +70,8 @@ from megatrain.workspace import CHECKOUT, WORKSPACE
 SUITES_DIR = WORKSPACE / "suites" if (WORKSPACE / "suites").is_dir() else Path(__file__).parents[1] / "suites"
 # where the probe and every case run: a checkout's root, so that `python -m megatrain` is its code; else the workspace
 CASE_CWD = CHECKOUT or WORKSPACE
-FINAL_STATUSES = ("ok", "oom", "skipped")  # error, timeout and killed are run again on resume; so is a case
-# skipped for what the environment lacked (_lacked)
+# error, timeout and killed are run again on resume; so is a case skipped for what the environment lacked (_lacked)
+FINAL_STATUSES = ("ok", "oom", "skipped")
 # Group keys whose values (scalar or list) span the product, and the case field each sets.
 PRODUCT_KEYS = {"systems": "system", "models": "model", "batch": "batch", "seq": "seq", "num_layers": "num_layers",
                 "precision": "precision", "compile": "compile", "hardware": "hardware", "ranks": "ranks"}
