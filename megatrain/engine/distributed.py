@@ -21,6 +21,7 @@ fills its copy (init, weights, a saved state) from the same files.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import functools
@@ -309,6 +310,10 @@ def current(device: str) -> Ranks:
     control = dist.new_group(backend="gloo", timeout=timeout) if cuda else None
     global _leave_group
     _leave_group = control
+    # a process that ends without leave() (a script driving megatrain.Engine: train's ranks leave, then skip the
+    # interpreter's teardown) leaves at its exit, after meeting the other ranks: a rank tearing its groups down while
+    # another still talked to it aborted a finished rank at exit ('terminate called without an active exception')
+    atexit.register(leave)
     pids = [None] * world
     dist.all_gather_object(pids, os.getpid(), group=control)
     if local_world == world:
