@@ -1,12 +1,26 @@
 #!/usr/bin/env bash
-# The GPU correctness suite (tests/gpu: engine parity, stream stress, sanitizer, bf16 curves, baselines) with one
-# record per check appended to OUT_JSONL (results/gpu_checks/records.jsonl is the committed one).
+# The GPU correctness suite (tests/gpu: engine parity, stream stress, sanitizer, bf16 curves, baselines, train) with
+# one record per check appended to OUT_JSONL (results/gpu_checks/run-COMMIT-h200.jsonl are the committed ones).
 #   bash scripts/gpu_checks.sh OUT_JSONL [SRC_DIR [pytest args...]]
 # SRC_DIR (default: this checkout) may be an exported older tree, to show a check failing before a fix.
+# GPU_TESTS (default tests/gpu): which test files or directories run. GPU_CHECK_WORKERS (default 8): how many pytest
+# processes share the one GPU. The checks are small models whose steps leave the GPU mostly idle, so they run side by
+# side (pytest-xdist), the tests that share a process-wide cache in one worker and the longest groups first, at most
+# two checks at a published width at once (tests/gpu/conftest.py): about 9 minutes on one H200 (16 cores, 128 GiB).
+# Every check compares numbers, none times anything. A MegaTrain plan that places units by the GPU memory free at its
+# start can meet another worker's allocation later (an out-of-memory): run such a check again alone.
 set -uo pipefail
 out=$(realpath -m "$1"); shift
 src=${1:-.}; [ $# -gt 0 ] && shift
 mkdir -p "$(dirname "$out")"
-# GPU_TESTS (default tests/gpu): which test files or directories run (scripts/gpu_checks_parallel.sh gives each group's)
-cd "$src" && MEGATRAIN_GPU_CHECKS=$out exec "${PYTHON:-python3}" -m pytest ${GPU_TESTS:-tests/gpu} -m gpu -q -rfE \
-    -p no:cacheprovider --durations=15 "$@"
+py=${PYTHON:-python3}
+workers=${GPU_CHECK_WORKERS:-8}
+cd "$src" || exit 2
+# groups go out in the order conftest gave them, not reordered by their count of tests (xdist >= 3.6 has the flag)
+reorder=$("$py" -m pytest --help 2>/dev/null | grep -q -- --no-loadscope-reorder && echo --no-loadscope-reorder)
+start=$SECONDS
+MEGATRAIN_GPU_CHECKS=$out "$py" -m pytest ${GPU_TESTS:-tests/gpu} -m gpu -q -rfE -p no:cacheprovider \
+    --durations=15 -n "$workers" --dist loadgroup $reorder "$@"
+rc=$?
+echo "gpu_checks: $((SECONDS - start)) s wall, $workers workers, exit $rc"
+exit $rc

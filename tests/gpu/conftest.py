@@ -1,10 +1,21 @@
-"""GPU checks leave a record: with MEGATRAIN_GPU_CHECKS=FILE set, every test that takes the `check` fixture appends one
-JSON line to FILE: the check's id, what it measured (option set, largest differences, tolerances), whether it passed,
-its failure text, and the environment (commit, GPU, driver, torch). results/gpu_checks/ keeps the committed ones."""
+"""GPU checks leave a record: with MEGATRAIN_GPU_CHECKS=FILE set, every test appends one JSON line to FILE when it
+has run: the check's id, whether it passed, its failure text, its duration and the environment (commit, GPU, driver,
+torch), and, for a test that takes the `check` fixture, what it measured (option set, largest differences,
+tolerances). results/gpu_checks/ keeps the committed ones.
+
+The whole suite runs as several pytest-xdist workers on one GPU (scripts/gpu_checks.sh): the checks are small models
+whose steps leave the GPU mostly idle. Two things make that fast and safe, both here:
+- tests that share a process-wide cache (a module-scoped fixture, or a module's own `shares(item)` key: native's runs
+  and curves, computed once per process) run in one worker, as one xdist group;
+- groups start longest first (durations.json, the last whole run's times: scripts/gpu_durations.py), so the longest
+  group does not start last and the workers finish together.
+"""
 
 import json
+import math
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,14 +41,78 @@ def check(request) -> dict:
     return data
 
 
+DURATIONS = Path(__file__).with_name("durations.json")
+UNTIMED_S = 30.0  # a test the last whole run did not time (new, or skipped there)
+# Checks at a published width hold 25-60 GiB of host state each (a 128 GiB host): at most this many at once, each lane
+# one worker running its share of them one after another
+HEAVY_LANES = 2
+# A group longer than this is split in parts, each paying for the shared cache once: one worker on a 400 s group
+# would end the suite alone
+GROUP_CAP_S = 240.0
+
+
+def share_key(item) -> str | None:
+    """What a test shares with others of its module (a module-scoped fixture of ours, or the module's own
+    `shares(item)` key: native's runs and curves, computed once per process), or None where it shares nothing."""
+    shares = getattr(item.module, "shares", None)
+    key = shares(item) if shares else None
+    if key is None:
+        defs = item._fixtureinfo.name2fixturedefs
+        key = "+".join(sorted(name for name in item.fixturenames if name in defs and defs[name][-1].baseid
+                              and name != "no_tf32" and defs[name][-1].scope in ("module", "session"))) or None
+    return f"{item.module.__name__}:{key}" if key else None
+
+
+def _lanes(groups: dict[str, list], seconds, count: int) -> list[list]:
+    """The groups packed into `count` lanes, longest first onto the least loaded lane."""
+    lanes: list[list] = [[] for _ in range(count)]
+    loads = [0.0] * count
+    for key in sorted(groups, key=lambda k: -seconds(groups[k])):
+        lane = loads.index(min(loads))
+        lanes[lane] += groups[key]
+        loads[lane] += seconds(groups[key])
+    return [lane for lane in lanes if lane]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Group the GPU tests that share a cache (an xdist group runs in one worker), the heavy ones into HEAVY_LANES
+    lanes, and order the groups longest first by the last whole run's durations."""
+    timed = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+
+    def seconds(members):
+        return sum(timed.get(item.nodeid, UNTIMED_S) for item in members)
+
+    shared: dict[str, list] = {}
+    heavy: dict[str, list] = {}
+    for item in items:
+        if item.get_closest_marker("gpu") is None:
+            continue
+        key = share_key(item) or item.nodeid
+        is_heavy = getattr(item.module, "heavy", lambda item: False)(item)
+        (heavy if is_heavy else shared).setdefault(key, []).append(item)
+    groups = {f"heavy-lane-{n}": lane for n, lane in enumerate(_lanes(heavy, seconds, HEAVY_LANES))}
+    for key, members in shared.items():
+        parts = _lanes({item.nodeid: [item] for item in members}, seconds,
+                       math.ceil(seconds(members) / GROUP_CAP_S)) if len(members) > 1 else [members]
+        groups.update({f"{key}:{n}" if len(parts) > 1 else key: part for n, part in enumerate(parts)})
+    order = {}
+    for key, members in groups.items():
+        for n, item in enumerate(members):
+            if len(members) > 1:
+                item.add_marker(pytest.mark.xdist_group(key))
+            order[item.nodeid] = (-seconds(members), key, n)
+    # a stable sort: the tests outside tests/gpu keep their order, after the GPU ones
+    items.sort(key=lambda item: order.get(item.nodeid, (0.0, "", 0)))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     path = os.environ.get("MEGATRAIN_GPU_CHECKS")
-    data = dict(item.user_properties).get("check")
-    if not path or data is None or report.when != "call":
+    if not path or report.when != "call":
         return
+    data = dict(item.user_properties).get("check", {})
     append_jsonl(path, {
         "check": item.nodeid.split("::", 1)[1],
         "file": item.nodeid.split("::", 1)[0],

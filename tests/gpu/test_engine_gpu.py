@@ -107,6 +107,25 @@ STRESS_SEEDS = [1, 2, 3]
 _runs: dict[str, tuple] = {}
 
 
+def shares(item) -> str | None:
+    """The process-wide cache a check shares with others (tests/gpu/conftest.py runs them in one worker): an fp32 set
+    its native runs (by what native runs: the model and, where a set changes them, its micro-batch and MLP chunks), a
+    curve its shape's native curves."""
+    params = getattr(item, "callspec", None) and item.callspec.params
+    if item.originalname in ("test_fp32_engine_matches_native_tightly", "test_fp32_parity_holds_under_stream_stress"):
+        fields, options = FP32_SETS[params["name"]]
+        model = fields.get("model", FP32_BASE["model"])
+        return f"fp32:{NOISE_MODEL.get(model, model)}:{fields.get('micro_batch')}:{options.get('mlp_chunk_tokens')}"
+    if item.originalname == "test_bf16_loss_curve_tracks_native":
+        return f"curve:{params['shape']}"
+    return None
+
+
+def heavy(item) -> bool:
+    """A curve at a published width: 25-60 GiB of host state (tests/gpu/conftest.py runs few of them at once)."""
+    return item.originalname == "test_bf16_loss_curve_tracks_native" and item.callspec.params["shape"] in HEAVY_SHAPES
+
+
 def _run(system: str, **kw) -> tuple:
     """(losses, fp32 parameters) of FP32_STEPS steps of a case, cached per case."""
     key = json.dumps([system, kw], sort_keys=True, default=str)
@@ -276,7 +295,9 @@ def test_cuda_stream_sanitizer_finds_no_unsynchronised_access(precision, check):
 
 
 # ---- 4: bf16 loss curves ------------------------------------------------------------------------------------------
-CURVE_STEPS = 16
+# Every shape that learns its repeated batch by heart does so by step 8 (Gemma-3-27B's, the last; Llama's by 2,
+# GPT-OSS's by 6): 12 steps judge 4 learnt steps of each, at three quarters of 16's time
+CURVE_STEPS = 12
 LOSS_FLOOR = 1e-4
 MEMORISED = 1e-2  # a loss below this: the batch is learnt by heart
 CURVE_SHAPES = {
@@ -299,6 +320,8 @@ CURVE_SHAPES = {
     # per-layer inputs from its 262k table: the state crossing layers at its published width
     "gemma-4-e4b-12l-b4-s1024": dict(model="gemma-4-e4b", num_layers=12, batch=4, seq=1024),
 }
+HEAVY_SHAPES = {"llama3.1-8b-4l-b4-s1024", "gpt-oss-20b-2l-b4-s1024", "gemma-3-27b-2l-b4-s1024",
+                "deepseek-v2-lite-2l-b4-s1024", "seed-oss-36b-4l-b4-s1024", "gemma-4-e4b-12l-b4-s1024"}
 # the long-context options together: 8 of 28 inputs recomputed, the next 8 offloaded, SwiGLU in 4k-token chunks
 LONG_CONTEXT = {"recompute_inputs": 8, "offload_activations": 8, "mlp_chunk_tokens": 4096}
 # name -> (precision, case fields over the shape, engine options over STREAMED); compiled unless a set says not

@@ -1,0 +1,64 @@
+"""How far one bf16 loss curve of the GPU suite (tests/gpu/test_engine_gpu.py, section 4) wanders from run to run, for
+native and the engine alike: each series runs its curve RUNS times in one process (an engine set that has stream
+stress takes seed 1, 2, ... in turn), every curve appended to OUT as one JSON line. Needs CUDA.
+    python scripts/curve_spread.py run OUT SHAPE SERIES [--runs 10]
+        SERIES: native:PRECISION[:compiled] | megatrain:SET (a CURVE_SETS name)
+    python scripts/curve_spread.py analyse OUT [OUT ...]
+        per step: each series' mean, standard deviation and range; each engine curve judged by the check's band
+"""
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "gpu")]
+
+
+def run(out: str, shape: str, series: str, runs: int) -> None:
+    import test_engine_gpu as checks
+
+    from megatrain.bench.env import environment
+    from megatrain.bench.record import append_jsonl
+
+    system, name, *more = series.split(":")
+    for n in range(runs):
+        if system == "native":
+            losses = checks._curve("native", shape, name, {"compile": more == ["compiled"]})
+        else:
+            precision, fields, options = checks.CURVE_SETS[name]
+            options = {**options, "stream_stress": n + 1} if "stream_stress" in options else options
+            losses = checks._curve("megatrain", shape, precision, fields, options)
+        append_jsonl(out, {"shape": shape, "series": series, "run": n, "steps": checks.CURVE_STEPS,
+                           "losses": losses, "env": environment()})
+        print(f"{series} run {n}: {' '.join(f'{x:.4g}' for x in losses)}", flush=True)
+
+
+def analyse(paths: list[str]) -> None:
+    from megatrain.bench.record import read_jsonl
+
+    curves: dict[str, list[list[float]]] = {}
+    for path in paths:
+        for record in read_jsonl(path):
+            curves.setdefault(record["series"], []).append(record["losses"])
+    steps = min(len(c) for runs in curves.values() for c in runs)
+    for series, runs in curves.items():
+        print(f"{series}: {len(runs)} runs")
+        for step in range(steps):
+            at = [c[step] for c in runs]
+            mean, std = statistics.fmean(at), statistics.stdev(at) if len(at) > 1 else 0.0
+            print(f"  step {step:2d}: mean {mean:.5g} std {std:.3g} ({std / mean:.1%}) "
+                  f"range {min(at):.5g}-{max(at):.5g}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    one = sub.add_parser("run")
+    one.add_argument("out"), one.add_argument("shape"), one.add_argument("series")
+    one.add_argument("--runs", type=int, default=10)
+    many = sub.add_parser("analyse")
+    many.add_argument("paths", nargs="+")
+    args = parser.parse_args()
+    run(args.out, args.shape, args.series, args.runs) if args.command == "run" else analyse(args.paths)
