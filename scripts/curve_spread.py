@@ -4,7 +4,8 @@ stress takes seed 1, 2, ... in turn), every curve appended to OUT as one JSON li
     python scripts/curve_spread.py run OUT SHAPE SERIES [--runs 10]
         SERIES: native:PRECISION[:compiled] | megatrain:SET (a CURVE_SETS name)
     python scripts/curve_spread.py analyse OUT [OUT ...]
-        per step: each series' mean, standard deviation and range; each engine curve judged by the check's band
+        per step: each series' mean, standard deviation and range, and each engine series' mean against each native
+        one's in standard errors (Welch's t: beyond ~3 the two series do not share a mean)
 """
 
 import argparse
@@ -13,7 +14,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "gpu")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "gpu")]
 
 
 def run(out: str, shape: str, series: str, runs: int) -> None:
@@ -50,6 +51,16 @@ def analyse(paths: list[str]) -> None:
             mean, std = statistics.fmean(at), statistics.stdev(at) if len(at) > 1 else 0.0
             print(f"  step {step:2d}: mean {mean:.5g} std {std:.3g} ({std / mean:.1%}) "
                   f"range {min(at):.5g}-{max(at):.5g}")
+    for ours in (s for s in curves if s.startswith("megatrain")):
+        for native in (s for s in curves if s.startswith("native")):
+            t = [_welch_t([c[step] for c in curves[ours]], [c[step] for c in curves[native]]) for step in range(steps)]
+            print(f"{ours} against {native}, Welch's t by step: {' '.join(f'{x:+.1f}' for x in t)}")
+
+
+def _welch_t(a: list[float], b: list[float]) -> float:
+    """(mean a - mean b) over the standard error of that difference."""
+    error = (statistics.variance(a) / len(a) + statistics.variance(b) / len(b)) ** 0.5
+    return (statistics.fmean(a) - statistics.fmean(b)) / error if error else 0.0
 
 
 if __name__ == "__main__":
