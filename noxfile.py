@@ -41,7 +41,8 @@ def tests_subprocess(session):
 
 @nox.session(python=False)
 def gpu(session):
-    """The GPU correctness suite (needs CUDA; ~10 min on one H100/H200), a record per check in results/gpu_checks/."""
+    """The GPU correctness suite (needs CUDA): 8 pytest workers side by side on one GPU (scripts/gpu_checks.sh), a
+    record per check in results/gpu_checks/records.jsonl; its wall time is the last line it prints."""
     session.run("bash", "scripts/gpu_checks.sh", "results/gpu_checks/records.jsonl", ".", *session.posargs,
                 env={"PYTHON": PY}, external=True)
 
