@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: this checkout's package
 
 from megatrain.checks.walk import (  # noqa: E402
+    CURVE_LEAST_LAYERS,
     CURVE_STATUSES,
     CURVE_STEPS,
     STATUSES,
@@ -169,11 +170,11 @@ def published_markdown(results: list, version: str, curves: dict | None = None) 
         lines += ["The GPU column (published widths, a cut depth, a bf16 curve against transformers' own module): "
                   "not run with this transformers (`python scripts/walk_transformers.py --published --curves cuda`).",
                   ""]
-    lines += ["| checkpoint | model type | CPU | detail | layers | bf16 curve | detail |",
+    lines += ["| checkpoint | model type | CPU | detail | GPU layers | bf16 curve | detail |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         c = by_id.get(r.hub_id, {"status": "not run", "detail": ""})
-        depth = published_depth(get_published(r.hub_id).config)
+        depth = published_depth(get_published(r.hub_id).config, CURVE_LEAST_LAYERS)
         lines.append(f"| {r.hub_id} | {r.model_type} | {r.status} | {r.detail.replace('|', '/')} | {depth} | "
                      f"{c['status']} | {c['detail'].replace('|', '/')} |")
     return "\n".join(lines) + "\n"

@@ -204,11 +204,12 @@ class PublishedResult:
     detail: str = ""
 
 
-def published_depth(hf: Mapping) -> int:
+def published_depth(hf: Mapping, least: int = 4) -> int:
     """The fewest leading layers that hold every kind of layer a config.json has: each value of each per-layer list
-    (its config class's derived ones too: Gemma's 5 sliding layers to a full one, Llama 4's NoPE layers), at least 4
-    (MoE layers after the dense ones); twice that where its last layers reuse earlier layers' keys and values
-    (Gemma 4's E-sizes: GenericConfig.with_layers keeps their share), so both producers and readers remain."""
+    (its config class's derived ones too: Gemma's 5 sliding layers to a full one, Llama 4's NoPE layers), at least
+    `least` (4 at the tiny widths, where the first dense layer is 1: MoE layers after it); twice that where its last
+    layers reuse earlier layers' keys and values (Gemma 4's E-sizes: GenericConfig.with_layers keeps their share), so
+    both producers and readers remain."""
     from megatrain.models.generic import GenericConfig
     from megatrain.models.generic.skeleton import transformers_config
 
@@ -218,7 +219,7 @@ def published_depth(hf: Mapping) -> int:
         derived = list(vars(transformers_config(shape)).values())
     except ValueError:  # a config transformers refuses: refused, with why, where its model is built
         derived = []
-    depth = 4
+    depth = least
     for values in (*hf.values(), *derived):  # a kind per layer: a name or a flag (not a list of layer indices)
         if isinstance(values, list) and len(values) == num_layers and all(v in (0, 1) or isinstance(v, str)
                                                                           for v in values):
@@ -229,13 +230,13 @@ def published_depth(hf: Mapping) -> int:
     return min(depth, num_layers)
 
 
-def published_at_depth(hf: Mapping) -> dict:
-    """A published config.json at its published widths, cut to published_depth layers (the GPU column's model); a
-    head width the source leaves out where its config class has none either (Hunyuan's) is hidden_size /
-    num_attention_heads, what the family's modeling code falls back to."""
+def published_at_depth(hf: Mapping, least: int = 4) -> dict:
+    """A published config.json at its published widths, cut to published_depth layers; a head width the source
+    leaves out where its config class has none either (Hunyuan's) is hidden_size / num_attention_heads, what the
+    family's modeling code falls back to."""
     from megatrain.models.generic import GenericConfig
 
-    cut = GenericConfig.from_hf(hf).with_layers(published_depth(hf)).hf
+    cut = GenericConfig.from_hf(hf).with_layers(published_depth(hf, least)).hf
     if cut.get("head_dim", 0) is None or "head_dim" not in cut and _class_defaults(cut).get("head_dim", 0) is None:
         cut["head_dim"] = cut["hidden_size"] // cut["num_attention_heads"]
     return cut
@@ -311,16 +312,19 @@ def curve_family(model_type: str, causal_lm: str, device: str = "cuda") -> dict:
 
 CURVE_MAX_PARAMS = 5_000_000_000  # native holds 12 bytes a parameter on the GPU, the host the engine's state beside
 # the reference's fp32 weights: a published model larger than this at its cut depth is skipped, with its count
+CURVE_LEAST_LAYERS = 2  # the GPU column's depth: every kind of layer, at least two (a layer streamed after another);
+# a model whose dense layers come first (DeepSeek-V3's 3) may hold no experts there: the CPU column trains them
 
 
 def curve_published(hub_id: str, device: str = "cuda") -> dict:
-    """One published checkpoint at its published widths and published_depth layers on `device` (curve)."""
+    """One published checkpoint at its published widths and published_depth(CURVE_LEAST_LAYERS) layers on `device`
+    (curve)."""
     from megatrain.models.generic import GenericConfig
     from megatrain.models.generic.skeleton import transformers_config
     from megatrain.models.published import get_published
 
     row = get_published(hub_id)
-    shape = GenericConfig.from_hf(published_at_depth(row.config))
+    shape = GenericConfig.from_hf(published_at_depth(row.config, CURVE_LEAST_LAYERS))
     out = {"hub_id": hub_id, "model_type": row.model_type, "num_layers": shape.num_layers}
     try:
         params = shape.num_params()
