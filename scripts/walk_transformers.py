@@ -4,11 +4,17 @@ refused ones with their reasons, the rest by status).
 
     python scripts/walk_transformers.py [--only TYPE,...] [--out DIR]
     python scripts/walk_transformers.py --curves cuda [--jobs N] [--out DIR]
+    python scripts/walk_transformers.py --published [--curves cuda] [--only HUB_ID,...] [--out DIR]
 
 CPU, a few seconds a family (all of them: minutes). --curves DEVICE walks again, on DEVICE, every family the table
 of this transformers says trains: CURVE_STEPS (8) steps in bf16 against transformers' own run (megatrain.checks.walk.
 curve_family), in N processes side by side, into transformers-<version>-curves.json (with the machine and commit it
 ran on), and adds its column to the table's .md.
+
+--published walks the published checkpoints instead (megatrain.models.published: each config.json at the tiny widths,
+every switch as published; a few seconds each) into published-transformers-<version>.json and .md; with --curves
+DEVICE, every one of them that trains, at its published widths and a cut depth (megatrain.checks.walk.
+curve_published), into published-transformers-<version>-curves.json, written after each checkpoint.
 """
 
 import argparse
@@ -21,13 +27,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: this checkout's package
 
 from megatrain.checks.walk import (  # noqa: E402
+    CURVE_LEAST_LAYERS,
     CURVE_STATUSES,
     CURVE_STEPS,
     STATUSES,
     FamilyResult,
+    PublishedResult,
     as_dicts,
     causal_lm_types,
     curve_family,
+    curve_published,
+    published_depth,
+    try_published,
     walk,
 )
 
@@ -75,13 +86,18 @@ def main() -> None:
     import transformers
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default=None, help="comma-separated model types (default: all)")
+    parser.add_argument("--only", default=None, help="comma-separated model types, or hub ids with --published "
+                        "(default: all)")
+    parser.add_argument("--published", action="store_true", help="the published checkpoints' configs, not the "
+                        "families' defaults")
     parser.add_argument("--out", default=str(ROOT / "results" / "generic"))
     parser.add_argument("--curves", metavar="DEVICE", help="the bf16 curves of the families the table says train")
     parser.add_argument("--jobs", type=int, default=1, help="--curves: processes side by side")
     args = parser.parse_args()
     out = Path(args.out)
     stem = f"transformers-{transformers.__version__}"
+    if args.published:
+        return walk_published(args.curves, args.only.split(",") if args.only else None, out, f"published-{stem}")
     if args.curves:
         return curves(args.curves, args.jobs, out, stem)
     types = causal_lm_types()
@@ -126,6 +142,74 @@ def curves(device: str, jobs: int, out: Path, stem: str) -> None:
     (out / f"{stem}-curves.json").write_text(json.dumps(record, indent=1) + "\n")
     (out / f"{stem}.md").write_text(markdown(results, transformers.__version__, record) + "\n")
     print(f"{sum(c['status'] == 'tracks' for c in done)} of {len(done)} track transformers in bf16 on {device}")
+
+
+def published_markdown(results: list, version: str, curves: dict | None = None) -> str:
+    from megatrain.models.published import get_published
+
+    counts = Counter(r.status for r in results)
+    by_id = {c["hub_id"]: c for c in (curves or {}).get("checkpoints", [])}
+    lines = [f"# Published checkpoints through transformers {version}", "",
+             f"{counts['trains']} of {len(results)} published checkpoints (megatrain/models/published/: each one's "
+             "text config.json, named by its hub id, and where its values were read) train equal to transformers to "
+             "1e-5: CPU, the published config with every width cut to the walk's tiny sizes and every switch as "
+             "published (per-layer inputs, keys equal to values, experts, softcapping, window patterns, RoPE type "
+             "and scaling, dropout, tied embeddings), at the fewest layers that hold each kind of layer it has; one "
+             "step in fp32, train mode (scripts/walk_transformers.py --published).", "",
+             "| CPU | checkpoints |", "| --- | --- |", *[f"| {s} | {counts[s]} |" for s in STATUSES], ""]
+    if curves:
+        env = curves["env"]
+        lines += [f"The GPU column: each checkpoint at its published widths and the layers named, in bf16 on "
+                  f"{env['gpu'] or env['device']} ({CURVE_STEPS} steps of one repeated batch, eager, the engine "
+                  "against transformers' own module under torch.optim.AdamW from the same weights, within 3 of "
+                  "native's spreads + 1% of its loss + 1e-4 at every step; commit "
+                  f"{env['commit'][:7]}, torch {env['torch']}): "
+                  + ", ".join(f"{sum(c['status'] == st for c in curves['checkpoints'])} {st}"
+                              for st in CURVE_STATUSES) + ".", ""]
+    else:
+        lines += ["The GPU column (published widths, a cut depth, a bf16 curve against transformers' own module): "
+                  "not run with this transformers (`python scripts/walk_transformers.py --published --curves cuda`).",
+                  ""]
+    lines += ["| checkpoint | model type | CPU | detail | GPU layers | bf16 curve | detail |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        c = by_id.get(r.hub_id, {"status": "not run", "detail": ""})
+        depth = published_depth(get_published(r.hub_id).config, CURVE_LEAST_LAYERS)
+        lines.append(f"| {r.hub_id} | {r.model_type} | {r.status} | {r.detail.replace('|', '/')} | {depth} | "
+                     f"{c['status']} | {c['detail'].replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+def walk_published(device: str | None, only: list[str] | None, out: Path, stem: str) -> None:
+    """The published checkpoints: their CPU column (no device), or their GPU curves on `device` (of those the CPU
+    table says train), the table's .md written again with it."""
+    import transformers
+
+    from megatrain.bench.env import environment
+    from megatrain.models.published import get_published, published
+
+    chosen = [get_published(h) for h in only] if only else list(published())
+    out.mkdir(parents=True, exist_ok=True)
+    if device is None:
+        results = []
+        for row in chosen:
+            result = try_published(row)
+            print(f"{row.hub_id:48s} {result.status:8s} {result.detail[:100]}", flush=True)
+            results.append(result)
+        (out / f"{stem}.json").write_text(json.dumps(as_dicts(results), indent=1) + "\n")
+        (out / f"{stem}.md").write_text(published_markdown(results, transformers.__version__, _curves(out, stem)))
+        print(f"{sum(r.status == 'trains' for r in results)} of {len(results)} train; {out / stem}.md")
+        return
+    results = [PublishedResult(**r) for r in json.loads((out / f"{stem}.json").read_text())]
+    trains = {r.hub_id for r in results if r.status == "trains"}
+    record = {"env": {**environment(), "device": device}, "steps": CURVE_STEPS, "checkpoints": []}
+    for row in chosen:
+        if row.hub_id in trains:
+            c = curve_published(row.hub_id, device)
+            print(f"{row.hub_id:48s} {c['status']:7s} {c['detail'][:100]}", flush=True)
+            record["checkpoints"].append(c)
+            (out / f"{stem}-curves.json").write_text(json.dumps(record, indent=1) + "\n")  # each, as it lands
+    (out / f"{stem}.md").write_text(published_markdown(results, transformers.__version__, record))
 
 
 if __name__ == "__main__":

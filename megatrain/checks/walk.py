@@ -7,12 +7,17 @@ Each family ends in one of: 'trains' (loss and gradient norm equal transformers'
 generic path names why it cannot stream it), 'differs' (it ran, and computed something else), 'fails' (the engine
 raised), 'unbuilt' (its config or model cannot be built at the tiny size, so it was not measured). scripts/
 walk_transformers.py writes the table; tests/unit/test_generic_walk.py runs it.
+
+The published checkpoints (megatrain.models.published) walk the same way, each from its own config.json: every width
+cut to the tiny sizes, every switch as published (try_published), and on a GPU at their published widths at a cut
+depth (curve_published).
 """
 
 from __future__ import annotations
 
 import math
 import traceback
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 import torch
@@ -41,6 +46,9 @@ TINY = {
     "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 16,
     "rotary_dim": 8, "max_position_embeddings": 256, "n_positions": 256, "sliding_window": 8, "sliding_window_size": 8,
     "attention_chunk_size": 8,
+    # Gemma 4's full-attention layers: a head of their own, wider than the sliding layers' (published 512 to 256),
+    # and their own KV heads (fewer: 4 to 16); its experts beside the MLP
+    "global_head_dim": 32, "num_global_key_value_heads": 1, "top_k_experts": 2,
 }
 ALWAYS = ("num_experts_per_tok", "head_dim")  # set where the config has them unset too (None: derived, or unusable)
 SEQ, BATCH = 16, 2
@@ -80,13 +88,27 @@ def tiny_config(model_type: str):
         sizes["num_kv_shared_layers"] = 2
         if defaults.get("layer_types"):
             sizes["layer_types"] = ["sliding_attention", "full_attention"] * 2
-    tokens = {k: [1] if isinstance(v, list) else 1 for k, v in defaults.items()
-              if k.endswith("_token_id") and v is not None and (max(v) if isinstance(v, list) else v) >= 128}
-    return config_class(**sizes, **tokens)
+    return config_class(**sizes, **_tokens_inside(defaults))
+
+
+def _tokens_inside(hf: Mapping) -> dict:
+    """The token ids of a config that fall outside the tiny vocabulary, set to 1."""
+    return {k: [1] if isinstance(v, list) else 1 for k, v in hf.items()
+            if k.endswith("_token_id") and v is not None and (max(v) if isinstance(v, list) else v) >= 128}
 
 
 def try_family(model_type: str, causal_lm: str) -> FamilyResult:
     """Measure one model type (never raises: the outcome is the result)."""
+    try:
+        config = tiny_config(model_type)
+    except Exception as exc:
+        return FamilyResult(model_type, causal_lm, "unbuilt", _error(exc))
+    return FamilyResult(model_type, causal_lm, *measure(config))
+
+
+def measure(config) -> tuple[str, str]:
+    """(status, detail) of one engine step of transformers' config object `config` against transformers' own step
+    on the same weights and batch (never raises)."""
     import transformers
 
     from megatrain.models.draws import Draws
@@ -96,23 +118,22 @@ def try_family(model_type: str, causal_lm: str) -> FamilyResult:
     from megatrain.models.weights import named_weights
 
     try:
-        config = tiny_config(model_type)
         with torch.device("meta"):
             params = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
         if params > MAX_PARAMS:
-            return FamilyResult(model_type, causal_lm, "unbuilt", f"at the tiny sizes it still has {params / 1e6:.0f}M "
-                                "parameters (sizes of its own the walk does not shrink)")
+            return "unbuilt", f"at the tiny sizes it still has {params / 1e6:.0f}M parameters (sizes of its own the " \
+                "walk does not shrink)"
         torch.manual_seed(0)
         reference = transformers.AutoModelForCausalLM.from_config(config).float().train()
     except Exception as exc:
-        return FamilyResult(model_type, causal_lm, "unbuilt", _error(exc))
+        return "unbuilt", _error(exc)
     cfg = GenericConfig.from_hf(reference.config.to_dict())
     try:
         cfg.check()
     except ValueError as exc:
-        return FamilyResult(model_type, causal_lm, "refused", str(exc))
+        return "refused", str(exc)
     except Exception as exc:
-        return FamilyResult(model_type, causal_lm, "fails", _error(exc))
+        return "fails", _error(exc)
     tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
     x, y = tokens[:, :-1], tokens[:, 1:]
     try:
@@ -121,18 +142,17 @@ def try_family(model_type: str, causal_lm: str) -> FamilyResult:
             reseed_units(Parts(reference), Draws(), lambda: reference.training)
         ref_loss, ref_norm = _reference_step(reference, x, y)
     except Exception as exc:  # transformers' own model does not run at the tiny size: nothing to measure against
-        return FamilyResult(model_type, causal_lm, "unbuilt", f"transformers' own forward: {_error(exc)}")
+        return "unbuilt", f"transformers' own forward: {_error(exc)}"
     try:
         loss, norm = _engine_step(cfg, weights, x, y)
     except ValueError as exc:
-        return FamilyResult(model_type, causal_lm, "refused", str(exc))
+        return "refused", str(exc)
     except Exception as exc:
-        return FamilyResult(model_type, causal_lm, "fails", _error(exc))
+        return "fails", _error(exc)
     if math.isclose(loss, ref_loss, rel_tol=1e-5) and math.isclose(norm, ref_norm, rel_tol=1e-4):
         draws = "".join(f", {k}={v:g}" for k, v in cfg.random_settings.items())  # drawn alike on both sides
-        return FamilyResult(model_type, causal_lm, "trains", f"loss {loss:.6f}, gradient norm {norm:.5f}{draws}")
-    return FamilyResult(model_type, causal_lm, "differs", f"loss {loss:.6f} vs transformers' {ref_loss:.6f}, "
-                        f"gradient norm {norm:.5f} vs {ref_norm:.5f}")
+        return "trains", f"loss {loss:.6f}, gradient norm {norm:.5f}{draws}"
+    return "differs", f"loss {loss:.6f} vs transformers' {ref_loss:.6f}, gradient norm {norm:.5f} vs {ref_norm:.5f}"
 
 
 def _engine_step(cfg, weights: dict, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
@@ -168,14 +188,108 @@ def walk(model_types: dict[str, str] | None = None) -> list[FamilyResult]:
     return [try_family(t, c) for t, c in (model_types or causal_lm_types()).items()]
 
 
-def as_dicts(results: list[FamilyResult]) -> list[dict]:
+def as_dicts(results: list) -> list[dict]:
     return [asdict(r) for r in results]
+
+
+# ---- the published checkpoints (megatrain.models.published) -------------------------------------------------------
+@dataclass(frozen=True)
+class PublishedResult:
+    """One published checkpoint's outcome at the tiny widths: its hub id, model type, status (STATUSES) and what it
+    says."""
+
+    hub_id: str
+    model_type: str
+    status: str
+    detail: str = ""
+
+
+def published_depth(hf: Mapping, least: int = 4) -> int:
+    """The fewest leading layers that hold every kind of layer a config.json has: each value of each per-layer list
+    (its config class's derived ones too: Gemma's 5 sliding layers to a full one, Llama 4's NoPE layers), at least
+    `least` (4 at the tiny widths, where the first dense layer is 1: MoE layers after it); twice that where its last
+    layers reuse earlier layers' keys and values (Gemma 4's E-sizes: GenericConfig.with_layers keeps their share), so
+    both producers and readers remain."""
+    from megatrain.models.generic import GenericConfig
+    from megatrain.models.generic.skeleton import transformers_config
+
+    shape = GenericConfig.from_hf(hf)
+    num_layers = shape.num_layers
+    try:
+        derived = list(vars(transformers_config(shape)).values())
+    except ValueError:  # a config transformers refuses: refused, with why, where its model is built
+        derived = []
+    depth = least
+    for values in (*hf.values(), *derived):  # a kind per layer: a name or a flag (not a list of layer indices)
+        if isinstance(values, list) and len(values) == num_layers and all(v in (0, 1) or isinstance(v, str)
+                                                                          for v in values):
+            firsts = {v: n for n, v in reversed(list(enumerate(values)))}
+            depth = max(depth, 1 + max(firsts.values()))
+    if hf.get("num_kv_shared_layers"):
+        depth *= 2
+    return min(depth, num_layers)
+
+
+def published_at_depth(hf: Mapping, least: int = 4) -> dict:
+    """A published config.json at its published widths, cut to published_depth layers; a head width the source
+    leaves out where its config class has none either (Hunyuan's) is hidden_size / num_attention_heads, what the
+    family's modeling code falls back to."""
+    from megatrain.models.generic import GenericConfig
+
+    cut = GenericConfig.from_hf(hf).with_layers(published_depth(hf, least)).hf
+    if cut.get("head_dim", 0) is None or "head_dim" not in cut and _class_defaults(cut).get("head_dim", 0) is None:
+        cut["head_dim"] = cut["hidden_size"] // cut["num_attention_heads"]
+    return cut
+
+
+def _class_defaults(hf: Mapping) -> dict:
+    """The config.json its model type's config class writes with every default."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[hf["model_type"]]().to_dict()
+
+
+def tiny_published(hf: Mapping) -> dict:
+    """A published config.json at the walk's tiny widths with every switch as published: each TINY key it sets to a
+    size (not 0, None or a flag: per-layer inputs of width 0 stay off) takes the tiny one, a list sized by the head
+    width (longrope's factors) keeps its first entries, the depth is published_depth, token ids fall inside the
+    vocabulary."""
+    from megatrain.models.generic.config import LAYERS_KEYS
+
+    defaults = _class_defaults(hf)
+    cut = {k: TINY[k] if k in TINY and k not in LAYERS_KEYS and v and not isinstance(v, bool) else v
+           for k, v in published_at_depth(hf).items()}
+    if cut.get("qk_rope_head_dim") and cut.get("head_dim"):  # MLA: head_dim is the rotary part's
+        cut["head_dim"] = cut["qk_rope_head_dim"]
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = cut.get(key)
+        if isinstance(rope, dict) and isinstance(rope.get("long_factor"), list):
+            head_dim = cut.get("head_dim") or cut["hidden_size"] // cut["num_attention_heads"]
+            rotary = round(head_dim * cut.get("partial_rotary_factor", 1.0)) // 2
+            cut[key] = {**rope, "long_factor": rope["long_factor"][:rotary],
+                        "short_factor": rope["short_factor"][:rotary]}
+    return {**cut, **_tokens_inside({**defaults, **cut})}
+
+
+def try_published(row) -> PublishedResult:
+    """Measure one published checkpoint (a megatrain.models.published.Published) at the tiny widths (never
+    raises)."""
+    from megatrain.models.generic import GenericConfig
+    from megatrain.models.generic.skeleton import transformers_config
+
+    try:
+        config = transformers_config(GenericConfig.from_hf(tiny_published(row.config)))
+    except ValueError as exc:  # transformers does not know or build it, or the generic path refuses what it sets
+        return PublishedResult(row.hub_id, row.model_type, "refused", str(exc))
+    except Exception as exc:
+        return PublishedResult(row.hub_id, row.model_type, "unbuilt", _error(exc))
+    return PublishedResult(row.hub_id, row.model_type, *measure(config))
 
 
 # ---- the walk on a GPU: several steps in bf16, the engine against transformers' own run ----------------------------
 CURVE_STEPS, CURVE_LR = 8, 1e-3
 CURVE_FLOOR, CURVE_SHARE = 1e-4, 0.01  # the band's absolute floor and its share of the loss (the GPU curves')
-CURVE_STATUSES = ("tracks", "leaves", "fails")
+CURVE_STATUSES = ("tracks", "leaves", "fails", "skipped")
 
 
 def band_excess(native: list[float], reordered: list[float], ours: list[float]) -> float:
@@ -191,11 +305,43 @@ def band_excess(native: list[float], reordered: list[float], ours: list[float]) 
 
 
 def curve_family(model_type: str, causal_lm: str, device: str = "cuda") -> dict:
-    """One model type at the tiny size, CURVE_STEPS AdamW steps of one repeated batch in bf16 precision (bf16
-    weights, fp32 moments), eager: the engine (streamed) against transformers' own module under plain PyTorch
-    (`native`: the model's module and torch.optim.AdamW) from the same weights, judged as the GPU suite's curves
-    are: each step within 3 spreads + 1% of the loss + 1e-4 of native's, the spread native's own with its gradient
-    sums in another order (micro-batches of one row). Never raises: 'fails' carries the error."""
+    """One model type at the tiny size on `device` (curve)."""
+    return {"model_type": model_type, "causal_lm": causal_lm, **curve(model_type, lambda: tiny_config(model_type),
+                                                                      device)}
+
+
+CURVE_MAX_PARAMS = 5_000_000_000  # native holds 12 bytes a parameter on the GPU, the host the engine's state beside
+# the reference's fp32 weights: a published model larger than this at its cut depth is skipped, with its count
+CURVE_LEAST_LAYERS = 2  # the GPU column's depth: every kind of layer, at least two (a layer streamed after another);
+# a model whose dense layers come first (DeepSeek-V3's 3) may hold no experts there: the CPU column trains them
+
+
+def curve_published(hub_id: str, device: str = "cuda") -> dict:
+    """One published checkpoint at its published widths and published_depth(CURVE_LEAST_LAYERS) layers on `device`
+    (curve)."""
+    from megatrain.models.generic import GenericConfig
+    from megatrain.models.generic.skeleton import transformers_config
+    from megatrain.models.published import get_published
+
+    row = get_published(hub_id)
+    shape = GenericConfig.from_hf(published_at_depth(row.config, CURVE_LEAST_LAYERS))
+    out = {"hub_id": hub_id, "model_type": row.model_type, "num_layers": shape.num_layers}
+    try:
+        params = shape.num_params()
+    except ValueError as exc:
+        return {**out, "status": "fails", "detail": str(exc)}
+    if params > CURVE_MAX_PARAMS:
+        return {**out, "status": "skipped", "detail": f"{params / 1e9:.1f}B parameters at {shape.num_layers} layers, "
+                f"more than {CURVE_MAX_PARAMS / 1e9:.0f}B (one GPU under AdamW, the host beside it)"}
+    return {**out, "num_params": params, **curve(hub_id, lambda: transformers_config(shape), device)}
+
+
+def curve(name: str, config, device: str = "cuda") -> dict:
+    """A model (`config()` makes transformers' config object of it), CURVE_STEPS AdamW steps of one repeated batch in
+    bf16 precision (bf16 weights, fp32 moments), eager: the engine (streamed) against transformers' own module under
+    plain PyTorch (`native`: the model's module and torch.optim.AdamW) from the same weights, judged as the GPU
+    suite's curves are: each step within 3 spreads + 1% of the loss + 1e-4 of native's, the spread native's own with
+    its gradient sums in another order (micro-batches of one row). Never raises: 'fails' carries the error."""
     import transformers
 
     from megatrain.config import CaseConfig
@@ -205,10 +351,9 @@ def curve_family(model_type: str, causal_lm: str, device: str = "cuda") -> dict:
     from megatrain.optim.config import OptimConfig
     from megatrain.systems import build_system
 
-    out = {"model_type": model_type, "causal_lm": causal_lm}
     try:
         torch.manual_seed(0)
-        reference = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type)).float()
+        reference = transformers.AutoModelForCausalLM.from_config(config()).float()
         cfg = GenericConfig.from_hf(reference.config.to_dict())
         weights = {n: t.detach().clone() for n, t in named_weights(reference).items()}
         del reference
@@ -224,7 +369,7 @@ def curve_family(model_type: str, causal_lm: str, device: str = "cuda") -> dict:
         quiet = GenericConfig.from_hf(without_draws(cfg.hf)) if cfg.random_settings else cfg
 
         def losses(system: str, micro_batch: int, shape=cfg) -> list[float]:
-            case = CaseConfig(model=model_type, model_shape=shape, system=system, batch=BATCH, micro_batch=micro_batch,
+            case = CaseConfig(model=name, model_shape=shape, system=system, batch=BATCH, micro_batch=micro_batch,
                               seq=SEQ, device=device, dtype="bfloat16", precision="bf16", steps=CURVE_STEPS,
                               warmup=0, repeat_batch=True, optim=OptimConfig(lr=CURVE_LR, max_grad_norm=1.0))
             built = build_system(case)
@@ -238,11 +383,11 @@ def curve_family(model_type: str, causal_lm: str, device: str = "cuda") -> dict:
         quiet_native = native if quiet is cfg else losses("native", BATCH, quiet)
         reordered = losses("native", 1, quiet)
     except Exception as exc:
-        return {**out, "status": "fails", "detail": _error(exc)}
+        return {"status": "fails", "detail": _error(exc)}
     # the spread in the band: |reordered - native| of the model without draws, carried onto the curve that draws
     excess = band_excess(native, [n + r - q for n, r, q in zip(native, reordered, quiet_native, strict=True)], ours)
     status = "tracks" if excess <= 0 else "leaves"
     detail = f"loss {native[0]:.4f} -> {native[-1]:.4f} (transformers), {ours[0]:.4f} -> {ours[-1]:.4f} (engine)" + \
         ("" if status == "tracks" else f"; {excess:.2e} outside the band")
-    return {**out, "status": status, "detail": detail, "losses": ours, "native_losses": native,
+    return {"status": status, "detail": detail, "losses": ours, "native_losses": native,
             "native_reordered_losses": reordered, "native_undrawn_losses": quiet_native, "max_excess_over_band": excess}

@@ -1,7 +1,8 @@
 """Every *ForCausalLM of the installed transformers through the generic path at a tiny size, one engine step against
-transformers' own loss and gradient norm (megatrain.checks.walk). CPU: the two families in seconds; the walk
-over all of them (marked slow) a few minutes, printing the count and writing its table where
-MEGATRAIN_GENERIC_WALK names a directory (scripts/walk_transformers.py writes results/generic/):
+transformers' own loss and gradient norm (megatrain.checks.walk), and the published checkpoints' configs at the same
+tiny widths with their switches as published. CPU: a few families and checkpoints in seconds; the walks over all of
+them (marked slow) a few minutes each, printing the count and writing the families' table where
+MEGATRAIN_GENERIC_WALK names a directory (scripts/walk_transformers.py [--published] writes results/generic/):
     pytest tests/unit/test_generic_walk.py -m slow -s"""
 
 import os
@@ -11,7 +12,18 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from megatrain.checks.walk import as_dicts, band_excess, causal_lm_types, curve_family, try_family, walk  # noqa: E402
+from megatrain.checks.walk import (  # noqa: E402
+    as_dicts,
+    band_excess,
+    causal_lm_types,
+    curve_family,
+    published_at_depth,
+    tiny_published,
+    try_family,
+    try_published,
+    walk,
+)
+from megatrain.models.published import get_published, published  # noqa: E402
 
 # the families of issue 44's done-when, and issue 59's (per-layer inputs): the walk must find each trains
 MUST_TRAIN = ("gemma3_text", "mixtral", "phi3", "deepseek_v3", "qwen3_next", "llama4_text", "glm4_moe", "olmo2",
@@ -68,3 +80,46 @@ def test_a_layer_buffer_meets_the_compute_dtype_in_bf16():
     for family in ("minimax", "deepseek_v3"):
         curve = curve_family(family, types[family], "cpu")
         assert curve["status"] == "tracks", curve
+
+
+def test_a_published_config_keeps_its_switches_at_the_tiny_widths():
+    """Gemma 4 as published: the 31B without per-layer inputs and with keys equal to values, the 26B with experts
+    beside its MLP, the E2B with per-layer inputs and its last layers reusing earlier ones' keys and values; the depth
+    holds a full-attention layer after Gemma's 5 sliding ones (Gemma 3's pattern built by its config class), Llama 4's
+    NoPE layer (not its 48 MoE layer indices); longrope's factors are cut with the head."""
+    dense = tiny_published(get_published("google/gemma-4-31B-it").config)
+    assert (dense["hidden_size"], dense["hidden_size_per_layer_input"], dense["attention_k_eq_v"]) == (64, 0, True)
+    assert dense["layer_types"][-1] == "full_attention" and dense["global_head_dim"] != dense["head_dim"]
+    moe = tiny_published(get_published("google/gemma-4-26B-A4B-it").config)
+    assert (moe["enable_moe_block"], moe["num_experts"], moe["top_k_experts"]) == (True, 4, 2)
+    edge = tiny_published(get_published("google/gemma-4-E2B-it").config)
+    assert edge["hidden_size_per_layer_input"] == 8 and 0 < edge["num_kv_shared_layers"] < edge["num_hidden_layers"]
+    kinds_before_shared = edge["layer_types"][:edge["num_hidden_layers"] - edge["num_kv_shared_layers"]]
+    assert set(kinds_before_shared) == {"sliding_attention", "full_attention"}
+    assert tiny_published(get_published("google/gemma-3-1b-it").config)["num_hidden_layers"] == 6
+    scout = tiny_published(get_published("meta-llama/Llama-4-Scout-17B-16E-Instruct").config)
+    assert (scout["num_hidden_layers"], scout["no_rope_layers"]) == (4, [1, 1, 1, 0])
+    mini = tiny_published(get_published("microsoft/Phi-4-mini-instruct").config)
+    assert len(mini["rope_scaling"]["long_factor"]) == round(16 * mini["partial_rotary_factor"]) // 2
+    wide = published_at_depth(get_published("google/gemma-4-31B-it").config)  # the GPU column's: widths as published
+    assert (wide["hidden_size"], wide["num_hidden_layers"], wide["layer_types"][5]) == (5376, 6, "full_attention")
+
+
+def test_published_checkpoints_train_at_the_tiny_widths():
+    """Three that the walk could not build before: SmolLM3 (its class's token ids outside the tiny vocabulary),
+    Hunyuan (no head width in its config.json nor a default in its class), Llama 4 Scout (NoPE and chunked layers,
+    which the depth keeps)."""
+    for hub_id in ("HuggingFaceTB/SmolLM3-3B", "tencent/Hunyuan-7B-Instruct",
+                   "meta-llama/Llama-4-Scout-17B-16E-Instruct"):
+        result = try_published(get_published(hub_id))
+        assert result.status == "trains", result
+
+
+@pytest.mark.slow
+def test_every_published_checkpoint_trains_or_is_refused():
+    results = [try_published(row) for row in published()]
+    for r in results:
+        print(f"  {r.hub_id}: {r.status}: {r.detail[:120]}")
+    assert len(results) >= 30
+    assert {r.status for r in results} <= {"trains", "refused"}, [r for r in results if r.status not in
+                                                                  ("trains", "refused")]
