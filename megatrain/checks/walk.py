@@ -243,10 +243,11 @@ def published_at_depth(hf: Mapping, least: int = 4) -> dict:
 
 
 def _class_defaults(hf: Mapping) -> dict:
-    """The config.json its model type's config class writes with every default."""
+    """The config.json its model type's config class writes with every default (none where transformers has no such
+    model type: refused, with why, where its model is built)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    return CONFIG_MAPPING[hf["model_type"]]().to_dict()
+    return CONFIG_MAPPING[hf["model_type"]]().to_dict() if hf["model_type"] in CONFIG_MAPPING else {}
 
 
 def tiny_published(hf: Mapping) -> dict:
@@ -261,6 +262,14 @@ def tiny_published(hf: Mapping) -> dict:
            for k, v in published_at_depth(hf).items()}
     if cut.get("qk_rope_head_dim") and cut.get("head_dim"):  # MLA: head_dim is the rotary part's
         cut["head_dim"] = cut["qk_rope_head_dim"]
+    mamba = {**defaults, **cut}
+    if mamba.get("mamba_n_heads") and isinstance(cut.get("mamba_d_head"), int):  # Mamba-2's inner width is its heads
+        # times their width, which its config class checks: Falcon-H1's its own (mamba_d_ssm), Granite 4's twice the
+        # hidden size (mamba_expand)
+        if mamba.get("mamba_d_ssm"):
+            cut["mamba_d_ssm"] = mamba["mamba_n_heads"] * cut["mamba_d_head"]
+        elif mamba.get("mamba_expand"):
+            cut["mamba_d_head"] = mamba["mamba_expand"] * cut["hidden_size"] // mamba["mamba_n_heads"]
     for key in ("rope_scaling", "rope_parameters"):
         rope = cut.get(key)
         if isinstance(rope, dict) and isinstance(rope.get("long_factor"), list):

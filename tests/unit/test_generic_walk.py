@@ -5,6 +5,7 @@ them (marked slow) a few minutes each, printing the count and writing the famili
 MEGATRAIN_GENERIC_WALK names a directory (scripts/walk_transformers.py [--published] writes results/generic/):
     pytest tests/unit/test_generic_walk.py -m slow -s"""
 
+import json
 import os
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from megatrain.checks.walk import (  # noqa: E402
     try_published,
     walk,
 )
-from megatrain.models.published import get_published, published  # noqa: E402
+from megatrain.models.published import Published, get_published, published  # noqa: E402
 
 # the families of issue 44's done-when, and issue 59's (per-layer inputs): the walk must find each trains
 MUST_TRAIN = ("gemma3_text", "mixtral", "phi3", "deepseek_v3", "qwen3_next", "llama4_text", "glm4_moe", "olmo2",
@@ -64,8 +65,6 @@ def test_every_transformers_decoder_through_the_generic_path():
         if r.status != "trains":
             print(f"  {r.model_type}: {r.status}: {r.detail[:120]}")
     if out := os.environ.get("MEGATRAIN_GENERIC_WALK"):
-        import json
-
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / f"transformers-{transformers.__version__}.json").write_text(json.dumps(as_dicts(results)))
     assert {t: by_type[t].status for t in MUST_TRAIN} == dict.fromkeys(MUST_TRAIN, "trains")
@@ -106,13 +105,26 @@ def test_a_published_config_keeps_its_switches_at_the_tiny_widths():
 
 
 def test_published_checkpoints_train_at_the_tiny_widths():
-    """Three that the walk could not build before: SmolLM3 (its class's token ids outside the tiny vocabulary),
+    """Those that the walk could not build before: SmolLM3 (its class's token ids outside the tiny vocabulary),
     Hunyuan (no head width in its config.json nor a default in its class), Llama 4 Scout (NoPE and chunked layers,
-    which the depth keeps)."""
+    which the depth keeps), Falcon-H1 and Granite 4 (Mamba-2 heads cut to the tiny width without their inner width:
+    Falcon-H1's own, Granite's twice the hidden size, which their config classes check)."""
     for hub_id in ("HuggingFaceTB/SmolLM3-3B", "tencent/Hunyuan-7B-Instruct",
-                   "meta-llama/Llama-4-Scout-17B-16E-Instruct"):
+                   "meta-llama/Llama-4-Scout-17B-16E-Instruct", "tiiuae/Falcon-H1-0.5B-Instruct",
+                   "ibm-granite/granite-4.0-h-350m"):
         result = try_published(get_published(hub_id))
         assert result.status == "trains", result
+
+
+def test_a_checkpoint_of_a_model_type_transformers_lacks_is_refused_naming_the_one_its_architecture_is():
+    """Kimi K2's config.json says model_type kimi_k2, which transformers does not know, and DeepSeek-V3's class: the
+    walk refuses it (it was unbuilt: its class defaults were read first) saying which model type that class is, and
+    with that model type it trains."""
+    row = get_published("moonshotai/Kimi-K2-Instruct")
+    refused = try_published(row)
+    assert refused.status == "refused" and "set model_type to 'deepseek_v3'" in refused.detail, refused
+    as_v3 = Published(row.hub_id, row.source, json.dumps({**row.config, "model_type": "deepseek_v3"}))
+    assert try_published(as_v3).status == "trains"
 
 
 @pytest.mark.slow

@@ -96,7 +96,15 @@ def transformers_config(cfg: ConfigJson):
     hf = cfg.hf
     family = hf.get("model_type")
     if family not in CONFIG_MAPPING:
-        raise ValueError(f"model_type {family!r} is not a transformers model (transformers {transformers.__version__})")
+        # a causal-LM class of transformers' that its architectures name (Kimi K2's names DeepSeek-V3's)
+        named = [c for c in hf.get("architectures") or () if c in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()]
+        hint = ""
+        if named:
+            own = getattr(transformers, named[0]).config_class.model_type
+            hint = (f"; its architectures name {named[0]}, transformers' class of model_type {own!r}: set model_type "
+                    f"to {own!r} if the checkpoint is that architecture")
+        raise ValueError(f"model_type {family!r} is not a transformers model (transformers {transformers.__version__})"
+                         + hint)
     if family not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ValueError(f"model_type {family!r} has no causal-LM class in transformers {transformers.__version__}")
     if quant := hf.get("quantization_config"):
