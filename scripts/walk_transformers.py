@@ -12,7 +12,8 @@ curve_family), in N processes side by side, into transformers-<version>-curves.j
 ran on), and adds its column to the table's .md.
 
 --published walks the published checkpoints instead (megatrain.models.published: each config.json at the tiny widths,
-every switch as published; a few seconds each) into published-transformers-<version>.json and .md; with --curves
+every switch as published; a few seconds each) into published-transformers-<version>.json and .md (with --only, those
+rows again, the others as the record has them); with --curves
 DEVICE, every one of them that trains, at its published widths and a cut depth (megatrain.checks.walk.
 curve_published), into published-transformers-<version>-curves.json, written after each checkpoint.
 """
@@ -191,12 +192,17 @@ def walk_published(device: str | None, only: list[str] | None, out: Path, stem: 
     chosen = [get_published(h) for h in only] if only else list(published())
     out.mkdir(parents=True, exist_ok=True)
     if device is None:
-        results = []
+        walked = {}
         for row in chosen:
             result = try_published(row)
             print(f"{row.hub_id:48s} {result.status:8s} {result.detail[:100]}", flush=True)
-            results.append(result)
-        (out / f"{stem}.json").write_text(json.dumps(as_dicts(results), indent=1) + "\n")
+            walked[row.hub_id] = result
+        record = out / f"{stem}.json"  # --only walks those rows again: the others keep the record's results
+        kept = {r["hub_id"]: PublishedResult(**r) for r in json.loads(record.read_text())} if only and record.exists() \
+            else {}
+        results = [walked.get(row.hub_id) or kept[row.hub_id] for row in published()
+                   if row.hub_id in walked or row.hub_id in kept]
+        record.write_text(json.dumps(as_dicts(results), indent=1) + "\n")
         (out / f"{stem}.md").write_text(published_markdown(results, transformers.__version__, _curves(out, stem)))
         print(f"{sum(r.status == 'trains' for r in results)} of {len(results)} train; {out / stem}.md")
         return
