@@ -22,6 +22,17 @@ ZeRO-3 with parameters and optimizer offloaded to pinned host memory, per micro-
 ZeRO-Offload (zero_stage=2) keeps the bf16 weights on the GPU: no copies in; gradients leave as fp32 (D2H 4 B; an
 accumulated batch's bf16 partial sums go out and come back per micro-batch); the same host step; then the bf16
 weights copied up before the next forward (H2D 2 B/param, after the step).
+Partial optimizer offload (option optimizer_ratio) keeps the first sub-groups' fp32 state on the GPU
+(deepspeed_zero3.optimizer_sub_groups): their fp32 gradients stay there, torch AdamW steps them on the GPU (at the
+GPU AdamW rate of the engine's resident units, its stand-in) after the backward, and each updated sub-group is cast
+into its bf16 host partition (D2H 2 B/param); the host steps the rest as above.
+SuperOffload (option super_offload) sends each sub-group to DeepSpeedCPUAdam in a worker process on a share of the
+cores (its Adam pass here at the probe's rate times that share, an assumption its records test): the worker copies
+the gradient into its own pinned buffer and the updated master is copied back over the partition (16 B/param more at
+the copy rate, superoffload_utils.py and superoffload_stage3.py). With clipping, as every case clips, it steps after
+the backward like ZeRO-3 (DeepSpeed 0.19.8 speculates only without clipping); without, each sub-group's step runs as
+its gradients complete, beside the backward, and only what outlasts the backward (at least the last sub-group's
+step) stays in the step.
 
 Not modelled: ZeRO-3's hooks on the host (a Python fetch, release and prefetch per module and pass, a gradient hook
 per parameter, each a few hundred microseconds): hidden while a layer's GPU work outlasts them, they bound the step
@@ -38,10 +49,14 @@ from megatrain.engine.layout import build_units
 from megatrain.models.flops import model_flops
 from megatrain.optim.state_bytes import FP32_BYTES
 from megatrain.perf_model.model import Model
+from megatrain.systems.deepspeed_zero3 import SUPER_OFFLOAD_CORES_PERC, gpu_sub_groups, optimizer_sub_groups
 
 ADAM_BYTES_PER_PARAM = 28  # DeepSpeedCPUAdam: fp32 master, gradient, m, v read; master, m, v written
 CLIP_BYTES_PER_PARAM = 2 * FP32_BYTES  # the fp32 gradient scaled in place (unscale_and_clip_grads)
 CAST_BYTES_PER_PARAM = FP32_BYTES + 2  # fp32 master read, bf16 partition written (_reassign_or_swap_out_...)
+# SuperOffload's worker: the gradient copied into its pinned scratch (read, write), the updated master copied back
+# over the partition it was sent (read, write)
+SUPER_OFFLOAD_COPY_BYTES_PER_PARAM = 4 * FP32_BYTES
 # Records before the stateless compiled template compiled each layer's own forward: Dynamo guarded on each layer's
 # ZeRO-3 parameters, so every layer was a new compile until torch._dynamo's recompile limit (8, its default), the
 # layers after it eager (megatrain.systems.deepspeed_zero3._compile_layers says so)
@@ -84,11 +99,13 @@ class HostStep:
         update kernel's rate."""
         return self.update_gbs / self.adam_gparams_s
 
-    def seconds(self, numel: int) -> dict:
-        """The optimizer step over `numel` parameters, by part."""
-        return {"clip_s": numel * CLIP_BYTES_PER_PARAM / (self.update_gbs * 1e9),
-                "adam_s": numel / (self.adam_gparams_s * 1e9),
-                "cast_s": numel * CAST_BYTES_PER_PARAM / (self.copy_gbs * 1e9)}
+    def seconds(self, numel: int, clip: bool = True, adam_share: float = 1.0, copy_bytes_per_param: int = 0) -> dict:
+        """The optimizer step over `numel` parameters, by part. clip: the gradients scaled first; adam_share: the
+        share of the host's Adam rate it runs at (SuperOffload's worker's cores); copy_bytes_per_param: more bytes
+        a parameter moves at the copy rate (SuperOffload's worker's copies)."""
+        return {"clip_s": numel * CLIP_BYTES_PER_PARAM / (self.update_gbs * 1e9) if clip else 0.0,
+                "adam_s": numel / (self.adam_gparams_s * adam_share * 1e9),
+                "cast_s": numel * (CAST_BYTES_PER_PARAM + copy_bytes_per_param) / (self.copy_gbs * 1e9)}
 
 
 def step(case: CaseConfig, model: Model, host: HostStep, compiled_layers: int | None = None,
@@ -97,8 +114,10 @@ def step(case: CaseConfig, model: Model, host: HostStep, compiled_layers: int | 
     and where they went. compiled_layers: how many layers (the first ones) ran compiled; None: all of them when the
     case compiles, none when it does not. host_call_s: the host's own time per layer call (forward and backward of
     one layer on one micro-batch: ZeRO-3's hooks), a floor under a micro-batch's layer work; 0 (no ingredient measures
-    it) except in what-ifs."""
+    it) except in what-ifs. The phases (forward_s, backward_s, optimizer_s) are those a record's phase_times_s
+    measures: the engine's forward, backward and step calls."""
     cfg = case.model_config()
+    o = case.opts
     m = model.machine
     units = build_units(cfg)
     embed, layers, head = units[0].numel, [u.numel for u in units[1:-1]], units[-1].numel
@@ -110,8 +129,12 @@ def step(case: CaseConfig, model: Model, host: HostStep, compiled_layers: int | 
     f_s, b_s = zip(*(model.layer_s(cfg, tokens, case.seq, i < compiled_layers) for i in range(len(layers))),
                    strict=True)
     head_s = model.head_s(cfg, tokens)
-    zero3 = case.opts.zero_stage == 3
+    zero3 = o.zero_stage == 3
     both_ways = zero3 or micro > 1  # gradients go out while weights or partial sums come in
+    total = sum(u.numel for u in units)
+    sub_groups = optimizer_sub_groups(case) if o.optimizer_ratio < 1 or o.super_offload else [total]
+    on_gpu = sum(sub_groups[:gpu_sub_groups(o.optimizer_ratio, len(sub_groups))])
+    host_share = 1 - on_gpu / total  # of each unit's fp32 gradient, which leaves for the host (spread evenly)
 
     moved = {"h2d_bytes": 0.0, "d2h_bytes": 0.0}
 
@@ -123,7 +146,7 @@ def step(case: CaseConfig, model: Model, host: HostStep, compiled_layers: int | 
         moved["d2h_bytes"] += nbytes
         return nbytes / ((m.both_gbs / 2 if both_ways else m.d2h_gbs) * 1e9)
 
-    t = fetch_wait = host_bound = ready = 0.0
+    t = fetch_wait = host_bound = ready = forward_s = 0.0
     h2d_free = d2h_free = reduce_free = 0.0
 
     def fetch(n: int, after: float, both: bool) -> float:
@@ -145,10 +168,11 @@ def step(case: CaseConfig, model: Model, host: HostStep, compiled_layers: int | 
             if zero3 and k == 0:
                 s = h2d_free = max(s, h2d_free) + up(n * w, True)
         if k == micro - 1:
-            s = d2h_free = max(s, d2h_free) + down(n * FP32_BYTES)
+            s = d2h_free = max(s, d2h_free) + down(n * FP32_BYTES * host_share)
         reduce_free = s
 
     for k in range(micro):
+        micro_start = t
         # forward: ZeRO-3 brings the root's weights (embedding, head matrix) up first, then each layer's during the
         # previous layer's compute
         if zero3:
@@ -162,6 +186,7 @@ def step(case: CaseConfig, model: Model, host: HostStep, compiled_layers: int | 
             if zero3 and i + 1 < len(layers):
                 ready = fetch(layers[i + 1], start, False)
             t = start + f_s[i]
+        forward_s += t - micro_start
         # backward: the head matrix again (the root's backward hook), the head; the last layer's weights come up
         # during it, and each layer's during the backward of the one after it
         if zero3:
@@ -188,13 +213,24 @@ def step(case: CaseConfig, model: Model, host: HostStep, compiled_layers: int | 
         t += floor
     compute_s = micro * (sum(f_s) + sum(b_s) + head_s)
     backward_end = t
-    host_parts = host.seconds(sum(u.numel for u in units))
-    upload_s = 0.0 if zero3 else up(sum(u.numel for u in units) * w, False)  # ZeRO-Offload: the new weights up
-    t += sum(host_parts.values()) + upload_s
+    clip = case.optim.max_grad_norm > 0
+    share = (o.cpuadam_cores_perc or SUPER_OFFLOAD_CORES_PERC) if o.super_offload else 1.0
+    host_parts = host.seconds(total - on_gpu, clip, share, SUPER_OFFLOAD_COPY_BYTES_PER_PARAM * o.super_offload)
+    host_step_s = sum(host_parts.values())
+    if o.super_offload and not clip:  # speculative: each sub-group's step beside the rest of the backward
+        host_step_s = max(host_step_s - (backward_end - forward_s),
+                          host_step_s * max(sub_groups) / sum(sub_groups))
+    gpu_step_s = on_gpu / (m.gpu_adamw_gparams_s[case.precision] * 1e9) + on_gpu * w / (m.d2h_gbs * 1e9) \
+        if on_gpu else 0.0  # partial offload: its GPU share's AdamW, then each updated sub-group to its host partition
+    moved["d2h_bytes"] += on_gpu * w
+    upload_s = 0.0 if zero3 else up(total * w, False)  # ZeRO-Offload: the new weights up
+    t += host_step_s + gpu_step_s + upload_s
     return {
         "step_s": t, "tflops": model_flops(cfg.num_params(), case.batch * case.seq) / t / 1e12,
         "compute_s": compute_s, "fetch_wait_s": fetch_wait, "host_bound_s": host_bound,
         "grad_tail_s": backward_end - compute_s - fetch_wait - host_bound,
-        "host_step_s": sum(host_parts.values()), **host_parts, "upload_s": upload_s,
+        "host_step_s": host_step_s, **host_parts, "gpu_step_s": gpu_step_s, "upload_s": upload_s,
+        "optimizer_params_on_gpu": on_gpu,
+        "forward_s": forward_s, "backward_s": backward_end - forward_s, "optimizer_s": t - backward_end,
         "layers_fwd_s": sum(f_s) * micro, "layers_bwd_s": sum(b_s) * micro, "head_s": head_s * micro, **moved,
     }

@@ -4,7 +4,8 @@ ingredients and the GH200's published figures, every assumption named.
 python -m megatrain.perf_model.deepspeed_projection [--out results/perf_model]
     The paper's 14B comparison (seq 1024, batch 96, 48 layers, eager): both systems' TFLOPS and their ratio, the part
     of DeepSpeed's step that decides it, the ratio with each assumption halved and doubled, what DeepSpeed would need
-    to fall to the paper's 143.6, and the same case measured and modelled on our H200: deepspeed_projection.json.
+    to fall to the paper's 143.6, the same case measured and modelled on our H200, and DeepSpeed's SuperOffload (made
+    for this machine) beside MegaTrain, with clipping and without (where it speculates): deepspeed_projection.json.
 """
 
 from __future__ import annotations
@@ -86,13 +87,30 @@ def gh200_model(base: Ingredients, reference: dict, scale: dict[str, float]) -> 
     return Model(base, machine), host
 
 
-def paper_case(system: str, micro_batch: int | None = None) -> CaseConfig:
+def paper_case(system: str, micro_batch: int | None = None, options: dict | None = None) -> CaseConfig:
     """The paper's 14B comparison as one of our cases: seq 1024, batch 96 (its ablation's batch; the 1.84x states
     none), the registry's 48 layers, eager, mixed precision for both systems (DeepSpeed's fp32 master; our
-    reproduce_14b compares so); the engine places saved inputs as the GH200's memory allows."""
+    reproduce_14b compares so); the engine places saved inputs as the GH200's memory allows. options: the system's
+    (DeepSpeed's mode)."""
     opts = {"offload_activations": "auto", "recompute_inputs": "auto"} if system == "megatrain" else {}
     return CaseConfig(system=system, model="qwen2.5-14b", batch=96, micro_batch=micro_batch or 96, seq=1024,
-                      device="cuda", dtype="bfloat16", precision="mixed", compile=False, options=opts)
+                      device="cuda", dtype="bfloat16", precision="mixed", compile=False,
+                      options={**opts, **(options or {})})
+
+
+def superoffload(model: Model, host: deepspeed.HostStep, ds_micro: int, engine_step_s: float) -> dict:
+    """SuperOffload on the projected machine beside the engine: as DeepSpeed 0.19.8 runs it with the clipping every
+    case sets (it steps after the backward, in its worker on 0.8 of the cores), and without clipping, where its worker
+    steps each sub-group beside the backward (its speculation); each with the engine's ratio to it (the engine
+    clipping)."""
+    case = paper_case("deepspeed", ds_micro, {"super_offload": True})
+    out = {}
+    for name, clipped in (("clipped", case), ("speculative", dataclasses.replace(
+            case, optim=dataclasses.replace(case.optim, max_grad_norm=0.0)))):
+        step = deepspeed.step(clipped, model, host)
+        out[name] = {"tflops": step["tflops"], "step_s": step["step_s"], "optimizer_s": step["optimizer_s"],
+                     "megatrain_ratio": step["step_s"] / engine_step_s}
+    return out
 
 
 def deepspeed_micro_batch(batch: int) -> int:
@@ -116,7 +134,8 @@ def both_systems(base: Ingredients, reference: dict, scale: dict[str, float], ds
     mt = simulate(case, dataclasses.asdict(plan), model)
     return {"deepspeed": ds, "megatrain": mt, "ratio": ds["step_s"] / mt["step_s"], "megatrain_micro_batch":
             case.micro_batch, "plan": {k: getattr(plan, k) for k in ("resident_units", "offloaded_layers",
-                                                                     "recomputed_inputs")}, "host": host}
+                                                                     "recomputed_inputs")}, "host": host,
+            "superoffload": superoffload(model, host, ds_micro, mt["step_s"])}
 
 
 def factor_for(target_tflops: float, tflops_at) -> float | None:
@@ -288,7 +307,8 @@ def project(out: Path) -> dict:
                   "ratio": mt_claim.tflops / ds_claim.tflops, "hardware": ds_claim.hardware,
                   "source": ds_claim.source},
         "assumptions": assumptions(pr, at, implied_ms),
-        "projected": {"deepspeed": ds, "megatrain": mt, "ratio": ds["step_s"] / mt["step_s"]},
+        "projected": {"deepspeed": ds, "megatrain": mt, "ratio": ds["step_s"] / mt["step_s"],
+                      "superoffload": at["superoffload"]},
         "deciding_ingredient": {"name": deciding, "what": PARTS[deciding], "seconds": parts[deciding],
                                 "parts_of_the_difference_s": parts, "parts": PARTS},
         "sensitivity": sensitivity(pr),
@@ -323,7 +343,17 @@ def answer(r: dict, host: deepspeed.HostStep) -> str:
             f"~{median['largest_micro_batch_at_or_below_paper']} ({median['host_call_ms']:.0f} ms of hooks per layer "
             f"call, our hosts' median), settings the paper does not state, while its {paper['megatrain_tflops']} sits "
             f"with its own code, which runs {h200['paper_code_tflops']:.0f} TFLOPS to our "
-            f"{h200['megatrain_tflops']:.0f} on our H200.")
+            f"{h200['megatrain_tflops']:.0f} on our H200. " + superoffload_sentence(r["projected"]["superoffload"]))
+
+
+def superoffload_sentence(so: dict) -> str:
+    """SuperOffload's projection in one sentence (its model awaits its records: deepspeed_validation.json's by_mode)."""
+    clipped, speculative = so["clipped"], so["speculative"]
+    return (f"DeepSpeed's SuperOffload, made for this machine, is projected at {clipped['tflops']:.0f} TFLOPS as "
+            f"DeepSpeed 0.19.8 runs it with clipping (it steps after the backward: MegaTrain "
+            f"{clipped['megatrain_ratio']:.2f}x) and {speculative['tflops']:.0f} without clipping, where its worker "
+            f"steps beside the backward (MegaTrain {speculative['megatrain_ratio']:.2f}x, clipping); its model is "
+            f"checked against no SuperOffload record yet.")
 
 
 def main() -> None:

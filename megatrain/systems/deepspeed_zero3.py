@@ -12,6 +12,13 @@ master weights, moments and gradient partition on the host, DeepSpeedCPUAdam ste
 gradient columns updated on the GPU every step, the rest accumulated and applied by the host optimizer every 4th
 step, overlapped with the next steps' compute). It is not AdamW with exact clipping: its records say "bounded
 staleness" and compare speed only.
+`--option super_offload=true` runs DeepSpeed's SuperOffload (ZeRO-3's optimizer with DeepSpeedCPUAdam in a worker
+process pinned to `cpuadam_cores_perc` of this process's cores, the training process to the rest); with gradient
+clipping set, as every case sets it, DeepSpeed 0.19.8 steps no sub-group before the global norm is known, so it is
+AdamW with exact clipping (exact_update says why; metrics count its speculative steps and rollbacks).
+`--option optimizer_ratio=R` is partial optimizer offload (offload_optimizer.ratio): the share R of the optimizer's
+sub-groups stepped by DeepSpeedCPUAdam on the host, the rest kept and stepped on the GPU by torch AdamW, each clipped
+by the global norm first. Both run ZeRO-3 on CUDA only (refusal says why).
 
 On CPU (CI) the same engine runs on DeepSpeed's CPU accelerator with gloo. DeepSpeedCPUAdam needs a
 C++ JIT build there (about 1.5 minutes on 2 cores), so CPU runs default to a client torch AdamW on
@@ -24,12 +31,14 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import psutil
 import torch
 
 from megatrain.compile_check import compile_check
@@ -64,11 +73,37 @@ class DeepSpeedOptions(CommonOptions):
     optimizer: Literal["cpu_adam", "torch_adamw"] | None = None  # None: DeepSpeedCPUAdam on GPU, torch AdamW on CPU
     zero_stage: Literal[2, 3] = 3  # 3: parameters and optimizer offloaded; 2: ZeRO-Offload, the optimizer only
     zenflow: bool = False  # ZeRO-Offload with ZenFlow's selective, overlapped updates (bounded staleness)
+    super_offload: bool = False  # ZeRO-3 with SuperOffload's optimizer (offload_optimizer.super_offload)
+    cpuadam_cores_perc: float | None = None  # SuperOffload's worker's share of the cores (None: DeepSpeed's 0.8)
+    # offload_optimizer.ratio: the share of the optimizer's sub-groups stepped on the host, the rest on the GPU
+    optimizer_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.zenflow and self.zero_stage != 2:
             raise ValueError("option zenflow=true extends ZeRO-Offload: add --option zero_stage=2")
+        # DeepSpeed builds SuperOffload's optimizer in its ZeRO-3 branch alone (engine._configure_zero_optimizer):
+        # in stage 2 the flag would be ignored; its config refuses a ratio below 1 outside stage 3
+        if self.super_offload and self.zero_stage != 3:
+            raise ValueError("option super_offload=true is a ZeRO-3 optimizer (DeepSpeed ignores it in stage 2): "
+                             "drop --option zero_stage=2")
+        if self.cpuadam_cores_perc is not None and not self.super_offload:
+            raise ValueError("option cpuadam_cores_perc is SuperOffload's share of the cores for its host optimizer: "
+                             "add --option super_offload=true, or drop it")
+        if self.cpuadam_cores_perc is not None and not 0 < self.cpuadam_cores_perc < 1:
+            raise ValueError(f"option cpuadam_cores_perc must be > 0 and < 1 (the share of the cores SuperOffload's "
+                             f"host optimizer takes; the training process keeps the rest), got "
+                             f"{self.cpuadam_cores_perc}")
+        if not 0 <= self.optimizer_ratio <= 1:
+            raise ValueError(f"option optimizer_ratio is the share of the optimizer stepped on the host, 0 to 1 (1: "
+                             f"all of it, ZeRO-3 offload), got {self.optimizer_ratio}")
+        if self.optimizer_ratio < 1 and self.zero_stage != 3:
+            raise ValueError("option optimizer_ratio below 1 (partial optimizer offload) is ZeRO-3's alone: drop "
+                             "--option zero_stage=2")
+        if self.optimizer_ratio < 1 and self.super_offload:
+            raise ValueError("options super_offload=true and optimizer_ratio below 1 together: each is checked "
+                             "against native alone (tests/gpu/test_baselines_gpu.py) and memory-modelled alone; run "
+                             "one of them")
 
 
 # DeepSpeed's ZenFlow tutorial settings: the top 5% of gradient columns by importance updated on the GPU each step,
@@ -83,6 +118,22 @@ ZERO2_HOST_BYTES_PER_PARAM = 28  # ZeRO-Offload's, one micro-batch a step (_zero
 # ZenFlow over ZeRO-Offload: killed by the kernel at 10 layers of the 7B width (3.42B) in one micro-batch of 16 on a
 # 126 GiB host (results/host_optimizer, 3a2d6d9), so at least ~37 B/param; a lower bound, never measured where it fits
 ZENFLOW_HOST_BYTES_PER_PARAM = 38
+# SuperOffload, measured-pending (no record yet; the 14B-width cases of suites/reproduce_14b on a 128 GiB host measure
+# it: perf_model.deepspeed_check puts each record's node PSS beside these). Issue 74's hand run: killed by the kernel
+# at 10 layers of the 14B width (4.31B) on a 128 GiB host where ZeRO-3 offload peaked at ~103 GiB, ran at 5 (2.93B):
+# at least ~30 B/param, a lower bound. Read from its code, not measured: its worker process holds Adam's moments and
+# a pinned gradient scratch of a sub-group, each fp32 partition it is sent moves into shared memory
+# (torch.multiprocessing) while torch's pinned cache may keep the pinned copy (metrics.superoffload's
+# fp32_grads_pinned_share tells), and the worker makes a CUDA context of its own on the GPU.
+SUPER_OFFLOAD_HOST_BYTES_PER_PARAM = 30
+SUPER_OFFLOAD_WORKER_GPU_BYTES = 2**30
+SUPER_OFFLOAD_CORES_PERC = 0.8  # DeepSpeed's default share of the cores for its worker (offload_config.py)
+# Partial optimizer offload, measured-pending (as SuperOffload's): the GPU share's fp32 master weights, gradient and
+# Adam moments live on the GPU (16 B/param; its gradient is staged in pinned host memory once at build, kept by
+# torch's pinned cache, so the host saves 12 of ZeRO-3's 25), and torch AdamW's foreach temporaries of one sub-group
+OPTIMIZER_GPU_BYTES_PER_PARAM = 16
+PARTIAL_HOST_SAVED_BYTES_PER_PARAM = 12
+GPU_ADAMW_SCRATCH_BYTES_PER_PARAM = 2 * FP32_BYTES
 
 
 def memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
@@ -97,15 +148,65 @@ def memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
     A mixture of experts, its MoE block a ZeRO-3 leaf, peaked at 29.5 (Qwen3-30B-A3B's layer, 6 deep, H200:
     results/moe) and GPT-OSS-20B's 4 layers, estimated at 25, were killed by the kernel on a 126 GiB host: MoE
     models count MOE_HOST_BYTES_PER_PARAM. GPU: 4 B per parameter of the largest module (bf16 params and grads,
-    gathered), plus the prefetch buffers, plus activations.
+    gathered), plus the prefetch buffers, plus activations. SuperOffload and partial optimizer offload add what their
+    constants say (measured-pending: SUPER_OFFLOAD_HOST_BYTES_PER_PARAM, OPTIMIZER_GPU_BYTES_PER_PARAM), the latter
+    for the sub-groups DeepSpeed keeps on the GPU (optimizer_sub_groups, gpu_sub_groups).
     """
     if case.opts.zero_stage == 2:
         return _zero2_memory_bytes(case, world)
     cfg = case.model_config()
     n = cfg.num_params()
-    host = -(-n * (MOE_HOST_BYTES_PER_PARAM if cfg.is_moe else HOST_BYTES_PER_PARAM) // world)
+    per = MOE_HOST_BYTES_PER_PARAM if cfg.is_moe else HOST_BYTES_PER_PARAM
+    if case.opts.super_offload:  # its worker process's state and copies (SUPER_OFFLOAD_HOST_BYTES_PER_PARAM)
+        per = max(per, SUPER_OFFLOAD_HOST_BYTES_PER_PARAM)
+    host = -(-n * per // world)
     gpu = 4 * largest_unit_params(case) * 2 + activation_bytes(case)
+    if case.opts.super_offload:
+        gpu += SUPER_OFFLOAD_WORKER_GPU_BYTES
+    if case.opts.optimizer_ratio < 1:  # the sub-groups of the optimizer DeepSpeed keeps on the GPU
+        sub_groups = optimizer_sub_groups(case, world)
+        on_gpu = sub_groups[:gpu_sub_groups(case.opts.optimizer_ratio, len(sub_groups))]
+        host -= PARTIAL_HOST_SAVED_BYTES_PER_PARAM * sum(on_gpu)
+        gpu += OPTIMIZER_GPU_BYTES_PER_PARAM * sum(on_gpu) + GPU_ADAMW_SCRATCH_BYTES_PER_PARAM * max(on_gpu, default=0)
     return host, gpu
+
+
+DEEPSPEED_SUB_GROUP_SIZE = 10**9  # zero_optimization.sub_group_size's default (deepspeed/runtime/zero/config.py)
+
+
+def sub_group_size(case: CaseConfig) -> int:
+    """The optimizer's sub-group size in parameters: with partial offload a decoder layer's, which deepspeed_config
+    sets so that the host's share is the ratio asked to within a layer (DeepSpeed's default cuts a 3B model into 4
+    sub-groups); else DeepSpeed's default."""
+    return case.model_config().layer_params() if case.opts.optimizer_ratio < 1 else DEEPSPEED_SUB_GROUP_SIZE
+
+
+def optimizer_sub_groups(case: CaseConfig, world: int = 1) -> list[int]:
+    """Parameters of each of a rank's optimizer sub-groups, in DeepSpeed's order: our AdamW groups (decay, no decay) of
+    the model's partitions, each cut as deepspeed.runtime.zero.stage3._create_fp16_sub_groups cuts it (a sub-group
+    closes once it reaches the size, a parameter never split)."""
+    with torch.device("meta"):
+        model = build_model(case.model_config(), activation_checkpointing=False)
+    size = sub_group_size(case)
+    out = []
+    for group in adamw_param_groups(model.named_parameters(), case.optim):
+        numels = [-(-p.numel() // world) for p in group["params"]]
+        if size >= sum(numels):
+            out.append(sum(numels))
+            continue
+        total = 0
+        for i, numel in enumerate(numels):
+            total += numel
+            if total >= size or i == len(numels) - 1:
+                out.append(total)
+                total = 0
+    return out
+
+
+def gpu_sub_groups(ratio: float, count: int) -> int:
+    """How many of `count` sub-groups, the first ones, DeepSpeed keeps on the GPU with offload_optimizer.ratio `ratio`
+    (stage3._create_fp32_partitions: sub-group i goes to the host when i >= int((1 - ratio) * count))."""
+    return int((1 - ratio) * count)
 
 
 def _zero2_memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
@@ -127,15 +228,30 @@ def _zero2_memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
     return -(-n * per // world), 2 * case.dtype_bytes * n + activation_bytes(case)
 
 
-def zenflow_refusal(case: CaseConfig, world: int = 1) -> str | None:
-    """Why ZenFlow cannot run `case` as one optimizer step of its batch, if it cannot: ZenFlow sets DeepSpeed's
-    gradient accumulation steps to its update_interval and steps its GPU-side selective update at every micro-batch,
-    so micro-batches accumulated into one batch would be that many steps (at batch 64 in 4 micro-batches it was also
-    killed by the kernel on a 126 GiB host at 3.42B, where ZeRO-Offload peaked at 82 GiB: results/host_optimizer)."""
-    if case.opts.zenflow and accumulation_steps(case.batch, case.micro_batch, world) > 1:
+def refusal(case: CaseConfig, world: int = 1) -> str | None:
+    """Why DeepSpeed cannot run `case` as asked on `world` ranks, if it cannot (said before anything is built):
+    - ZenFlow sets DeepSpeed's gradient accumulation steps to its update_interval and steps its GPU-side selective
+      update at every micro-batch, so micro-batches accumulated into one batch would be that many steps (at batch 64
+      in 4 micro-batches it was also killed by the kernel on a 126 GiB host at 3.42B, where ZeRO-Offload peaked at
+      82 GiB: results/host_optimizer);
+    - SuperOffload asserts a CUDA accelerator (superoffload_stage3._validate_superoffload_accelerator), and pins its
+      worker to the last share of this process's cores and the process to the rest: ranks of one host would all
+      take the same cores;
+    - partial offload keeps its GPU share on the accelerator, on CPU the host itself, and builds its GPU optimizer
+      only beside DeepSpeedCPUAdam ('Hybrid Optimizer Only Supports DeepSpeedCPUAdam'), which CUDA runs use."""
+    o = case.opts
+    if o.zenflow and accumulation_steps(case.batch, case.micro_batch, world) > 1:
         return ("ZenFlow steps at every micro-batch (its update_interval replaces DeepSpeed's gradient accumulation), "
                 "so accumulated micro-batches would not be one step of the batch: give it --micro-batch equal to the "
                 "batch per rank")
+    if o.super_offload and case.device != "cuda":
+        return "SuperOffload (option super_offload=true) runs on CUDA GPUs only (DeepSpeed asserts it): --device cuda"
+    if o.super_offload and world > 1:
+        return ("SuperOffload pins its host optimizer to the last of its process's cores and the process to the "
+                "rest: ranks of one host would share the same cores; run it in one process (without torchrun)")
+    if o.optimizer_ratio < 1 and case.device != "cuda":
+        return ("partial optimizer offload (option optimizer_ratio below 1) keeps a share on the GPU: on CPU it would "
+                "stay on the host, and DeepSpeed builds it only beside DeepSpeedCPUAdam; use --device cuda")
     return None
 
 
@@ -146,14 +262,24 @@ def checkpoint_bytes(case: CaseConfig) -> int:
 
 def deepspeed_config(case: CaseConfig, world: int = 1) -> dict:
     """The DeepSpeed config dict of a case on `world` ranks: ZeRO-3, params and optimizer offloaded to (pinned) host
-    memory; or ZeRO-Offload (zero_stage=2), the optimizer alone offloaded; each rank accumulating its share of the
-    global batch."""
+    memory (SuperOffload's optimizer, or a share of the optimizer kept on the GPU, where its options ask); or
+    ZeRO-Offload (zero_stage=2), the optimizer alone offloaded; each rank accumulating its share of the global
+    batch."""
     h = case.model_config().hidden_size
+    o = case.opts
     pin = case.device == "cuda"
     offload = {"device": "cpu", "pin_memory": pin}
-    zero = {"stage": case.opts.zero_stage, "offload_optimizer": offload, "overlap_comm": True,
+    offload_optimizer = dict(offload)
+    if o.super_offload:
+        offload_optimizer.update(super_offload=True,
+                                 cpuadam_cores_perc=o.cpuadam_cores_perc or SUPER_OFFLOAD_CORES_PERC)
+    if o.optimizer_ratio < 1:
+        offload_optimizer["ratio"] = o.optimizer_ratio
+    zero = {"stage": o.zero_stage, "offload_optimizer": offload_optimizer, "overlap_comm": True,
             "contiguous_gradients": True, "reduce_bucket_size": h * h}
-    if case.opts.zero_stage == 3:
+    if o.optimizer_ratio < 1:
+        zero["sub_group_size"] = sub_group_size(case)
+    if o.zero_stage == 3:
         zero.update({
             "offload_param": offload,
             "stage3_prefetch_bucket_size": int(0.9 * h * h),
@@ -286,6 +412,70 @@ def _forward_through(template: LayerTemplate, layer: DecoderLayer, x_BSH: torch.
     return template(dict(layer.named_parameters()), x_BSH, cos_SD, sin_SD, mask_B1SS)
 
 
+PHASES = ("forward", "backward", "step")  # the engine calls of a micro-batch, timed in the record
+
+
+def exact_update(case: CaseConfig) -> tuple[bool, str]:
+    """Whether `case`'s update is AdamW with the global-norm clipping it asks (exact), and why, in its record's words.
+    SuperOffload's speculation (its worker stepping sub-groups during backward, before the global norm is known, and
+    rolling them back on a non-finite norm) runs in DeepSpeed 0.19.8 only without clipping (partition_grads checks
+    `not self.clip_grad`): with clipping each sub-group is clipped and then stepped after backward
+    (_step_with_clipping); without, AdamW needs no norm but to skip a non-finite step, which the rollback does."""
+    o = case.opts
+    clipping = "exact global-norm clipping" if case.optim.max_grad_norm > 0 else "no clipping (max_grad_norm 0)"
+    if o.zenflow:
+        return False, f"not AdamW with exact clipping: ZenFlow's bounded staleness ({ZENFLOW})"
+    if o.super_offload and case.optim.max_grad_norm > 0:
+        return True, ("AdamW with exact global-norm clipping: with gradient_clipping set, DeepSpeed 0.19.8's "
+                      "SuperOffload steps no sub-group before the norm of the whole gradient is known (it speculates "
+                      "only without clipping); after backward each sub-group is clipped, then stepped by "
+                      "DeepSpeedCPUAdam in its worker process, so nothing is rolled back (metrics.superoffload)")
+    if o.super_offload:
+        return True, ("AdamW without clipping: SuperOffload's worker steps each sub-group once its gradient is "
+                      "complete in backward, before the global norm is known, and rolls the step back where that norm "
+                      "is not finite, the step then skipped as every system skips it (metrics.superoffload counts "
+                      "both)")
+    if o.optimizer_ratio < 1:
+        return True, (f"AdamW with {clipping}: the host's share of the sub-groups stepped by DeepSpeedCPUAdam, the "
+                      "GPU's by torch.optim.AdamW, each clipped by the norm of the whole gradient first")
+    return True, f"AdamW with {clipping}, after the norm of the whole gradient"
+
+
+class _SuperOffloadCounts:
+    """What SuperOffload's optimizer did, counted by wrapping its two calls: sub-group steps its worker was sent
+    during backward, before the global norm (speculative: every submission but the synchronous ones), and sub-group
+    steps it rolled back; and how it split the cores and kept its host gradients pinned."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self.submitted = self.synchronous = self.rollbacks = 0
+        worker = optimizer.superoffload_cpu_optimizer
+        submit, synchronous = worker.async_step, optimizer._sync_cpu_optimizer_step
+
+        def counted_submit(*args, **kwargs):
+            self.submitted += 1
+            return submit(*args, **kwargs)
+
+        def counted_synchronous(*args, rollback: bool = False, **kwargs):
+            self.synchronous += 1
+            self.rollbacks += rollback
+            return synchronous(*args, rollback=rollback, **kwargs)
+
+        worker.async_step = counted_submit
+        optimizer._sync_cpu_optimizer_step = counted_synchronous
+
+    def to_dict(self) -> dict:
+        opt = self.optimizer
+        process = opt.superoffload_cpu_optimizer.cpuadam_process
+        host = [g.grad for i, g in enumerate(opt.fp32_partitioned_groups_flat) if opt.subgroup_to_device[i] == "cpu"]
+        pinned = sum(g.numel() for g in host if g.is_pinned())
+        return {"speculative_steps": self.submitted - self.synchronous, "rollbacks": self.rollbacks,
+                "training_process_cores": len(psutil.Process().cpu_affinity()),
+                "worker_cores": len(psutil.Process(process.pid).cpu_affinity()) if process.is_alive() else None,
+                # torch.multiprocessing moves a tensor it sends into shared memory: the pinned gradient may not stay so
+                "fp32_grads_pinned_share": pinned / max(1, sum(g.numel() for g in host))}
+
+
 CHECKPOINT_TAG = "deepspeed"  # the tag directory engine.save_checkpoint writes inside a train checkpoint
 SAVED_PARTITIONS = "zero_pp_rank_*_optim_states.pt"  # in it, one file of each rank's ZeRO partitions
 
@@ -334,8 +524,8 @@ class DeepSpeedSystem:
         self.world, self.device = self.ranks.world, self.ranks.device
         self.dtype = case.torch_dtype
         warn_if_bf16_precision(case, "deepspeed")
-        if refusal := zenflow_refusal(case, self.world):
-            raise ValueError(refusal)
+        if reason := refusal(case, self.world):
+            raise ValueError(reason)
         self.optimizer_name = case.opts.optimizer or ("cpu_adam" if self.device.type == "cuda" else "torch_adamw")
         if self.device.type == "cuda" and self.optimizer_name != "cpu_adam":
             raise ValueError("deepspeed on CUDA runs DeepSpeedCPUAdam (its recommended offload optimizer); "
@@ -383,6 +573,15 @@ class DeepSpeedSystem:
         self.engine, *_ = ds.initialize(model=model, optimizer=optimizer,
                                         model_parameters=groups if optimizer is None else None, config=self.config)
         self.draws = draws_of(model, case.seed)
+        self.superoffload = _SuperOffloadCounts(self.engine.optimizer) if case.opts.super_offload else None
+        self.phase_times_s: dict[str, list[float]] = {phase: [] for phase in PHASES}
+
+    def _now(self) -> float:
+        """Wall-clock seconds once the device has run what was queued: a phase's time is the host's time in its call
+        and the device work it queued."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, segments_BS: torch.Tensor | None = None) -> float:
         """One step over the global batch (under torchrun, this rank's rows of it)."""
@@ -390,16 +589,25 @@ class DeepSpeedSystem:
         normalizer, inputs_BS, labels_BS, segments_BS = rows_of_rank(self.ranks, inputs_BS, labels_BS, segments_BS)
         total = torch.zeros((), device=self.device)
         steps_before = self.engine.global_steps
+        spent = dict.fromkeys(PHASES, 0.0)
         for x, y, seg in micro_batches(self.case, self.device, inputs_BS, labels_BS, segments_BS, self.draws,
                                        self.ranks.rank):
+            t0 = self._now()
             loss = self.engine(x, y, normalizer, seg, aux_weight(x, batch_BS))
+            t1 = self._now()
             # The normaliser already spans the global batch: DeepSpeed's own 1/GAS scaling would count the
             # accumulation twice, and it averages the ranks' gradients where their sum is the one-process gradient.
             self.engine.backward(loss * self.world, scale_wrt_gas=False)
+            t2 = self._now()
             self.engine.step()  # the optimizer steps (clipping first) only at the accumulation boundary
+            t3 = self._now()
+            for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+                spent[phase] += seconds
             total += loss.detach().float()
+        for phase, seconds in spent.items():
+            self.phase_times_s[phase].append(seconds)
         # ZenFlow counts a global step at each of its host updates (every update_interval steps, its accumulation
-        # steps), and one micro-batch is its step (zenflow_refusal): there is nothing of ours to check against
+        # steps), and one micro-batch is its step (refusal): there is nothing of ours to check against
         assert self.case.opts.zenflow or self.engine.global_steps == steps_before + 1, \
             "micro-batches and gradient_accumulation_steps disagree"
         if self.draws is not None:
@@ -417,14 +625,24 @@ class DeepSpeedSystem:
         return float("nan") if norm is None else float(norm)
 
     def system_config(self) -> dict:
-        zero3 = self.case.opts.zero_stage == 3
+        o = self.case.opts
+        zero3 = o.zero_stage == 3
         compiled = "torch.compile(dynamic=False) of one stateless decoder layer (LayerTemplate), every layer calling " \
             "it with its parameters" + (", the layer a ZeRO-3 leaf module (gathered whole)" if zero3 else "")
         mode = "ZeRO-3, parameters and optimizer offloaded to the host" if zero3 else \
             "ZeRO-Offload: ZeRO-2, parameters and gradients on the device, optimizer offloaded to the host"
-        if self.case.opts.zenflow:
+        if o.zenflow:
             mode = f"ZenFlow (bounded staleness: {ZENFLOW}) over " + mode
-        return {"mode": mode,
+        if o.super_offload:
+            mode = ("SuperOffload: " + mode + ", DeepSpeedCPUAdam in a worker process on "
+                    f"{self.config['zero_optimization']['offload_optimizer']['cpuadam_cores_perc']:g} of the cores")
+        if o.optimizer_ratio < 1:
+            mode = (f"partial optimizer offload: ZeRO-3, parameters offloaded to the host, {o.optimizer_ratio:g} of "
+                    "the optimizer's sub-groups on the host (DeepSpeedCPUAdam), the rest on the GPU (torch AdamW)")
+        exact, update = exact_update(self.case)
+        return {"mode": mode, "exact_adamw": exact, "update": update,
+                "phase_times": "wall-clock of each engine call (forward, backward, step), the device synchronised "
+                               "at each call's end; summed over a step's micro-batches (metrics.phase_times_s)",
                 "deepspeed_config": self.config, "ranks": self.world, "zero_init": zero3,
                 "activation_checkpointing": True,
                 "compile": compiled if self.templates and all(t.compiled for t in self.templates) else False,
@@ -436,9 +654,20 @@ class DeepSpeedSystem:
                                 "global step (DeepSpeed divides the ranks' summed gradients by their number)"}
 
     def metrics(self, warmup_steps: int = 0) -> dict:
-        return {"deepspeed_version": self.ds.__version__, "optimizer": self.optimizer_name,
-                "accelerator": self.ds.accelerator.get_accelerator().device_name(),
-                "last_grad_norm": float(self.engine.get_global_grad_norm() or 0.0)}
+        out = {"deepspeed_version": self.ds.__version__, "optimizer": self.optimizer_name,
+               "accelerator": self.ds.accelerator.get_accelerator().device_name(),
+               "last_grad_norm": float(self.engine.get_global_grad_norm() or 0.0),
+               "phase_times_s": self.phase_times_s}
+        if self.superoffload is not None:
+            out["superoffload"] = self.superoffload.to_dict()
+        if self.case.opts.optimizer_ratio < 1:  # where DeepSpeed put each sub-group (memory_bytes models the same)
+            opt = self.engine.optimizer
+            numels = opt.fp16_partitioned_groups_flat_numel
+            out.update(optimizer_params=int(sum(numels)),
+                       optimizer_params_on_gpu=int(sum(n for i, n in enumerate(numels)
+                                                       if opt.subgroup_to_device[i] != "cpu")),
+                       optimizer_sub_groups=len(numels))
+        return out
 
     def named_parameters_fp32(self) -> dict[str, torch.Tensor]:
         """The fp32 master weights (the optimizer's partitions), gathered, under our names."""
@@ -449,7 +678,10 @@ class DeepSpeedSystem:
         return evaluate_micro_batches(self.engine, self.case, self.device, inputs_BS, labels_BS, segments_BS)
 
     def set_lr(self, lr: float) -> None:
-        for group in self.engine.optimizer.param_groups:  # the client optimizer's groups: read at every step
+        # the client optimizer's groups, read at every step; partial offload's GPU optimizer shares them but its first
+        # (stage3's backup_optimizer is made with its own first group)
+        gpu = getattr(self.engine.optimizer, "backup_optimizer", None)
+        for group in [*self.engine.optimizer.param_groups, *(gpu.param_groups if gpu is not None else [])]:
             group["lr"] = lr
 
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -505,6 +737,6 @@ class DeepSpeedSystem:
 
 
 SPEC = SystemSpec(factory=DeepSpeedSystem, options=DeepSpeedOptions,
-                  plan_memory=functools.partial(estimate_plan, memory_bytes, refusal=zenflow_refusal),
+                  plan_memory=functools.partial(estimate_plan, memory_bytes, refusal=refusal),
                   checkpoint_bytes=checkpoint_bytes,
                   package="deepspeed", pickled=("**/*.pt",))  # torch.load(weights_only=False) of every .pt

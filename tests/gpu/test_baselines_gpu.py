@@ -1,9 +1,10 @@
 """FSDP2, DeepSpeed ZeRO-3 and torchao CPU-offload baselines against native on the GPU, through the bench CLI (one
 fresh process per run), eager and with compiled layers (native too), and that compiling took in every system at 24
-layers; torchao's host AdamW stepping the GPU's clipped gradient bit for bit; the paper's own code (the `paper`
-system) tracking native in bf16 precision. Needs CUDA, and deepspeed and torchao for their cases, the paper's code
-(.paper/ from scripts/paper_code.sh) and accelerate for its; about 18 minutes on one H100/H200, the first DeepSpeed
-run JIT-compiling DeepSpeedCPUAdam (the paper cases alone, -k paper: about 4):
+layers; DeepSpeed's SuperOffload and partial optimizer offload against native and following the learning rate;
+torchao's host AdamW stepping the GPU's clipped gradient bit for bit; the paper's own code (the `paper` system)
+tracking native in bf16 precision. Needs CUDA, and deepspeed and torchao for their cases, the paper's code (.paper/
+from scripts/paper_code.sh) and accelerate for its; about 20 minutes on one H100/H200, the first DeepSpeed run
+JIT-compiling DeepSpeedCPUAdam (the paper cases alone, -k paper: about 4; DeepSpeed's modes alone, -k modes: about 3):
     pytest tests/gpu/test_baselines_gpu.py -m gpu -s
 """
 
@@ -19,7 +20,7 @@ import torch
 from megatrain.config import CaseConfig
 from megatrain.data import make_batches
 from megatrain.optim.config import OptimConfig
-from megatrain.systems import build_system, paper_code
+from megatrain.systems import build_system, deepspeed_zero3, paper_code
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -104,6 +105,68 @@ def test_qwen_0_5b_compiled_takes_in_every_system(system, options, native_qwen_b
     assert compile_check["compiled_frames"] <= 4 and compile_check["failed_frames"] == 0, compile_check
     assert compile_check["graph_breaks"] == 0 and not compile_check["eager_fallback"], compile_check
     _assert_tracks_native_and_trains(torch.tensor(record["losses"]), native_qwen_bf16)
+
+
+# DeepSpeed's modes beyond ZeRO-3 offload that are AdamW with exact clipping (megatrain.systems.deepspeed_zero3)
+DEEPSPEED_MODES = [pytest.param({"super_offload": True}, marks=NEEDS_DEEPSPEED, id="superoffload"),
+                   pytest.param({"optimizer_ratio": 0.5}, marks=NEEDS_DEEPSPEED, id="partial")]
+
+
+def _options(options: dict) -> list[str]:
+    return [arg for key, value in options.items() for arg in ("--option", f"{key}={json.dumps(value)}")]
+
+
+@pytest.mark.parametrize("options", DEEPSPEED_MODES)
+def test_deepspeed_modes_match_native_and_track_it_in_bf16(options, native_tiny_fp32, native_qwen_bf16, check):
+    """SuperOffload and partial optimizer offload, AdamW with exact clipping by their records: the tiny fp32 curve
+    equals native's (clipping scales every step) and the 0.5B bf16 curve stays in native's band, as every system's.
+    With clipping SuperOffload speculates on no sub-group and rolls none back; partial offload keeps on the GPU the
+    sub-groups its pre-flight counts there."""
+    records = [_bench("deepspeed", *TINY_FP32, *_options(options)), _bench("deepspeed", *QWEN_BF16, *_options(options))]
+    check.update(options=options, losses=[r["losses"] for r in records], metrics=[r["metrics"] for r in records])
+    torch.testing.assert_close(torch.tensor(records[0]["losses"]), native_tiny_fp32, rtol=1e-4, atol=0)
+    _assert_tracks_native_and_trains(torch.tensor(records[1]["losses"]), native_qwen_bf16)
+    for record in records:
+        assert record["system_config"]["exact_adamw"], record["system_config"]["update"]
+        metrics = record["metrics"]
+        if options.get("super_offload"):
+            assert metrics["superoffload"]["speculative_steps"] == metrics["superoffload"]["rollbacks"] == 0
+        else:
+            sub_groups = deepspeed_zero3.optimizer_sub_groups(CaseConfig.from_dict(record["config"]))
+            on_gpu = sum(sub_groups[:deepspeed_zero3.gpu_sub_groups(options["optimizer_ratio"], len(sub_groups))])
+            assert metrics["optimizer_params_on_gpu"] == on_gpu > 0, (metrics, sub_groups)
+
+
+LR_WORKER = """
+import json, sys, torch
+from megatrain.systems import build_system
+from megatrain.config import CaseConfig
+from megatrain.data import make_batches
+case = CaseConfig.from_dict(json.loads(sys.argv[1]))
+system = build_system(case)
+batches = make_batches(case, case.model_config().vocab_size)
+system.step(*batches.batch_at(0))  # moments to step with
+before = system.named_parameters_fp32()
+system.set_lr(0.0)
+for i in (1, 2):
+    system.step(*batches.batch_at(i))
+after = system.named_parameters_fp32()
+system.close()
+print(json.dumps(sorted(name for name in before if not torch.equal(before[name], after[name]))))
+"""
+
+
+@pytest.mark.parametrize("options", DEEPSPEED_MODES)
+def test_deepspeed_modes_step_every_sub_group_at_the_learning_rate_set(options):
+    """A learning-rate schedule sets the rate before each step (set_lr): at 0 no weight moves, neither on partial
+    offload's GPU optimizer (DeepSpeed makes its first group apart from the host optimizer's) nor in SuperOffload's
+    worker. In a fresh process, as DeepSpeed runs."""
+    case = CaseConfig(system="deepspeed", model="tiny", batch=4, micro_batch=2, seq=64, device="cuda", dtype="float32",
+                      options=options)
+    proc = subprocess.run([sys.executable, "-c", LR_WORKER, json.dumps(case.to_dict())], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
 
 
 @pytest.fixture(scope="module")

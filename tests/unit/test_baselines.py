@@ -104,6 +104,10 @@ def test_deepspeed_matches_native_with_accumulation_and_clipping(model, tmp_path
     result = _run_in_subprocess(case, tmp_path)
     _assert_matches_native(result, _native(case))
     assert result["metrics"]["last_grad_norm"] > 10 * case.optim.max_grad_norm  # clipping was active
+    assert result["config"]["exact_adamw"] and "exact global-norm clipping" in result["config"]["update"]
+    phases = result["metrics"]["phase_times_s"]  # the host's time in each engine call, per step
+    assert list(phases) == ["forward", "backward", "step"]
+    assert all(len(seconds) == case.steps and min(seconds) > 0 for seconds in phases.values())
     zero = result["config"]["deepspeed_config"]["zero_optimization"]
     h = case.model_config().hidden_size
     assert (zero["stage"], zero["reduce_bucket_size"], zero["stage3_param_persistence_threshold"]) == (3, h * h, 10 * h)

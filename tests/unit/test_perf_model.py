@@ -9,6 +9,7 @@ import pytest
 
 from megatrain.config import CaseConfig
 from megatrain.engine.layout import build_units
+from megatrain.optim.config import OptimConfig
 from megatrain.perf_model import deepspeed, deepspeed_check, deepspeed_projection, model_check
 from megatrain.perf_model.model import Ingredients, Machine, Model, simulate
 
@@ -250,6 +251,44 @@ def test_deepspeed_compiled_layers_are_the_first_ones():
 def test_deepspeed_host_call_floor_holds_a_micro_batch_to_the_hooks_pace():
     out = _ds(_ingredients(fwd_ms=1.0, bwd_ms=3.0, head_ms=1.0), link_gbs=1e6, host_call_s=0.01)
     assert out["host_bound_s"] == pytest.approx(28 * (0.01 - 0.004))
+
+
+def test_deepspeed_partial_offload_steps_its_gpu_share_on_the_gpu_and_moves_less():
+    """offload_optimizer.ratio 0.5: the first half of the sub-groups (deepspeed_zero3.optimizer_sub_groups) stay on
+    the GPU: their fp32 gradients never leave, torch AdamW steps them at the GPU rate and each sub-group goes out as
+    bf16 once; the host steps and scales the rest."""
+    n = sum(u.numel for u in _units())
+    ing = _ingredients(fwd_ms=100.0, bwd_ms=300.0, head_ms=50.0)
+    full, partial = _ds(ing), _ds(ing, options={"optimizer_ratio": 0.5})
+    on_gpu = partial["optimizer_params_on_gpu"]
+    assert full["optimizer_params_on_gpu"] == 0 and 0.3 * n < on_gpu < 0.7 * n
+    assert partial["adam_s"] == pytest.approx((n - on_gpu) / 2e9)
+    assert partial["clip_s"] == pytest.approx((n - on_gpu) * 8 / 100e9)
+    assert partial["gpu_step_s"] == pytest.approx(on_gpu / 100e9 + on_gpu * 2 / 50e9)
+    assert partial["d2h_bytes"] == pytest.approx(full["d2h_bytes"] - 4 * on_gpu + 2 * on_gpu)
+    assert partial["optimizer_s"] == pytest.approx(partial["host_step_s"] + partial["gpu_step_s"])
+    assert partial["step_s"] < full["step_s"]
+
+
+def test_superoffload_steps_after_the_backward_with_clipping_and_beside_it_without():
+    """SuperOffload's worker runs Adam on 0.8 of the cores and copies 16 B/param more; with clipping (every case's)
+    it steps after the backward as ZeRO-3 does; without, beside the backward, leaving at least the last sub-group's
+    step after it."""
+    n = sum(u.numel for u in _units())
+    ing = _ingredients(fwd_ms=100.0, bwd_ms=300.0, head_ms=50.0)
+    zero3, clipped = _ds(ing), _ds(ing, options={"super_offload": True})
+    assert clipped["adam_s"] == pytest.approx(n / (2e9 * 0.8))
+    assert clipped["cast_s"] == pytest.approx(n * (6 + 16) / 50e9)
+    assert clipped["optimizer_s"] == pytest.approx(clipped["host_step_s"])
+    assert clipped["host_step_s"] > zero3["host_step_s"]
+    assert clipped["forward_s"] + clipped["backward_s"] == pytest.approx(zero3["forward_s"] + zero3["backward_s"])
+    speculative = _ds(ing, options={"super_offload": True}, optim=OptimConfig(max_grad_norm=0.0))
+    assert speculative["clip_s"] == 0
+    one_sub_group = (speculative["adam_s"] + speculative["cast_s"]) * max(
+        deepspeed.optimizer_sub_groups(CaseConfig(system="deepspeed", model=MODEL))) / n
+    assert speculative["optimizer_s"] == pytest.approx(max(one_sub_group, speculative["adam_s"] + speculative["cast_s"]
+                                                           - speculative["backward_s"]))
+    assert speculative["step_s"] < clipped["step_s"]
 
 
 def test_host_step_rates_from_a_probe_or_scaled_from_the_reference():

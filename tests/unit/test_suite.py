@@ -19,7 +19,7 @@ from megatrain.config import CaseConfig
 from megatrain.flags import CaseFlags, add_flags
 from megatrain.hardware import PROFILES, get_profile, same_machine
 from megatrain.probe import Machine
-from megatrain.systems import deepspeed_zero3, fsdp_offload
+from megatrain.systems import deepspeed_zero3, fsdp_offload, parse_options
 from megatrain.train.config import add_train_arguments
 
 H200_X2 = Machine(gpu_name="NVIDIA H200", gpu_count=2, gpu_mem_gib=139.8, host_mem_gib=251.5, host_available_gib=245.0,
@@ -285,6 +285,47 @@ def test_zero_offload_holds_parameters_and_gradients_on_the_gpu_and_the_optimize
     plan = preflight.plan_memory(replace(zero2, batch=64, micro_batch=64), h100)
     assert not plan["fits"] and "GPU memory" in plan["reason"]
     assert preflight.plan_memory(replace(zero3, batch=64, micro_batch=64), h100)["fits"]
+
+
+def test_superoffload_and_partial_offload_plan_their_state_where_deepspeed_keeps_it():
+    """SuperOffload was killed by the kernel at 10 layers of the 14B width on a 128 GiB host where ZeRO-3 offload ran,
+    and ran at 5 (issue 74, by hand): its host bound refuses the one and fits the other. Partial offload's GPU share
+    (the first sub-groups, a layer each) holds 16 B/param on the GPU and 12 fewer on the host; where the GPU cannot
+    hold it, the plan says GPU memory. Neither runs on CPU, nor SuperOffload under torchrun."""
+    host_128 = replace(H200_X2, gpu_count=1, host_mem_gib=125.9, host_available_gib=122.0)
+    ten = replace(_case("deepspeed"), num_layers=10, batch=96, micro_batch=96, device="cuda")
+    superoffload = replace(ten, options={"super_offload": True})
+    assert preflight.plan_memory(ten, host_128)["fits"]
+    plan = preflight.plan_memory(superoffload, host_128)
+    assert not plan["fits"] and "host memory" in plan["reason"]
+    assert preflight.plan_memory(replace(superoffload, num_layers=5), host_128)["fits"]
+    plain_host, plain_gpu = deepspeed_zero3.memory_bytes(ten)
+    partial = replace(ten, options={"optimizer_ratio": 0.5})
+    sub_groups = deepspeed_zero3.optimizer_sub_groups(partial)
+    on_gpu = sub_groups[:deepspeed_zero3.gpu_sub_groups(0.5, len(sub_groups))]
+    assert sum(sub_groups) == ten.model_config().num_params() and len(sub_groups) > 10
+    assert 0.4 < sum(on_gpu) / sum(sub_groups) < 0.6  # the ratio asked, to within a sub-group
+    host, gpu = deepspeed_zero3.memory_bytes(partial)
+    assert plain_host - host == 12 * sum(on_gpu) and gpu - plain_gpu == 16 * sum(on_gpu) + 8 * max(on_gpu)
+    assert deepspeed_zero3.memory_bytes(replace(ten, options={"optimizer_ratio": 1.0})) == (plain_host, plain_gpu)
+    plan = preflight.plan_memory(replace(partial, num_layers=48, options={"optimizer_ratio": 0.0}), H200_X4)
+    assert not plan["fits"] and "GPU memory" in plan["reason"]
+    for options, says in (({"super_offload": True}, "CUDA GPUs only"), ({"optimizer_ratio": 0.5}, "keeps a share")):
+        on_cpu = replace(_case("deepspeed"), device="cpu", dtype="float32", options=options)
+        assert says in preflight.plan_memory(on_cpu, H200_X2)["reason"]
+    assert "one process" in deepspeed_zero3.refusal(superoffload, world=2)
+
+
+@pytest.mark.parametrize("options, says", [
+    ({"super_offload": True, "zero_stage": 2}, "ZeRO-3 optimizer"),
+    ({"cpuadam_cores_perc": 0.5}, "add --option super_offload=true"),
+    ({"super_offload": True, "cpuadam_cores_perc": 1.0}, "must be > 0 and < 1"),
+    ({"optimizer_ratio": 1.5}, "0 to 1"),
+    ({"optimizer_ratio": 0.5, "zero_stage": 2}, "ZeRO-3's alone"),
+    ({"optimizer_ratio": 0.5, "super_offload": True}, "run one of them")])
+def test_deepspeed_refuses_a_mode_it_cannot_run_by_name(options, says):
+    with pytest.raises(ValueError, match=says):
+        parse_options("deepspeed", options)
 
 
 def test_a_torn_last_line_does_not_swallow_the_next_record(tmp_path):
