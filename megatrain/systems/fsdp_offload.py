@@ -7,6 +7,14 @@ parameters are copied to the GPU, cast to the compute dtype and all-gathered (a 
 use, and gradients are reduce-scattered in fp32 and offloaded back. The optimizer is torch AdamW(fused=True)
 stepping on each rank's host shards.
 
+At its best setting by what PyTorch and torchtitan recommend (each the same arithmetic; the record states it): each
+decoder layer explicitly prefetches the next 2 layers' copies in forward and the 2 before it in backward (PyTorch's
+FSDP2 example, `set_modules_to_forward_prefetch`/`set_modules_to_backward_prefetch`; its implicit prefetch issues a
+layer's copy only once the previous layer's compute is queued), and the last decoder layer stays gathered after
+forward for the backward that starts with it (torchtitan does not reshard its last blocks); pinned host shards, and
+compiled blocks where the case compiles. `--option prefetch_layers=0 --option reshard_last_layer=true` is FSDP2's own
+default, as this system ran before, for a side-by-side run.
+
 On CPU (CI) the same code path runs with gloo and CPUOffloadPolicy(pin_memory=False): the offload
 copies are no-ops there, and pinning needs an accelerator (`pin_memory()` raises without one).
 """
@@ -64,6 +72,16 @@ class FSDPOptions(CommonOptions):
     # every micro-batch but the last keeps its unsharded fp32 gradients on the GPU (set_requires_gradient_sync(False)):
     # one reduce-scatter and offload a step instead of one per micro-batch, for 4 B/param of GPU memory
     accumulate_on_gpu: bool = False
+    # each decoder layer prefetches the next N layers' copies in forward and the N before it in backward (explicitly);
+    # 0: FSDP2's implicit prefetch
+    prefetch_layers: int = 2
+    reshard_last_layer: bool = False  # true: the last decoder layer resharded after forward, as FSDP2's default
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.prefetch_layers < 0:
+            raise ValueError(f"option prefetch_layers counts the layers each one prefetches (0: FSDP2's implicit "
+                             f"prefetch), >= 0, got {self.prefetch_layers}")
 
 
 def memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
@@ -75,14 +93,16 @@ def memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
     tensor of a rank's shard (numel/world, rounded up as FSDP2 pads it): 2 * next_pow2(4 * numel) + 8 * numel; this
     gives 18.1, 19.7 and 21.8 B/param for 1.5B, 3B and 14B on one rank, measured 16.9, 19.1 and 21.7 beyond the
     process overhead (results/smoke_gpu, results/reproduce_14b). GPU: the gathered bf16 unit being computed plus
-    the prefetched one, its bf16 gradient before the reduce, activations; with accumulate_on_gpu and micro-batches to
-    accumulate, every parameter's unsharded fp32 gradient too.
+    the prefetched ones (prefetch_layers, at least the one FSDP2 prefetches itself), its bf16 gradient before the
+    reduce, activations; with accumulate_on_gpu and micro-batches to accumulate, every parameter's unsharded fp32
+    gradient too.
     """
     per = SHARD_STATE_BYTES
     host = sum(pinned_bytes(per["weights"] * k) + pinned_bytes(per["grads"] * k)
                + (per["exp_avg"] + per["exp_avg_sq"]) * k
                for k in (-(-n // world) for n in case.model_config().param_numels()))
-    gpu = 3 * 2 * largest_unit_params(case) + activation_bytes(case)
+    gathered = 1 + max(1, case.opts.prefetch_layers) + 1  # computing, prefetched, the gradient before its reduce
+    gpu = gathered * 2 * largest_unit_params(case) + activation_bytes(case)
     if case.opts.accumulate_on_gpu and accumulation_steps(case.batch, case.micro_batch, world) > 1:
         gpu += FP32_BYTES * case.model_config().num_params()
     return host, gpu
@@ -138,11 +158,19 @@ class FSDPSystem:
             fsdp_kwargs["mp_policy"] = self.mp_policy
         if case.compile:  # each block compiled, then sharded (torchtitan's order)
             compile_layers(self.model)
-        for module in [*self.model.layers, self.model]:
-            fully_shard(module, **fsdp_kwargs)
+        layers = list(self.model.layers)
+        for module in [*layers, self.model]:
+            keep = module is layers[-1] and not case.opts.reshard_last_layer  # the backward starts with it
+            fully_shard(module, **fsdp_kwargs, **({"reshard_after_forward": False} if keep else {}))
             # the ranks' gradients summed, not averaged: the loss is normalised by the global batch's valid tokens
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied one)
+        if k := case.opts.prefetch_layers:  # a layer's copies issued before its compute, not after the previous one's
+            for i, layer in enumerate(layers):
+                if after := layers[i + 1:i + 1 + k]:
+                    layer.set_modules_to_forward_prefetch(after)
+                if before := layers[max(0, i - k):i][::-1]:
+                    layer.set_modules_to_backward_prefetch(before)
         # Offloaded shards live on the host (FSDP pins them here); each full weight is drawn on the compute device
         # and each rank keeps its shard, so the weights equal native's on the same device type whatever the ranks.
         self.model.to_empty(device="cpu")
@@ -176,12 +204,18 @@ class FSDPSystem:
                 self.model.set_requires_gradient_sync(True)
 
     def system_config(self) -> dict:
+        o = self.case.opts
         mp = None if self.mp_policy is None else \
             {"param_dtype": str(self.mp_policy.param_dtype), "reduce_dtype": str(self.mp_policy.reduce_dtype)}
         return {"fully_shard": "each decoder layer, then the root", "world_size": dist.get_world_size(),
                 "backend": self.backend, "mixed_precision": mp, "sharded_param_dtype": "torch.float32",
                 "offload_policy": f"CPUOffloadPolicy(pin_memory={self.pin_memory})",
-                "reshard_after_forward": "default (layers True, root False)",
+                "reshard_after_forward": "layers True, root False (FSDP2's default)" if o.reshard_last_layer else
+                "layers True but the last, root False (torchtitan's: the backward starts with the last layer)",
+                "prefetch": f"explicit: each layer the next {o.prefetch_layers} in forward, the {o.prefetch_layers} "
+                            "before it in backward (set_modules_to_forward_prefetch, set_modules_to_backward_prefetch)"
+                            if o.prefetch_layers else
+                            "FSDP2's implicit (forward) and reverse post-forward order (backward)",
                 "gradient_reduction": "summed over the ranks (gradient divide factor 1)",
                 "gradient_accumulation": "unsharded fp32 gradients on the GPU until the last micro-batch (set_requires_"
                                          "gradient_sync(False)), then one reduce-scatter and offload"

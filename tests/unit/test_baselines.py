@@ -89,6 +89,22 @@ def test_fsdp_matches_native_with_accumulation_and_clipping(model, tmp_path):
     assert result["config"]["offload_policy"] == "CPUOffloadPolicy(pin_memory=False)"
 
 
+def test_fsdp_at_its_best_setting_trains_as_fsdp2s_defaults_do(tmp_path):
+    """Explicit prefetch of 2 layers each way and the last layer kept gathered after forward (the default) against
+    FSDP2's own defaults (prefetch_layers=0, reshard_last_layer=true): when copies are issued, not what is computed,
+    so bit for bit the same; each record states its setting."""
+    case = dataclasses.replace(_case("fsdp", "tiny"), num_layers=4)
+    best = _run_in_subprocess(case, tmp_path)
+    (tmp_path / "defaults").mkdir()
+    defaults = _run_in_subprocess(dataclasses.replace(case, options={"prefetch_layers": 0, "reshard_last_layer": True}),
+                                  tmp_path / "defaults")
+    assert best["losses"] == defaults["losses"]
+    assert all(torch.equal(p, defaults["params"][name]) for name, p in best["params"].items())
+    assert best["config"]["prefetch"].startswith("explicit: each layer the next 2")
+    assert "but the last" in best["config"]["reshard_after_forward"]
+    assert defaults["config"]["prefetch"].startswith("FSDP2's implicit")
+
+
 def test_fsdp_accumulating_on_the_gpu_matches_native(tmp_path):
     case = dataclasses.replace(_case("fsdp", "tiny"), options={"accumulate_on_gpu": True})
     assert case.batch > case.micro_batch
