@@ -32,6 +32,9 @@ class MegaTrainOptions(CommonOptions):
     # with update_delay=1: the first K updates exact, the rest delayed (a warm-up while the gradients change fast, as
     # ZeRO-Offload's delayed update starts after some steps and ZenFlow's full_warm_up_rounds)
     update_delay_warmup: int = 0
+    # 1: the paper's ablation of double buffering: one weight slot, so each use's weights load only once the previous
+    # use's compute has finished (no copy beside compute); the same arithmetic, slower
+    weight_slots: Literal[1, 2] = 2
     stream_stress: int | None = None  # debug: seed of random delays on every stream hand-off
     timeline: bool = True  # record the per-step stream timeline
 

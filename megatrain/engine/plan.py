@@ -229,10 +229,10 @@ def _bytes(config: EngineConfig, placement: Placement) -> MemoryPlan:
 
     tokens_mb = config.micro_batch * config.seq
     offloaded, recomputed, resident = placement.offloaded, placement.recomputed, list(placement.resident)
-    # two weight slots and the embedding's buffer, their fp32 gradient accumulators, and (bf16) the staging of the
-    # streamed gradients
-    buffers = (2 * slot_numel + embed_numel) * (dtype_bytes + FP32_BYTES) + (
-        2 * slot_numel * dtype_bytes if dtype_bytes == 2 else 0)
+    # the weight slots (two; one with weight_slots=1) and the embedding's buffer, two fp32 gradient slots and the
+    # embedding's accumulator, and (bf16) the staging of the streamed gradients
+    buffers = (config.options.weight_slots * slot_numel + embed_numel) * dtype_bytes + \
+        (2 * slot_numel + embed_numel) * FP32_BYTES + (2 * slot_numel * dtype_bytes if dtype_bytes == 2 else 0)
     buffers += sum(resident_bytes(config, units[u]) for u in resident)
     if resident and config.precision == "bf16":  # the fp32 chunk resident bf16 weights are updated in
         buffers += min(OPT_CHUNK, max(units[u].numel for u in resident)) * FP32_BYTES

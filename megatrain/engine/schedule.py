@@ -6,7 +6,8 @@ Per step the GPU *uses* units in this order (engine/uses.py): layers 1..L forwar
 backward fused, so its weights cross PCIe once), layers L..1 backward. Two weight slots hold
 consecutive uses; while use k computes, the weights of use k+1 stream into the other slot (H2D
 stream). A slot that still holds the unit a use needs is reused without a copy (layer L after the
-head). Backward recomputes each layer from its saved input with grad enabled on views of the slot,
+head; with one slot, the option weight_slots=1, use k+1's weights load only once use k has run). Backward recomputes
+each layer from its saved input with grad enabled on views of the slot,
 so every layer crosses PCIe exactly twice per step. Saved layer inputs stay on the GPU or, for long
 contexts, go to pinned host memory and come back one layer ahead of backward, or are not kept at all: the first R
 layers then run forward a third time ('refwd', their weights loaded again) just before their backward, once the
@@ -83,7 +84,8 @@ class Schedule:
         self.units = store.units
         self.embed, self.head = self.units[0], self.units[-1]
         slot_numel = max(u.numel for u in self.units[1:])
-        self.weight_slots = [torch.empty(slot_numel, dtype=dt, device=device) for _ in range(2)]
+        self.weight_slots = [torch.empty(slot_numel, dtype=dt, device=device)
+                             for _ in range(config.options.weight_slots)]
         self.embed_buf = torch.empty(self.embed.numel, dtype=dt, device=device)
         self.grad_slots = [torch.empty(slot_numel, dtype=torch.float32, device=device) for _ in range(2)]
         self.embed_grad = torch.empty(self.embed.numel, dtype=torch.float32, device=device)
@@ -96,8 +98,9 @@ class Schedule:
             self.draws.first_micro_batch = ranks.rank * config.micro_batches
         self.acts = ActivationStore(streams, device, offloaded_layers, model.num_layers, config.micro_batches,
                                     (config.micro_batch, config.seq, model.hidden_size), dt, recomputed_inputs)
-        self.uses = use_order(model.num_layers, frozenset(resident_units), self.acts.recomputed)
-        self.slot_free = [None, None]  # compute-stream event: last use of the weight slot finished
+        self.uses = use_order(model.num_layers, frozenset(resident_units), self.acts.recomputed,
+                              len(self.weight_slots))
+        self.slot_free = [None] * len(self.weight_slots)  # compute-stream event: last use of the weight slot finished
         self.grad_slot_free = [None, None]  # d2h-stream event: last gradient copied out of the gradient slot
         self.embed_free = None  # d2h-stream event: the embedding gradient left the embedding buffer
         self.resident: dict[int, ResidentUnit] = {}
@@ -204,7 +207,8 @@ class Schedule:
     def _run_use(self, step: StepState, k: int, use: Use, normalizer: int) -> None:
         """Use k on the compute stream once its weights are in, while use k+1's weights load into the other slot."""
         s = self.streams
-        if use.slot is not None:  # prefetch the next use's weights while this one computes
+        ahead = use.slot is not None and len(self.weight_slots) > 1
+        if ahead:  # prefetch the next use's weights into the other slot while this one computes
             self._prefetch(step, k + 1)
         unit = self.units[use.unit]
         with s.use("compute"):
@@ -227,8 +231,8 @@ class Schedule:
             s.span("compute", use.unit, use.phase, start, end)
             if use.slot is not None:
                 self.slot_free[use.slot] = end
-        if use.slot is None:  # resident: queue its compute first, since _load may wait for the host optimizer
-            self._prefetch(step, k + 1)
+        if not ahead:  # resident: queue its compute first, since _load may wait for the host optimizer; one slot:
+            self._prefetch(step, k + 1)  # the next load waits for this use (slot_free)
 
     def _read_norm_and_loss(self, step: StepState) -> tuple[float, float]:
         """The global gradient norm and the summed loss: the step's one synchronisation. The read must run on the

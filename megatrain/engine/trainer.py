@@ -109,7 +109,7 @@ class StreamingSystem:
         return {
             "precision": self.config.precision,
             "compute_dtype": self.config.dtype,
-            "weight_slots": 2,
+            "weight_slots": len(self.schedule.weight_slots),
             "grad_slots": 2,
             "streams": ["h2d", "compute", "d2h"] if self.streams.cuda else ["host"],
             "optimizer": f"host AdamW ({self.optimizer.kernel} kernel) on flat tiles, " + self._update_timing(),

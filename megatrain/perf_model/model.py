@@ -12,8 +12,9 @@ bandwidth. `simulate` then replays one step as the engine issues it (megatrain.e
 - the previous step's host AdamW runs unit by unit in forward order from the step's start; loading a streamed unit
   waits on the host for its update, and the loop asks for use k+1's load before queueing use k's compute, so a
   late update holds the GPU's next launch too (what bounds small batches);
-- two weight slots on the H2D stream: use k+1's weights load once use k-1 has freed the slot; compute waits for
-  them; the head and each backward use send their gradients out on the D2H stream, into two alternating slots;
+- two weight slots on the H2D stream: use k+1's weights load once use k-1 has freed the slot (with one slot,
+  weight_slots=1, once use k has run); compute waits for them; the head and each backward use send their gradients
+  out on the D2H stream, into two alternating slots;
 - offloaded layer inputs leave on D2H after their layer's forward and come back on H2D two backward uses ahead;
   recomputed inputs add layer forwards ('refwd'), in the engine's use order (megatrain.engine.uses);
 - transfers in both directions at once share the link (the probe's both-ways rate);
@@ -281,10 +282,11 @@ def simulate(case: CaseConfig, plan: dict, model: Model) -> dict:
     delayed = bool(case.opts.update_delay)
     if delayed:  # the previous step's update writes the next step's weights: this step's loads wait for none of it
         opt_end = dict.fromkeys(opt_end, 0.0)
-    uses = use_order(layers, resident, recomputed)
+    slots = case.opts.weight_slots
+    uses = use_order(layers, resident, recomputed, slots)
     back = next(k for k, (_, phase, _, _) in enumerate(uses) if phase == "head")
     h2d_free = d2h_free = compute = host = 0.0
-    slot_free, gslot_free, ready, act_back, act_out = [0.0, 0.0], [0.0, 0.0], {}, {}, {}
+    slot_free, gslot_free, ready, act_back, act_out = [0.0] * slots, [0.0, 0.0], {}, {}, {}
     gslot = 0
 
     def link(nbytes: float, one_way: float, both: bool) -> float:
@@ -318,7 +320,8 @@ def simulate(case: CaseConfig, plan: dict, model: Model) -> dict:
     load(0)
     busy = 0.0
     for k, (u, phase, slot, _) in enumerate(uses):
-        if slot is not None:
+        ahead = slot is not None and slots > 1  # the next use loads into the other slot beside this one
+        if ahead:
             load(k + 1)
         start = max(compute, host, ready.get(k, 0.0))
         if phase == "fwd" or phase == "refwd":
@@ -344,7 +347,7 @@ def simulate(case: CaseConfig, plan: dict, model: Model) -> dict:
             if u not in resident and u not in gpu_updated:
                 d2h_free = gslot_free[gslot] = max(d2h_free, compute) + link(units[u].numel * w, m.d2h_gbs, True)
                 gslot = 1 - gslot
-        if slot is None:
+        if not ahead:
             load(k + 1)
     if 0 not in resident:  # the embedding's gradient leaves after its backward
         d2h_free = max(d2h_free, compute) + link(units[0].numel * w, m.d2h_gbs, True)

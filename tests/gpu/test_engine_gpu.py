@@ -63,6 +63,7 @@ FP32_SETS = {
     "offload-activations": ({}, {"offload_activations": True}),
     "offload-first-2-layers": ({}, {"offload_activations": 2}),
     "mlp-chunks": ({}, {"mlp_chunk_tokens": 128}),
+    "one-weight-slot": ({}, {"weight_slots": 1}),  # the double-buffering ablation: each load waits for the last use
     "offload-mlp-chunks-1-resident-eager": ({"compile": False}, {"offload_activations": True, "mlp_chunk_tokens": 128,
                                                                  "resident_layers": 1}),
     "recompute-2-inputs": ({}, {"recompute_inputs": 2}),
@@ -102,7 +103,7 @@ STRESS_SETS = ["compiled", "tied", "resident-embedding-2-layers", "offload-activ
                "offload-mlp-chunks-1-resident-eager", "recompute-2-inputs", "recompute-1-offload-1-tied", "moe",
                "gpt-oss-offload-recompute", "generic-dense", "generic-mla-moe", "generic-hybrid",
                "generic-hybrid-offload-recompute-resident", "generic-dropout-offload-recompute-resident",
-               "generic-cross-layer", "generic-cross-layer-offload-recompute-resident"]
+               "generic-cross-layer", "generic-cross-layer-offload-recompute-resident", "one-weight-slot"]
 STRESS_SEEDS = [1, 2, 3]
 _runs: dict[str, tuple] = {}
 

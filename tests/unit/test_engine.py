@@ -365,6 +365,21 @@ def test_each_layer_crosses_twice_and_bytes_are_counted():
     assert metrics["d2h_bytes"] == sum(u.numel for u in units) * 4
 
 
+def test_one_weight_slot_loads_every_use_and_trains_as_two_do():
+    """weight_slots=1 (the paper's ablation of double buffering): every streamed use loads into the one slot, layer L
+    again after the head, each load once the use before it has run; the same arithmetic as two slots, bit for bit
+    (on CPU the copies are synchronous: a load issued before the last use ran would overwrite its weights)."""
+    cfg = get_model_config("tiny", num_layers=4)
+    one = use_order(cfg.num_layers, slots=1)
+    assert all(slot == 0 and load for _, _, slot, load in one)
+    assert [use[:2] for use in one] == [use[:2] for use in use_order(cfg.num_layers)]
+    kw = dict(steps=3, model="tiny", num_layers=4, batch=2, seq=8)
+    two, single = _train("megatrain", **kw), _train("megatrain", options={"weight_slots": 1}, **kw)
+    assert single[0] == two[0]
+    assert all(torch.equal(p, two[1][name]) for name, p in single[1].items())
+    assert single[2]["h2d_bytes"] - two[2]["h2d_bytes"] == build_units(cfg)[cfg.num_layers].numel * 4  # a step's
+
+
 def test_each_host_update_shows_once_in_the_next_steps_timeline():
     """The host optimizer's worker thread hands its spans over under a lock (it appends while the training thread
     reads): the previous step's update of every unit is in a step's timeline, once."""

@@ -9,6 +9,7 @@ import pytest
 
 from megatrain.config import CaseConfig
 from megatrain.engine.layout import build_units
+from megatrain.engine.uses import use_order
 from megatrain.optim.config import OptimConfig
 from megatrain.perf_model import deepspeed, deepspeed_check, deepspeed_projection, model_check
 from megatrain.perf_model.model import Ingredients, Machine, Model, simulate
@@ -45,6 +46,18 @@ def test_compute_bound_step_is_its_compute():
     assert out["compute_s"] == pytest.approx(layers * 0.4 + 0.05)
     # only the first layer's load (before any compute) and the last gradients' offload are exposed
     assert 0 < out["exposed_s"] < 0.02 * out["step_s"]
+
+
+def test_one_weight_slot_exposes_every_load():
+    """weight_slots=1 (the double-buffering ablation): each load waits for the use before it, so the step is its
+    compute plus every load at the link's rate (each way alone in forward, shared with the gradients in backward)."""
+    ing = _ingredients(fwd_ms=100.0, bwd_ms=300.0, head_ms=50.0)
+    two, one = _run(ing), _run(ing, options={"weight_slots": 1})
+    units = build_units(CaseConfig(model=MODEL).model_config())
+    # bf16 bytes of every load but the first, which waits for nothing but the embedding either way
+    loaded = sum(units[u].numel for u, _, _, load in use_order(28, slots=1)[1:] if load) * 2
+    assert one["compute_s"] == pytest.approx(two["compute_s"])
+    assert loaded / 50e9 < one["exposed_s"] < two["exposed_s"] + loaded / 40e9
 
 
 def test_small_batch_waits_for_the_host_optimizer():
