@@ -44,7 +44,8 @@ SYSTEM_COLORS = {system: line.color or OTHER_COLOR for system, line in SYSTEMS.i
 SYSTEM_MARKERS = {system: line.marker or "v" for system, line in SYSTEMS.items()}
 # label prefixes that name a system by its mode (suites' labels: 'fsdp2-offload-accumulate-on-gpu'), tried first
 LABEL_PREFIXES = {"fsdp2-offload": "fsdp", "torchao-cpu-offload": "torchao"}
-VARIANT_SHADES = {"": 0.0, "bf16": -0.35, "streamed": 0.5, "bf16-streamed": 0.3, "actoffload": -0.6}
+VARIANT_SHADES = {"": 0.0, "bf16": -0.35, "streamed": 0.5, "bf16-streamed": 0.3, "actoffload": -0.6,
+                  "superoffload": 0.45, "superoffload-cores50": 0.65, "partial": -0.45, "defaults": 0.5}
 UNKNOWN_VARIANT_SHADE = 0.3
 COMPILED_SUFFIX = "-compiled"  # megatrain.analysis.tables labels a compiled case so
 PAPER_STYLE = {"color": "white", "edgecolor": "black", "hatch": "..", "linewidth": 0.8}  # the paper's bars

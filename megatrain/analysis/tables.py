@@ -10,6 +10,7 @@ latest record.
 from __future__ import annotations
 
 import math
+import statistics
 
 import pandas as pd
 
@@ -91,6 +92,7 @@ def records_frame(records: list[dict]) -> pd.DataFrame:
             "update_delay": (r.get("system_config") or {}).get("update_delay", 0) if r["system"] == "megatrain"
             else None, "moments": (r["config"].get("optim") or {}).get("moments", "fp32"),
             "exposed_optim_frac": (r.get("metrics") or {}).get("exposed_optim_frac"),
+            "optimizer_call_s": _timed_phase_s(r, "step"),
             "node_pss_gib": trace.get("peak_node_pss_gib"),  # every rank's, a shared page once
             "trace_path": trace.get("path"), "has_timeline": bool((r.get("metrics") or {}).get("timeline")),
             "gpu_mem_gib": r["env"].get("gpu_mem_gib"), "commit": r["env"]["commit"],
@@ -102,6 +104,15 @@ def records_frame(records: list[dict]) -> pd.DataFrame:
     if len(df):
         df["session"] = _sessions(df)
     return df
+
+
+def _timed_phase_s(record: dict, phase: str) -> float | None:
+    """The median over the timed steps of the seconds a record's engine call `phase` took (DeepSpeed's records time
+    its forward, backward and step calls: metrics.phase_times_s); None where it was not timed."""
+    seconds = ((record.get("metrics") or {}).get("phase_times_s") or {}).get(phase)
+    if not seconds:
+        return None
+    return statistics.median(seconds[record["config"].get("warmup", 0):] or seconds)
 
 
 def _resident(record: dict) -> list[int]:
