@@ -221,6 +221,14 @@ def test_a_system_added_with_one_registry_entry_is_known_everywhere(monkeypatch)
     ("deepspeed", {"optimizer": "sgd"}, "expected 'cpu_adam' or 'torch_adamw' or null"),
     ("deepspeed", {"zero_stage": 1}, "zero_stage=1: expected 2 or 3"),
     ("deepspeed", {"zenflow": True}, "zenflow=true extends ZeRO-Offload: add --option zero_stage=2"),
+    ("deepspeed", {"super_offload": True, "zero_stage": 2}, "super_offload=true is a ZeRO-3 optimizer"),
+    ("deepspeed", {"cpuadam_cores_perc": 0.5}, "add --option super_offload=true"),
+    ("deepspeed", {"super_offload": True, "cpuadam_cores_perc": 1.0}, "cpuadam_cores_perc must be > 0 and < 1"),
+    ("deepspeed", {"optimizer_ratio": 1.5}, "optimizer_ratio is the share of the optimizer stepped on the host, 0 to"),
+    ("deepspeed", {"optimizer_ratio": 0.5, "zero_stage": 2}, "(partial optimizer offload) is ZeRO-3's alone"),
+    ("deepspeed", {"optimizer_ratio": 0.5, "super_offload": True}, "run one of them"),
+    ("fsdp", {"prefetch_layers": -1}, "prefetch_layers counts the layers each one prefetches"),
+    ("megatrain", {"weight_slots": 3}, "weight_slots=3: expected 1 or 2"),
     ("megatrain", {"host_mem_gib": 0}, "host_mem_gib must be > 0"),
 ])
 def test_unknown_keys_and_bad_values_are_refused_with_the_valid_keys(system, given, message):
