@@ -135,15 +135,32 @@ def _status_and_error(record: dict) -> tuple[str, str | None]:
 
 def _diverged(record: dict) -> str | None:
     """Why an ok record's run diverged, or None: its last loss is not finite (a system that skips a non-finite step,
-    as ours does, recovers; one that applies it trains on non-finite weights from then on)."""
+    as ours does, recovers; one that applies it trains on non-finite weights from then on). Where the record has
+    every step's gradient norm, whether the gradient or the update went non-finite first."""
     losses = record.get("losses") or []
     if not losses or math.isfinite(losses[-1]):
         return None
     first = len(losses)
     while first > 0 and not math.isfinite(losses[first - 1]):
         first -= 1
-    return (f"loss {losses[first]} from step {first + 1} of {len(losses)} on; its {record['tflops']:.0f} TFLOPS time "
-            "arithmetic on non-finite weights")
+    norms = (record.get("metrics") or {}).get("grad_norms") or []
+    cause = f", {_which_went_first(norms, first)}" if len(norms) == len(losses) else ""
+    return (f"loss {losses[first]} from step {first + 1} of {len(losses)} on{cause}; its {record['tflops']:.0f} "
+            "TFLOPS time arithmetic on non-finite weights")
+
+
+def _which_went_first(norms: list[float], first_loss: int) -> str:
+    """The gradient norms up to step first_loss + 1 (the first whose loss is not finite; the last 3 at most) and what
+    went non-finite first: the gradient of the step before (its norm is taken before the update that applies it, its
+    loss finite) or the update that applied a finite one."""
+    shown = range(max(0, first_loss - 2), first_loss + 1)
+    steps = f"step {first_loss + 1}" if len(shown) == 1 else f"steps {shown[0] + 1}-{first_loss + 1}"
+    said = f"gradient norms {', '.join(f'{norms[i]:.3g}' for i in shown)} at {steps}"
+    if first_loss == 0:
+        return f"{said}: the loss of the initial weights, before any update"
+    if not math.isfinite(norms[first_loss - 1]):
+        return f"{said}: the gradient went non-finite first, at step {first_loss}"
+    return f"{said}: the update went non-finite first, after a finite gradient at step {first_loss}"
 
 
 def short_reason(status: str, error: str | None) -> str:

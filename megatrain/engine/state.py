@@ -2,8 +2,9 @@
 chunk, so saving or resuming needs no second copy of anything in memory.
 
 A state directory holds tiles.bin (the tiles back to back, raw) and state.json (their names, dtypes and
-sizes, and the AdamW step counts), and for a generic model with buffers its checkpoint holds (a router's score
-correction) buffers.safetensors. Gradients are not state: every step overwrites them.
+sizes, the digest of where each tensor lies in them, and the AdamW step counts), and for a generic model with
+buffers its checkpoint holds (a router's score correction) buffers.safetensors. Gradients are not state: every step
+overwrites them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from megatrain.engine.layout import Unit, layout_digest, packed
 from megatrain.engine.store import HostStore
 
 CHUNK_BYTES = 64 * 2**20
@@ -64,6 +66,19 @@ def read_tiles(path: Path, tiles: dict[str, torch.Tensor], saved: list[dict]) ->
                     raise ValueError(f"{path} is shorter than its state.json says: a partial write")
 
 
+def check_layout(in_dir: Path, units: list[Unit], saved: str | None) -> None:
+    """Refuse a state laid out otherwise than `units` (saved: its state.json's layout digest; None in a state saved
+    before they recorded one, whose tiles held their tensors back to back)."""
+    mine = layout_digest(units)
+    if saved is None and not packed(units):
+        raise ValueError(f"{in_dir} was saved with each tile's tensors back to back, and this engine starts some of "
+                         f"this model's 16-byte aligned (layout {mine}): resume it with the MegaTrain that saved it, "
+                         "or train on from its exported weights (--init-from)")
+    if saved is not None and saved != mine:
+        raise ValueError(f"{in_dir} holds tiles laid out otherwise (layout {saved}) than this engine lays out its "
+                         f"model (layout {mine}): resume it with the model and the MegaTrain that saved it")
+
+
 def steps_to_json(steps: dict) -> list:
     """FlatAdamW step counts ({(unit, offset): tensor}) as JSON."""
     return [[list(key), float(t)] for key, t in steps.items()]
@@ -79,7 +94,8 @@ def save_engine_state(out_dir: Path, store: HostStore, counters: dict,
     none for the hand-written model) into out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest = write_tiles(out_dir / TILES_FILE, state_tiles(store))
-    (out_dir / STATE_FILE).write_text(json.dumps({"tiles": manifest, **counters}) + "\n")
+    meta = {"tiles": manifest, "layout": layout_digest(store.units), **counters}
+    (out_dir / STATE_FILE).write_text(json.dumps(meta) + "\n")
     if buffers:
         save_file({n: b.detach().cpu().contiguous() for n, b in buffers.items()}, out_dir / BUFFERS_FILE)
 
@@ -87,6 +103,7 @@ def save_engine_state(out_dir: Path, store: HostStore, counters: dict,
 def load_engine_state(in_dir: Path, store: HostStore, buffers: dict[str, torch.Tensor] | None = None) -> dict:
     """Fill the store's tiles (and the model's buffers) from in_dir; returns the counters saved beside them."""
     meta = json.loads((in_dir / STATE_FILE).read_text())
+    check_layout(in_dir, store.units, meta.pop("layout", None))
     read_tiles(in_dir / TILES_FILE, state_tiles(store), meta.pop("tiles"))
     if buffers:
         saved = load_file(in_dir / BUFFERS_FILE)

@@ -82,8 +82,16 @@ class HostStore:
         t.zero_()
 
     def _allocate(self, name: str, numel: int, dtype: torch.dtype, zeroed: bool = False) -> torch.Tensor:
-        """One flat host tensor of the store (`name`: which; a shared store maps it from shared memory)."""
-        return torch.zeros(numel, dtype=dtype) if zeroed else torch.empty(numel, dtype=dtype)
+        """One flat host tensor of the store (`name`: which; a shared store maps it from shared memory): zeroed, or
+        a tile of which only the padding before aligned tensors is (layout.SLOT_ALIGN; no parameter writes it, and
+        left as it was allocated it would make equal states differ)."""
+        if zeroed:
+            return torch.zeros(numel, dtype=dtype)
+        tile = torch.empty(numel, dtype=dtype)
+        for unit in self.units:
+            for a, b in unit.gaps:
+                tile[unit.offset + a:unit.offset + b].zero_()
+        return tile
 
     def advance_weights(self) -> None:
         """update_delay: the weights the host optimizer wrote become the ones the next step streams."""

@@ -326,7 +326,11 @@ class PaperSystem:
             self.optimizer = torch.optim.AdamW(self.model.get_parameters(), **hyper)
         self.phases: list[dict[str, float]] = []  # per step: their forward and backward, the optimizer after them
         self.skipped_steps = 0  # their loop steps whatever the norm
-        self.last_grad_norm = float("nan")
+        self.grad_norms: list[float] = []  # per step: clip_grad_norm_'s total norm, before the update applies it
+
+    @property
+    def last_grad_norm(self) -> float:
+        return self.grad_norms[-1] if self.grad_norms else float("nan")
 
     def step(self, inputs_BS: torch.Tensor, labels_BS: torch.Tensor, segments_BS: torch.Tensor | None = None) -> float:
         if segments_BS is not None:
@@ -344,7 +348,7 @@ class PaperSystem:
         end = time.perf_counter()
         self.phases.append({"forward_s": timing["forward"], "backward_s": timing["backward"],
                             "exposed_optim_s": end - backward_done, "step_s": end - start})
-        self.last_grad_norm = float(norm)
+        self.grad_norms.append(float(norm))
         return loss
 
     def system_config(self) -> dict:
@@ -365,10 +369,13 @@ class PaperSystem:
 
     def metrics(self, warmup_steps: int = 0) -> dict:
         """Medians over the timed steps of their forward and backward (CUDA events), of the optimizer phase after them
-        (host timer), during which the GPU idles: all of it exposed, and of the step on the same host timer."""
+        (host timer), during which the GPU idles: all of it exposed, and of the step on the same host timer; every
+        step's gradient norm (before its update, which their loop applies whatever the norm: a run that diverges
+        shows whether the gradient or the update went non-finite first)."""
         timed = self.phases[warmup_steps:] or self.phases
         median = {key: statistics.median(p[key] for p in timed) for key in timed[0]}
-        return {**median, "exposed_optim_frac": median["exposed_optim_s"] / median["step_s"]}
+        return {**median, "exposed_optim_frac": median["exposed_optim_s"] / median["step_s"],
+                "grad_norms": self.grad_norms}
 
     def named_parameters_fp32(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().float().clone() for n, p in self.params.items()}

@@ -3,21 +3,28 @@
 
 import contextlib
 import dataclasses
+import json
 
 import pytest
 import torch
 from engine_helpers import assert_nan_step_skipped, built, native_options, train_delayed_native, train_with_nan_gradient
 from engine_helpers import train as _train
+from families import GENERIC_KINDS, KINDS, family_config, generic_config
 from torch._dynamo.exc import BackendCompilerFailed
+from train_helpers import SHAPE
 
+from megatrain.checks.walk import tiny_config
 from megatrain.config import CaseConfig
 from megatrain.engine.config import EngineConfig, MegaTrainOptions
 from megatrain.engine.layout import build_units
 from megatrain.engine.plan import activation_placement, check_fits, plan_memory
+from megatrain.engine.state import STATE_FILE
+from megatrain.engine.store import HostStore
 from megatrain.engine.templates import LayerTemplate, bind
 from megatrain.engine.uses import use_order
 from megatrain.memory import GPU_FILL, Budget
 from megatrain.models import Transformer, get_model_config, rotary_tables
+from megatrain.models.checkpoint import shape_from_config
 from megatrain.optim.config import OptimConfig
 from megatrain.optim.host_adamw import FlatAdamW
 from megatrain.systems import build_system
@@ -89,6 +96,66 @@ def test_units_lay_out_exactly_the_modules_parameters(model):
         module = Transformer(cfg)
     slots = {slot.name: slot.shape for unit in build_units(cfg) for slot in unit.params}
     assert slots == {n: tuple(p.shape) for n, p in module.named_parameters()}
+
+
+# every family's tiny config: the hand-written families' (from their config.json), the generic ones', and the walk's
+# Kimi-Linear, whose 4-element A_log put its experts 8 bytes off 16-byte alignment (torch._grouped_mm refused them)
+TILED_MODELS = [f"handwritten:{k}" for k in KINDS] + [f"generic:{k}" for k in GENERIC_KINDS] + ["walk:kimi_linear"]
+
+
+@pytest.mark.parametrize("name", TILED_MODELS)
+def test_every_tensor_starts_16_byte_aligned_in_every_tile_and_the_padding_is_zero(name):
+    """Each tile the store holds (bf16 weights and gradients, the fp32 master, each format of moments) starts every
+    tensor of every unit 16-byte aligned: what kernels that load 16 bytes at a time need of the streamed views."""
+    source, kind = name.split(":")
+    config = tiny_config(kind) if source == "walk" else \
+        (family_config if source == "handwritten" else generic_config)(kind, **SHAPE)
+    cfg = shape_from_config(config.to_dict())
+    for moments in ("fp32", "bf16", "int8"):
+        store = HostStore(cfg, torch.bfloat16, "mixed", pin=False, moments=moments)
+        tiles = [store.weights, store.grads, store.master, store.moments.exp_avg, store.moments.exp_avg_sq]
+        off = [(slot.name, tile.dtype) for unit in store.units for slot in unit.params for tile in tiles
+               if unit.view(store.tile(tile, unit), slot).data_ptr() % 16]
+        assert not off, off
+        padding = [store.tile(tile, unit)[a:b] for unit in store.units for a, b in unit.gaps for tile in tiles]
+        assert not any(pad.any() for pad in padding)
+
+
+def _saved_state(path, edit, **case) -> list[float]:
+    """The loss of one step of the engine on `case`, its state saved in path with its state.json's fields changed by
+    edit(fields)."""
+    with built("megatrain", **case) as (trainer, data):
+        losses = [trainer.step(*data.batch_at(0))]
+        trainer.save_state(path)
+    meta = json.loads((path / STATE_FILE).read_text())
+    edit(meta)
+    (path / STATE_FILE).write_text(json.dumps(meta))
+    return losses
+
+
+def test_a_state_saved_before_the_layout_digest_resumes_where_its_models_layout_is_unchanged(tmp_path):
+    case = dict(model="tiny", batch=2, seq=8, steps=3)
+    straight = _train("megatrain", **case)[:2]
+    # as states were saved before the digest, which laid out the tiny model's tensors back to back as now
+    losses = _saved_state(tmp_path, lambda meta: meta.pop("layout"), **case)
+    with built("megatrain", **case) as (trainer, data):
+        trainer.load_state(tmp_path)
+        losses += [trainer.step(*data.batch_at(i)) for i in range(1, 3)]
+        resumed = losses, trainer.named_parameters_fp32()
+    assert_same_run(resumed, straight)
+
+
+@pytest.mark.parametrize("edit, why", [
+    (lambda meta: meta.update(layout="0123456789abcdef"), r"laid out otherwise \(layout 0123456789abcdef\) than"),
+    (lambda meta: meta.pop("layout"), "was saved with each tile's tensors back to back, and this engine starts some")])
+def test_a_state_laid_out_otherwise_is_refused_in_one_line(tmp_path, edit, why):
+    """GPT-OSS's 4 sinks and router biases are padded now: its tiles lay out otherwise than before the digest."""
+    case = dict(model="tiny-gpt-oss", batch=2, seq=8, steps=1)
+    _saved_state(tmp_path, edit, **case)
+    with built("megatrain", **case) as (trainer, _):
+        with pytest.raises(ValueError, match=why) as refusal:
+            trainer.load_state(tmp_path)
+    assert "\n" not in str(refusal.value)
 
 
 def test_offloaded_activations_cross_pcie_and_leave_nothing_behind():

@@ -213,16 +213,18 @@ def test_without_flash_attn_their_layers_get_no_mask():
 
 
 class _FakeMaster:
-    """Their CPUMasterModel's calls as train.py makes them, on the host: every gradient 1, their timings fixed."""
+    """Their CPUMasterModel's calls as train.py makes them, on the host: every gradient `grad` (1), their timings
+    fixed."""
 
     def __init__(self, hf_model, config):
         self.config, self.params, self.calls = config, list(hf_model.parameters()), []
         self.gpu_contexts = [type("Context", (), {"ce_loss": None})()]
+        self.grad = 1.0
 
     def forward_and_backward(self, input_ids, attention_mask, labels):
         self.calls.append(("forward_and_backward", input_ids, attention_mask, labels))
         for p in self.params:
-            p.grad = torch.ones_like(p)
+            p.grad = torch.full_like(p, self.grad)
         return 5.0, input_ids.numel(), {"forward": 0.25, "backward": 0.5, "total": 0.75}
 
     def get_parameters(self):
@@ -278,6 +280,11 @@ def test_the_system_loads_the_checkpoint_and_steps_as_train_py_does(tmp_path, mo
     assert all(p.grad is None for p in system.model.params), "optimizer.zero_grad after model.zero_grad"
     metrics = system.metrics()
     assert (metrics["forward_s"], metrics["backward_s"]) == (0.25, 0.5) and 0 < metrics["exposed_optim_frac"] < 1
+    assert metrics["grad_norms"] == [system.last_grad_norm]  # before clipping to 1.0: the gradient's own
+    system.model.grad = float("inf")  # a gradient gone non-finite: its norm is recorded, and their loop steps on it
+    system.step(inputs, labels)
+    assert system.metrics()["grad_norms"][1:] == [float("inf")] == [system.last_grad_norm]
+    assert all(not p.isfinite().any() for p in system.named_parameters_fp32().values())
     config = system.system_config()
     assert (config["checkpoint_interval"], config["num_grad_slabs"]) == (4, 12)
     assert config["optimizer"] == "torch.optim.AdamW, bf16 moments"

@@ -881,6 +881,28 @@ def test_a_run_that_ends_on_a_non_finite_loss_is_diverged_and_gets_no_ratio(tmp_
     assert "diverged'>diverged</td>" in html_table(tables.results_table(df))  # coloured as a failure
 
 
+def test_a_diverged_run_with_its_gradient_norms_says_whether_the_gradient_or_the_update_went_non_finite_first():
+    """The paper's code steps whatever the norm (megatrain.systems.paper_code records each step's, before its
+    update): a non-finite norm the step before the loss went non-finite was the gradient's; a finite one, the
+    update's."""
+    nan, inf = float("nan"), float("inf")
+
+    def paper(batch, losses, norms):
+        return _record("paper", batch, 212.0, model="qwen2.5-7b", suite="paper_peer", precision="bf16", losses=losses,
+                       metrics={"grad_norms": norms})
+
+    errors = tables.records_frame([paper(16, [12.6, nan, nan, nan, nan], [3.2, nan, nan, nan, nan]),
+                                   paper(32, [12.6, 12.5, 12.4, nan, nan], [3.2, 2.9, inf, nan, nan]),
+                                   paper(64, [nan, nan], [nan, nan])])["error"]
+    assert list(errors) == [
+        "loss nan from step 2 of 5 on, gradient norms 3.2, nan at steps 1-2: the update went non-finite first, after "
+        "a finite gradient at step 1; its 212 TFLOPS time arithmetic on non-finite weights",
+        "loss nan from step 4 of 5 on, gradient norms 2.9, inf, nan at steps 2-4: the gradient went non-finite "
+        "first, at step 3; its 212 TFLOPS time arithmetic on non-finite weights",
+        "loss nan from step 1 of 2 on, gradient norms nan at step 1: the loss of the initial weights, before any "
+        "update; its 212 TFLOPS time arithmetic on non-finite weights"]
+
+
 def test_multi_gpu_opens_with_each_systems_speed_over_its_one_gpu_and_megatrain_over_each_peer(tmp_path):
     def ranked(system, ranks, tflops, pss_gib, compiled=False, label=None):
         r = _record(system, 64 * ranks, tflops, model="qwen2.5-7b", suite="multi_gpu",
