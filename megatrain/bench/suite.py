@@ -441,7 +441,12 @@ def sole_runner(out_dir: Path):
     """Sole use of out_dir by this suite runner: an flock on the directory, which the kernel drops when the runner
     ends however it ends. Two runners there would run every case twice at once, each slowing the other, and record
     both ok."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out-dir {out_dir} is a file: choose a directory")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file on its way, a place this user cannot write
+        raise ValueError(f"--out-dir {out_dir}: cannot make that directory ({exc.strerror}): choose another") from None
     fd = os.open(out_dir, os.O_RDONLY)
     try:
         try:

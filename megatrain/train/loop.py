@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from megatrain import user_files
 from megatrain.config import CaseConfig
 from megatrain.engine import distributed
 from megatrain.engine.distributed import Ranks
@@ -76,6 +77,7 @@ def train(cfg: TrainConfig, log=print) -> int:
                              "export replaces): copy it out of there first, or choose another --out")
     tokenizer_dir = cfg.tokenizer or (cfg.init_from if cfg.init_from and
                                       (Path(cfg.init_from) / "tokenizer.json").exists() else None)
+    tokenizer_copies(tokenizer_dir)  # what the export will copy and publish: none may link out of its directory
     files = data_files(cfg.data, "--data", cfg.data_split)
     token_files = [Path(tokenizer_dir) / name for name in TOKEN_FILES
                    if tokenizer_dir and (Path(tokenizer_dir) / name).is_file()]
@@ -406,11 +408,17 @@ def export_checkpoint(weights, case: CaseConfig, hf_dir: Path, tokenizer_dir: st
     with written_aside(hf_dir) as tmp:
         save_checkpoint(weights, case.model_config(), tmp, max_shard_bytes=EXPORT_SHARD_BYTES,
                         dtype=case.torch_dtype, source_config=source_config)
-        for name in TOKENIZER_FILES if tokenizer_dir else ():
-            if (Path(tokenizer_dir) / name).exists():
-                shutil.copy(Path(tokenizer_dir) / name, tmp / name)
+        for name, source in tokenizer_copies(tokenizer_dir).items():
+            shutil.copy(source, tmp / name)
         (tmp / EXPORT_FILE).write_text(json.dumps(provenance) + "\n")
         _keep_others(hf_dir, tmp)
+
+
+def tokenizer_copies(tokenizer_dir: str | None) -> dict[str, Path]:
+    """The tokenizer files (TOKENIZER_FILES) an export copies from tokenizer_dir, by name, each where it leads: one
+    whose link leads out of the directory is refused (megatrain.user_files.within), for the export publishes it."""
+    d = Path(tokenizer_dir) if tokenizer_dir else None
+    return {name: user_files.within(d, d / name) for name in TOKENIZER_FILES if d and (d / name).exists()}
 
 
 def _keep_others(old: Path, new: Path) -> None:

@@ -1,0 +1,143 @@
+"""What train, report and the Engine read, write and delete in the directories a user names (megatrain.user_files): no
+link followed out of them, nothing deleted or written over that this program did not write; and the one-line
+refusals of trust round 4 (issue 73). CPU, seconds each (train runs of 2 steps of a tiny model):
+pytest tests/unit/test_user_files.py"""
+
+import json
+import shutil
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from train_helpers import chat_tokenizer, hf_model, metrics, one_error, pretokenized, run_train  # noqa: E402
+
+import megatrain  # noqa: E402
+from megatrain.cli import main  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """(a tiny Qwen2 checkpoint with its tokenizer, pre-tokenized data, a finished 2-step run of them)."""
+    root = tmp_path_factory.mktemp("user_files")
+    init = hf_model("qwen2", root / "init")
+    chat_tokenizer(init)
+    data = pretokenized(root / "data.jsonl", rows=8)
+    assert run_train(init, data, root / "done", steps=2) == 0
+    return init, data, root / "done"
+
+
+def _copy(run, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(run, out, symlinks=True)
+    return out
+
+
+def test_an_export_copies_no_tokenizer_file_whose_link_leads_out_of_its_directory(files, tmp_path, capsys):
+    init, data, _ = files
+    secret = tmp_path / "checkpoint.key"
+    secret.write_text("the user's signing key")
+    ck = tmp_path / "ck"
+    shutil.copytree(init, ck)
+    for name in ("merges.txt", "vocab.json", "generation_config.json"):
+        (ck / name).unlink(missing_ok=True)
+        (ck / name).symlink_to(secret)
+        assert run_train(ck, data, tmp_path / "out", steps=2) == 2
+        assert one_error(capsys) == f"error: {ck / name} links to {secret}, outside {ck}: a link is never followed " \
+            "out of the directory named (what it leads to could be published in an export); put the file itself there"
+        assert not (tmp_path / "out").exists(), "refused before --out was claimed"
+        (ck / name).unlink()
+    # a Hugging Face cache snapshot: every file a link into its repository's blobs/; and a link inside the folder
+    repo = tmp_path / "models--tiny"
+    snapshot = repo / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for n, path in enumerate(sorted(p for p in init.iterdir() if p.is_file())):
+        shutil.copy(path, repo / "blobs" / f"blob{n}")
+        (snapshot / path.name).symlink_to(f"../../blobs/blob{n}")
+    (snapshot / "sub").mkdir()
+    (snapshot / "sub" / "merges.txt").write_text("#version: 0.2\n")
+    (snapshot / "merges.txt").symlink_to("sub/merges.txt")
+    assert run_train(snapshot, data, tmp_path / "out", steps=2) == 0
+    hf = tmp_path / "out" / "hf"
+    assert (hf / "merges.txt").read_text() == "#version: 0.2\n" and not (hf / "merges.txt").is_symlink()
+    assert (hf / "tokenizer.json").read_bytes() == (init / "tokenizer.json").read_bytes()
+
+
+@pytest.mark.parametrize("name", ["train.log", "metrics.jsonl"])
+def test_a_resume_appends_through_no_link(files, tmp_path, capsys, name):
+    out = _copy(files[2], tmp_path)
+    mine = tmp_path / "bashrc"
+    mine.write_text("export PATH=...\n")
+    (out / name).unlink()
+    (out / name).symlink_to(mine)
+    assert main(["train", "--resume", str(out), "--steps", "3"]) == 2
+    assert f"error: {out / name}, an entry of the run in --out {out}, is a link (to {mine})" in one_error(capsys)
+    assert mine.read_text() == "export PATH=...\n" and [p.name for p in (out / "checkpoints").iterdir()] == ["step-2"]
+
+
+def test_overwrite_moves_nothing_into_a_discarded_link(files, tmp_path, capsys):
+    init, data, done = files
+    out = _copy(done, tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (out / ".discarded").symlink_to(elsewhere)
+    assert run_train(init, data, out, steps=2, extra=["--overwrite"]) == 2
+    assert f"{out / '.discarded'}, an entry of the run in --out {out}, is a link" in one_error(capsys)
+    assert not any(elsewhere.iterdir()) and (out / "checkpoints" / "step-2").is_dir()
+
+
+def test_a_resume_whose_export_folder_became_a_link_is_refused_before_training(files, tmp_path, capsys):
+    out = _copy(files[2], tmp_path)
+    moved = tmp_path / "published" / "hf"
+    moved.parent.mkdir()
+    (out / "hf").rename(moved)
+    (out / "hf").symlink_to(moved)
+    assert main(["train", "--resume", str(out), "--steps", "3"]) == 2
+    assert f"error: {out / 'hf'}, an entry of the run in --out {out}, is a link (to {moved})" in one_error(capsys)
+    assert len(metrics(out)) == 2 and json.loads((moved / "megatrain_export.json").read_text())["step"] == 2
+
+
+@pytest.mark.parametrize("mine", ["tensorboard/", "wandb/", "train.log", "run.json"])
+def test_a_new_run_deletes_nothing_no_run_wrote_with_or_without_overwrite(files, tmp_path, capsys, mine):
+    init, data, _ = files
+    out = tmp_path / "project"
+    entry = out / mine.rstrip("/")
+    if mine.endswith("/"):
+        entry.mkdir(parents=True)
+        (entry / "events").write_text("mine")
+    else:
+        out.mkdir()
+        entry.write_text('{"mine": true}')
+    for extra in ([], ["--overwrite"]):
+        assert run_train(init, data, out, steps=2, extra=extra) == 2
+        assert f"--out {out} holds {entry.name}, which no train run recorded writing there" in one_error(capsys)
+        assert entry.exists() and ((entry / "events").exists() if mine.endswith("/") else entry.read_text())
+
+
+def test_engine_save_deletes_nothing_its_record_does_not_list(tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "code.py").write_text("mine")
+    (project / "engine_state.json").write_text(json.dumps({"files": {}}))  # a stray record names nothing of it
+    with megatrain.Engine("tiny", seq=8, batch=2, lr=1e-3, device="cpu", dtype="float32", log=lambda _: None) as e:
+        with pytest.raises(ValueError, match=f"holds {project / 'code.py'}, which its engine_state.json does not list: "
+                                             "Engine.save did not write it"):
+            e.save(project)
+        e.save(tmp_path / "state")
+        (tmp_path / "state" / "notes.txt").write_text("mine")
+        with pytest.raises(ValueError, match="notes.txt, which its engine_state.json does not list"):
+            e.save(tmp_path / "state")
+        (tmp_path / "state" / "notes.txt").unlink()
+        e.save(tmp_path / "state")  # its own, replaced
+    assert (project / "code.py").read_text() == "mine"
+
+
+def test_a_suite_out_dir_that_is_a_file_is_one_line(tmp_path, capsys):
+    file = tmp_path / "afile"
+    file.write_text("")
+    assert main(["suite", "smoke", "--out-dir", str(file)]) == 2
+    assert one_error(capsys) == f"error: --out-dir {file} is a file: choose a directory"
+    assert main(["suite", "smoke", "--out-dir", str(file / "x")]) == 2
+    assert one_error(capsys) == f"error: --out-dir {file / 'x'}: cannot make that directory (Not a directory): " \
+        "choose another"
