@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from megatrain.models.generic.config import GenericConfig
+from megatrain.models.generic.config import LAYERS_KEYS, GenericConfig
 from megatrain.models.handwritten.families import FAMILIES
 from megatrain.models.handwritten.hf import REQUIRED_KEYS, config_from_hf
 from megatrain.models.kinds import kind_of
@@ -40,6 +40,10 @@ _SIZE_KEYS = ("head_dim", "sliding_window", "max_window_layers", "num_experts", 
               "num_experts_per_tok", "moe_intermediate_size")
 _NUMBER_KEYS = ("rope_theta", "rms_norm_eps", "router_aux_loss_coef", "swiglu_limit", "swiglu_alpha",
                 "partial_rotary_factor")
+# The most layers a config may name: far above any published decoder's. A deeper one is damaged, and the model's
+# per-layer structures (its shapes, transformers' modules on the meta device) would grow for minutes and gigabytes
+# before the memory pre-flight could weigh it.
+MAX_LAYERS = 1024
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,10 @@ def check_config_values(config: Mapping) -> None:
             if value is not None and not all(isinstance(v, kind) and not isinstance(v, bool) and v >= least
                                              for v in values):
                 raise ValueError(f"{CONFIG_FILE} {key}={json.dumps(value)} must be {what}")
+    for key in LAYERS_KEYS:
+        if isinstance(config.get(key), int) and config[key] > MAX_LAYERS:
+            raise ValueError(f"{CONFIG_FILE} {key}={config[key]} is deeper than any model this program builds (at most "
+                             f"{MAX_LAYERS} layers): the config is damaged")
     params = config.get("rope_parameters")
     theta = params.get("rope_theta") if isinstance(params, Mapping) else None
     for key, value in (("rope_theta", config.get("rope_theta") if theta is None else theta),

@@ -14,6 +14,7 @@ from train_helpers import chat_tokenizer, hf_model, metrics, one_error, pretoken
 
 import megatrain  # noqa: E402
 from megatrain.cli import main  # noqa: E402
+from megatrain.models.checkpoint import shape_from_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +114,21 @@ def test_a_new_run_deletes_nothing_no_run_wrote_with_or_without_overwrite(files,
         assert run_train(init, data, out, steps=2, extra=extra) == 2
         assert f"--out {out} holds {entry.name}, which no train run recorded writing there" in one_error(capsys)
         assert entry.exists() and ((entry / "events").exists() if mine.endswith("/") else entry.read_text())
+
+
+def test_a_config_deeper_than_any_model_is_refused_before_anything_grows(files, tmp_path, capsys):
+    init, data, _ = files
+    ck = tmp_path / "ck"
+    shutil.copytree(init, ck)
+    config = json.loads((ck / "config.json").read_text())
+    (ck / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10**9}))
+    assert run_train(ck, data, tmp_path / "out", steps=2) == 2  # the weights' check built 10**9 layers' shapes
+    assert one_error(capsys) == f"error: --init-from {ck}: config.json num_hidden_layers=1000000000 is deeper than " \
+        "any model this program builds (at most 1024 layers): the config is damaged"
+    gemma3 = {"model_type": "gemma3_text", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 10**6}
+    with pytest.raises(ValueError, match="num_hidden_layers=1000000 is deeper than any model"):
+        shape_from_config(gemma3)  # transformers' modules on the meta device, built layer by layer
 
 
 def test_engine_save_deletes_nothing_its_record_does_not_list(tmp_path):
