@@ -190,8 +190,7 @@ class Engine:
             self.system.save_state(tmp)
             # the steps whose dropout was drawn: a loaded engine draws the next step's masks (megatrain.models.draws)
             meta = {} if (draws := getattr(self.system, "draws", None)) is None else {"steps_drawn": draws.step}
-            record = checkpoint.sealed(tmp, meta, system_spec(self.case.system).pickled)
-            (tmp / STATE_FILE).write_text(json.dumps(record, indent=1) + "\n")
+            checkpoint.seal(tmp, meta, system_spec(self.case.system).pickled, STATE_FILE)
         self.ranks.barrier()
 
     def load(self, path: str | os.PathLike, trust_checkpoint: bool = False) -> None:

@@ -4,6 +4,7 @@ refusals of trust round 4 (issue 73). CPU, seconds each (train runs of 2 steps o
 pytest tests/unit/test_user_files.py"""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -147,6 +148,18 @@ def test_engine_save_deletes_nothing_its_record_does_not_list(tmp_path):
         (tmp_path / "state" / "notes.txt").unlink()
         e.save(tmp_path / "state")  # its own, replaced
     assert (project / "code.py").read_text() == "mine"
+
+
+def test_a_checkpoint_is_writable_by_this_user_alone_whatever_the_umask(files, tmp_path):
+    init, data, _ = files
+    old = os.umask(0)
+    try:
+        assert run_train(init, data, tmp_path / "run", steps=2) == 0
+    finally:
+        os.umask(old)
+    step = tmp_path / "run" / "checkpoints" / "step-2"
+    writable = [p.name for p in [step, *step.rglob("*")] if p.stat().st_mode & 0o022]
+    assert writable == [], "the raw tiles and trainer.json a resume reads, and the folder that holds them"
 
 
 def test_a_suite_out_dir_that_is_a_file_is_one_line(tmp_path, capsys):
