@@ -60,9 +60,9 @@ class Progress:
 
 def train(cfg: TrainConfig, log=print) -> int:
     """Run (or resume) training as configured; returns the exit code: 0 done, 1 diverged (non-finite for
-    --max-nonfinite-steps steps), 130 after Ctrl-C and 143 after SIGTERM (each finishing its step and saving).
-    Every line the run says goes to `log` and to OUT/train.log; every metrics line to OUT/metrics.jsonl and to the
-    --report-to integrations."""
+    --max-nonfinite-steps steps), 130 after Ctrl-C and 143 after SIGTERM (each finishing its step and saving, or the
+    export it came during). Every line the run says goes to `log` and to OUT/train.log; every metrics line to
+    OUT/metrics.jsonl and to the --report-to integrations."""
     # --init-from's checkpoint (its model, the hand-written one or transformers' own modules, and its config.json),
     # read once: the export's family is its Hugging Face model_type, its config.json starts from the source's
     init = check_available(cfg)
@@ -229,6 +229,10 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
         memory.update(export_s=time.perf_counter() - t0, host_peak_gib_exported=peak_host_rss_gib())
         with _writing(out / "memory.json", progress, out):
             (out / "memory.json").write_text(json.dumps(memory, indent=1) + "\n")
+        if progress.signal:  # it came during the export, which was finished all the same: exit as asked to stop
+            log(f"interrupted ({signal.Signals(progress.signal).name}) during the export, which was finished: "
+                f"{progress.step} steps; Hugging Face checkpoint in {out / 'hf'}")
+            return 128 + progress.signal
         log(f"done: {progress.step} steps; Hugging Face checkpoint in {out / 'hf'}; host peak RSS (GiB) "
             + ", ".join(f"{k.removeprefix('host_peak_gib_')} {v:.2f}" for k, v in memory.items() if "gib" in k))
         return 0

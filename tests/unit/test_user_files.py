@@ -6,6 +6,7 @@ pytest tests/unit/test_user_files.py"""
 import json
 import os
 import shutil
+import signal
 
 import pytest
 
@@ -160,6 +161,24 @@ def test_a_checkpoint_is_writable_by_this_user_alone_whatever_the_umask(files, t
     step = tmp_path / "run" / "checkpoints" / "step-2"
     writable = [p.name for p in [step, *step.rglob("*")] if p.stat().st_mode & 0o022]
     assert writable == [], "the raw tiles and trainer.json a resume reads, and the folder that holds them"
+
+
+def test_sigterm_during_the_final_export_exits_143_once_the_export_is_whole(files, tmp_path, monkeypatch, capsys):
+    import megatrain.train.loop as loop
+
+    init, data, _ = files
+    export = loop.export_checkpoint
+
+    def signalled(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        export(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "export_checkpoint", signalled)
+    out = tmp_path / "run"
+    assert run_train(init, data, out, steps=2) == 143
+    assert capsys.readouterr().err.splitlines()[-1] == "interrupted (SIGTERM) during the export, which was finished: " \
+        f"2 steps; Hugging Face checkpoint in {out / 'hf'}"
+    assert json.loads((out / "hf" / "megatrain_export.json").read_text())["step"] == 2
 
 
 def test_a_suite_out_dir_that_is_a_file_is_one_line(tmp_path, capsys):
