@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 
 import pytest
 
@@ -17,6 +18,7 @@ from train_helpers import chat_tokenizer, hf_model, metrics, one_error, pretoken
 import megatrain  # noqa: E402
 from megatrain.cli import main  # noqa: E402
 from megatrain.models.checkpoint import shape_from_config  # noqa: E402
+from megatrain.train import fingerprint  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -179,6 +181,19 @@ def test_sigterm_during_the_final_export_exits_143_once_the_export_is_whole(file
     assert capsys.readouterr().err.splitlines()[-1] == "interrupted (SIGTERM) during the export, which was finished: " \
         f"2 steps; Hugging Face checkpoint in {out / 'hf'}"
     assert json.loads((out / "hf" / "megatrain_export.json").read_text())["step"] == 2
+
+
+def test_the_touch_a_resume_advises_restores_the_modification_time_exactly(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text("{}\n")
+    os.utime(data, ns=(1733233333123456789, 1733233333123456789))  # a float has ~16 of these 19 digits
+    was = fingerprint.fingerprints([data])
+    os.utime(data, ns=(1733233334000000000, 1733233334000000000))
+    said = fingerprint.changed(was, fingerprint.fingerprints([data]))
+    command = said.split("`")[1]
+    assert command == "touch -d @1733233333.123456789", said
+    subprocess.run([*command.split(), str(data)], check=True)
+    assert fingerprint.changed(was, fingerprint.fingerprints([data])) is None
 
 
 def test_a_suite_out_dir_that_is_a_file_is_one_line(tmp_path, capsys):
