@@ -430,6 +430,9 @@ def test_every_shipped_suite_asks_its_question():
     ('question = "q"\nheadline = "speed"', "headline 'speed' is none of"),
     ('question = "q"\nheadline = "paths"\npaper = ["the 2x"]', "names no claim"),
     ('headline = "paths"', "takes question, headline"),
+    ('question = 5\nheadline = "paths"', "question must be a string, got 5"),
+    ('question = "q"\nheadline = ["paths"]', "headline must be a string"),
+    ('question = "q"\nheadline = "paths"\npaper = "the 2x"', "paper must be a list of the paper's claims"),
 ])
 def test_a_report_table_that_cannot_be_read_says_what_to_change(tmp_path, monkeypatch, table, match):
     monkeypatch.setattr(headline, "SUITES_DIR", tmp_path)
