@@ -81,18 +81,23 @@ def strangers(d: Path, listed: set[str]) -> list[str]:
     return sorted(found)
 
 
+def make_dir(d: Path, what: str) -> None:
+    """mkdir -p d, `what` (a flag, or words) naming it in a ValueError where it is a file or cannot be made."""
+    if d.exists() and not d.is_dir():
+        raise ValueError(f"{what} {d} is a file: choose a directory")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file on its way, a place this user cannot write
+        raise ValueError(f"{what} {d}: cannot make that directory ({exc.strerror}): choose another") from None
+
+
 @contextmanager
 def replacing(d: Path, what: str):
     """Yields a fresh folder in which to write the files `what` (the command, naming d) puts in directory d; once the
     block ends they are copied into d, the files d's manifest listed and not written again are deleted, and the
     manifest lists the new ones. A file in the way that the manifest does not list (or a link) is refused by name
     before anything in d changes; a d that is a file or cannot be made is refused first."""
-    if d.exists() and not d.is_dir():
-        raise ValueError(f"{what}: {d} is a file: choose a directory")
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:  # a file on its way, a place this user cannot write
-        raise ValueError(f"{what}: cannot make {d} ({exc.strerror}): choose a directory you can write") from None
+    make_dir(d, f"{what}'s folder")
     ours = written(d)
     with tempfile.TemporaryDirectory(prefix="megatrain-") as stage:
         yield Path(stage)

@@ -55,6 +55,7 @@ import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from megatrain import user_files
 from megatrain.bench.args import BenchFlags
 from megatrain.bench.env import same_code
 from megatrain.bench.record import Record, append_jsonl, problem, read_jsonl, relative_paths, summary_line
@@ -441,12 +442,7 @@ def sole_runner(out_dir: Path):
     """Sole use of out_dir by this suite runner: an flock on the directory, which the kernel drops when the runner
     ends however it ends. Two runners there would run every case twice at once, each slowing the other, and record
     both ok."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"--out-dir {out_dir} is a file: choose a directory")
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:  # a file on its way, a place this user cannot write
-        raise ValueError(f"--out-dir {out_dir}: cannot make that directory ({exc.strerror}): choose another") from None
+    user_files.make_dir(out_dir, "--out-dir")
     fd = os.open(out_dir, os.O_RDONLY)
     try:
         try:

@@ -942,10 +942,10 @@ def test_a_report_folder_that_cannot_be_one_and_records_that_are_a_folder_are_on
     append_jsonl(results / "records.jsonl", _record("megatrain", 96, 320.0))
     (tmp_path / "afile").write_text("")
     for out, says in ((tmp_path / "afile", f"{tmp_path / 'afile'} is a file: choose a directory"),
-                      (Path("/proc/megatrain-report"), "cannot make /proc/megatrain-report (No such file or "
-                                                       "directory): choose a directory you can write")):
+                      (Path("/proc/megatrain-report"), "/proc/megatrain-report: cannot make that directory (No such "
+                                                       "file or directory): choose another")):
         assert main(["report", str(results), "--out", str(out)]) == 2
-        assert _one_error(capsys) == f"error: report: {says}"
+        assert _one_error(capsys) == f"error: report's folder {says}"
     folder = tmp_path / "folder"
     (folder / "records.jsonl").mkdir(parents=True)
     assert main(["report", str(folder)]) == 2
