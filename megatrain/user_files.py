@@ -41,9 +41,9 @@ def not_a_link(path: Path, what: str) -> None:
     """Refuse (ValueError) an entry this program writes, appends to or deletes that is a symbolic link: it makes
     none, and through one it would write wherever the link leads. `what` says which of its entries path is."""
     if path.is_symlink():
-        raise ValueError(f"{path}, {what}, is a link (to {os.readlink(path)}), which a run never makes: writing "
-                         "through it would write (or delete) where it leads; put the file or folder itself there, or "
-                         "move the link out")
+        raise ValueError(f"{path}, {what}, is a link (to {os.readlink(path)}), which this program never makes: "
+                         "writing through it would write (or delete) where it leads; put the file or folder itself "
+                         "there, or move the link out")
 
 
 def written(d: Path) -> set[str]:

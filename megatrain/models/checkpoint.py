@@ -31,6 +31,7 @@ from megatrain.models.handwritten.hf import REQUIRED_KEYS, config_from_hf
 from megatrain.models.kinds import kind_of
 from megatrain.models.safetensors_files import read_json, stored_tensors
 from megatrain.models.shape import ModelShape
+from megatrain.user_files import within
 
 CONFIG_FILE = "config.json"
 # the config.json keys read as counts (>= 1 where given), counts that may be 0, and numbers: another type or range is
@@ -71,6 +72,8 @@ def open_checkpoint(path: str | Path, generic: bool = False) -> Checkpoint:
     (shape_from_config; with generic, transformers' own modules always), and its files held to that model without
     reading a tensor. ValueError, starting with the path, naming what is missing, damaged or unsupported."""
     path = Path(path)
+    for entry in path.iterdir() if path.is_dir() else ():  # read, and config.json and the weights carried into an
+        within(path, entry)  # export: none of it from outside the folder named
     config = read_config(path)
     try:
         shape = shape_from_config(config, generic)

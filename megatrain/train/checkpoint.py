@@ -18,6 +18,7 @@ from typing import BinaryIO
 
 import torch
 
+from megatrain import user_files
 from megatrain.config import CaseConfig
 from megatrain.memory import GIB
 from megatrain.train import trust
@@ -227,7 +228,9 @@ def open_checked(path: str | os.PathLike) -> BinaryIO:
 def resume_point(root: Path, fallback: bool, log) -> tuple[Path, dict]:
     """The latest complete checkpoint under root whose files verify, and its trainer.json. One that fails is refused
     by name, or with fallback the one before is tried, and those that failed are deleted (their steps are trained
-    again, so a later resume does not meet them)."""
+    again, so a later resume does not meet them). A checkpoint that is a link is refused (the run deletes old ones)."""
+    for d in complete(root):
+        user_files.not_a_link(d, "a checkpoint of the run")
     failed = []
     for d in reversed(complete(root)):
         t0 = time.perf_counter()

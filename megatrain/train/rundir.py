@@ -113,6 +113,7 @@ class RunDir:
         self.out, self.started = out, False
         if out.exists() and not out.is_dir():
             raise ValueError(f"--out {out} is a file: choose a directory")
+        user_files.not_a_link(out / LOCK_FILE, f"the lock of --out {out}")  # opening it would make its target
         try:
             self.created = _made(out)
             self.lock = (out / LOCK_FILE).open("a")

@@ -204,3 +204,47 @@ def test_a_suite_out_dir_that_is_a_file_is_one_line(tmp_path, capsys):
     assert main(["suite", "smoke", "--out-dir", str(file / "x")]) == 2
     assert one_error(capsys) == f"error: --out-dir {file / 'x'}: cannot make that directory (Not a directory): " \
         "choose another"
+
+
+def test_a_resume_deletes_no_checkpoint_that_is_a_link(files, tmp_path, capsys):
+    out = _copy(files[2], tmp_path)
+    moved = tmp_path / "bigger-disk" / "step-2"
+    moved.parent.mkdir()
+    (out / "checkpoints" / "step-2").rename(moved)
+    (out / "checkpoints" / "step-2").symlink_to(moved)  # the run's --keep deletes its old checkpoints
+    assert main(["train", "--resume", str(out), "--steps", "4", "--save-every", "1", "--keep", "1"]) == 2
+    assert f"error: {out / 'checkpoints' / 'step-2'}, a checkpoint of the run, is a link" in one_error(capsys)
+    assert (moved / "trainer.json").is_file()
+
+
+def test_no_file_of_a_checkpoint_is_read_through_a_link_out_of_its_folder(files, tmp_path, capsys):
+    init, data, _ = files
+    ck = tmp_path / "ck"
+    shutil.copytree(init, ck)
+    config = json.loads((ck / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "hub_token": "hf_the_users_own"}))
+    (ck / "config.json").unlink()
+    (ck / "config.json").symlink_to(tmp_path / "config.json")  # its keys are carried into the export's config
+    assert run_train(ck, data, tmp_path / "out", steps=2) == 2
+    assert one_error(capsys).startswith(f"error: --init-from {ck / 'config.json'} links to {tmp_path / 'config.json'}")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_lock_that_is_a_link_makes_no_file_where_it_leads(files, tmp_path, capsys):
+    init, data, _ = files
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".train.lock").symlink_to(tmp_path / "made-outside")
+    assert run_train(init, data, out, steps=2) == 2
+    assert f"{out / '.train.lock'}, the lock of --out {out}, is a link" in one_error(capsys)
+    assert not (tmp_path / "made-outside").exists()
+
+
+def test_a_suite_appends_no_record_through_a_link(tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine\n")
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "records.jsonl").symlink_to(notes)
+    assert main(["suite", "smoke", "--out-dir", str(tmp_path / "results"), "--only", "no case"]) == 2
+    assert f"records.jsonl, which the suite writes in --out-dir {tmp_path / 'results'}, is a link" in one_error(capsys)
+    assert notes.read_text() == "mine\n"
