@@ -33,7 +33,7 @@ from megatrain.preflight import preflight
 from megatrain.systems import build_system, system_spec
 from megatrain.train import checkpoint, trust
 from megatrain.train.config import TrainConfig, check_device, train_config
-from megatrain.train.loop import export_checkpoint, train
+from megatrain.train.loop import EXPORT_FILE, export_checkpoint, not_exported, train
 from megatrain.train.rundir import RUN_FILE, written_aside
 
 STATE_FILE = "engine_state.json"  # Engine.save's: its files' checksums (and this user's signature, for pickles)
@@ -219,6 +219,9 @@ class Engine:
         tokenizer = tokenizer_dir or self.model_dir
         if Path(path).exists() and not Path(path).is_dir():
             raise ValueError(f"Engine.export({str(path)!r}) is a file, which the export would replace: choose a folder")
+        if theirs := not_exported(Path(path)):
+            raise ValueError(f"Engine.export({str(path)!r}): {path} holds {theirs[0]}, which no export wrote there (it "
+                             f"has no {EXPORT_FILE}), and exporting there would replace it: choose another folder")
         weights = self.system.export_weights()  # with several ranks, every rank's part: the weights are on rank 0
         if self.ranks.first:
             with _writing(Path(path), "Engine.export"):

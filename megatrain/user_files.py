@@ -47,11 +47,13 @@ def not_a_link(path: Path, what: str) -> None:
 
 
 def written(d: Path) -> set[str]:
-    """The relative paths d's manifest lists (none where it has none)."""
+    """The relative paths d's manifest lists (none where it has none), each inside d: a line naming a place outside
+    (an absolute path, a '..') was never written by this program, and is not taken as written."""
     path = d / MANIFEST
     if path.is_symlink() or not path.is_file():
         return set()
-    return {line for line in path.read_text(errors="replace").splitlines() if line}
+    lines = path.read_text(errors="replace").splitlines()
+    return {line for line in lines if line and not Path(line).is_absolute() and ".." not in Path(line).parts}
 
 
 def record(d: Path, names: Iterable[str]) -> None:

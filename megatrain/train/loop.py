@@ -428,10 +428,22 @@ def tokenizer_copies(tokenizer_dir: str | None) -> dict[str, Path]:
 def _keep_others(old: Path, new: Path) -> None:
     """Carry into the new export, as hard links, what no export writes that someone put in the old one (a README, a
     model card): the swap would delete it."""
-    ours = {"config.json", INDEX_FILE, EXPORT_FILE, *TOKENIZER_FILES}
     for entry in sorted(old.iterdir()) if old.is_dir() else ():
-        if entry.name not in ours and entry.suffix != ".safetensors" and not (new / entry.name).exists():
+        if not _exported(entry.name) and not (new / entry.name).exists():
             if entry.is_dir() and not entry.is_symlink():
                 shutil.copytree(entry, new / entry.name, symlinks=True, copy_function=os.link)
             else:
                 os.link(entry, new / entry.name, follow_symlinks=False)
+
+
+def not_exported(folder: Path) -> list[str]:
+    """The files of `folder` an export would replace that no export wrote: those of an export's names, in a folder
+    without the EXPORT_FILE every export writes (a user's own checkpoint, say)."""
+    if not folder.is_dir() or (folder / EXPORT_FILE).is_file():
+        return []
+    return sorted(p.name for p in folder.iterdir() if _exported(p.name))
+
+
+def _exported(name: str) -> bool:
+    """Whether an export writes (or replaces) the file `name` of its folder."""
+    return name in {"config.json", INDEX_FILE, EXPORT_FILE, *TOKENIZER_FILES} or name.endswith(".safetensors")

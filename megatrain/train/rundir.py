@@ -127,9 +127,12 @@ class RunDir:
                              "another --out") from None
         try:
             self._claim(resume, overwrite)
-        except ValueError:
+        except (ValueError, OSError) as exc:
             self.close()
-            raise
+            if isinstance(exc, ValueError):
+                raise
+            raise ValueError(f"--out {out}: cannot write there ({exc.strerror}): free space, or choose a writable "
+                             "directory") from None
 
     def _claim(self, resume: bool, overwrite: bool) -> None:
         """Take DIR for this run: a new run's empty (its manifest made, megatrain.user_files), or emptied of what a

@@ -3,6 +3,7 @@ link followed out of them, nothing deleted or written over that this program did
 refusals of trust round 4 (issue 73). CPU, seconds each (train runs of 2 steps of a tiny model):
 pytest tests/unit/test_user_files.py"""
 
+import errno
 import json
 import os
 import shutil
@@ -238,6 +239,46 @@ def test_a_lock_that_is_a_link_makes_no_file_where_it_leads(files, tmp_path, cap
     assert run_train(init, data, out, steps=2) == 2
     assert f"{out / '.train.lock'}, the lock of --out {out}, is a link" in one_error(capsys)
     assert not (tmp_path / "made-outside").exists()
+
+
+def test_a_disk_full_as_a_run_claims_its_folder_is_one_line(files, tmp_path, monkeypatch, capsys):
+    from megatrain import user_files
+
+    def full(d, names):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(d / user_files.MANIFEST))
+
+    monkeypatch.setattr(user_files, "record", full)
+    init, data, _ = files
+    assert run_train(init, data, tmp_path / "run", steps=2) == 2
+    assert one_error(capsys) == f"error: --out {tmp_path / 'run'}: cannot write there (No space left on device): " \
+        "free space, or choose a writable directory"
+
+
+def test_a_manifest_line_naming_a_place_outside_its_folder_is_never_deleted(tmp_path):
+    from megatrain import user_files
+
+    (tmp_path / "victim.txt").write_text("mine")
+    d = tmp_path / "report"
+    d.mkdir()
+    (d / user_files.MANIFEST).write_text(f"../victim.txt\n{tmp_path / 'victim.txt'}\nold.png\n")
+    (d / "old.png").write_bytes(b"an earlier report's")
+    with user_files.replacing(d, "report") as stage:
+        (stage / "index.html").write_text("page")
+    assert (tmp_path / "victim.txt").read_text() == "mine" and not (d / "old.png").exists()
+    assert (d / user_files.MANIFEST).read_text() == "index.html\n"
+
+
+def test_engine_export_replaces_no_checkpoint_an_export_did_not_write(files, tmp_path):
+    init = files[0]
+    project = tmp_path / "project"
+    shutil.copytree(init, project)  # a user's own checkpoint: its config.json and weights
+    with megatrain.Engine(init, seq=8, batch=2, lr=1e-3, device="cpu", dtype="float32", log=lambda _: None) as e:
+        with pytest.raises(ValueError, match="holds chat_template.jinja, which no export wrote there \\(it has no "
+                                             "megatrain_export.json\\)"):
+            e.export(project)
+        e.export(tmp_path / "hf")
+        e.export(tmp_path / "hf")  # its own, replaced
+    assert (project / "model.safetensors").read_bytes() == (init / "model.safetensors").read_bytes()
 
 
 def test_a_suite_appends_no_record_through_a_link(tmp_path, capsys):
