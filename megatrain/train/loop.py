@@ -420,9 +420,13 @@ def export_checkpoint(weights, case: CaseConfig, hf_dir: Path, tokenizer_dir: st
 
 def tokenizer_copies(tokenizer_dir: str | None) -> dict[str, Path]:
     """The tokenizer files (TOKENIZER_FILES) an export copies from tokenizer_dir, by name, each where it leads: one
-    whose link leads out of the directory is refused (megatrain.user_files.within), for the export publishes it."""
+    whose link leads out of the directory is refused (megatrain.user_files.within), for the export publishes it, and
+    so is one that is not a file (a folder, a named pipe), which the export could not copy."""
     d = Path(tokenizer_dir) if tokenizer_dir else None
-    return {name: user_files.within(d, d / name) for name in TOKENIZER_FILES if d and (d / name).exists()}
+    copies = {name: user_files.within(d, d / name) for name in TOKENIZER_FILES if d and (d / name).exists()}
+    if odd := next((name for name, path in copies.items() if not path.is_file()), None):
+        raise ValueError(f"{d / odd} is not a file (an export copies it from there): put the file there, or remove it")
+    return copies
 
 
 def _keep_others(old: Path, new: Path) -> None:

@@ -289,3 +289,17 @@ def test_a_suite_appends_no_record_through_a_link(tmp_path, capsys):
     assert main(["suite", "smoke", "--out-dir", str(tmp_path / "results"), "--only", "no case"]) == 2
     assert f"records.jsonl, which the suite writes in --out-dir {tmp_path / 'results'}, is a link" in one_error(capsys)
     assert notes.read_text() == "mine\n"
+
+
+def test_a_tokenizer_file_that_is_no_file_is_refused_before_the_run_not_at_its_export(files, tmp_path, capsys):
+    init, data, _ = files
+    ck = tmp_path / "ck"
+    shutil.copytree(init, ck)
+    os.mkfifo(ck / "merges.txt")  # the export's copy raised SpecialFileError after the training
+    (ck / "vocab.json").mkdir()  # and IsADirectoryError
+    for name in ("vocab.json", "merges.txt"):
+        assert run_train(ck, data, tmp_path / "out", steps=2) == 2
+        assert one_error(capsys) == f"error: {ck / name} is not a file (an export copies it from there): put the " \
+            "file there, or remove it"
+        (ck / name).rmdir() if (ck / name).is_dir() else (ck / name).unlink()
+    assert not (tmp_path / "out").exists()
