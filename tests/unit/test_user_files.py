@@ -45,13 +45,16 @@ def test_an_export_copies_no_tokenizer_file_whose_link_leads_out_of_its_director
     secret.write_text("the user's signing key")
     ck = tmp_path / "ck"
     shutil.copytree(init, ck)
+    says = f"links to {secret}, outside {ck}: a link is never followed out of the directory named (what it leads " \
+        "to could be published in an export); put the file itself there"
     for name in ("merges.txt", "vocab.json", "generation_config.json"):
         (ck / name).unlink(missing_ok=True)
         (ck / name).symlink_to(secret)
         assert run_train(ck, data, tmp_path / "out", steps=2) == 2
-        assert one_error(capsys) == f"error: {ck / name} links to {secret}, outside {ck}: a link is never followed " \
-            "out of the directory named (what it leads to could be published in an export); put the file itself there"
+        assert one_error(capsys) == f"error: --init-from {ck / name} {says}"
         assert not (tmp_path / "out").exists(), "refused before --out was claimed"
+        assert run_train(init, data, tmp_path / "out", steps=2, extra=["--tokenizer", str(ck)]) == 2
+        assert one_error(capsys) == f"error: {ck / name} {says}", "a --tokenizer folder's alike"
         (ck / name).unlink()
     # a Hugging Face cache snapshot: every file a link into its repository's blobs/; and a link inside the folder
     repo = tmp_path / "models--tiny"
