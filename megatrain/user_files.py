@@ -1,13 +1,13 @@
-"""The two rules for the files of a directory a user named (train's --out, --init-from and --tokenizer, report's --out
-and the workspace's docs/, Engine.save's path), kept here once and followed wherever this program reads, writes or
-deletes there:
+"""The two rules for the files of a directory a user named (train's --out, --init-from and --tokenizer, suite's
+--out-dir, report's --out and the workspace's docs/, Engine.save's and Engine.export's path), kept here once and
+followed wherever this program reads, writes or deletes there:
 
-- No symbolic link is followed out of the directory the user named. A file read from it (a checkpoint's tokenizer
-  files, which an export copies and publishes) is refused where a link leads out of it: `merges.txt` linked to the
-  user's checkpoint key would be copied into the export. A link inside it is followed, as is one of a Hugging Face
-  cache snapshot into its repository's blobs/ (the cache's own layout). An entry this program writes, appends to or
-  deletes is never a link at all: it makes none, so a link there is someone else's, and writing through it writes
-  wherever it leads.
+- No symbolic link is followed out of the directory the user named. A file read from it (a checkpoint's files, its
+  config and tokenizer files, which an export carries and publishes) is refused where a link leads out of it:
+  `merges.txt` linked to the user's checkpoint key would be copied into the export. A link inside it is followed, as
+  is one of a Hugging Face cache snapshot into its repository's blobs/ (the cache's own layout). An entry this program
+  writes, appends to or deletes is never a link at all: it makes none, so a link there is someone else's, and
+  writing through it writes wherever it leads.
 - Nothing this program did not write is deleted or written over. A directory it writes into keeps a manifest
   (MANIFEST: the relative paths it wrote there, one a line), and only what the manifest lists is ever deleted or
   replaced; anything else in the way is refused by name, before anything there changes.
