@@ -18,12 +18,13 @@ from __future__ import annotations
 import json
 import os
 import typing
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 
+from megatrain import user_files
 from megatrain.engine import distributed
 from megatrain.models.checkpoint import open_checkpoint
 from megatrain.models.loss import IGNORE_INDEX
@@ -32,7 +33,7 @@ from megatrain.preflight import preflight
 from megatrain.systems import build_system, system_spec
 from megatrain.train import checkpoint, trust
 from megatrain.train.config import TrainConfig, check_device, train_config
-from megatrain.train.loop import export_checkpoint, train
+from megatrain.train.loop import EXPORT_FILE, export_checkpoint, not_exported, train
 from megatrain.train.rundir import RUN_FILE, written_aside
 
 STATE_FILE = "engine_state.json"  # Engine.save's: its files' checksums (and this user's signature, for pickles)
@@ -173,9 +174,14 @@ class Engine:
         once written (an existing one is replaced), with its files' checksums (signed with this user's key where the
         system's state holds pickles, as train's checkpoints are); `load` continues from it."""
         d = Path(path)
-        if d.exists() and not (d.is_dir() and (d / STATE_FILE).is_file() or d.is_dir() and not any(d.iterdir())):
-            raise ValueError(f"Engine.save({str(d)!r}): {d} holds what Engine.save did not write, which saving there "
-                             "would delete: choose another path")
+        if d.exists():  # replaced whole: only a state this program saved, its files as its record lists them
+            listed = set()
+            with suppress(ValueError):
+                listed = {STATE_FILE, *_state_record(d)["files"]}
+            if not d.is_dir() or (strays := user_files.strangers(d, listed)):
+                what = "is a file" if not d.is_dir() else f"holds {d / strays[0]}, which its {STATE_FILE} does not list"
+                raise ValueError(f"Engine.save({str(d)!r}): {d} {what}: Engine.save did not write it, and saving there "
+                                 "would delete it; choose another path")
         if not self.ranks.first:  # every rank takes part, rank 0 writes the one copy of the state
             self.system.save_state(None)
             self.ranks.barrier()
@@ -184,8 +190,7 @@ class Engine:
             self.system.save_state(tmp)
             # the steps whose dropout was drawn: a loaded engine draws the next step's masks (megatrain.models.draws)
             meta = {} if (draws := getattr(self.system, "draws", None)) is None else {"steps_drawn": draws.step}
-            record = checkpoint.sealed(tmp, meta, system_spec(self.case.system).pickled)
-            (tmp / STATE_FILE).write_text(json.dumps(record, indent=1) + "\n")
+            checkpoint.seal(tmp, meta, system_spec(self.case.system).pickled, STATE_FILE)
         self.ranks.barrier()
 
     def load(self, path: str | os.PathLike, trust_checkpoint: bool = False) -> None:
@@ -193,13 +198,7 @@ class Engine:
         do not match their checksums is refused; one holding pickles (DeepSpeed's, FSDP's) loads only if this user
         saved it here, or with trust_checkpoint (loading a pickle runs whatever code it holds)."""
         d = Path(path)
-        try:
-            record = json.loads((d / STATE_FILE).read_bytes())
-        except (OSError, ValueError, RecursionError):
-            raise ValueError(f"{d} is not what Engine.save writes: {STATE_FILE} is missing or unreadable") from None
-        problem = checkpoint.files_problem(record.get("files")) if isinstance(record, dict) else "in an object"
-        if problem:
-            raise ValueError(f"{d / STATE_FILE}: files must be {problem}: it is not what Engine.save writes")
+        record = _state_record(d)
         if problem := checkpoint.mismatch(d, record["files"]):
             raise ValueError(f"{problem}: the state in {d} was changed or damaged since it was saved")
         trust.check_trusted(d, record, system_spec(self.case.system).pickled, trust_checkpoint)
@@ -220,6 +219,9 @@ class Engine:
         tokenizer = tokenizer_dir or self.model_dir
         if Path(path).exists() and not Path(path).is_dir():
             raise ValueError(f"Engine.export({str(path)!r}) is a file, which the export would replace: choose a folder")
+        if theirs := not_exported(Path(path)):
+            raise ValueError(f"Engine.export({str(path)!r}): {path} holds {theirs[0]}, which no export wrote there (it "
+                             f"has no {EXPORT_FILE}), and exporting there would replace it: choose another folder")
         weights = self.system.export_weights()  # with several ranks, every rank's part: the weights are on rank 0
         if self.ranks.first:
             with _writing(Path(path), "Engine.export"):
@@ -282,6 +284,18 @@ def _check_ids(name: str, ids, vocab: int, ignore: int | None = None) -> None:
         allowed = f"{ignore} (no loss) or " if ignore is not None else ""
         raise ValueError(f"{name} holds {int(bad[0])}, which is not {allowed}a token id of the model's vocabulary "
                          f"(0 to {vocab - 1}): a tokenizer of another model?")
+
+
+def _state_record(d: Path) -> dict:
+    """The record Engine.save wrote in d (STATE_FILE: its files' checksums); ValueError where it is not one."""
+    try:
+        record = json.loads((d / STATE_FILE).read_bytes())
+    except (OSError, ValueError, RecursionError):
+        raise ValueError(f"{d} is not what Engine.save writes: {STATE_FILE} is missing or unreadable") from None
+    problem = checkpoint.files_problem(record.get("files")) if isinstance(record, dict) else "in an object"
+    if problem:
+        raise ValueError(f"{d / STATE_FILE}: files must be {problem}: it is not what Engine.save writes")
+    return record
 
 
 @contextmanager

@@ -70,13 +70,18 @@ def report_spec(suite: str) -> ReportSpec | None:
     table = tomllib.loads(path.read_text()).get("report") if path.exists() else None
     if table is None:
         return None
-    unknown = set(table) - {"question", "headline", "paper"}
-    if unknown or not {"question", "headline"} <= set(table):
-        raise ValueError(f"{path}: [report] takes question, headline and optionally paper; got {sorted(table)}")
+    if not isinstance(table, dict) or set(table) - {"question", "headline", "paper"} \
+            or not {"question", "headline"} <= set(table):
+        raise ValueError(f"{path}: [report] takes question, headline and optionally paper; got "
+                         f"{sorted(table) if isinstance(table, dict) else table!r}"[:200])
+    for key, kind, what in (("question", str, "a string"), ("headline", str, "a string"),
+                            ("paper", list, "a list of the paper's claims")):
+        if not isinstance(table.get(key, []), kind):
+            raise ValueError(f"{path}: [report] {key} must be {what}, got {table[key]!r}"[:200])
     if table["headline"] not in HEADLINES:
         raise ValueError(f"{path}: [report] headline {table['headline']!r} is none of {sorted(HEADLINES)}")
     claims = {c.what: c for c in paper.CLAIMS}
-    missing = [what for what in table.get("paper", []) if what not in claims]
+    missing = [what for what in table.get("paper", []) if not isinstance(what, str) or what not in claims]
     if missing:
         raise ValueError(f"{path}: [report] paper names no claim of megatrain.analysis.paper: {missing}")
     return ReportSpec(table["question"], table["headline"], tuple(claims[w] for w in table.get("paper", [])))

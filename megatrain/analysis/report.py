@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from megatrain import user_files
 from megatrain.analysis import headline, plots, results_md, scaling_report, tables
 from megatrain.bench.record import STATUSES as RECORD_STATUSES
 from megatrain.bench.suite import read_suite_records
@@ -275,14 +276,20 @@ def write_report(results_dir: Path, out_dir: Path, all_runs: bool = False) -> Pa
     df = tables.records_frame(records)
     scope = df if all_runs else tables.latest_records(df)
     by_key = {(r["suite"]["run_id"], r["suite"]["case_id"]): r for r in records}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for old in out_dir.glob("*.png"):
-        old.unlink()
-    figures = _figures(scope, by_key, results_dir, out_dir)
+    # written aside, then into out_dir over what the last report wrote there (its manifest) and nothing else
+    with user_files.replacing(out_dir, "report") as stage:
+        _write_page(records, scope, by_key, results_dir, out_dir, stage)
+    return out_dir / "index.html"
+
+
+def _write_page(records: list[dict], scope: pd.DataFrame, by_key: dict, results_dir: Path, out_dir: Path,
+                stage: Path) -> None:
+    """index.html and its figures, for out_dir, into the folder stage."""
+    figures = _figures(scope, by_key, results_dir, stage)
     suite = records[-1]["suite"]["name"]
     speedups = tables.speedups(scope)
     paper = tables.paper_comparison(scope)
-    head = headline.headline(suite, scope, out_dir)
+    head = headline.headline(suite, scope, stage)
     rel = lambda p: p.resolve().relative_to(WORKSPACE) if p.resolve().is_relative_to(WORKSPACE) else p  # noqa: E731
     rerun = (f"python -m megatrain suite {suite} --out-dir {rel(results_dir)}\n"
              f"python -m megatrain report {rel(results_dir)} --out {rel(out_dir)}")
@@ -293,8 +300,8 @@ def write_report(results_dir: Path, out_dir: Path, all_runs: bool = False) -> Pa
         f"report generated {time.strftime('%Y-%m-%d %H:%M')} from the records (never edited by hand). "
         "TFLOPS = 6 x parameters x tokens / median step time; the parameters include the input embedding, which "
         "does no matmul when untied: the figure without it is beside it in the results.</p>",
-        *_summary_section(scope, out_dir, paper, tflops=head is None or head.kind != "throughput"),
-        *(scaling_report.sections(scope, out_dir, html_table, _figure_html) if suite == "scaling" else []),
+        *_summary_section(scope, stage, paper, tflops=head is None or head.kind != "throughput"),
+        *(scaling_report.sections(scope, stage, html_table, _figure_html) if suite == "scaling" else []),
         f"<h2>Rerun</h2><pre>{html.escape(rerun)}</pre>"
         "<p class='muted'>Cases run on a machine matching their hardware profile; a rerun resumes the latest run "
         "and repeats only cases that errored or timed out. Each case's exact command is under Cases.</p>",
@@ -323,9 +330,7 @@ def write_report(results_dir: Path, out_dir: Path, all_runs: bool = False) -> Pa
     ]
     page = (f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>MegaTrain: {html.escape(suite)}"
             f"</title><style>{CSS}</style></head><body>{''.join(body)}</body></html>")
-    path = out_dir / "index.html"
-    path.write_text(page)
-    return path
+    (stage / "index.html").write_text(page)
 
 
 def write_reports(suites: list[str], out: str | None = None) -> list[Path]:
@@ -343,6 +348,6 @@ def write_reports(suites: list[str], out: str | None = None) -> list[Path]:
     if out is not None and len(dirs) != 1:
         raise ValueError("--out names one report directory; give exactly one suite with it")
     written = [write_report(d, Path(out) if out else WORKSPACE / "reports" / d.name) for d in dirs]
-    if not suites:
+    if not suites and dirs:  # a workspace without records has no page of results to write
         written.append(results_md.write(results_root, WORKSPACE / "docs"))
     return written

@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 from urllib.parse import quote
 
+from megatrain import user_files
 from megatrain.analysis import headline, tables
 from megatrain.bench.suite import read_suite_records
 from megatrain.hardware import get_profile
@@ -90,13 +91,12 @@ def _session(rows) -> str:
 
 
 def write(results_root: Path, docs_dir: Path) -> Path:
-    """Rewrite docs_dir/RESULTS.md and docs_dir/figures/ from every suite's records under results_root."""
-    figures_dir = docs_dir / "figures"
-    shutil.rmtree(figures_dir, ignore_errors=True)
-    figures_dir.mkdir(parents=True)
+    """Rewrite docs_dir/RESULTS.md and docs_dir/figures/ from every suite's records under results_root: over what the
+    last report wrote there (docs_dir's manifest, megatrain.user_files) and nothing else."""
     present = {p.parent.name for p in results_root.glob("*/records.jsonl") if not p.parent.name.endswith("-local")}
     suites = [s for s in ORDER if s in present] + sorted(present - set(ORDER))
-    sections = [s for s in (_section(suite, results_root / suite, figures_dir) for suite in suites) if s]
-    path = docs_dir / "RESULTS.md"
-    path.write_text(INTRO + "\n" + "\n".join(sections))
-    return path
+    with user_files.replacing(docs_dir, "report") as stage:
+        (stage / "figures").mkdir()
+        sections = [s for s in (_section(suite, results_root / suite, stage / "figures") for suite in suites) if s]
+        (stage / "RESULTS.md").write_text(INTRO + "\n" + "\n".join(sections))
+    return docs_dir / "RESULTS.md"

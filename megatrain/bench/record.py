@@ -188,8 +188,12 @@ def read_jsonl(path: str | Path, check=None) -> list[dict]:
     path = Path(path)
     if not path.exists():
         return []
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError as exc:  # a folder named like the file, one this user cannot read
+        raise ValueError(f"{path} cannot be read ({exc.strerror}): it should be the records' JSONL file") from None
     records = []
-    for number, raw in enumerate(path.read_bytes().splitlines(), 1):
+    for number, raw in enumerate(lines, 1):
         if not raw.strip():
             continue
         try:

@@ -55,6 +55,7 @@ import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from megatrain import user_files
 from megatrain.bench.args import BenchFlags
 from megatrain.bench.env import same_code
 from megatrain.bench.record import Record, append_jsonl, problem, read_jsonl, relative_paths, summary_line
@@ -441,7 +442,9 @@ def sole_runner(out_dir: Path):
     """Sole use of out_dir by this suite runner: an flock on the directory, which the kernel drops when the runner
     ends however it ends. Two runners there would run every case twice at once, each slowing the other, and record
     both ok."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    user_files.make_dir(out_dir, "--out-dir")
+    for name in ("records.jsonl", "traces"):  # appended to, written into
+        user_files.not_a_link(out_dir / name, f"which the suite writes in --out-dir {out_dir}")
     fd = os.open(out_dir, os.O_RDONLY)
     try:
         try:

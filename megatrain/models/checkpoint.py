@@ -25,12 +25,13 @@ from pathlib import Path
 
 import torch
 
-from megatrain.models.generic.config import GenericConfig
+from megatrain.models.generic.config import LAYERS_KEYS, GenericConfig
 from megatrain.models.handwritten.families import FAMILIES
 from megatrain.models.handwritten.hf import REQUIRED_KEYS, config_from_hf
 from megatrain.models.kinds import kind_of
 from megatrain.models.safetensors_files import read_json, stored_tensors
 from megatrain.models.shape import ModelShape
+from megatrain.user_files import within
 
 CONFIG_FILE = "config.json"
 # the config.json keys read as counts (>= 1 where given), counts that may be 0, and numbers: another type or range is
@@ -40,6 +41,10 @@ _SIZE_KEYS = ("head_dim", "sliding_window", "max_window_layers", "num_experts", 
               "num_experts_per_tok", "moe_intermediate_size")
 _NUMBER_KEYS = ("rope_theta", "rms_norm_eps", "router_aux_loss_coef", "swiglu_limit", "swiglu_alpha",
                 "partial_rotary_factor")
+# The most layers a config may name: far above any published decoder's. A deeper one is damaged, and the model's
+# per-layer structures (its shapes, transformers' modules on the meta device) would grow for minutes and gigabytes
+# before the memory pre-flight could weigh it.
+MAX_LAYERS = 1024
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,8 @@ def open_checkpoint(path: str | Path, generic: bool = False) -> Checkpoint:
     (shape_from_config; with generic, transformers' own modules always), and its files held to that model without
     reading a tensor. ValueError, starting with the path, naming what is missing, damaged or unsupported."""
     path = Path(path)
+    for entry in path.iterdir() if path.is_dir() else ():  # read, and config.json and the weights carried into an
+        within(path, entry)  # export: none of it from outside the folder named
     config = read_config(path)
     try:
         shape = shape_from_config(config, generic)
@@ -131,6 +138,10 @@ def check_config_values(config: Mapping) -> None:
             if value is not None and not all(isinstance(v, kind) and not isinstance(v, bool) and v >= least
                                              for v in values):
                 raise ValueError(f"{CONFIG_FILE} {key}={json.dumps(value)} must be {what}")
+    for key in LAYERS_KEYS:
+        if isinstance(config.get(key), int) and config[key] > MAX_LAYERS:
+            raise ValueError(f"{CONFIG_FILE} {key}={config[key]} is deeper than any model this program builds (at most "
+                             f"{MAX_LAYERS} layers): the config is damaged")
     params = config.get("rope_parameters")
     theta = params.get("rope_theta") if isinstance(params, Mapping) else None
     for key, value in (("rope_theta", config.get("rope_theta") if theta is None else theta),

@@ -18,6 +18,7 @@ from typing import BinaryIO
 
 import torch
 
+from megatrain import user_files
 from megatrain.config import CaseConfig
 from megatrain.memory import GIB
 from megatrain.train import trust
@@ -87,11 +88,11 @@ def files_problem(files) -> str | None:
 
 def save(root: Path, step: int, write_state, meta: dict, keep: int, pickled: tuple[str, ...] = ()) -> Path:
     """write_state(dir) writes the system's state; meta (step, data position, RNG, config) goes beside it as
-    sealed() records it. The new checkpoint is complete before the oldest of this run's beyond `keep` is deleted."""
+    seal() records it. The new checkpoint is complete before the oldest of this run's beyond `keep` is deleted."""
     final = step_dir(root, step)
     with written_aside(final) as tmp:
         write_state(tmp)
-        (tmp / META_FILE).write_text(json.dumps(sealed(tmp, meta, pickled), indent=1) + "\n")
+        seal(tmp, meta, pickled, META_FILE)
     older = [d for d in complete(root) if d != final]
     assert all(_step(d) < step for d in older), "a resume removes the checkpoints after its own"
     for d in older[:max(len(older) - (keep - 1), 0)]:
@@ -118,15 +119,17 @@ def recover(root: Path) -> None:
         recover_dir(root / name)
 
 
-def sealed(d: Path, meta: dict, pickled: tuple[str, ...]) -> dict:
-    """The record of a state just written into d: meta with the checksums of every file under d, and where the state
-    holds pickles (`pickled`: the system's glob patterns) this user's HMAC of both (megatrain.train.trust), those
-    files made writable by this user alone (open_checked loads no pickle another user could change meanwhile)."""
-    for path in (p for pattern in pickled for p in d.glob(pattern)):
-        path.chmod(path.stat().st_mode & ~0o022)
+def seal(d: Path, meta: dict, pickled: tuple[str, ...], record_file: str) -> None:
+    """Seal a state just written into d: its record, d/record_file, is meta with the checksums of every file under d,
+    and where the state holds pickles (`pickled`: the system's glob patterns) this user's HMAC of both
+    (megatrain.train.trust). Every file and folder of it, the record too, is made writable by this user alone, whatever
+    the umask: open_checked loads no pickle another user could change meanwhile, and no other user rewrites the raw
+    tiles or the record a resume reads."""
     names = sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file())
     record = {**meta, "files": checksums(d, names)}
-    return trust.signed(record) if pickled else record
+    (d / record_file).write_text(json.dumps(trust.signed(record) if pickled else record, indent=1) + "\n")
+    for path in [d, *d.rglob("*")]:
+        path.chmod(path.stat().st_mode & ~0o022)
 
 
 def _block_sha256(fd: int, offset: int) -> str:
@@ -225,7 +228,9 @@ def open_checked(path: str | os.PathLike) -> BinaryIO:
 def resume_point(root: Path, fallback: bool, log) -> tuple[Path, dict]:
     """The latest complete checkpoint under root whose files verify, and its trainer.json. One that fails is refused
     by name, or with fallback the one before is tried, and those that failed are deleted (their steps are trained
-    again, so a later resume does not meet them)."""
+    again, so a later resume does not meet them). A checkpoint that is a link is refused (the run deletes old ones)."""
+    for d in complete(root):
+        user_files.not_a_link(d, "a checkpoint of the run")
     failed = []
     for d in reversed(complete(root)):
         t0 = time.perf_counter()

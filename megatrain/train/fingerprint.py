@@ -54,6 +54,7 @@ def changed(recorded: dict[str, dict], now: dict[str, dict]) -> str | None:
         if was["sampled_sha256"] != is_["sampled_sha256"]:
             return f"{name} holds other bytes than when the run started (the same number)"
         if was["mtime_ns"] != is_["mtime_ns"]:
+            seconds, ns = divmod(was["mtime_ns"], 10**9)  # exactly: a float holds ~16 of its 19 digits
             return (f"{name} was modified since the run started (its size and sampled blocks are the same: if its "
-                    f"content is, `touch -d @{was['mtime_ns'] / 1e9:.9f}` it back)")
+                    f"content is, `touch -d @{seconds}.{ns:09d}` it back)")
     return None

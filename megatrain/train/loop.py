@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from megatrain import user_files
 from megatrain.config import CaseConfig
 from megatrain.engine import distributed
 from megatrain.engine.distributed import Ranks
@@ -59,9 +60,9 @@ class Progress:
 
 def train(cfg: TrainConfig, log=print) -> int:
     """Run (or resume) training as configured; returns the exit code: 0 done, 1 diverged (non-finite for
-    --max-nonfinite-steps steps), 130 after Ctrl-C and 143 after SIGTERM (each finishing its step and saving).
-    Every line the run says goes to `log` and to OUT/train.log; every metrics line to OUT/metrics.jsonl and to the
-    --report-to integrations."""
+    --max-nonfinite-steps steps), 130 after Ctrl-C and 143 after SIGTERM (each finishing its step and saving, or the
+    export it came during). Every line the run says goes to `log` and to OUT/train.log; every metrics line to
+    OUT/metrics.jsonl and to the --report-to integrations."""
     # --init-from's checkpoint (its model, the hand-written one or transformers' own modules, and its config.json),
     # read once: the export's family is its Hugging Face model_type, its config.json starts from the source's
     init = check_available(cfg)
@@ -76,6 +77,7 @@ def train(cfg: TrainConfig, log=print) -> int:
                              "export replaces): copy it out of there first, or choose another --out")
     tokenizer_dir = cfg.tokenizer or (cfg.init_from if cfg.init_from and
                                       (Path(cfg.init_from) / "tokenizer.json").exists() else None)
+    tokenizer_copies(tokenizer_dir)  # what the export will copy and publish: none may link out of its directory
     files = data_files(cfg.data, "--data", cfg.data_split)
     token_files = [Path(tokenizer_dir) / name for name in TOKEN_FILES
                    if tokenizer_dir and (Path(tokenizer_dir) / name).is_file()]
@@ -227,6 +229,10 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
         memory.update(export_s=time.perf_counter() - t0, host_peak_gib_exported=peak_host_rss_gib())
         with _writing(out / "memory.json", progress, out):
             (out / "memory.json").write_text(json.dumps(memory, indent=1) + "\n")
+        if progress.signal:  # it came during the export, which was finished all the same: exit as asked to stop
+            log(f"interrupted ({signal.Signals(progress.signal).name}) during the export, which was finished: "
+                f"{progress.step} steps; Hugging Face checkpoint in {out / 'hf'}")
+            return 128 + progress.signal
         log(f"done: {progress.step} steps; Hugging Face checkpoint in {out / 'hf'}; host peak RSS (GiB) "
             + ", ".join(f"{k.removeprefix('host_peak_gib_')} {v:.2f}" for k, v in memory.items() if "gib" in k))
         return 0
@@ -406,20 +412,42 @@ def export_checkpoint(weights, case: CaseConfig, hf_dir: Path, tokenizer_dir: st
     with written_aside(hf_dir) as tmp:
         save_checkpoint(weights, case.model_config(), tmp, max_shard_bytes=EXPORT_SHARD_BYTES,
                         dtype=case.torch_dtype, source_config=source_config)
-        for name in TOKENIZER_FILES if tokenizer_dir else ():
-            if (Path(tokenizer_dir) / name).exists():
-                shutil.copy(Path(tokenizer_dir) / name, tmp / name)
+        for name, source in tokenizer_copies(tokenizer_dir).items():
+            shutil.copy(source, tmp / name)
         (tmp / EXPORT_FILE).write_text(json.dumps(provenance) + "\n")
         _keep_others(hf_dir, tmp)
+
+
+def tokenizer_copies(tokenizer_dir: str | None) -> dict[str, Path]:
+    """The tokenizer files (TOKENIZER_FILES) an export copies from tokenizer_dir, by name, each where it leads: one
+    whose link leads out of the directory is refused (megatrain.user_files.within), for the export publishes it, and
+    so is one that is not a file (a folder, a named pipe), which the export could not copy."""
+    d = Path(tokenizer_dir) if tokenizer_dir else None
+    copies = {name: user_files.within(d, d / name) for name in TOKENIZER_FILES if d and (d / name).exists()}
+    if odd := next((name for name, path in copies.items() if not path.is_file()), None):
+        raise ValueError(f"{d / odd} is not a file (an export copies it from there): put the file there, or remove it")
+    return copies
 
 
 def _keep_others(old: Path, new: Path) -> None:
     """Carry into the new export, as hard links, what no export writes that someone put in the old one (a README, a
     model card): the swap would delete it."""
-    ours = {"config.json", INDEX_FILE, EXPORT_FILE, *TOKENIZER_FILES}
     for entry in sorted(old.iterdir()) if old.is_dir() else ():
-        if entry.name not in ours and entry.suffix != ".safetensors" and not (new / entry.name).exists():
+        if not _exported(entry.name) and not (new / entry.name).exists():
             if entry.is_dir() and not entry.is_symlink():
                 shutil.copytree(entry, new / entry.name, symlinks=True, copy_function=os.link)
             else:
                 os.link(entry, new / entry.name, follow_symlinks=False)
+
+
+def not_exported(folder: Path) -> list[str]:
+    """The files of `folder` an export would replace that no export wrote: those of an export's names, in a folder
+    without the EXPORT_FILE every export writes (a user's own checkpoint, say)."""
+    if not folder.is_dir() or (folder / EXPORT_FILE).is_file():
+        return []
+    return sorted(p.name for p in folder.iterdir() if _exported(p.name))
+
+
+def _exported(name: str) -> bool:
+    """Whether an export writes (or replaces) the file `name` of its folder."""
+    return name in {"config.json", INDEX_FILE, EXPORT_FILE, *TOKENIZER_FILES} or name.endswith(".safetensors")

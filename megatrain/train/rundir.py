@@ -14,6 +14,7 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
+from megatrain import user_files
 from megatrain.train.report_to import TENSORBOARD_DIR
 from megatrain.train.runlog import LOG_FILE
 
@@ -21,9 +22,12 @@ RUN_FILE, LOCK_FILE, TRASH = "run.json", ".train.lock", ".discarded"
 # what a run writes before its first step (its settings, its log, the dashboards' folders): a run stopped there left
 # nothing of it to keep
 BEFORE_FIRST_STEP = {RUN_FILE, f".{RUN_FILE}.tmp", LOG_FILE, TENSORBOARD_DIR, "wandb"}
-# What a run writes into DIR: --overwrite discards only a directory that holds nothing else.
+# What a run writes into DIR, which a new run lists in DIR's manifest (megatrain.user_files) as it claims it empty:
+# a run deletes (a stopped one's, with --overwrite any) only a directory that holds nothing else.
 RUN_ENTRIES = BEFORE_FIRST_STEP | {LOCK_FILE, TRASH, "metrics.jsonl", ".metrics.jsonl.tmp", "memory.json",
                                    "checkpoints", "hf", ".hf.tmp", ".hf.old"}
+# this process's own: its lock, and the manifest of what runs wrote here (megatrain.user_files)
+OWN = (LOCK_FILE, *user_files.MANIFEST_FILES)
 # the entries a run reads, writes into or appends to as files, and as folders
 RUN_FILES = (RUN_FILE, LOG_FILE, "metrics.jsonl", "memory.json")
 RUN_FOLDERS = ("checkpoints", "hf", TENSORBOARD_DIR, "wandb")
@@ -109,6 +113,7 @@ class RunDir:
         self.out, self.started = out, False
         if out.exists() and not out.is_dir():
             raise ValueError(f"--out {out} is a file: choose a directory")
+        user_files.not_a_link(out / LOCK_FILE, f"the lock of --out {out}")  # opening it would make its target
         try:
             self.created = _made(out)
             self.lock = (out / LOCK_FILE).open("a")
@@ -120,28 +125,43 @@ class RunDir:
             self.lock.close()
             raise ValueError(f"--out {out} is in use by another train process: wait for it to end, or choose "
                              "another --out") from None
-        entries = sorted(p for p in out.iterdir() if p.name != LOCK_FILE)
-        if not resume and {p.name for p in entries} <= BEFORE_FIRST_STEP:
-            for entry in entries:  # a run that stopped before its first step: nothing of it to keep
-                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
-            entries = []
-        if resume and (wrong := next((name for name in (*RUN_FILES, *RUN_FOLDERS) if (out / name).exists()
-                                      and (out / name).is_dir() != (name in RUN_FOLDERS)), None)):
+        try:
+            self._claim(resume, overwrite)
+        except (ValueError, OSError) as exc:
             self.close()
-            kind, other = ("folder", "file") if wrong in RUN_FOLDERS else ("file", "folder")
-            raise ValueError(f"--resume {out}: {out / wrong} is a {other} where the run keeps a {kind}: move it out "
-                             "of the run's directory, then resume")
-        if resume or not entries:
+            if isinstance(exc, ValueError):
+                raise
+            raise ValueError(f"--out {out}: cannot write there ({exc.strerror}): free space, or choose a writable "
+                             "directory") from None
+
+    def _claim(self, resume: bool, overwrite: bool) -> None:
+        """Take DIR for this run: a new run's empty (its manifest made, megatrain.user_files), or emptied of what a
+        run wrote there (one stopped before its first step, or with --overwrite), or a resumed one's."""
+        out = self.out
+        entries = sorted(p for p in out.iterdir() if p.name not in OWN)
+        for entry in (p for p in entries if p.name in RUN_ENTRIES):  # written, appended to, deleted: never a link
+            user_files.not_a_link(entry, f"an entry of the run in --out {out}")
+        if resume:
+            if wrong := next((name for name in (*RUN_FILES, *RUN_FOLDERS) if (out / name).exists()
+                              and (out / name).is_dir() != (name in RUN_FOLDERS)), None):
+                kind, other = ("folder", "file") if wrong in RUN_FOLDERS else ("file", "folder")
+                raise ValueError(f"--resume {out}: {out / wrong} is a {other} where the run keeps a {kind}: move it "
+                                 "out of the run's directory, then resume")
+            return
+        if not entries:
+            user_files.record(out, RUN_ENTRIES)  # what a run writes here, none of it here before this one
+            return
+        if strangers := user_files.strangers(out, user_files.written(out) | set(OWN)):
+            raise ValueError(f"--out {out} holds {', '.join(strangers[:3])}, which no train run recorded writing "
+                             f"there ({out / user_files.MANIFEST}): a run deletes only what one wrote; choose another "
+                             "--out, or move them out")
+        if {p.name for p in entries} <= BEFORE_FIRST_STEP:
+            for entry in entries:  # a run that stopped before its first step: nothing of it to keep
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
             return
         if not overwrite:
-            self.close()
             raise ValueError(f"--out {out} holds another run: pass --resume {out} to continue it, --overwrite to "
                              "discard it, or another --out")
-        strangers = [p.name for p in entries if p.name not in RUN_ENTRIES]
-        if strangers:
-            self.close()
-            raise ValueError(f"--out {out} holds {', '.join(strangers[:3])}, which no train run writes: --overwrite "
-                             "discards only a run directory; choose another --out")
         trash = out / TRASH
         trash.mkdir(exist_ok=True)
         for entry in sorted(entries, key=lambda p: p.name != "checkpoints"):  # first: a kill midway leaves no resume

@@ -188,7 +188,7 @@ def test_an_engine_refuses_what_it_cannot_train_on_naming_what_to_change(tmp_pat
         (tmp_path / "project").mkdir()
         (tmp_path / "project" / "code.py").write_text("mine")
         for mine in (tmp_path / "project", tmp_path / "file"):  # what saving there would delete
-            with pytest.raises(ValueError, match="holds what Engine.save did not write, which saving there would"):
+            with pytest.raises(ValueError, match="Engine.save did not write it, and saving there would delete it"):
                 engine.save(mine)
         with pytest.raises(ValueError, match="is a file, which the export would replace: choose a folder"):
             engine.export(tmp_path / "file")

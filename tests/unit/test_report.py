@@ -430,6 +430,9 @@ def test_every_shipped_suite_asks_its_question():
     ('question = "q"\nheadline = "speed"', "headline 'speed' is none of"),
     ('question = "q"\nheadline = "paths"\npaper = ["the 2x"]', "names no claim"),
     ('headline = "paths"', "takes question, headline"),
+    ('question = 5\nheadline = "paths"', "question must be a string, got 5"),
+    ('question = "q"\nheadline = ["paths"]', "headline must be a string"),
+    ('question = "q"\nheadline = "paths"\npaper = "the 2x"', "paper must be a list of the paper's claims"),
 ])
 def test_a_report_table_that_cannot_be_read_says_what_to_change(tmp_path, monkeypatch, table, match):
     monkeypatch.setattr(headline, "SUITES_DIR", tmp_path)
@@ -964,3 +967,64 @@ def test_results_md_asks_each_suites_question_and_answers_it_from_the_records(tm
     assert (tmp_path / "docs" / "figures" / "reproduce_14b.png").exists()
     assert "Latest session `20260101-000000-aaaa` (3 cases on " in page
     assert "Records: [`results/reproduce_14b/records.jsonl`]" in page
+
+
+def _one_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (line,) = [line for line in err.splitlines() if line.startswith("error: ")]
+    return line
+
+
+def test_a_report_writes_over_only_what_a_report_wrote_in_its_folder(tmp_path, capsys):
+    results = tmp_path / "results"
+    for r in [_record("megatrain", 96, 320.0), _record("deepspeed", 96, 200.0)]:
+        append_jsonl(results / "records.jsonl", r)
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "index.html").write_text("my page")
+    (out / "photo.png").write_bytes(b"my photo")
+    assert main(["report", str(results), "--out", str(out)]) == 2
+    assert _one_error(capsys) == f"error: report: {out / 'index.html'} was not written by this program " \
+        f"({out / '.megatrain-written'} does not list it), and writing there would replace it: move it, or choose " \
+        "another directory"
+    assert (out / "index.html").read_text() == "my page" and (out / "photo.png").read_bytes() == b"my photo"
+    (out / "index.html").unlink()
+    assert main(["report", str(results), "--out", str(out)]) == 0
+    (out / "stale.png").write_bytes(b"a figure an earlier report drew")
+    (out / ".megatrain-written").write_text((out / ".megatrain-written").read_text() + "stale.png\n")
+    assert main(["report", str(results), "--out", str(out)]) == 0
+    assert not (out / "stale.png").exists() and (out / "photo.png").read_bytes() == b"my photo"
+    assert "headline.png" in (out / "index.html").read_text() and (out / "headline.png").exists()
+
+
+def test_report_of_a_workspace_writes_no_docs_it_did_not_write(tmp_path, monkeypatch, capsys):
+    from megatrain.analysis import report
+
+    monkeypatch.setattr(report, "WORKSPACE", tmp_path)
+    docs = tmp_path / "docs"
+    (docs / "figures").mkdir(parents=True)
+    (docs / "figures" / "diagram.png").write_bytes(b"mine")
+    (docs / "RESULTS.md").write_text("# my results\n")
+    assert main(["report"]) == 0 and "no records under results" in capsys.readouterr().out
+    for r in [_record("megatrain", 96, 320.0), _record("deepspeed", 96, 200.0)]:
+        append_jsonl(tmp_path / "results" / "reproduce_14b" / "records.jsonl", r)
+    assert main(["report"]) == 2
+    assert f"error: report: {docs / 'RESULTS.md'} was not written by this program" in _one_error(capsys)
+    assert (docs / "RESULTS.md").read_text() == "# my results\n" and (docs / "figures" / "diagram.png").exists()
+
+
+def test_a_report_folder_that_cannot_be_one_and_records_that_are_a_folder_are_one_line(tmp_path, capsys):
+    results = tmp_path / "results"
+    append_jsonl(results / "records.jsonl", _record("megatrain", 96, 320.0))
+    (tmp_path / "afile").write_text("")
+    for out, says in ((tmp_path / "afile", f"{tmp_path / 'afile'} is a file: choose a directory"),
+                      (Path("/proc/megatrain-report"), "/proc/megatrain-report: cannot make that directory (No such "
+                                                       "file or directory): choose another")):
+        assert main(["report", str(results), "--out", str(out)]) == 2
+        assert _one_error(capsys) == f"error: report's folder {says}"
+    folder = tmp_path / "folder"
+    (folder / "records.jsonl").mkdir(parents=True)
+    assert main(["report", str(folder)]) == 2
+    assert _one_error(capsys) == f"error: {folder / 'records.jsonl'} cannot be read (Is a directory): it should be " \
+        "the records' JSONL file"

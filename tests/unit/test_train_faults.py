@@ -33,6 +33,7 @@ from train_helpers import (  # noqa: E402
 
 from megatrain.cli import main  # noqa: E402
 from megatrain.train.data import Rows  # noqa: E402
+from megatrain.train.rundir import RunDir  # noqa: E402
 
 SAVES = ["--save-every", "2", "--keep", "3"]
 
@@ -356,9 +357,16 @@ def test_a_full_disk_at_the_train_log_ends_in_one_line_and_the_run_resumes(strai
         assert run_train(init, data, out, steps=8, extra=SAVES) == 2
     assert _error(capsys) == f"error: disk full writing {out / 'train.log'}: the last complete checkpoint, " \
         f"{out / 'checkpoints' / 'step-2'}, is intact; free space, then --resume {out}"
-    (out / "train.log").rename(tmp_path / "train.log")
-    (out / "train.log").symlink_to("/dev/full")  # full from the resume's first line
-    assert _resume(out) == 2 and "disk full writing" in _error(capsys)
+    claim = RunDir._claim
+
+    def claimed_then_full(run, *args):  # full from the resume's first line (a link at its claim is refused)
+        claim(run, *args)
+        (out / "train.log").rename(tmp_path / "train.log")
+        (out / "train.log").symlink_to("/dev/full")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(RunDir, "_claim", claimed_then_full)
+        assert _resume(out) == 2 and "disk full writing" in _error(capsys)
     (out / "train.log").unlink()
     assert _resume(out) == 0 and _losses_once_each(out) == losses
 
