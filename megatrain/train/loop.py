@@ -30,7 +30,7 @@ from megatrain.models.registry import get_model_config
 from megatrain.models.safetensors_files import INDEX_FILE
 from megatrain.preflight import preflight
 from megatrain.systems import build_system, system_spec
-from megatrain.tokenizer import TOKEN_FILES, Tokenizer
+from megatrain.tokenizer import CHAT_TEMPLATES_DIR, TOKEN_FILES, Tokenizer, token_files
 from megatrain.train import checkpoint, trust
 from megatrain.train.config import PER_INVOCATION, TrainConfig, check_available
 from megatrain.train.data import Rows, data_files, read_examples
@@ -41,7 +41,7 @@ from megatrain.train.report_to import Reporters
 from megatrain.train.rundir import RunDir, aside, fault, recover_dir, written_aside
 from megatrain.train.runlog import LOG_FILE, RunLog
 
-TOKENIZER_FILES = (*TOKEN_FILES, "generation_config.json")  # what an export copies from the tokenizer's directory
+GENERATION_FILE = "generation_config.json"  # an export copies it from the tokenizer's directory, beside token_files
 EXPORT_SHARD_BYTES = 2**29  # the most a Hugging Face export holds in memory beyond training's own state
 EXPORT_FILE = "megatrain_export.json"  # in hf/: the step exported and the run, beside the Hugging Face files
 
@@ -77,11 +77,10 @@ def train(cfg: TrainConfig, log=print) -> int:
     tokenizer_dir = cfg.tokenizer or (cfg.init_from if cfg.init_from and
                                       (Path(cfg.init_from) / "tokenizer.json").exists() else None)
     files = data_files(cfg.data, "--data", cfg.data_split)
-    token_files = [Path(tokenizer_dir) / name for name in TOKEN_FILES
-                   if tokenizer_dir and (Path(tokenizer_dir) / name).is_file()]
+    tokenizer_files = [Path(tokenizer_dir) / name for name in token_files(tokenizer_dir)] if tokenizer_dir else []
     # what the rows and the model are made of, fingerprinted before it is read (a change meanwhile reads as one): a
     # resume refuses any change since the run's start
-    prints = {"data_files": fingerprints(files), "tokenizer_files": fingerprints(token_files),
+    prints = {"data_files": fingerprints(files), "tokenizer_files": fingerprints(tokenizer_files),
               "model_files": fingerprints([Path(cfg.init_from) / "config.json"] if cfg.init_from else [])}
     tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
     model = init.shape if init else get_model_config(cfg.model)
@@ -406,8 +405,9 @@ def export_checkpoint(weights, case: CaseConfig, hf_dir: Path, tokenizer_dir: st
     with written_aside(hf_dir) as tmp:
         save_checkpoint(weights, case.model_config(), tmp, max_shard_bytes=EXPORT_SHARD_BYTES,
                         dtype=case.torch_dtype, source_config=source_config)
-        for name in TOKENIZER_FILES if tokenizer_dir else ():
-            if (Path(tokenizer_dir) / name).exists():
+        for name in [*token_files(tokenizer_dir), GENERATION_FILE] if tokenizer_dir else ():
+            if (Path(tokenizer_dir) / name).is_file():  # a folder of that name is none of them
+                (tmp / name).parent.mkdir(exist_ok=True)
                 shutil.copy(Path(tokenizer_dir) / name, tmp / name)
         (tmp / EXPORT_FILE).write_text(json.dumps(provenance) + "\n")
         _keep_others(hf_dir, tmp)
@@ -416,7 +416,7 @@ def export_checkpoint(weights, case: CaseConfig, hf_dir: Path, tokenizer_dir: st
 def _keep_others(old: Path, new: Path) -> None:
     """Carry into the new export, as hard links, what no export writes that someone put in the old one (a README, a
     model card): the swap would delete it."""
-    ours = {"config.json", INDEX_FILE, EXPORT_FILE, *TOKENIZER_FILES}
+    ours = {"config.json", INDEX_FILE, EXPORT_FILE, *TOKEN_FILES, CHAT_TEMPLATES_DIR, GENERATION_FILE}
     for entry in sorted(old.iterdir()) if old.is_dir() else ():
         if entry.name not in ours and entry.suffix != ".safetensors" and not (new / entry.name).exists():
             if entry.is_dir() and not entry.is_symlink():

@@ -235,6 +235,24 @@ def test_a_resume_refuses_a_tokenizer_changed_since_the_run_started(tmp_path, ca
     assert f"the tokenizer changed: {config.resolve()} holds" in _error(capsys)
 
 
+def test_a_named_chat_template_is_fingerprinted_and_exported(tmp_path, capsys):
+    tok, data, out = tmp_path / "tok", tmp_path / "chat.jsonl", tmp_path / "run"
+    chat_tokenizer(tok)
+    named = tok / "additional_chat_templates" / "default.jinja"  # where transformers reads a template named default
+    named.parent.mkdir()
+    (tok / "chat_template.jinja").rename(named)
+    (tok / "generation_config.json").mkdir()  # no generation config: the export copies none, and does not fail
+    turns = [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3 w4 w5"}]
+    data.write_text("".join(json.dumps({"messages": turns}) + "\n" for _ in range(4)))
+    assert main(["train", "--model", "tiny", "--tokenizer", str(tok), "--data", str(data), "--seq", "8", "--batch",
+                 "2", "--steps", "1", "--out", str(out)]) == 0
+    exported = transformers.AutoTokenizer.from_pretrained(out / "hf", local_files_only=True)
+    assert exported.chat_template == named.read_text()
+    named.write_text(named.read_text().replace("<|im_end|>\n", "<|im_end|>"))
+    assert _resume(out, "--steps", "2") == 2
+    assert f"the tokenizer changed: {named.resolve()} holds" in _error(capsys)
+
+
 def test_a_resume_refuses_an_init_from_config_changed_since_the_run_started(straight, tmp_path, capsys):
     init, data, out = tmp_path / "init", straight[1], tmp_path / "run"
     shutil.copytree(straight[0], init)

@@ -241,6 +241,19 @@ def test_chat_data_without_transformers_names_the_extra_and_text_data_needs_none
     assert main(["train", *tiny(text, tmp_path, "--tokenizer", str(tmp_path / "tok"), "--seq", "4")]) == 0
 
 
+def test_a_tokenizer_config_that_is_a_folder_is_refused_naming_it(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "<eos>": 1, "w": 2}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    (tmp_path / "tok" / "tokenizer_config.json").mkdir(parents=True)
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps({"text": "w w w"}) + "\n" for _ in range(4)))
+    assert refused(capsys, tiny(text, tmp_path, "--tokenizer", str(tmp_path / "tok"))) == \
+        f"error: {tmp_path / 'tok' / 'tokenizer_config.json'} cannot be read (Is a directory)"
+
+
 ALTERNATING = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
                "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
                "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -252,6 +265,11 @@ ALTERNATING = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.inde
     ("{{ messages.__class__.__mro__ }}", 1, "(SecurityError: access to attribute '__class__' of 'list' object is "
                                             "unsafe.)"),
     (ALTERNATING, 2, "(TemplateError: Conversation roles must alternate user/assistant/user/assistant/...)"),
+    ("{% include 'other.jinja' %}", 1, "(TypeError: no loader for this environment specified)"),
+    ("{% for i in range(10**9) %}{% endfor %}", 1, "(OverflowError: Range too big. The sandbox blocks ranges larger "
+                                                  "than MAX_RANGE (100000).)"),
+    pytest.param("{{ " + "(" * 1000 + "1" + ")" * 1000 + " }}", 1, "(RecursionError: maximum recursion depth exceeded",
+                 id="nested-too-deep-to-parse"),
 ])
 def test_a_chat_template_failing_on_a_conversation_is_refused_naming_the_line(tmp_path, capsys, template, line,
                                                                               says):
@@ -264,7 +282,30 @@ def test_a_chat_template_failing_on_a_conversation_is_refused_naming_the_line(tm
     chat.write_text("".join(json.dumps({"messages": [{"role": role, "content": "w1"} for role in roles]}) + "\n"
                             for roles in (("user", "assistant"), ("assistant", "assistant"))))
     error = refused(capsys, tiny(chat, tmp_path, "--tokenizer", str(tok)))
-    assert error == f"error: --data {chat}:{line}: the chat template of {tok} fails on this conversation {says}"
+    assert error.startswith(f"error: --data {chat}:{line}: the chat template of {tok} fails on this conversation "
+                            f"{says}")
+
+
+def test_named_chat_templates_render_with_the_default_as_transformers_does(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from train_helpers import chat_tokenizer
+
+    from megatrain.tokenizer import Tokenizer
+
+    tok, chat = tmp_path / "tok", tmp_path / "chat.jsonl"
+    chat_tokenizer(tok)
+    chat.write_text(json.dumps({"messages": [{"role": role, "content": "w1"} for role in ("user", "assistant")]}))
+    (expected,) = read_examples([chat], Tokenizer(tok), train_on_prompt=False)
+    (tok / "additional_chat_templates").mkdir()
+    (tok / "additional_chat_templates" / "tool_use.jinja").write_text("{{ raise_exception('not this one') }}")
+    (got,) = read_examples([chat], Tokenizer(tok), train_on_prompt=False)  # chat_template.jinja is the default
+    (tok / "chat_template.jinja").rename(tok / "additional_chat_templates" / "default.jinja")
+    (named,) = read_examples([chat], Tokenizer(tok), train_on_prompt=False)
+    assert (got.ids, got.target) == (named.ids, named.target) == (expected.ids, expected.target)
+    (tok / "additional_chat_templates" / "default.jinja").unlink()
+    assert refused(capsys, tiny(chat, tmp_path, "--tokenizer", str(tok))) == \
+        f"error: --data {chat}:1: {tok}: its chat templates are named tool_use, and chat data is rendered with the " \
+        "one named 'default' (as transformers renders it): add additional_chat_templates/default.jinja"
 
 
 @pytest.mark.parametrize("config, chat_only, says", [
