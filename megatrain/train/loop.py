@@ -88,7 +88,7 @@ def train(cfg: TrainConfig, log=print) -> int:
     # before the rows are made, each --seq tokens wide: a --seq this machine cannot hold is refused before its rows'
     # padding is allocated (the run's length, not known until they are, weighs nothing in it)
     planned = cfg.make_case(label, model_shape=init.shape if init else None, steps=1, warmup=0)
-    notes = preflight(planned)
+    notes = [*(init.notes if init else ()), *preflight(planned)]
     rows = Rows(read_examples(files, tokenizer, cfg.train_on_prompt), cfg.seq, vocab, cfg.shuffle, cfg.seed, cfg.pack)
     eval_rows = Rows(read_examples(data_files(cfg.eval_data, "--eval-data", cfg.eval_split), tokenizer,
                                    cfg.train_on_prompt, "--eval-data"), cfg.seq, vocab, False, cfg.seed, cfg.pack,

@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import json
 import re
+import shutil
 import sys
 
 import pytest
@@ -116,6 +117,91 @@ def test_an_init_from_that_is_not_a_checkpoint_is_refused_naming_it(tmp_path, ca
               "num_hidden_layers": 1, "num_attention_heads": 1}
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
     assert "neither model.safetensors nor model.safetensors.index.json" in init_from(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "model.safetensors").mkdir()
+    assert init_from(tmp_path / "ckpt").endswith("model.safetensors is not a file (a folder, a FIFO): the weights "
+                                                 "are a safetensors file")
+    (tmp_path / "ckpt" / "model.safetensors").rmdir()
+    (tmp_path / "ckpt" / "model.safetensors.index.json").mkdir()
+    assert "model.safetensors.index.json cannot be read (Is a directory)" in init_from(tmp_path / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    """A tiny Mixtral, its experts stored one per tensor as Mixtral publishes them (transformers stacks them)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+                                        num_experts_per_tok=2)
+    path = tmp_path_factory.mktemp("mixtral")
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(config).save_pretrained(path)
+    return path
+
+
+EXPERT = "model.layers.1.block_sparse_moe.experts.{}.w2.weight"
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda t: t.pop(EXPERT.format(3)), f"the checkpoint lacks tensor {EXPERT.format(3)}, which the other experts "
+                                        "under it have"),
+    (lambda t: t.update({EXPERT.format(3): torch.zeros(32, 63)}), f"model.safetensors: {EXPERT.format(3)} has shape "
+                                                                  "(32, 63), the other experts' w2.weight (32, 64)"),
+    (lambda t: t.update({EXPERT.format(4): torch.zeros(32, 64)}), "the checkpoint stores experts 0-4 under "
+                                                                  "model.layers.1.block_sparse_moe.experts.N, and the "
+                                                                  "config's layers have 4 experts (0 to 3)"),
+    ({"num_experts_per_tok": 5}, "config.json num_experts_per_tok=5 must be from 1 to the experts a layer has (4): "
+                                 "the experts each token is routed to"),
+    ({"num_experts_per_tok": 0}, "config.json num_experts_per_tok=0 must be from 1 to the experts a layer has (4)"),
+])
+def test_a_mixtral_checkpoint_of_a_wrong_expert_is_refused_before_anything_is_built(tmp_path, capsys, data, mixtral,
+                                                                                    edit, says):
+    from safetensors.torch import load_file, save_file
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(mixtral, ckpt)
+    if isinstance(edit, dict):
+        (ckpt / "config.json").write_text(json.dumps({**json.loads((ckpt / "config.json").read_text()), **edit}))
+    else:
+        tensors = load_file(ckpt / "model.safetensors")
+        edit(tensors)
+        save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
+    line = refused(capsys, ["--init-from", str(ckpt), "--data", str(data), "--steps", "1", "--seq", "8", "--batch",
+                            "2", "--out", str(tmp_path / "run")])
+    assert line.startswith(f"error: --init-from {ckpt}: {says}")
+    assert not (tmp_path / "run").exists()
+
+
+def test_experts_that_transformers_cannot_convert_are_one_line(tmp_path, capsys, data, mixtral):
+    """Every expert's w3 of another width than its w1: each name's shapes agree, which the headers show, but the two
+    cannot be fused into gate_up_proj; transformers' conversion fails as the weights load."""
+    from safetensors.torch import load_file, save_file
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(mixtral, ckpt)
+    tensors = load_file(ckpt / "model.safetensors")
+    tensors.update({f"model.layers.1.block_sparse_moe.experts.{e}.w3.weight": torch.zeros(64, 31) for e in range(4)})
+    save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
+    from train_helpers import one_error
+
+    assert main(["train", "--init-from", str(ckpt), "--data", str(data), "--steps", "1", "--seq", "8", "--batch", "2",
+                 "--out", str(tmp_path / "run")]) == 2
+    assert one_error(capsys).startswith(f"error: {ckpt}: transformers cannot load the checkpoint's tensors into its "
+                                        "model (")
+
+
+def test_a_checkpoints_own_code_is_not_run_said_and_left_out_of_the_export(tmp_path, capsys):
+    from train_helpers import hf_model, pretokenized
+
+    init = hf_model("qwen2", tmp_path / "init")
+    config = json.loads((init / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_mine.MineForCausalLM"}  # no such file: never run
+    (init / "config.json").write_text(json.dumps(config))
+    assert main(["train", "--init-from", str(init), "--data", str(pretokenized(tmp_path / "data.jsonl", rows=4)),
+                 "--seq", "16", "--batch", "2", "--steps", "1", "--out", str(tmp_path / "run")]) == 0
+    assert f"note: {init / 'config.json'} names code of its own (auto_map), which megatrain never runs: it trains " \
+           "as transformers' own 'qwen2' model" in capsys.readouterr().err
+    exported = json.loads((tmp_path / "run" / "hf" / "config.json").read_text())
+    assert "auto_map" not in exported and exported["model_type"] == "qwen2"
 
 
 def test_device_cuda_without_cuda_is_refused(tmp_path, capsys, data, monkeypatch):
