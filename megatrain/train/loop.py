@@ -89,10 +89,12 @@ def train(cfg: TrainConfig, log=print) -> int:
     # padding is allocated (the run's length, not known until they are, weighs nothing in it)
     planned = cfg.make_case(label, model_shape=init.shape if init else None, steps=1, warmup=0)
     notes = [*(init.notes if init else ()), *preflight(planned)]
-    rows = Rows(read_examples(files, tokenizer, cfg.train_on_prompt), cfg.seq, vocab, cfg.shuffle, cfg.seed, cfg.pack)
+    ignored = tuple(cfg.ignore_column)
+    rows = Rows(read_examples(files, tokenizer, cfg.train_on_prompt, "--data", ignored), cfg.seq, vocab, cfg.shuffle,
+                cfg.seed, cfg.pack)
     eval_rows = Rows(read_examples(data_files(cfg.eval_data, "--eval-data", cfg.eval_split), tokenizer,
-                                   cfg.train_on_prompt, "--eval-data"), cfg.seq, vocab, False, cfg.seed, cfg.pack,
-                     "--eval-data") \
+                                   cfg.train_on_prompt, "--eval-data", ignored), cfg.seq, vocab, False, cfg.seed,
+                     cfg.pack, "--eval-data") \
         if cfg.eval_data else None
     packs = any(bool((r.segments[:, :-1] != r.segments[:, :1]).any()) for r in (rows, eval_rows) if r is not None)
     if packs and (why := model.packing_refusal()):

@@ -76,6 +76,11 @@ def tiny(data, tmp_path, *extra) -> list[str]:
     (["--keep", "0"], "--keep must be >= 1"),
     (["--log-every", "0"], "--log-every must be >= 1, got 0"),
     (["--eval-data", "x.jsonl", "--eval-every", "-1"], "--eval-every must be >= 0"),
+    (["--generic"], "--generic trains an --init-from checkpoint through transformers' own modules; --model tiny is a "
+                    "registry shape, which trains as registered: drop --generic"),
+    (["--data-split", "train"], "--data-split train names a split of a Hugging Face dataset, and --data names none "
+                                "(JSONL and text files have no splits): drop it"),
+    (["--eval-split", "test"], "--eval-split test names a split of --eval-data, which is not given"),
 ])
 def test_a_nonsensical_hyperparameter_is_refused_naming_its_flag(tmp_path, capsys, data, flags, says):
     assert says in refused(capsys, tiny(data, tmp_path, *flags))
@@ -285,12 +290,125 @@ def test_schedule_notes_say_a_warmup_as_long_as_the_run_and_a_decay_restretched_
     ('{"messages": "hi"}', "messages must be a list of {role, content} objects"),
     ('{"messages": [{"role": "user", "content": 5}]}', "content must be a string, got 5"),
     ('{"conversations": [{"from": "alien", "value": "x"}]}', "unknown role 'alien'"),
+    ('{"text": "w", "url": "x"}', "holds 'url', which megatrain does not read (the keys of text lines: text): drop it, "
+                                  "or --ignore-column url to train without it"),
+    ('{"input_ids": [1, 2], "position_ids": [0, 1]}', "holds 'position_ids', which megatrain does not read (the keys "
+                                                      "of pre-tokenized lines: input_ids, labels, attention_mask)"),
+    ('{"instruction": "a", "output": "b", "history": []}', "holds 'history', which megatrain does not read (the keys "
+                                                           "of alpaca lines: instruction, input, output, system)"),
+    ('{"text": "w", "messages": []}', "holds text and messages, the keys of two formats (text and chat): one line is "
+                                      "one example; --ignore-column messages trains its text alone"),
+    ('{"messages": [{"role": "user", "content": "w", "weight": 0}]}', "a turn of messages holds 'weight', which "
+                                                                       "megatrain does not read (a turn is role and "
+                                                                       "content)"),
+    ('{"input_ids": [1, 2, 3], "labels": [-100, 5, 3]}', "labels[1] is 5, neither input_ids[1] (2) nor -100: labels "
+                                                         "only say which tokens are trained"),
+    ('{"input_ids": [1, 2, 3], "labels": [1, 2]}', "labels must be a list of 3 integers, one per input_ids token"),
+    ('{"input_ids": [1, 2, 3], "attention_mask": [1, 0, 1]}', "attention_mask holds 0s between 1s, at 1: its 0s are "
+                                                              "read as padding, at the line's start or end"),
+    ('{"input_ids": [1, 2, 3], "attention_mask": [1, 2, 1]}', "attention_mask must hold 1s (tokens) and 0s "
+                                                              "(padding), got 2"),
 ])
 def test_a_bad_data_line_is_refused_naming_flag_file_and_line(tmp_path, capsys, line, says):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"input_ids": [1, 2, 3]}\n\n' + line + "\n")
     line = refused(capsys, tiny(path, tmp_path))
     assert line.startswith(f"error: --data {path}:3: ") and says in line
+
+
+def test_labels_and_attention_mask_train_the_tokens_transformers_would(tmp_path):
+    """A -100 label is no target; an attention mask's 0s are padding, neither attended to nor trained: a right-padded
+    line trains the (position, target) pairs transformers' causal LM takes from the same columns (labels shifted
+    inside, padding labelled -100 as its collators label it), a left-padded one as its unpadded tokens."""
+    ids = list(range(10, 19))
+    lines = [{"input_ids": ids, "labels": [-100, 11, -100, -100, *ids[4:]]},
+             {"input_ids": ids, "attention_mask": [1] * 6 + [0] * 3},
+             {"input_ids": ids, "labels": [*ids[:7], -100, -100], "attention_mask": [0, 0, *[1] * 7]}]
+    data = tmp_path / "columns.jsonl"
+    data.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    _, labels, _ = Rows(read_examples([data], None, False), seq=8, vocab_size=32, shuffle=False, seed=0,
+                        pack=False).batch(0, 3)
+
+    def transformers_targets(line):  # position t predicts labels[t + 1], where the mask keeps token t + 1
+        label = line.get("labels", line["input_ids"])
+        mask = line.get("attention_mask", [1] * len(label))
+        return [label[t + 1] if mask[t + 1] else -100 for t in range(8)]
+
+    assert labels[0].tolist() == transformers_targets(lines[0]) == [11, -100, -100, 14, 15, 16, 17, 18]
+    assert labels[1].tolist() == transformers_targets(lines[1])
+    assert labels[2].tolist() == [13, 14, 15, 16, -100, -100, -100, -100]  # ids[2:7]: unpadded, its first no target
+
+
+def test_a_system_key_is_the_conversations_first_turn(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from train_helpers import chat_tokenizer
+
+    tok = chat_tokenizer(tmp_path / "tok")
+    data = tmp_path / "chat.jsonl"
+    turns = [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2"}]
+    data.write_text(json.dumps({"instruction": "w1", "output": "w2", "system": "w3"}) + "\n"
+                    + json.dumps({"messages": turns, "system": "w3"}) + "\n"
+                    + json.dumps({"conversations": [{"from": "human", "value": "w1"}, {"from": "gpt", "value": "w2"}],
+                                  "system": "w3"}) + "\n")
+    alpaca, chat, sharegpt = read_examples([data], tok, train_on_prompt=False)
+    (with_system,) = read_examples([_lines(tmp_path, [{"messages": [{"role": "system", "content": "w3"}, *turns]}])],
+                                   tok, train_on_prompt=False)
+    assert (alpaca.ids, alpaca.target) == (chat.ids, chat.target) == (sharegpt.ids, sharegpt.target) \
+        == (with_system.ids, with_system.target)
+    assert [tok.token(i) for i in chat.ids][:4] == ["<|im_start|>", "system", "\n", "w3"]
+    data.write_text(json.dumps({"messages": [{"role": "system", "content": "w3"}, *turns], "system": "w4"}) + "\n")
+    assert refused(capsys, tiny(data, tmp_path, "--tokenizer", str(tmp_path / "tok"))) == \
+        f"error: --data {data}:1: a system key and a system turn: give the system prompt once"
+
+
+def _lines(tmp_path, records, name="lines.jsonl"):
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_ignore_column_drops_a_key_from_every_line_and_turn(tmp_path, capsys):
+    rows = [{"input_ids": list(range(i, i + 9)), "id": i, "source": "web"} for i in range(4)]
+    data = _lines(tmp_path, rows)
+    assert "holds 'id', which megatrain does not read" in refused(capsys, tiny(data, tmp_path))
+    assert main(["train", *tiny(data, tmp_path, "--ignore-column", "id", "--ignore-column", "source")]) == 0
+    (example,) = read_examples([_lines(tmp_path, [{"input_ids": [1, 2, 3], "text": "w1"}])], None, False,
+                               ignored=("text",))
+    assert example.ids == [1, 2, 3]
+    weighted = [{"conversations": [{"from": "human", "value": "w1", "weight": 0}, {"from": "gpt", "value": "w2"}]}]
+    for lines, ignored in (([{"text": "w1 w2", "messages": []}], ("messages",)), (weighted, ("weight",))):
+        with pytest.raises(ValueError, match="text and chat data need --tokenizer DIR"):  # read as text or chat
+            read_examples([_lines(tmp_path, lines)], None, False, ignored=ignored)
+
+
+@pytest.mark.parametrize("files, says", [
+    (["a.jsonl", "README.txt"], "holds both .jsonl files (a.jsonl) and .txt files (README.txt), and a folder trains "
+                                "those of one format: name the files to train (--data FILE, repeatable)"),
+    (["README.txt", "train.json"], "holds train.json, which it would not train (a folder trains the .txt files "
+                                   "directly in it): name each file to train"),
+    (["a.jsonl", "c.parquet", "sub/d.jsonl", ".git/e.jsonl"], "holds c.parquet, sub/d.jsonl, which it would not "
+                                                              "train (a folder trains the .jsonl files directly"),
+    (["a.jsonl", "b.jsonl.gz", "notes.md"], "holds b.jsonl.gz, which it would not train"),
+    (["sub/d.jsonl", "e.csv"], "has no .jsonl or .txt files directly in it, and holds e.csv, sub/d.jsonl, which it "
+                               "would not train"),
+])
+def test_a_data_folder_holding_files_it_would_not_train_is_refused_naming_them(tmp_path, capsys, files, says):
+    folder = tmp_path / "data"
+    for name in files:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(json.dumps({"input_ids": list(range(9))}) + "\n")
+    assert refused(capsys, tiny(folder, tmp_path)).startswith(f"error: --data {folder} ")
+    assert says in refused(capsys, tiny(folder, tmp_path))
+
+
+def test_a_data_folder_trains_its_files_of_one_format_sorted_and_nothing_else(tmp_path):
+    from megatrain.train.data import data_files
+
+    folder = tmp_path / "data"
+    for name in ("b.jsonl", "a.jsonl", "C.JSONL", "README.md", "LICENSE", ".ipynb_checkpoints/a-checkpoint.jsonl"):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text("")
+    assert data_files([str(folder)]) == [folder / "C.JSONL", folder / "a.jsonl", folder / "b.jsonl"]
 
 
 def test_bytes_that_are_not_utf8_are_refused_naming_file_and_line(tmp_path, capsys):
