@@ -203,6 +203,8 @@ class Engine:
             raise ValueError(f"{d / STATE_FILE}: files must be {problem}: it is not what Engine.save writes")
         if problem := checkpoint.mismatch(d, record["files"]):
             raise ValueError(f"{problem}: the state in {d} was changed or damaged since it was saved")
+        checkpoint.check_system(d, record["files"], self.case.system,
+                                f"load it into an Engine of that system (this one's is system={self.case.system!r})")
         trust.check_trusted(d, record, system_spec(self.case.system).pickled, trust_checkpoint)
         if (draws := getattr(self.system, "draws", None)) is not None:
             drawn = record.get("steps_drawn", 0)

@@ -54,6 +54,8 @@ from megatrain.systems.dist import (
 # torch.distributed.fsdp and torch.distributed.checkpoint take about a second to import: they are imported where
 # FSDP2 is built and where it saves, so that this module, which the pre-flight reads for SPEC, stays light.
 
+SYSTEM_FILE = "fsdp_system.json"  # beside torch.distributed.checkpoint's folder: the skipped-step count
+
 
 # fp32 sharded parameters, their fp32 gradients, fp32 AdamW moments, whatever the compute dtype
 SHARD_STATE_BYTES = state_bytes_per_param(FP32_BYTES, "mixed")
@@ -233,7 +235,7 @@ class FSDPSystem:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=out_dir / "fsdp")
         if self.ranks.first:
-            (out_dir / "fsdp_system.json").write_text(json.dumps({"skipped_steps": self.skipped_steps}))
+            (out_dir / SYSTEM_FILE).write_text(json.dumps({"skipped_steps": self.skipped_steps}))
 
     def load_state(self, in_dir: Path) -> None:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -242,7 +244,7 @@ class FSDPSystem:
         state = {"model": model_sd, "optim": optim_sd}
         _load_checked(state, Path(in_dir) / "fsdp")
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        self.skipped_steps = json.loads((Path(in_dir) / "fsdp_system.json").read_text())["skipped_steps"]
+        self.skipped_steps = json.loads((Path(in_dir) / SYSTEM_FILE).read_text())["skipped_steps"]
 
     def close(self) -> None:
         del self.model, self.optimizer
@@ -288,4 +290,5 @@ def _load_checked(state: dict, path: Path) -> None:
 
 # dcp unpickles .metadata, and the non-tensor values of the .distcp files (the optimizer's settings), with pickle
 SPEC = SystemSpec(factory=FSDPSystem, options=FSDPOptions, plan_memory=functools.partial(estimate_plan, memory_bytes),
-                  checkpoint_bytes=checkpoint_bytes, pickled=("fsdp/.metadata", "fsdp/*.distcp"))
+                  checkpoint_bytes=checkpoint_bytes, pickled=("fsdp/.metadata", "fsdp/*.distcp"),
+                  state_files=("fsdp/.metadata", SYSTEM_FILE))

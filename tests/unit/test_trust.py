@@ -108,6 +108,20 @@ def test_a_checkpoint_cannot_grant_itself_trust_checkpoint(files, tmp_path, pick
     assert "step-2/native_state.pt is a pickle" in _error(capsys)
 
 
+def test_a_checkpoint_whose_trainer_json_names_another_system_is_refused_naming_it(files, tmp_path, capsys):
+    init, data = files
+    out = tmp_path / "run"
+    assert run_train(init, data, out, steps=2) == 0
+    meta = out / "checkpoints" / "step-2" / "trainer.json"
+    forged = json.loads(meta.read_text())
+    forged["train_config"]["system"] = "native"  # not a pickle format: no signature to break
+    meta.write_text(json.dumps(forged))
+    assert main(["train", "--resume", str(out), "--steps", "3"]) == 2
+    assert _error(capsys) == f"error: {meta.parent} holds no native state (no native_state.pt; it holds state.json, " \
+        "tiles.bin): another system saved it; its trainer.json names --system native (edited, or copied from another " \
+        "run)"
+
+
 def test_a_pickle_swapped_in_with_its_checksum_recomputed_is_refused(files, tmp_path, pickling, capsys):
     init, data = files
     out = tmp_path / "run"
