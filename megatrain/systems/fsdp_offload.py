@@ -14,8 +14,11 @@ copies are no-ops there, and pinning needs an accelerator (`pin_memory()` raises
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
+import logging
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -257,7 +260,9 @@ class FSDPSystem:
 def _load_checked(state: dict, path: Path) -> None:
     """dcp.load of the checkpoint at path into state, its every file (the .metadata and each .distcp, each opened
     once) opened through open_checked: the bytes dcp unpickles are those checked and signed. open_checked's refusal
-    is raised as it is, not inside the errors dcp gathers from its ranks and metadata files."""
+    is raised as it is, not inside the errors dcp gathers from its ranks and metadata files; files it cannot load
+    (a .metadata of another checkpoint, with --trust-checkpoint) are one ValueError, without the tracebacks dcp logs
+    as it falls back from one metadata file to another."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.filesystem import FileSystem
@@ -270,6 +275,8 @@ def _load_checked(state: dict, path: Path) -> None:
         @contextlib.contextmanager
         def create_stream(self, path, mode: str):
             assert mode == "rb", "a checkpoint is only read while it loads"
+            if not os.path.lexists(path):  # dcp's fallback to a rank's own metadata file, which no save wrote
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
             try:
                 stream = open_checked(path)
             except ValueError as exc:
@@ -280,12 +287,19 @@ def _load_checked(state: dict, path: Path) -> None:
 
     reader = dcp.FileSystemReader(path)
     reader.fs = Checked()
+    disabled = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # dcp logs each metadata file it fails to read, traceback and all, on the root
     try:
         dcp.load(state, storage_reader=reader)
-    except (Exception, CheckpointException):  # the latter a BaseException
+    except (Exception, CheckpointException) as exc:  # the latter a BaseException
         if refusals:
             raise refusals[0] from None
-        raise
+        failures = getattr(exc, "failures", None)  # a CheckpointException's, by rank: (exception, its stack)
+        cause = next(iter(failures.values()))[0] if failures else exc
+        raise ValueError(f"{path}: torch.distributed.checkpoint cannot load it into this model "
+                         f"({type(cause).__name__}: {str(cause).splitlines()[0][:300]})") from None
+    finally:
+        logging.disable(disabled)
 
 
 # dcp unpickles .metadata, and the non-tensor values of the .distcp files (the optimizer's settings), with pickle

@@ -317,3 +317,32 @@ def test_deepspeed_and_fsdp_load_the_pickles_checked_not_ones_swapped_in_after_t
     assert not marker.exists(), "the swapped pickle ran"
     assert swapped.returncode == 2, swapped.stderr[-3000:]
     assert "changed after the checkpoint's checksums were checked" in swapped.stderr.splitlines()[-1]
+
+
+RESEALED = f"""
+import json, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from pathlib import Path
+from megatrain.cli import main
+from megatrain.train import checkpoint
+
+d = Path(sys.argv[1]) / "checkpoints" / "step-1"
+(d / "fsdp" / ".metadata").write_bytes((d / "fsdp" / ".metadata").read_bytes()[:100])  # another, cut short
+meta = json.loads((d / "trainer.json").read_text())
+meta["files"] = checkpoint.checksums(d, list(meta["files"]))  # its checksums made again, as by whoever swapped it
+(d / "trainer.json").write_text(json.dumps(meta))
+sys.exit(main(["train", "--resume", sys.argv[1], "--steps", "2", "--trust-checkpoint"]))
+"""
+
+
+@pytest.mark.subprocess
+def test_an_fsdp_metadata_file_dcp_cannot_read_is_one_line(files, tmp_path):
+    init, data = files
+    out = tmp_path / "run"
+    assert train_any("fsdp", init, data, out, steps=1) == 0
+    resumed = python_process(RESEALED, str(out))
+    assert resumed.returncode == 2 and "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
+    assert resumed.stderr.splitlines()[-1].startswith(f"error: {out / 'checkpoints' / 'step-1' / 'fsdp'}: "
+                                                      "torch.distributed.checkpoint cannot load it into this model "
+                                                      "(AssertionError: metadata is None; global metadata read "
+                                                      "failed: pickle data was truncated")
