@@ -131,7 +131,8 @@ class Engine:
         self.checkpoint = open_checkpoint(path) if self.model_dir else None
         shape = self.checkpoint.shape if self.checkpoint else None
         self.case = settings.make_case(path.name if shape else os.fspath(model), model_shape=shape, steps=1, warmup=0)
-        for note in preflight(self.case):  # refuses what does not fit this machine
+        # the checkpoint's notes, and preflight's, which refuses what does not fit this machine
+        for note in [*(self.checkpoint.notes if self.checkpoint else ()), *preflight(self.case)]:
             log(note)
         if system_spec(system).pickled:  # its save signs with the user's key: one that cannot is refused now
             if self.ranks.first:
@@ -201,6 +202,8 @@ class Engine:
         record = _state_record(d)
         if problem := checkpoint.mismatch(d, record["files"]):
             raise ValueError(f"{problem}: the state in {d} was changed or damaged since it was saved")
+        checkpoint.check_system(d, record["files"], self.case.system,
+                                f"load it into an Engine of that system (this one's is system={self.case.system!r})")
         trust.check_trusted(d, record, system_spec(self.case.system).pickled, trust_checkpoint)
         if (draws := getattr(self.system, "draws", None)) is not None:
             drawn = record.get("steps_drawn", 0)

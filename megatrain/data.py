@@ -54,7 +54,7 @@ def records(path: str | Path, flag: str = "--data") -> Iterator[tuple[str, objec
     line that is not JSON is a ValueError naming its file and line. The one reader of data files: bench's text batches
     (read_documents) and train's examples (megatrain.train.data) both read through it."""
     path = Path(path)
-    if path.suffix == ".txt":
+    if path.suffix.lower() == ".txt":  # A.TXT too
         line_no = 1
         for doc in _utf8(path.read_bytes(), f"{flag} {path}", 1).split("\n\n"):
             if doc.strip():

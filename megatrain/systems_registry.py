@@ -77,6 +77,8 @@ class SystemSpec:
             export or resume.
         pickled: glob patterns (relative to a save_state directory) of the files load_state unpickles, which can run
             code: a resume loads them only from a checkpoint this user wrote here (megatrain.train.trust).
+        state_files: glob patterns (the same way) of files every save_state of it writes: a state that lacks one
+            (another system's) is refused by name before load_state reads it (megatrain.train.checkpoint).
     """
 
     factory: Callable[[Case], TrainSystem]
@@ -87,6 +89,7 @@ class SystemSpec:
     missing: Callable[[Case], str | None] | None = None
     trains: bool = True
     pickled: tuple[str, ...] = ()
+    state_files: tuple[str, ...] = ()
 
 
 def system_spec(system: str) -> SystemSpec:

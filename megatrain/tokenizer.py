@@ -16,6 +16,17 @@ EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 # the files of a tokenizer directory that decide its tokens: this reader's, and those transformers reads for chat
 TOKEN_FILES = ("tokenizer.json", *CONFIG_FILES, "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+CHAT_TEMPLATES_DIR = "additional_chat_templates"  # transformers' folder of named chat templates, NAME.jinja
+DEFAULT_TEMPLATE = "default"  # of several named templates, the one transformers renders a conversation without tools
+
+
+def token_files(path: str | Path) -> list[str]:
+    """The files of tokenizer directory `path` that decide its tokens and chat, by their names under it: those of
+    TOKEN_FILES it holds, then each named chat template (CHAT_TEMPLATES_DIR/NAME.jinja), which transformers reads as
+    it reads chat_template.jinja (a resume fingerprints them, an export copies them)."""
+    path = Path(path)
+    named = sorted(f.relative_to(path).as_posix() for f in (path / CHAT_TEMPLATES_DIR).glob("*.jinja") if f.is_file())
+    return [name for name in TOKEN_FILES if (path / name).is_file()] + named
 
 
 class Tokenizer:
@@ -44,6 +55,8 @@ class Tokenizer:
                 config = json.loads(file.read_bytes()) if file.exists() else {}
             except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
                 raise ValueError(f"{file} is not valid JSON ({exc})") from None
+            except OSError as exc:  # a folder, a file this user cannot read
+                raise ValueError(f"{file} cannot be read ({exc.strerror})") from None
             eos = config.get("eos_token") if isinstance(config, dict) else None
             if eos:
                 name = eos.get("content") if isinstance(eos, dict) else eos
@@ -89,7 +102,9 @@ class Tokenizer:
 
         try:
             text = template.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-        except TemplateError as exc:  # a syntax error, a sandbox violation, the template's raise_exception
+        except (TemplateError, ArithmeticError, LookupError, TypeError, ValueError, RecursionError) as exc:
+            # what a template's code raises (sandboxed): a syntax error, a sandbox violation or its range limit, its
+            # raise_exception, an {% include %} (no loader), nesting too deep to parse, its arithmetic
             raise ValueError(f"the chat template of {self.path} fails on this conversation ({type(exc).__name__}: "
                              f"{exc})") from None
         return self.encode(text)
@@ -110,6 +125,12 @@ class Tokenizer:
             if not template:
                 raise ValueError(f"{self.path}: the tokenizer has no chat template (tokenizer_config.json); "
                                  "chat data needs one")
+            if isinstance(template, dict):  # several, by name: transformers renders conversations with the default
+                if DEFAULT_TEMPLATE not in template:
+                    raise ValueError(f"{self.path}: its chat templates are named {', '.join(map(str, template))}, "
+                                     f"and chat data is rendered with the one named {DEFAULT_TEMPLATE!r} (as "
+                                     f"transformers renders it): add {CHAT_TEMPLATES_DIR}/{DEFAULT_TEMPLATE}.jinja")
+                template = template[DEFAULT_TEMPLATE]
             if not isinstance(template, str):
                 raise ValueError(f"{self.path}: its chat template must be a Jinja template (a string), got "
                                  f"{json.dumps(template, default=str)[:60]}")

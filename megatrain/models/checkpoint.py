@@ -34,6 +34,7 @@ from megatrain.models.shape import ModelShape
 from megatrain.user_files import within
 
 CONFIG_FILE = "config.json"
+REMOTE_CODE = "auto_map"  # config.json's map of its classes to Python files of the checkpoint's own
 # the config.json keys read as counts (>= 1 where given), counts that may be 0, and numbers: another type or range is
 # refused by name, whichever kind of model would read it
 _COUNT_KEYS = (*REQUIRED_KEYS, "num_key_value_heads", "max_position_embeddings", "original_max_position_embeddings")
@@ -54,12 +55,14 @@ class Checkpoint:
     Attributes:
         path: the folder.
         shape: the model it holds.
-        config: its config.json as read (an export of the model starts from it).
+        config: its config.json as read, without auto_map (an export of the model starts from it).
+        notes: what a run says of it before it starts (the custom code it does not run).
     """
 
     path: Path
     shape: ModelShape
     config: dict
+    notes: tuple[str, ...] = ()
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) of every weight, by the model's names, read one at a time (what a system's load_weights
@@ -75,12 +78,19 @@ def open_checkpoint(path: str | Path, generic: bool = False) -> Checkpoint:
     for entry in path.iterdir() if path.is_dir() else ():  # read, and config.json and the weights carried into an
         within(path, entry)  # export: none of it from outside the folder named
     config = read_config(path)
+    # the checkpoint's own Python code (transformers runs it only with trust_remote_code): never run here, the model
+    # trains as transformers' own class of its model_type (from_pretrained's choice without trust_remote_code), and
+    # an export whose config.json kept auto_map would load into that code, not the architecture trained
+    notes = (f"note: {path / CONFIG_FILE} names code of its own (auto_map), which megatrain never runs: it trains as "
+             f"transformers' own {config.get('model_type')!r} model, as from_pretrained loads it without "
+             "trust_remote_code, and the export's config.json has no auto_map",) if REMOTE_CODE in config else ()
+    config = {k: v for k, v in config.items() if k != REMOTE_CODE}
     try:
         shape = shape_from_config(config, generic)
         kind_of(shape).check_weights(shape, path, stored_tensors(path))
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
-    return Checkpoint(path, shape, config)
+    return Checkpoint(path, shape, config, notes)
 
 
 def config_shape(path: Path) -> tuple[ModelShape, str]:

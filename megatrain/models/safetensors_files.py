@@ -43,11 +43,16 @@ def read_json(file: Path):
         return json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{file} is not valid JSON ({exc})") from None
+    except OSError as exc:  # a folder, a file this user cannot read
+        raise ValueError(f"{file} cannot be read ({exc.strerror})") from None
 
 
 def weight_files(path: Path) -> list[Path]:
     """The safetensors files of a checkpoint, the single file first as transformers looks for it."""
     if (path / SINGLE_FILE).exists():
+        if not (path / SINGLE_FILE).is_file():
+            raise ValueError(f"{SINGLE_FILE} is not a file (a folder, a FIFO): the weights are a safetensors "
+                             "file")
         return [path / SINGLE_FILE]
     if (path / INDEX_FILE).exists():
         files = [path / f for f in sorted(set(_weight_map(path).values()))]

@@ -739,4 +739,5 @@ class DeepSpeedSystem:
 SPEC = SystemSpec(factory=DeepSpeedSystem, options=DeepSpeedOptions,
                   plan_memory=functools.partial(estimate_plan, memory_bytes, refusal=refusal),
                   checkpoint_bytes=checkpoint_bytes,
-                  package="deepspeed", pickled=("**/*.pt",))  # torch.load(weights_only=False) of every .pt
+                  package="deepspeed", pickled=("**/*.pt",),  # torch.load(weights_only=False) of every .pt
+                  state_files=(f"{CHECKPOINT_TAG}/*_model_states.pt",))

@@ -22,8 +22,11 @@ copies are no-ops there, and pinning needs an accelerator (`pin_memory()` raises
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
+import logging
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +64,8 @@ from megatrain.systems.dist import (
 
 # torch.distributed.fsdp and torch.distributed.checkpoint take about a second to import: they are imported where
 # FSDP2 is built and where it saves, so that this module, which the pre-flight reads for SPEC, stays light.
+
+SYSTEM_FILE = "fsdp_system.json"  # beside torch.distributed.checkpoint's folder: the skipped-step count
 
 
 # fp32 sharded parameters, their fp32 gradients, fp32 AdamW moments, whatever the compute dtype
@@ -267,7 +272,7 @@ class FSDPSystem:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=out_dir / "fsdp")
         if self.ranks.first:
-            (out_dir / "fsdp_system.json").write_text(json.dumps({"skipped_steps": self.skipped_steps}))
+            (out_dir / SYSTEM_FILE).write_text(json.dumps({"skipped_steps": self.skipped_steps}))
 
     def load_state(self, in_dir: Path) -> None:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -276,7 +281,7 @@ class FSDPSystem:
         state = {"model": model_sd, "optim": optim_sd}
         _load_checked(state, Path(in_dir) / "fsdp")
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        self.skipped_steps = json.loads((Path(in_dir) / "fsdp_system.json").read_text())["skipped_steps"]
+        self.skipped_steps = json.loads((Path(in_dir) / SYSTEM_FILE).read_text())["skipped_steps"]
 
     def close(self) -> None:
         del self.model, self.optimizer
@@ -289,7 +294,9 @@ class FSDPSystem:
 def _load_checked(state: dict, path: Path) -> None:
     """dcp.load of the checkpoint at path into state, its every file (the .metadata and each .distcp, each opened
     once) opened through open_checked: the bytes dcp unpickles are those checked and signed. open_checked's refusal
-    is raised as it is, not inside the errors dcp gathers from its ranks and metadata files."""
+    is raised as it is, not inside the errors dcp gathers from its ranks and metadata files; files it cannot load
+    (a .metadata of another checkpoint, with --trust-checkpoint) are one ValueError, without the tracebacks dcp logs
+    as it falls back from one metadata file to another."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.filesystem import FileSystem
@@ -302,6 +309,8 @@ def _load_checked(state: dict, path: Path) -> None:
         @contextlib.contextmanager
         def create_stream(self, path, mode: str):
             assert mode == "rb", "a checkpoint is only read while it loads"
+            if not os.path.lexists(path):  # dcp's fallback to a rank's own metadata file, which no save wrote
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
             try:
                 stream = open_checked(path)
             except ValueError as exc:
@@ -312,14 +321,22 @@ def _load_checked(state: dict, path: Path) -> None:
 
     reader = dcp.FileSystemReader(path)
     reader.fs = Checked()
+    disabled = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # dcp logs each metadata file it fails to read, traceback and all, on the root
     try:
         dcp.load(state, storage_reader=reader)
-    except (Exception, CheckpointException):  # the latter a BaseException
+    except (Exception, CheckpointException) as exc:  # the latter a BaseException
         if refusals:
             raise refusals[0] from None
-        raise
+        failures = getattr(exc, "failures", None)  # a CheckpointException's, by rank: (exception, its stack)
+        cause = next(iter(failures.values()))[0] if failures else exc
+        raise ValueError(f"{path}: torch.distributed.checkpoint cannot load it into this model "
+                         f"({type(cause).__name__}: {str(cause).splitlines()[0][:300]})") from None
+    finally:
+        logging.disable(disabled)
 
 
 # dcp unpickles .metadata, and the non-tensor values of the .distcp files (the optimizer's settings), with pickle
 SPEC = SystemSpec(factory=FSDPSystem, options=FSDPOptions, plan_memory=functools.partial(estimate_plan, memory_bytes),
-                  checkpoint_bytes=checkpoint_bytes, pickled=("fsdp/.metadata", "fsdp/*.distcp"))
+                  checkpoint_bytes=checkpoint_bytes, pickled=("fsdp/.metadata", "fsdp/*.distcp"),
+                  state_files=("fsdp/.metadata", SYSTEM_FILE))

@@ -9,6 +9,7 @@ from megatrain.config import CaseConfig
 from megatrain.engine import distributed
 from megatrain.engine.config import EngineConfig, MegaTrainOptions
 from megatrain.engine.plan import check_fits, host_bytes_per_param
+from megatrain.engine.state import STATE_FILE, TILES_FILE
 from megatrain.engine.trainer import StreamingSystem
 from megatrain.memory import Budget
 from megatrain.optim.state_bytes import checkpoint_bytes_per_param
@@ -46,4 +47,4 @@ def checkpoint_bytes(case: CaseConfig) -> int:
 
 
 SPEC = SystemSpec(factory=build, options=MegaTrainOptions, plan_memory=preflight_plan,
-                  checkpoint_bytes=checkpoint_bytes)
+                  checkpoint_bytes=checkpoint_bytes, state_files=(STATE_FILE, TILES_FILE))

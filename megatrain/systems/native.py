@@ -40,6 +40,8 @@ from megatrain.systems.common import (
 )
 from megatrain.systems.dist import ranks_of
 
+STATE_FILE = "native_state.pt"  # what save_state writes: the model, AdamW's state, the skipped steps
+
 
 @dataclass(frozen=True)
 class NativeOptions(CommonOptions):
@@ -166,10 +168,10 @@ class NativeSystem:
             return
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "skipped_steps": self.skipped_steps}, Path(out_dir) / "native_state.pt")
+                    "skipped_steps": self.skipped_steps}, Path(out_dir) / STATE_FILE)
 
     def load_state(self, in_dir: Path) -> None:
-        state = torch.load(Path(in_dir) / "native_state.pt", map_location=self.device, weights_only=True)
+        state = torch.load(Path(in_dir) / STATE_FILE, map_location=self.device, weights_only=True)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.skipped_steps = state["skipped_steps"]
@@ -179,4 +181,5 @@ class NativeSystem:
 
 
 SPEC = SystemSpec(factory=NativeSystem, options=NativeOptions,
-                  plan_memory=functools.partial(estimate_plan, memory_bytes), checkpoint_bytes=checkpoint_bytes)
+                  plan_memory=functools.partial(estimate_plan, memory_bytes), checkpoint_bytes=checkpoint_bytes,
+                  state_files=(STATE_FILE,))

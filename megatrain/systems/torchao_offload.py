@@ -138,4 +138,4 @@ class TorchaoSystem(NativeSystem):
 
 
 SPEC = SystemSpec(factory=TorchaoSystem, options=TorchaoOptions, plan_memory=plan_memory,
-                  checkpoint_bytes=checkpoint_bytes, package="torchao")
+                  checkpoint_bytes=checkpoint_bytes, package="torchao", state_files=(STATE_FILE,))

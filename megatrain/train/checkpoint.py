@@ -13,6 +13,7 @@ import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import BinaryIO
 
@@ -180,6 +181,18 @@ def mismatch(d: Path, files: dict[str, dict]) -> str | None:
     found = checksums(d, list(files))
     bad = [name for name, want in files.items() if found[name]["sha256"] != want["sha256"]]
     return f"{d / bad[0]} does not match its checksum" if bad else None
+
+
+def check_system(d: Path, files: dict[str, dict], system: str, fix: str) -> None:
+    """Refuse (ValueError, ending with `fix`) to load the state in d, whose record lists `files`, into `system` when
+    it lacks a file every save of that system writes (SystemSpec.state_files): another system's state, which its
+    loader would fail on or misread."""
+    from megatrain.systems import system_spec
+
+    missing = next((p for p in system_spec(system).state_files if not any(fnmatch(name, p) for name in files)), None)
+    if missing is not None:
+        raise ValueError(f"{d} holds no {system} state (no {missing}; it holds {', '.join(sorted(files)[:3])}"
+                         f"{', ...' if len(files) > 3 else ''}): another system saved it; {fix}")
 
 
 # (checkpoint, its record's checksums, --trust-checkpoint) of the state a system is loading (checked_loads)

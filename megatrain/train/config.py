@@ -29,7 +29,7 @@ PER_INVOCATION = ("overwrite", "resume_fallback", "trust_checkpoint")
 # the settings a resumed run keeps, each shaping its data, model or saved state; the others may change: the optimizer's
 # and the length from the resumed step on, the device, micro-batch, compile and the system's options only in rounding
 RESUME_FIXES = ("system", "init_from", "generic", "model", "tokenizer", "data", "data_split", "train_on_prompt",
-                "shuffle", "pack", "seq", "batch", "seed", "dtype", "precision", "moments")
+                "ignore_column", "shuffle", "pack", "seq", "batch", "seed", "dtype", "precision", "moments")
 
 
 @dataclass
@@ -51,6 +51,8 @@ class TrainConfig(CaseFlags):
                                   "a hub dataset")
     tokenizer: str | None = flag(None, metavar="DIR", help="local tokenizer directory (default: --init-from's)")
     train_on_prompt: bool = flag(False, help="loss on chat prompts too")
+    ignore_column: list[str] = flag(factory=list, metavar="NAME", help="a key of the data's lines (and turns) to drop: "
+                                    "one no format reads is refused otherwise; repeatable")
     shuffle: bool = flag(True, help="keep file order")
     pack: bool = flag(True, help="one example per row, padded (default: documents packed, attention kept within each)")
     steps: int | None = flag(None, help="optimizer steps from the run's start")
@@ -90,6 +92,10 @@ class TrainConfig(CaseFlags):
             raise ValueError("give one of --init-from DIR (a Hugging Face checkpoint) or --model NAME (from scratch)")
         if self.model is not None:
             get_model_config(self.model)
+            if self.generic:
+                raise ValueError(f"--generic trains an --init-from checkpoint through transformers' own modules; "
+                                 f"--model {self.model} is a registry shape, which trains as registered: drop "
+                                 "--generic")
         if not self.data:
             raise ValueError("--data FILE is required (JSONL or .txt, repeatable, a folder, or a Hugging Face dataset)")
         if (self.steps is None) == (self.epochs is None):
@@ -108,6 +114,8 @@ class TrainConfig(CaseFlags):
             raise ValueError("--no-save (no training-state checkpoints) and --save-every N contradict each other")
         if bool(self.eval_every) != bool(self.eval_data):
             raise ValueError("--eval-data FILE and --eval-every N (>= 1) go together")
+        if self.eval_split is not None and not self.eval_data:
+            raise ValueError(f"--eval-split {self.eval_split} names a split of --eval-data, which is not given")
         parse_options(self.system, self.option)  # a wrong option is refused before the data is read
         self.adam_betas = tuple(self.adam_betas)
 

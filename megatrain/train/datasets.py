@@ -1,7 +1,7 @@
 """Hugging Face `datasets` as train data (the optional extra [data]): a dataset saved with `save_to_disk`, a local
 data file or folder of parquet/arrow/json files, or a hub dataset's name with its split (--data-split). Each row is
-read as a JSONL line is (megatrain.train.data), so the same columns make the same examples: input_ids, text,
-messages/conversations, instruction/input/output.
+read as a JSONL line is (megatrain.train.data), so the same columns make the same examples: input_ids (labels,
+attention_mask), text, messages/conversations, instruction/input/output/system; a null column is an absent one.
 
 A saved dataset is memory-mapped from its Arrow files and read row by row, never loaded whole; files and hub
 datasets are first converted to Arrow in the `datasets` cache (HF_DATASETS_CACHE) as `datasets` always does. A hub
@@ -40,11 +40,12 @@ def hf_source(path: Path, split: str | None, flag: str) -> HFData | None:
     holding them, a path that is not there and no hub name). ValueError when it is a dataset and `datasets` is
     missing."""
     if path.is_dir():
-        own = any(p.suffix in (".jsonl", ".txt") for p in path.iterdir())
+        own = any(p.suffix.lower() in (".jsonl", ".txt") for p in path.iterdir())
         saved = any((path / name).exists() for name in SAVED_FILES)
-        found = saved or not own and any(p.suffix in BUILDERS for p in path.rglob("*"))
+        found = not own and (saved or any(p.suffix.lower() in BUILDERS for p in path.rglob("*")))  # else _folder_files
     else:
-        found = path.suffix in BUILDERS if path.exists() else split is not None and HUB_NAME.fullmatch(str(path))
+        found = path.suffix.lower() in BUILDERS if path.exists() else \
+            split is not None and HUB_NAME.fullmatch(str(path))
     if not found:
         return None
     try:
@@ -56,9 +57,16 @@ def hf_source(path: Path, split: str | None, flag: str) -> HFData | None:
 
 
 def hf_records(source: HFData, flag: str) -> Iterator[tuple[str, dict]]:
-    """(where, row) of every row of the dataset, in order; `where` names the flag, dataset and row for messages."""
+    """(where, row) of every row of the dataset, in order, a null column (and a null key of a turn) absent: Arrow
+    gives every row every column, null where its line had none; `where` names the flag, dataset and row."""
     for row, record in enumerate(_load(source, flag)):
-        yield f"{flag} {source} row {row}", record
+        yield f"{flag} {source} row {row}", {key: [_present(t) if isinstance(t, dict) else t for t in value]
+                                             if isinstance(value, list) else value
+                                             for key, value in _present(record).items()}
+
+
+def _present(record: dict) -> dict:
+    return {key: value for key, value in record.items() if value is not None}
 
 
 def _load(source: HFData, flag: str):
@@ -70,7 +78,7 @@ def _load(source: HFData, flag: str):
         if source.hub:
             return datasets.load_dataset(source.name, split=source.split)
         if path.is_file():
-            loaded = datasets.load_dataset(BUILDERS[path.suffix], data_files=str(path))
+            loaded = datasets.load_dataset(BUILDERS[path.suffix.lower()], data_files=str(path))
         elif any((path / name).exists() for name in SAVED_FILES):
             loaded = datasets.load_from_disk(str(path))
         else:

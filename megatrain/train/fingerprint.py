@@ -41,6 +41,13 @@ def fingerprints(files: list[Path | HFData]) -> dict[str, dict]:
     return {str(p.resolve()): fingerprint(p) for p in paths}
 
 
+def fingerprints_record(recorded) -> bool:
+    """Whether `recorded` is what fingerprints() returns (a record read back from a file anyone may have edited)."""
+    return isinstance(recorded, dict) and all(
+        isinstance(print_, dict) and set(print_) == {"bytes", "mtime_ns", "sampled_sha256"}
+        for print_ in recorded.values())
+
+
 def changed(recorded: dict[str, dict], now: dict[str, dict]) -> str | None:
     """How the files fingerprinted as `now` differ from those `recorded`, in words (the first difference), or None."""
     for name in sorted(set(recorded) | set(now)):

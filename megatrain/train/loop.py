@@ -31,18 +31,20 @@ from megatrain.models.registry import get_model_config
 from megatrain.models.safetensors_files import INDEX_FILE
 from megatrain.preflight import preflight
 from megatrain.systems import build_system, system_spec
-from megatrain.tokenizer import TOKEN_FILES, Tokenizer
+from megatrain.tokenizer import CHAT_TEMPLATES_DIR, TOKEN_FILES, Tokenizer, token_files
 from megatrain.train import checkpoint, trust
 from megatrain.train.config import PER_INVOCATION, TrainConfig, check_available
 from megatrain.train.data import Rows, data_files, read_examples
 from megatrain.train.fingerprint import changed as fingerprint_change
-from megatrain.train.fingerprint import fingerprints
+from megatrain.train.fingerprint import fingerprints, fingerprints_record
 from megatrain.train.lr import lr_at, schedule_notes
 from megatrain.train.report_to import Reporters
-from megatrain.train.rundir import RunDir, aside, fault, recover_dir, written_aside
+from megatrain.train.rundir import RUN_FILE, RunDir, aside, fault, recover_dir, written_aside
 from megatrain.train.runlog import LOG_FILE, RunLog
 
-TOKENIZER_FILES = (*TOKEN_FILES, "generation_config.json")  # what an export copies from the tokenizer's directory
+GENERATION_FILE = "generation_config.json"  # an export copies it from the tokenizer's directory, beside token_files
+TOKENIZER_FILES = (*TOKEN_FILES, GENERATION_FILE)  # what an export copies from the tokenizer's directory (and
+# the named chat templates of its CHAT_TEMPLATES_DIR)
 EXPORT_SHARD_BYTES = 2**29  # the most a Hugging Face export holds in memory beyond training's own state
 EXPORT_FILE = "megatrain_export.json"  # in hf/: the step exported and the run, beside the Hugging Face files
 
@@ -79,11 +81,10 @@ def train(cfg: TrainConfig, log=print) -> int:
                                       (Path(cfg.init_from) / "tokenizer.json").exists() else None)
     tokenizer_copies(tokenizer_dir)  # what the export will copy and publish: none may link out of its directory
     files = data_files(cfg.data, "--data", cfg.data_split)
-    token_files = [Path(tokenizer_dir) / name for name in TOKEN_FILES
-                   if tokenizer_dir and (Path(tokenizer_dir) / name).is_file()]
+    tokenizer_files = [Path(tokenizer_dir) / name for name in token_files(tokenizer_dir)] if tokenizer_dir else []
     # what the rows and the model are made of, fingerprinted before it is read (a change meanwhile reads as one): a
     # resume refuses any change since the run's start
-    prints = {"data_files": fingerprints(files), "tokenizer_files": fingerprints(token_files),
+    prints = {"data_files": fingerprints(files), "tokenizer_files": fingerprints(tokenizer_files),
               "model_files": fingerprints([Path(cfg.init_from) / "config.json"] if cfg.init_from else [])}
     tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
     model = init.shape if init else get_model_config(cfg.model)
@@ -91,11 +92,13 @@ def train(cfg: TrainConfig, log=print) -> int:
     # before the rows are made, each --seq tokens wide: a --seq this machine cannot hold is refused before its rows'
     # padding is allocated (the run's length, not known until they are, weighs nothing in it)
     planned = cfg.make_case(label, model_shape=init.shape if init else None, steps=1, warmup=0)
-    notes = preflight(planned)
-    rows = Rows(read_examples(files, tokenizer, cfg.train_on_prompt), cfg.seq, vocab, cfg.shuffle, cfg.seed, cfg.pack)
+    notes = [*(init.notes if init else ()), *preflight(planned)]
+    ignored = tuple(cfg.ignore_column)
+    rows = Rows(read_examples(files, tokenizer, cfg.train_on_prompt, "--data", ignored), cfg.seq, vocab, cfg.shuffle,
+                cfg.seed, cfg.pack)
     eval_rows = Rows(read_examples(data_files(cfg.eval_data, "--eval-data", cfg.eval_split), tokenizer,
-                                   cfg.train_on_prompt, "--eval-data"), cfg.seq, vocab, False, cfg.seed, cfg.pack,
-                     "--eval-data") \
+                                   cfg.train_on_prompt, "--eval-data", ignored), cfg.seq, vocab, False, cfg.seed,
+                     cfg.pack, "--eval-data") \
         if cfg.eval_data else None
     packs = any(bool((r.segments[:, :-1] != r.segments[:, :1]).any()) for r in (rows, eval_rows) if r is not None)
     if packs and (why := model.packing_refusal()):
@@ -128,24 +131,25 @@ def train(cfg: TrainConfig, log=print) -> int:
             run.close()
 
 
+INPUTS = (("data_files", "the data", "other rows at the recorded data position"),
+          ("tokenizer_files", "the tokenizer", "other tokens than the run trained on"),
+          ("model_files", "--init-from's config", "another model than the run's"))  # fingerprints a run records
+
+
 def _prepare(cfg: TrainConfig, run: RunDir, case, total: int, log, prints: dict) -> tuple:
     """(start step, checkpoint resumed from or None, its trainer.json, export only, run id): a resumed run's
     leftovers recovered, what cannot run refused (training data or a tokenizer whose fingerprints `prints` differ
-    from the run's start's among them: held-out data may change), the run started in --out."""
+    from those recorded at the run's start, in run.json and in the checkpoint's trainer.json, among them: held-out
+    data may change), the run started in --out."""
     out = run.out
     resume_from, meta = None, {"step": 0, "data_rows_consumed": 0}
     if cfg.resume:
         recorded = run.recorded()
-        for key, what, why in (("data_files", "the data", "other rows at the recorded data position"),
-                               ("tokenizer_files", "the tokenizer", "other tokens than the run trained on"),
-                               ("model_files", "--init-from's config", "another model than the run's")):
-            if recorded.get(key) is not None and (change := fingerprint_change(recorded[key], prints[key])):
-                raise ValueError(f"--resume {out}: {what} changed: {change}; resuming would train {why}: restore "
-                                 "the file, or start a new run in another --out")
+        _check_inputs(recorded, prints, out, out / RUN_FILE)
         checkpoint.recover(out / "checkpoints")
         recover_dir(out / "hf")
         resume_from, meta = checkpoint.resume_point(out / "checkpoints", cfg.resume_fallback, log)
-        trust.check_trusted(resume_from, meta, system_spec(cfg.system).pickled, cfg.trust_checkpoint)
+        _check_resumed(cfg, out, recorded, resume_from, meta, prints)
     start = meta["step"]
     for note in schedule_notes(cfg, total, meta["total_steps"] if resume_from is not None else None):
         log(note)
@@ -157,9 +161,40 @@ def _prepare(cfg: TrainConfig, run: RunDir, case, total: int, log, prints: dict)
     export_bytes = case.model_config().num_params() * case.dtype_bytes  # the export keeps the compute dtype
     # The old export is deleted only once the new one is complete.
     checkpoint.check_disk(case, out, saves, cfg.keep, export_bytes * (1 + (out / "hf").exists()))
-    run_id = run.start(_settings(cfg), **prints)
+    run_id = run.start(_settings(cfg), meta.get("run_id"), **prints)  # a resume without run.json keeps its id
     _repair_metrics(out / "metrics.jsonl", start)
     return start, resume_from, meta, export_only, run_id
+
+
+def _check_resumed(cfg: TrainConfig, out: Path, recorded: dict, d: Path, meta: dict, prints: dict) -> None:
+    """Checkpoint d (its trainer.json `meta`) held to the resumed run, whose run.json is `recorded`: the state of its
+    system, trusted, of this run, and what it trains on unchanged since the run started, as run.json or trainer.json
+    records it (one must)."""
+    checkpoint.check_system(d, meta["files"], cfg.system,
+                            f"its trainer.json names --system {cfg.system} (edited, or copied from another run)")
+    trust.check_trusted(d, meta, system_spec(cfg.system).pickled, cfg.trust_checkpoint)
+    run_ids = (recorded.get("run_id"), meta.get("run_id"))
+    if None not in run_ids and run_ids[0] != run_ids[1]:
+        raise ValueError(f"--resume {out}: {d} is a checkpoint of run {run_ids[1]}, and {out / RUN_FILE} is of run "
+                         f"{run_ids[0]}: a checkpoint copied in from another run's directory; resume that run (to "
+                         "branch a run, copy its whole directory)")
+    _check_inputs(meta, prints, out, d / checkpoint.META_FILE)
+    if "data_files" not in recorded and "data_files" not in meta:
+        raise ValueError(f"--resume {out}: neither {out / RUN_FILE} nor {d / checkpoint.META_FILE} records what the "
+                         "run's data was (run.json deleted, and a checkpoint of an older megatrain), so a change since "
+                         "the run started could not be told: restore run.json, or start a new run in another --out")
+
+
+def _check_inputs(recorded: dict, prints: dict, out: Path, where: Path) -> None:
+    """Refuse a resume whose data, tokenizer or config.json fingerprints `prints` differ from those `recorded` (by
+    the file `where`, run.json or a checkpoint's trainer.json, where it records them)."""
+    for key, what, why in INPUTS:
+        if recorded.get(key) is not None and not fingerprints_record(recorded[key]):
+            raise ValueError(f"{where}: {key} is not what a run records (file names to their size, modification "
+                             "time and hash): it was edited; restore it, or start a new run in another --out")
+        if recorded.get(key) is not None and (change := fingerprint_change(recorded[key], prints[key])):
+            raise ValueError(f"--resume {out}: {what} changed: {change}; resuming would train {why}: restore "
+                             "the file, or start a new run in another --out")
 
 
 def _silent(line: str) -> None:
@@ -178,6 +213,7 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
         f"({rows.fill:.0%} data, the rest padding), {total} steps of {cfg.batch} x {cfg.seq}"
         + (f" over {ranks.world} ranks" if ranks.launched else ""))
     reporters.start(run_id, start, _settings(cfg))
+    identity = {"run_id": run_id, **prints}  # every checkpoint records the run and what it trains on
     system = build_system(case)
     progress = Progress(start, meta["data_rows_consumed"])
     handlers = {s: signal.signal(s, lambda signum, _: setattr(progress, "signal", signum))  # finish the step, save
@@ -194,7 +230,7 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
                                                                  "was cut short)" if export_only else ""))
         elif init is not None:
             system.load_weights(init.weights())
-        _run_steps(cfg, system, case, rows, eval_rows, progress, total, out, run_id, log, ranks, reporters)
+        _run_steps(cfg, system, case, rows, eval_rows, progress, total, out, identity, log, ranks, reporters)
         # a signal that reached any rank after the last step stops every rank alike
         progress.signal = ranks.agree(progress.signal)
         if progress.nonfinite_steps:  # the periodic save's rule: a state whose last step was not finite is kept nowhere
@@ -208,7 +244,7 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
         memory["host_peak_gib_trained"] = peak_host_rss_gib()
         if cfg.save and progress.step > start:
             t0 = time.perf_counter()
-            _save(cfg, system, out, progress, total, run_id)
+            _save(cfg, system, out, progress, total, identity)
             memory.update(save_s=time.perf_counter() - t0, host_peak_gib_saved=peak_host_rss_gib())
         if progress.signal:
             if progress.step == start:  # nothing trained since the start or the resumed checkpoint: nothing saved
@@ -247,7 +283,7 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
         system.close()
 
 
-def _run_steps(cfg, system, case, rows, eval_rows, progress: Progress, total, out, run_id, log: RunLog,
+def _run_steps(cfg, system, case, rows, eval_rows, progress: Progress, total, out, identity: dict, log: RunLog,
                ranks: Ranks, reporters: Reporters) -> None:
     flops_per_token = model_flops(case.model_config().active_params(), tokens=1)  # the records' 6NT
     first, bar = ranks.first, None
@@ -301,7 +337,7 @@ def _run_steps(cfg, system, case, rows, eval_rows, progress: Progress, total, ou
             log(f"step {step}/{total}: held-out loss {held_out['eval_loss']:.4f} over {held_out['eval_tokens']} "
                 "tokens")
         if cfg.save_every and step % cfg.save_every == 0 and step < total and finite:  # never a diverging state
-            _save(cfg, system, out, progress, total, run_id)
+            _save(cfg, system, out, progress, total, identity)
     if bar is not None:
         log.bar = None
         bar.close()
@@ -380,12 +416,14 @@ def _settings(cfg: TrainConfig) -> dict:
     return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in PER_INVOCATION}
 
 
-def _save(cfg: TrainConfig, system, out: Path, progress: Progress, total: int, run_id: str) -> Path | None:
+def _save(cfg: TrainConfig, system, out: Path, progress: Progress, total: int, identity: dict) -> Path | None:
+    """A checkpoint of the state at progress.step; its trainer.json also holds `identity` (the run's id and the
+    fingerprints of its inputs, which a resume checks whether run.json is there or not)."""
     if not distributed.current(cfg.device).first:  # every rank takes part, rank 0 writes the one copy of the state
         system.save_state(None)
         return None
     meta = {"step": progress.step, "total_steps": total, "data_rows_consumed": progress.rows_consumed,
-            "torch_rng": torch.get_rng_state().tolist(), "run_id": run_id, "train_config": _settings(cfg)}
+            "torch_rng": torch.get_rng_state().tolist(), **identity, "train_config": _settings(cfg)}
     with _writing(out / "checkpoints", progress, out):
         return checkpoint.save(out / "checkpoints", progress.step, system.save_state, meta, cfg.keep,
                                system_spec(cfg.system).pickled)
@@ -413,6 +451,7 @@ def export_checkpoint(weights, case: CaseConfig, hf_dir: Path, tokenizer_dir: st
         save_checkpoint(weights, case.model_config(), tmp, max_shard_bytes=EXPORT_SHARD_BYTES,
                         dtype=case.torch_dtype, source_config=source_config)
         for name, source in tokenizer_copies(tokenizer_dir).items():
+            (tmp / name).parent.mkdir(exist_ok=True)
             shutil.copy(source, tmp / name)
         (tmp / EXPORT_FILE).write_text(json.dumps(provenance) + "\n")
         _keep_others(hf_dir, tmp)
@@ -422,8 +461,11 @@ def tokenizer_copies(tokenizer_dir: str | None) -> dict[str, Path]:
     """The tokenizer files (TOKENIZER_FILES) an export copies from tokenizer_dir, by name, each where it leads: one
     whose link leads out of the directory is refused (megatrain.user_files.within), for the export publishes it, and
     so is one that is not a file (a folder, a named pipe), which the export could not copy."""
-    d = Path(tokenizer_dir) if tokenizer_dir else None
-    copies = {name: user_files.within(d, d / name) for name in TOKENIZER_FILES if d and (d / name).exists()}
+    if not tokenizer_dir:
+        return {}
+    d = Path(tokenizer_dir)
+    named = [name for name in token_files(d) if name.startswith(CHAT_TEMPLATES_DIR + "/")]
+    copies = {name: user_files.within(d, d / name) for name in [*TOKENIZER_FILES, *named] if (d / name).exists()}
     if odd := next((name for name, path in copies.items() if not path.is_file()), None):
         raise ValueError(f"{d / odd} is not a file (an export copies it from there): put the file there, or remove it")
     return copies
@@ -450,4 +492,5 @@ def not_exported(folder: Path) -> list[str]:
 
 def _exported(name: str) -> bool:
     """Whether an export writes (or replaces) the file `name` of its folder."""
-    return name in {"config.json", INDEX_FILE, EXPORT_FILE, *TOKENIZER_FILES} or name.endswith(".safetensors")
+    return name in {"config.json", INDEX_FILE, EXPORT_FILE, *TOKENIZER_FILES, CHAT_TEMPLATES_DIR} or \
+        name.endswith(".safetensors")

@@ -183,13 +183,13 @@ class RunDir:
             raise ValueError(f"{path} holds no run_id: start a new run in another --out")
         return record
 
-    def start(self, settings: dict, **facts) -> str:
+    def start(self, settings: dict, run_id: str | None = None, **facts) -> str:
         """The run's id: recorded in run.json by a new run (with its creation time, settings and `facts`), read on
-        resume."""
+        resume; a resumed run whose run.json is gone writes it again under run_id, its checkpoint's."""
         path = self.out / RUN_FILE
-        if not path.exists():  # a new run, or one from before run.json existed
+        if not path.exists():  # a new run, or a resumed one whose run.json is gone
             text = json.dumps(settings, sort_keys=True)
-            record = {"run_id": uuid.uuid4().hex, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            record = {"run_id": run_id or uuid.uuid4().hex, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                       "settings_sha256": hashlib.sha256(text.encode()).hexdigest(), "settings": settings, **facts}
             tmp = aside(path, "tmp")
             tmp.write_text(json.dumps(record, indent=1) + "\n")

@@ -241,3 +241,15 @@ def test_an_engine_loads_no_changed_state_and_no_pickle_another_user_saved(tmp_p
             (tmp_path / "state" / api.STATE_FILE).write_text(json.dumps({"files": files}))
             with pytest.raises(ValueError, match="engine_state.json: files must be an object of"):
                 engine.load(tmp_path / "state", trust_checkpoint=True)
+
+
+def test_an_engine_refuses_the_state_another_system_saved_naming_it(tmp_path):
+    settings = dict(seq=8, batch=4, lr=1e-3, device="cpu", dtype="float32")
+    for saver, loader, lacks in (("native", "megatrain", "no state.json"), ("megatrain", "native",
+                                                                            "no native_state.pt")):
+        with megatrain.Engine("tiny", system=saver, **settings) as engine:
+            engine.save(tmp_path / saver)
+        with megatrain.Engine("tiny", system=loader, **settings) as engine, \
+                pytest.raises(ValueError, match=f"^{tmp_path / saver} holds no {loader} state \\({lacks}; it holds "
+                                                f".*another system saved it; load it into an Engine of that system"):
+            engine.load(tmp_path / saver)

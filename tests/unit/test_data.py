@@ -113,6 +113,9 @@ def test_plain_text_documents_are_blank_line_separated(tmp_path, tokenizer_dir):
     path = tmp_path / "docs.txt"
     path.write_text("\n\n".join(DOCS) + "\n\n\n")
     assert [d.strip() for d in read_documents(path)] == DOCS
+    capitals = path.rename(tmp_path / "DOCS.TXT")
+    assert [d.strip() for d in read_documents(capitals)] == DOCS  # a .TXT file is text too
+    path = capitals.rename(path)
     jsonl = tmp_path / "docs.jsonl"
     write_jsonl(jsonl, [{"text": d} for d in DOCS])
     from_text = TextBatches(path, tokenizer_dir, batch=2, seq=4, vocab_size=64)

@@ -112,12 +112,27 @@ def test_no_hub_and_no_datasets_package_are_each_one_line(tmp_path, monkeypatch,
         "needs the datasets package: pip install 'megatrain[data]'"
 
 
-def test_a_folder_with_jsonl_files_stays_read_by_megatrain_beside_a_json_file(tmp_path):
+def test_a_folder_of_jsonl_files_and_a_dataset_is_refused_naming_what_it_would_not_train(tmp_path):
     folder = tmp_path / "data"
     folder.mkdir()
     _jsonl(folder / "rows.jsonl", FORMATS["input_ids"])
     (folder / "meta.json").write_text("{}")
-    assert data_files([str(folder)]) == [folder / "rows.jsonl"]
+    with pytest.raises(ValueError, match="holds meta.json, which it would not train"):
+        data_files([str(folder)])
+    datasets.Dataset.from_list(FORMATS["input_ids"]).save_to_disk(tmp_path / "saved")
+    _jsonl(tmp_path / "saved" / "extra.jsonl", FORMATS["input_ids"])  # beside a save_to_disk's files
+    with pytest.raises(ValueError, match="holds data-00000-of-00001.arrow, dataset_info.json, state.json, which it "
+                                         "would not train"):
+        data_files([str(tmp_path / "saved")])
+
+
+def test_a_dataset_row_reads_a_null_column_as_an_absent_one(tmp_path):
+    tok = chat_tokenizer(tmp_path / "tok")
+    lines = [FORMATS["text"][0], FORMATS["messages"][0], FORMATS["alpaca"][0]]
+    _jsonl(tmp_path / "mixed.json", lines)  # datasets gives each row every column, null where its line has none
+    expected = read_examples([_jsonl(tmp_path / "mixed.jsonl", lines)], tok, train_on_prompt=False)
+    got = read_examples(data_files([str(tmp_path / "mixed.json")]), tok, train_on_prompt=False)
+    assert [(e.ids, e.target) for e in got] == [(e.ids, e.target) for e in expected]
 
 
 def test_a_dataset_saved_without_rows_is_one_line(tmp_path, capsys):

@@ -224,6 +224,32 @@ def test_a_resume_refuses_data_that_changed_since_the_run_started(straight, tmp_
     assert _resume(out, "--steps", "3") == 0
 
 
+def test_a_resume_without_run_json_refuses_data_changed_since_the_run_started(straight, tmp_path, capsys):
+    init, data, _, _ = straight
+    mine, out, copied = tmp_path / "data.jsonl", tmp_path / "run", tmp_path / "copied"
+    shutil.copy(data, mine)
+    assert run_train(init, mine, out, steps=2, extra=SAVES) == 0
+    run_id = json.loads((out / "run.json").read_text())["run_id"]
+    (out / "run.json").unlink()
+    shutil.copytree(out / "checkpoints", copied / "checkpoints")  # a run's checkpoints alone, elsewhere
+    original, stat = mine.read_bytes(), mine.stat()
+    lines = original.splitlines(keepends=True)
+    mine.write_bytes(lines[1] + lines[0] + b"".join(lines[2:]))
+    for run in (out, copied):  # each checkpoint records what the run trained on
+        assert _resume(run, "--steps", "3") == 2
+        assert f"the data changed: {mine} holds other bytes than when the run started" in _error(capsys)
+    meta_file = copied / "checkpoints" / "step-2" / "trainer.json"
+    older = {k: v for k, v in json.loads(meta_file.read_text()).items() if not k.endswith("_files")}
+    meta_file.write_text(json.dumps(older))  # as an older megatrain wrote it, and no run.json beside it
+    assert _resume(copied, "--steps", "3") == 2
+    assert "records what the run's data was (run.json deleted, and a checkpoint of an older megatrain)" in \
+        _error(capsys)
+    mine.write_bytes(original)
+    os.utime(mine, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert _resume(out, "--steps", "3") == 0
+    assert json.loads((out / "run.json").read_text())["run_id"] == run_id  # written again, under the run's id
+
+
 def test_a_resume_refuses_a_tokenizer_changed_since_the_run_started(tmp_path, capsys):
     tok, data, out = tmp_path / "tok", tmp_path / "text.jsonl", tmp_path / "run"
     chat_tokenizer(tok)
@@ -234,6 +260,41 @@ def test_a_resume_refuses_a_tokenizer_changed_since_the_run_started(tmp_path, ca
     config.write_text(json.dumps({**json.loads(config.read_text()), "eos_token": "<|im_end|>"}))  # every row's EOS
     assert _resume(out, "--steps", "2") == 2
     assert f"the tokenizer changed: {config.resolve()} holds" in _error(capsys)
+
+
+def test_a_resume_refuses_a_checkpoint_of_another_run_and_an_edited_record_of_its_data(straight, tmp_path, capsys):
+    init, data, _, _ = straight
+    a, b = tmp_path / "a", tmp_path / "b"
+    for out in (a, b):
+        assert run_train(init, data, out, steps=2, extra=SAVES) == 0
+    shutil.rmtree(b / "checkpoints")
+    shutil.copytree(a / "checkpoints", b / "checkpoints")  # the same data: only the run ids tell them apart
+    assert _resume(b, "--steps", "3") == 2
+    run_a = json.loads((a / "run.json").read_text())["run_id"]
+    assert f"step-2 is a checkpoint of run {run_a}, and {b / 'run.json'} is of run " in _error(capsys)
+    meta_file = a / "checkpoints" / "step-2" / "trainer.json"
+    meta = json.loads(meta_file.read_text())
+    meta_file.write_text(json.dumps({**meta, "data_files": {name: 5 for name in meta["data_files"]}}))
+    assert _resume(a, "--steps", "3") == 2
+    assert _error(capsys) == f"error: {meta_file}: data_files is not what a run records (file names to their size, " \
+        "modification time and hash): it was edited; restore it, or start a new run in another --out"
+
+
+def test_a_named_chat_template_is_fingerprinted_and_exported(tmp_path, capsys):
+    tok, data, out = tmp_path / "tok", tmp_path / "chat.jsonl", tmp_path / "run"
+    chat_tokenizer(tok)
+    named = tok / "additional_chat_templates" / "default.jinja"  # where transformers reads a template named default
+    named.parent.mkdir()
+    (tok / "chat_template.jinja").rename(named)
+    turns = [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3 w4 w5"}]
+    data.write_text("".join(json.dumps({"messages": turns}) + "\n" for _ in range(4)))
+    assert main(["train", "--model", "tiny", "--tokenizer", str(tok), "--data", str(data), "--seq", "8", "--batch",
+                 "2", "--steps", "1", "--out", str(out)]) == 0
+    exported = transformers.AutoTokenizer.from_pretrained(out / "hf", local_files_only=True)
+    assert exported.chat_template == named.read_text()
+    named.write_text(named.read_text().replace("<|im_end|>\n", "<|im_end|>"))
+    assert _resume(out, "--steps", "2") == 2
+    assert f"the tokenizer changed: {named.resolve()} holds" in _error(capsys)
 
 
 def test_a_resume_refuses_an_init_from_config_changed_since_the_run_started(straight, tmp_path, capsys):

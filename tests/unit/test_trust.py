@@ -108,6 +108,20 @@ def test_a_checkpoint_cannot_grant_itself_trust_checkpoint(files, tmp_path, pick
     assert "step-2/native_state.pt is a pickle" in _error(capsys)
 
 
+def test_a_checkpoint_whose_trainer_json_names_another_system_is_refused_naming_it(files, tmp_path, capsys):
+    init, data = files
+    out = tmp_path / "run"
+    assert run_train(init, data, out, steps=2) == 0
+    meta = out / "checkpoints" / "step-2" / "trainer.json"
+    forged = json.loads(meta.read_text())
+    forged["train_config"]["system"] = "native"  # not a pickle format: no signature to break
+    meta.write_text(json.dumps(forged))
+    assert main(["train", "--resume", str(out), "--steps", "3"]) == 2
+    assert _error(capsys) == f"error: {meta.parent} holds no native state (no native_state.pt; it holds state.json, " \
+        "tiles.bin): another system saved it; its trainer.json names --system native (edited, or copied from another " \
+        "run)"
+
+
 def test_a_pickle_swapped_in_with_its_checksum_recomputed_is_refused(files, tmp_path, pickling, capsys):
     init, data = files
     out = tmp_path / "run"
@@ -303,3 +317,32 @@ def test_deepspeed_and_fsdp_load_the_pickles_checked_not_ones_swapped_in_after_t
     assert not marker.exists(), "the swapped pickle ran"
     assert swapped.returncode == 2, swapped.stderr[-3000:]
     assert "changed after the checkpoint's checksums were checked" in swapped.stderr.splitlines()[-1]
+
+
+RESEALED = f"""
+import json, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from pathlib import Path
+from megatrain.cli import main
+from megatrain.train import checkpoint
+
+d = Path(sys.argv[1]) / "checkpoints" / "step-1"
+(d / "fsdp" / ".metadata").write_bytes((d / "fsdp" / ".metadata").read_bytes()[:100])  # another, cut short
+meta = json.loads((d / "trainer.json").read_text())
+meta["files"] = checkpoint.checksums(d, list(meta["files"]))  # its checksums made again, as by whoever swapped it
+(d / "trainer.json").write_text(json.dumps(meta))
+sys.exit(main(["train", "--resume", sys.argv[1], "--steps", "2", "--trust-checkpoint"]))
+"""
+
+
+@pytest.mark.subprocess
+def test_an_fsdp_metadata_file_dcp_cannot_read_is_one_line(files, tmp_path):
+    init, data = files
+    out = tmp_path / "run"
+    assert train_any("fsdp", init, data, out, steps=1) == 0
+    resumed = python_process(RESEALED, str(out))
+    assert resumed.returncode == 2 and "Traceback" not in resumed.stderr, resumed.stderr[-3000:]
+    assert resumed.stderr.splitlines()[-1].startswith(f"error: {out / 'checkpoints' / 'step-1' / 'fsdp'}: "
+                                                      "torch.distributed.checkpoint cannot load it into this model "
+                                                      "(AssertionError: metadata is None; global metadata read "
+                                                      "failed: pickle data was truncated")

@@ -57,6 +57,11 @@ class GenericConfig(HeadSizes):
         """Build the meta-device model and run its forward preamble once: a ValueError names why the generic path
         cannot stream it (megatrain.models.generic.skeleton). Returns self."""
         layout(self.hf_json)
+        key = next((k for k in TOP_K_KEYS if self.hf.get(k) is not None), None)
+        # more than a layer has fails in transformers' top-k at step 1; none trains no expert, and 0 reads as "all"
+        if self.is_moe and key is not None and not 1 <= self.hf[key] <= self.num_experts:
+            raise ValueError(f"config.json {key}={self.hf[key]} must be from 1 to the experts a layer has "
+                             f"({self.num_experts}): the experts each token is routed to")
         return self
 
     @property

@@ -13,6 +13,7 @@ class, from the weights by name, with the config.json the model was read from.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from megatrain.models.generic.config import GenericConfig
 from megatrain.models.generic.skeleton import build_causal_lm, transformers_config
 from megatrain.models.safetensors_files import Stored
 from megatrain.models.weights import named_weights, persistent_buffers
+
+EXPERT_KEY = re.compile(r"(.*\.experts\.)(\d+)\.(.+)")  # a routed expert's tensor stored one expert per key
 
 
 def check_weights(cfg: GenericConfig, path: Path, stored: Stored) -> None:
@@ -37,12 +40,51 @@ def check_weights(cfg: GenericConfig, path: Path, stored: Stored) -> None:
         if key in expected and stored[key].shape != expected[key]:
             raise ValueError(f"{stored[key].file}: {key} has shape {stored[key].shape}, the config implies "
                              f"{expected[key]}")
+    _check_experts(cfg, stored)
     ignored = {cfg.layout.head_weight_name} if cfg.tie_embeddings else set()
     if all(key in expected or key in ignored or key.endswith("rotary_emb.inv_freq") for key in stored):
         # stored under the model's own names: nothing is renamed, so what is not there is missing
         if missing := sorted(expected.keys() - stored.keys()):
             raise ValueError(f"the checkpoint lacks tensor {missing[0]!r}" + (f" ({len(missing) - 1} more)"
                                                                               if len(missing) > 1 else ""))
+
+
+def _check_experts(cfg: GenericConfig, stored: Stored) -> None:
+    """Experts stored one per key (`...experts.N.NAME`, as Mixtral publishes them, which transformers stacks into one
+    tensor as it loads): under each prefix, every expert of the config's count (a layer's routed experts) with the
+    same names, each name of one shape. ValueError naming the first tensor missing, extra or misshapen."""
+    groups: dict[str, dict[str, dict[int, str]]] = {}  # prefix -> name -> expert -> key
+    for key in stored:
+        if found := EXPERT_KEY.fullmatch(key):
+            groups.setdefault(found[1], {}).setdefault(found[3], {})[int(found[2])] = key
+    counts = sorted(set(cfg.layout.experts) - {0})
+    for prefix, names in sorted(groups.items()):
+        experts = sorted(set().union(*names.values()))
+        if experts != list(range(len(experts))) or len(experts) not in counts:
+            raise ValueError(f"the checkpoint stores experts {_spans(experts)} under {prefix}N, and the config's "
+                             f"layers have {' or '.join(map(str, counts))} experts (0 to "
+                             f"{counts[-1] - 1 if counts else -1})")
+        for name, keys in sorted(names.items()):
+            if missing := [e for e in experts if e not in keys]:
+                raise ValueError(f"the checkpoint lacks tensor {prefix}{missing[0]}.{name}, which the other experts "
+                                 "under it have")
+            shapes = [stored[keys[e]].shape for e in experts]
+            common = max(set(shapes), key=shapes.count)
+            odd = next((e for e in experts if shapes[e] != common), None)
+            if odd is not None:
+                raise ValueError(f"{stored[keys[odd]].file}: {keys[odd]} has shape {shapes[odd]}, the other experts' "
+                                 f"{name} {common}")
+
+
+def _spans(numbers: list[int]) -> str:
+    """0-2, 4 of [0, 1, 2, 4]."""
+    spans: list[list[int]] = []
+    for n in numbers:
+        if spans and n == spans[-1][-1] + 1:
+            spans[-1].append(n)
+        else:
+            spans.append([n])
+    return ", ".join(f"{s[0]}-{s[-1]}" if len(s) > 1 else str(s[0]) for s in spans)
 
 
 def read_weights(cfg: GenericConfig, path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -52,9 +94,13 @@ def read_weights(cfg: GenericConfig, path: Path) -> Iterator[tuple[str, torch.Te
     from transformers import AutoModelForCausalLM
 
     with _quiet():
-        model, report = AutoModelForCausalLM.from_pretrained(
-            path, config=transformers_config(cfg), dtype="auto", use_safetensors=True, output_loading_info=True,
-            ignore_mismatched_sizes=True)  # reported below, rather than raised as a RuntimeError
+        try:
+            model, report = AutoModelForCausalLM.from_pretrained(
+                path, config=transformers_config(cfg), dtype="auto", use_safetensors=True, output_loading_info=True,
+                ignore_mismatched_sizes=True)  # reported below, rather than raised as a RuntimeError
+        except RuntimeError as exc:  # what its conversion of the stored tensors to its modules could not do
+            raise ValueError(f"{path}: transformers cannot load the checkpoint's tensors into its model "
+                             f"({str(exc).splitlines()[0]})") from None
     problems = [f"lacks tensor {key!r}" for key in sorted(report.get("missing_keys") or ())]
     problems += [f"holds tensor {key!r}, which the model does not have" for key in
                  sorted(report.get("unexpected_keys") or ())]
