@@ -32,6 +32,7 @@ from megatrain.models.generic import GenericConfig  # noqa: E402
 from megatrain.models.generic.module import GenericCausalLM  # noqa: E402
 from megatrain.models.init import init_module  # noqa: E402
 from megatrain.models.loss import IGNORE_INDEX  # noqa: E402
+from megatrain.models.weights import named_weights  # noqa: E402
 from megatrain.train.data import Example, Rows  # noqa: E402
 
 
@@ -52,15 +53,21 @@ def generic_model(kind: str, path, **extra):
 # DeepSpeed and FSDP2 train transformers' module through one wrapper (GenericCausalLM) whatever the family, which
 # megatrain and native check with every family: they check it with one of each structure (dense with sliding layers
 # and a tied head; MLA over experts with a router's buffer; linear and full attention over experts; state crossing
-# layers, checkpointed per layer: gemma4)
-OFFLOAD_GENERIC_KINDS = ("gemma3", "deepseek_v3", "qwen3_next", "gemma4")
+# layers, checkpointed per layer: gemma4; keys equal to values on full layers of their own width, over experts beside
+# the MLP: gemma4_26b_a4b)
+OFFLOAD_GENERIC_KINDS = ("gemma3", "deepseek_v3", "qwen3_next", "gemma4", "gemma4_26b_a4b")
 # a family whose tiny training amplifies rounding (a token routed to another expert of a near tie) so fast that it
-# leaves 1e-5 before step 10 is compared over the steps before (Gemma 4 over experts: 6e-6 at step 5, 2e-5 at 10)
-SHORT, SHORT_STEPS = ("gemma4_moe",), 5
+# leaves 1e-5 before step 10 is compared over the steps before (Gemma 4 over experts: 6e-6 at step 5, 2e-5 at 10;
+# with its large checkpoints' switches, DeepSpeed's and FSDP2's sums in their own order: 4e-4 at step 10)
+SHORT, SHORT_STEPS = ("gemma4_moe", "gemma4_26b_a4b"), 5
+# and where transformers' own eager and sdpa attention part by more than 1e-5 within those steps (Gemma 4's large
+# checkpoints' switches: by 2e-5 at step 6 dense, 4e-5 at step 5 over experts), the reference runs sdpa, the
+# attention every system here runs (the engine, native and FSDP2 within 5e-7 of it over 10 steps dense)
+SDPA_REFERENCE = ("gemma4_31b", "gemma4_26b_a4b")
 # and one whose logits move far for a small change of weight (Gemma 4's unscaled attention over normed queries and
 # keys: Adam's first update of a near-zero gradient, lr either way on rounding, moves its logits by 3e-4, native's
 # alike) has its export's logits compared at 1e-2 (a lost tensor moves them by ~1)
-ROUGH_LOGITS = ("gemma4", "gemma4_moe")
+ROUGH_LOGITS = ("gemma4", "gemma4_moe", "gemma4_31b", "gemma4_26b_a4b")
 
 
 def _cases():
@@ -77,7 +84,8 @@ def test_train_matches_transformers_and_the_export_reloads_with_its_logits(tmp_p
     data = pretokenized(tmp_path / "data.jsonl")
     steps = SHORT_STEPS if kind in SHORT else STEPS
     assert train_any(system, init, data, tmp_path / "run", steps=steps) == 0
-    ref_losses, ref_model = reference_training(init, data, steps=steps)
+    ref_losses, ref_model = reference_training(init, data, attn="sdpa" if kind in SDPA_REFERENCE else "eager",
+                                               steps=steps)
     ours = [m for m in metrics(tmp_path / "run") if "loss" in m]
     assert [m["step"] for m in ours] == list(range(1, steps + 1))
     torch.testing.assert_close(torch.tensor([m["loss"] for m in ours]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
@@ -248,7 +256,7 @@ CROSSING_PLANS = {
 
 @pytest.mark.parametrize("micro_batch", [1, 2])
 @pytest.mark.parametrize("plan", CROSSING_PLANS)
-@pytest.mark.parametrize("kind", ["gemma4", "gemma4_moe", "gemma4_unified"])
+@pytest.mark.parametrize("kind", ["gemma4", "gemma4_moe", "gemma4_unified", "gemma4_31b", "gemma4_26b_a4b"])
 def test_state_crossing_layers_has_transformers_gradient_for_every_weight(kind, plan, micro_batch):
     """One engine step's loss and gradients (the host's, and a resident unit's on its device) against
     transformers', weight by weight: a gradient that missed a crossing (the per-layer table's, a KV publisher's from
@@ -266,7 +274,7 @@ def test_state_crossing_layers_has_transformers_gradient_for_every_weight(kind, 
                                           optim=OptimConfig(max_grad_norm=0),  # gradients left as computed
                                           options=MegaTrainOptions(**CROSSING_PLANS[plan])))
     try:
-        engine.load_weights((n, p.detach()) for n, p in reference.state_dict().items())
+        engine.load_weights((n, p.detach()) for n, p in named_weights(reference).items())  # a tied head once
         loss = engine.step(x, y)
         store, resident = engine.store, engine.schedule.resident
         grads = {slot.name: unit.view(resident[unit.index].grad if unit.index in resident else
@@ -308,13 +316,15 @@ def test_state_crossing_layers_keeps_the_model_causal(kind):
     assert losses[0] == losses[1] != losses[2]  # the same to the bit; and an earlier token changes it
 
 
-def test_gemma4_runs_through_bench_and_the_python_api(tmp_path, capfd):
-    """bench --model CHECKPOINT and megatrain.Engine reach the same program: the Engine's losses are train's."""
+@pytest.mark.parametrize("kind", ["gemma4", "gemma4_26b_a4b"])
+def test_gemma4_runs_through_bench_and_the_python_api(tmp_path, capfd, kind):
+    """bench --model CHECKPOINT and megatrain.Engine reach the same program: the Engine's losses are train's (the
+    E-sizes' state crossing layers; the large checkpoints' k=v full layers and experts beside the MLP)."""
     from train_helpers import BATCH, BETAS, EPS, LR, SEQ, WD
 
     import megatrain
 
-    init = generic_model("gemma4", tmp_path / "init")
+    init = generic_model(kind, tmp_path / "init")
     assert main(["bench", "--system", "megatrain", "--model", str(init), "--batch", "2", "--seq", "16", "--steps",
                  "2", "--json"]) == 0
     record = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
