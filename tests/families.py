@@ -77,10 +77,18 @@ def _gemma4(kind: str, shape: dict) -> transformers.PretrainedConfig:
                 "layer_types": ["sliding_attention", "full_attention"] * 2, "num_kv_shared_layers": 2,
                 "initializer_range": 0.1}
     settings = {**settings, **shape, "num_hidden_layers": 4}  # what the caller gives wins, but the depth
+    if kind in ("gemma4_31b", "gemma4_26b_a4b"):
+        # the large checkpoints' switches as published (transformers' convert_gemma4_weights.py), over the caller's
+        # too: no per-layer inputs, no shared KV, keys equal to values on the full layers with their own head width
+        # (32, the sliding layers' 16) and KV heads (1, theirs 2), softcapped logits, a tied head; 26B-A4B: experts
+        # beside the MLP
+        settings.update(hidden_size_per_layer_input=0, num_kv_shared_layers=0, global_head_dim=32,
+                        attention_k_eq_v=True, num_global_key_value_heads=1, final_logit_softcapping=30.0,
+                        use_bidirectional_attention="vision", tie_word_embeddings=True)
     if kind == "gemma4_unified":
         return transformers.Gemma4UnifiedTextConfig(**settings)
     moe = dict(enable_moe_block=True, num_experts=EXPERTS, top_k_experts=TOP_K, moe_intermediate_size=32)
-    return transformers.Gemma4TextConfig(**settings, **(moe if kind == "gemma4_moe" else {}))
+    return transformers.Gemma4TextConfig(**settings, **(moe if kind in ("gemma4_moe", "gemma4_26b_a4b") else {}))
 
 
 # Families only the generic path trains (transformers' own modules, megatrain.models.generic), each at the tiny shape
@@ -89,9 +97,10 @@ def _gemma4(kind: str, shape: dict) -> transformers.PretrainedConfig:
 # over experts (qwen3_next), chunked and full attention, one expert and a shared one (llama4), q/k norms after the
 # projections (olmo2), embedding, residual, attention and logit multipliers (granite); state crossing layers: per-layer
 # inputs and the last two layers reading the first two's keys and values (gemma4, over experts beside the MLP:
-# gemma4_moe; gemma4_unified).
+# gemma4_moe; gemma4_unified); Gemma 4's large checkpoints, none of that but keys equal to values on full layers of
+# their own width (gemma4_31b, over experts beside the MLP: gemma4_26b_a4b).
 GENERIC_KINDS = ("gemma3", "mixtral", "phi3", "deepseek_v3", "qwen3_next", "llama4", "glm4_moe", "olmo2", "granite",
-                 "gemma4", "gemma4_moe", "gemma4_unified")
+                 "gemma4", "gemma4_moe", "gemma4_unified", "gemma4_31b", "gemma4_26b_a4b")
 # configs whose training draws random numbers (dropout, jitter): every system against transformers in train mode
 RANDOM_KINDS = ("seed_oss", "phi3-dropout", "qwen2-dropout", "mixtral-jitter")
 

@@ -32,8 +32,10 @@ def model_flops(num_params: int, tokens: int) -> float:
 
 def attention_flops_per_seq(cfg: ModelShape, seq: int) -> float:
     """Forward attention FLOPs of one sequence over all layers: QK^T and PV over the pairs each layer attends
-    (cfg.attended_pairs: a generic model's linear-attention layers count none)."""
-    return sum(2 * 2.0 * cfg.attended_pairs(n, seq) * cfg.num_heads * cfg.head_dim for n in range(cfg.num_layers))
+    (cfg.attended_pairs: a generic model's linear-attention layers count none), at each layer's head width (Gemma 4's
+    full layers: 512 beside the sliding layers' 256)."""
+    return sum(2 * 2.0 * cfg.attended_pairs(n, seq) * cfg.num_heads * cfg.layer_head_dim(n)
+               for n in range(cfg.num_layers))
 
 
 def hardware_flops(cfg: ModelShape, batch: int, seq: int, recompute: bool = True, extra_layer_forwards: int = 0

@@ -128,6 +128,15 @@ MODELS: dict[str, ModelConfig] = {
 # path trains (their config.json files as released: Gemma-3-27B's text config, Qwen3-Next-80B-A3B, DeepSeek-V2-Lite).
 _TINY_HF = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, tie_word_embeddings=False)
+_GEMMA4_LAYERS = ["sliding_attention"] * 5 + ["full_attention"]
+_GEMMA4_LARGE = dict(model_type="gemma4_text", vocab_size=262144, head_dim=256, global_head_dim=512,
+                     attention_k_eq_v=True, hidden_size_per_layer_input=0, num_kv_shared_layers=0, sliding_window=1024,
+                     final_logit_softcapping=30.0, use_bidirectional_attention="vision",
+                     hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, max_position_embeddings=262144,
+                     tie_word_embeddings=True, rope_parameters={
+                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                            "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
 HF_CONFIGS: dict[str, dict] = {
     # the generic path's three kinds at the tiny size (the GPU suite's): dense with sliding layers and softcapped
     # logits, MLA with shared and routed experts after a dense layer, linear and full attention over experts
@@ -155,6 +164,15 @@ HF_CONFIGS: dict[str, dict] = {
                                layer_types=["sliding_attention", "full_attention"] * 2, initializer_range=0.1,
                                tie_word_embeddings=True, enable_moe_block=True, num_experts=4, top_k_experts=2,
                                moe_intermediate_size=32),
+    # Gemma 4's large checkpoints' switches at the tiny size (the CPU tests' gemma4_26b_a4b, tests/families.py): no
+    # per-layer inputs, no shared KV, keys equal to values on the full layers with their own head width (32) and KV
+    # heads (1), softcapped logits, experts beside the MLP
+    "tiny-hf-gemma4-26b-a4b": dict(_TINY_HF, model_type="gemma4_text", sliding_window=64,
+                                   layer_types=["sliding_attention", "full_attention"] * 2, initializer_range=0.1,
+                                   hidden_size_per_layer_input=0, num_kv_shared_layers=0, global_head_dim=32,
+                                   attention_k_eq_v=True, num_global_key_value_heads=1, final_logit_softcapping=30.0,
+                                   use_bidirectional_attention="vision", tie_word_embeddings=True,
+                                   enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),
     "llama3.1-8b-hf": config_to_hf(MODELS["llama3.1-8b"]),
     "qwen3-8b-hf": config_to_hf(MODELS["qwen3-8b"]),
     "gemma-3-27b": dict(model_type="gemma3_text", vocab_size=262208, hidden_size=5376, intermediate_size=21504,
@@ -190,6 +208,19 @@ HF_CONFIGS: dict[str, dict] = {
                         sliding_window=512, layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 7,
                         num_kv_shared_layers=18, rms_norm_eps=1e-6, max_position_embeddings=131072,
                         tie_word_embeddings=True),
+    # Gemma 4's large checkpoints (google/gemma-4-31B and google/gemma-4-26B-A4B; their -it twins share the text
+    # config) as transformers' convert_gemma4_weights.py sets them, the rest at Gemma4TextConfig's defaults as their
+    # config.json has them: a 262k tied vocabulary, sliding heads of 256 and full ones of 512, 5 sliding layers
+    # (1024-token window) to 1 full, no per-layer inputs and no shared KV, keys equal to values on the full layers
+    # (their own KV heads), logits softcapped at 30. 31B: 60 dense layers of 5376; 26B-A4B: 30 layers of 2816, each
+    # a 2112 GELU MLP beside 128 experts of 704 (top 8). A cut's last layer is full (transformers' config makes it so)
+    "gemma-4-31b": dict(_GEMMA4_LARGE, hidden_size=5376, intermediate_size=21504, num_hidden_layers=60,
+                        num_attention_heads=32, num_key_value_heads=16, num_global_key_value_heads=4,
+                        layer_types=_GEMMA4_LAYERS * 10),
+    "gemma-4-26b-a4b": dict(_GEMMA4_LARGE, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,
+                            num_attention_heads=16, num_key_value_heads=8, num_global_key_value_heads=2,
+                            layer_types=_GEMMA4_LAYERS * 5, enable_moe_block=True, num_experts=128, top_k_experts=8,
+                            moe_intermediate_size=704),
     "deepseek-v2-lite": dict(model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
                              moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
                              num_key_value_heads=16, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,

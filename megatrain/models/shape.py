@@ -71,6 +71,9 @@ class ModelShape(Protocol):
     @property
     def kv_size(self) -> int: ...
 
+    def layer_head_dim(self, layer: int) -> int:
+        """Decoder layer `layer`'s attention head width (head_dim, where a config gives some layers their own)."""
+
     @property
     def max_seq_len(self) -> int:
         """The context the shape is published for (config.json's max_position_embeddings)."""
@@ -168,3 +171,6 @@ class HeadSizes:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def layer_head_dim(self, layer: int) -> int:
+        return self.head_dim

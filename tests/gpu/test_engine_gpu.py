@@ -14,7 +14,7 @@ about 4 more), every check recorded where MEGATRAIN_GPU_CHECKS names a file:
 3. PyTorch's CUDA stream sanitizer (TORCH_CUDA_SANITIZER=1, in a subprocess) over a few steps of every option, bf16,
    both precisions, eager (it sees only kernels launched through the dispatcher, not Inductor's; sliding windows
    through dense masks, as it cannot dispatch FlexAttention).
-4. bf16 loss curves on a repeated batch, seven shapes: per step within 3x native's own run-to-run spread plus 1% of
+4. bf16 loss curves on a repeated batch, eleven shapes: per step within 3x native's own run-to-run spread plus 1% of
    the loss (and 1e-4: a batch learnt by heart), in both precisions and every option; the loss never rises where
    native's falls. Where native repeats itself bit for bit, and for a mixture always, its spread is also measured as
    in 1: the same run with its gradient sums in another order; a step's spread is at least the largest share of the
@@ -97,13 +97,19 @@ FP32_SETS = {
     "generic-cross-layer-moe": ({"model": "tiny-hf-gemma4-moe"}, {}),
     "generic-cross-layer-offload-recompute-resident": ({"model": "tiny-hf-gemma4"}, {
         "offload_activations": 1, "recompute_inputs": 1, "resident_layers": 1}),
+    # Gemma 4's large checkpoints' switches (31B, 26B-A4B): keys equal to values on the full layers, of their own head
+    # width and KV heads, no per-layer inputs, experts beside the MLP
+    "generic-gemma4-large": ({"model": "tiny-hf-gemma4-26b-a4b"}, {}),
+    "generic-gemma4-large-offload-recompute-resident": ({"model": "tiny-hf-gemma4-26b-a4b"}, {
+        "offload_activations": 1, "recompute_inputs": 1, "resident_layers": 1}),
 }
 NOISE_MODEL = {"tiny-hf-seed-oss": "tiny-hf-seed-oss-no-dropout"}  # whose rounding noise a model that draws has
 STRESS_SETS = ["compiled", "tied", "resident-embedding-2-layers", "offload-activations", "offload-first-2-layers",
                "offload-mlp-chunks-1-resident-eager", "recompute-2-inputs", "recompute-1-offload-1-tied", "moe",
                "gpt-oss-offload-recompute", "generic-dense", "generic-mla-moe", "generic-hybrid",
                "generic-hybrid-offload-recompute-resident", "generic-dropout-offload-recompute-resident",
-               "generic-cross-layer", "generic-cross-layer-offload-recompute-resident", "one-weight-slot"]
+               "generic-cross-layer", "generic-cross-layer-offload-recompute-resident", "generic-gemma4-large",
+               "generic-gemma4-large-offload-recompute-resident", "one-weight-slot"]
 STRESS_SEEDS = [1, 2, 3]
 _runs: dict[str, tuple] = {}
 
@@ -263,6 +269,7 @@ SANITIZER_SETS = {
     "generic-hybrid": ({"model": "tiny-hf-qwen3-next"}, {"offload_activations": 1}),
     "generic-dropout": ({"model": "tiny-hf-seed-oss"}, {"offload_activations": 1, "recompute_inputs": 1}),
     "generic-cross-layer": ({"model": "tiny-hf-gemma4"}, {"offload_activations": 1, "recompute_inputs": 1}),
+    "generic-gemma4-large": ({"model": "tiny-hf-gemma4-26b-a4b"}, {"offload_activations": 1, "recompute_inputs": 1}),
 }
 _SANITIZED_RUNS = """
 import json, sys
@@ -320,9 +327,15 @@ CURVE_SHAPES = {
     # Gemma-4-E4B's layers, 12 of its 42 (5 sliding to 1 full), the last 5 reusing layers 5's and 6's keys and values,
     # per-layer inputs from its 262k table: the state crossing layers at its published width
     "gemma-4-e4b-12l-b4-s1024": dict(model="gemma-4-e4b", num_layers=12, batch=4, seq=1024),
+    # Gemma-4-31B's and 26B-A4B's layers at their published widths, cut to 4 and 3 (the suite's speed depths): keys
+    # equal to values on the last, full layer (Gemma 4 makes a cut's last layer full) with its 512-wide heads, no
+    # per-layer inputs; 26B-A4B's 128 experts (top 8) beside each layer's MLP
+    "gemma-4-31b-4l-b4-s1024": dict(model="gemma-4-31b", num_layers=4, batch=4, seq=1024),
+    "gemma-4-26b-a4b-3l-b4-s1024": dict(model="gemma-4-26b-a4b", num_layers=3, batch=4, seq=1024),
 }
 HEAVY_SHAPES = {"llama3.1-8b-4l-b4-s1024", "gpt-oss-20b-2l-b4-s1024", "gemma-3-27b-2l-b4-s1024",
-                "deepseek-v2-lite-2l-b4-s1024", "seed-oss-36b-4l-b4-s1024", "gemma-4-e4b-12l-b4-s1024"}
+                "deepseek-v2-lite-2l-b4-s1024", "seed-oss-36b-4l-b4-s1024", "gemma-4-e4b-12l-b4-s1024",
+                "gemma-4-31b-4l-b4-s1024", "gemma-4-26b-a4b-3l-b4-s1024"}
 # the long-context options together: 8 of 28 inputs recomputed, the next 8 offloaded, SwiGLU in 4k-token chunks
 LONG_CONTEXT = {"recompute_inputs": 8, "offload_activations": 8, "mlp_chunk_tokens": 4096}
 # name -> (precision, case fields over the shape, engine options over STREAMED); compiled unless a set says not
@@ -354,7 +367,8 @@ CURVE_CASES = [("qwen2.5-0.5b-b8-s1024", name) for name in CURVE_SETS if "long-c
     ("gpt-oss-20b-2l-b4-s1024", name) for name in ("mixed", "bf16", "bf16-offload-stress")] + [
     (shape, name) for shape in ("gemma-3-27b-2l-b4-s1024", "deepseek-v2-lite-2l-b4-s1024")
     for name in ("mixed", "bf16", "bf16-offload-stress")] + [("seed-oss-36b-4l-b4-s1024", "bf16-eager")] + [
-    ("gemma-4-e4b-12l-b4-s1024", name) for name in ("bf16", "bf16-offload-stress")]
+    (shape, name) for shape in ("gemma-4-e4b-12l-b4-s1024", "gemma-4-31b-4l-b4-s1024", "gemma-4-26b-a4b-3l-b4-s1024")
+    for name in ("bf16", "bf16-offload-stress")]
 # The curve a shape's mixed precision follows where native's autocast computes something else: a mixture's top-k
 # routing is discontinuous, so a router logit rounded another way sends a token to another expert. Native's mixed
 # precision (fp32 parameters under autocast) keeps the residual stream, the norms and GPT-OSS's sinks in fp32; the
@@ -368,7 +382,7 @@ CURVE_CASES = [("qwen2.5-0.5b-b8-s1024", name) for name in CURVE_SETS if "long-c
 # from step 6, a mixture's routing as GPT-OSS's; run-3acc8a8).
 MIXED_REFERENCE = {"gpt-oss-20b-2l-b4-s1024": "fsdp", "gemma-3-27b-2l-b4-s1024": "fsdp",
                    "deepseek-v2-lite-2l-b4-s1024": "fsdp"}
-MIXTURES = {"gpt-oss-20b-2l-b4-s1024", "deepseek-v2-lite-2l-b4-s1024"}
+MIXTURES = {"gpt-oss-20b-2l-b4-s1024", "deepseek-v2-lite-2l-b4-s1024", "gemma-4-26b-a4b-3l-b4-s1024"}
 _native_curves: dict[tuple[str, str], list[list[float]]] = {}
 _reference_curves: dict[tuple[str, str], list[float]] = {}
 _reordered_curves: dict[tuple[str, str], list[float]] = {}

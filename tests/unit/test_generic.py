@@ -3,6 +3,7 @@ torch.optim.AdamW + clip_grad_norm_: the families only it trains, exports, bitwi
 accounting and refusals. CPU; megatrain and native in seconds a case, DeepSpeed and FSDP2 each in a fresh process
 (marked subprocess): pytest tests/unit/test_generic.py -m "not subprocess"; all: pytest tests/unit/test_generic.py"""
 
+import functools
 import json
 import math
 
@@ -22,6 +23,7 @@ from train_helpers import (  # noqa: E402
     metrics,
     needs_deepspeed,
     pretokenized,
+    python_process,
     reference_training,
     run_train,
     train_any,
@@ -32,6 +34,7 @@ from megatrain.models.generic import GenericConfig  # noqa: E402
 from megatrain.models.generic.module import GenericCausalLM  # noqa: E402
 from megatrain.models.init import init_module  # noqa: E402
 from megatrain.models.loss import IGNORE_INDEX  # noqa: E402
+from megatrain.models.weights import named_weights  # noqa: E402
 from megatrain.train.data import Example, Rows  # noqa: E402
 
 
@@ -52,15 +55,21 @@ def generic_model(kind: str, path, **extra):
 # DeepSpeed and FSDP2 train transformers' module through one wrapper (GenericCausalLM) whatever the family, which
 # megatrain and native check with every family: they check it with one of each structure (dense with sliding layers
 # and a tied head; MLA over experts with a router's buffer; linear and full attention over experts; state crossing
-# layers, checkpointed per layer: gemma4)
-OFFLOAD_GENERIC_KINDS = ("gemma3", "deepseek_v3", "qwen3_next", "gemma4")
+# layers, checkpointed per layer: gemma4; keys equal to values on full layers of their own width, over experts beside
+# the MLP: gemma4_26b_a4b)
+OFFLOAD_GENERIC_KINDS = ("gemma3", "deepseek_v3", "qwen3_next", "gemma4", "gemma4_26b_a4b")
 # a family whose tiny training amplifies rounding (a token routed to another expert of a near tie) so fast that it
-# leaves 1e-5 before step 10 is compared over the steps before (Gemma 4 over experts: 6e-6 at step 5, 2e-5 at 10)
-SHORT, SHORT_STEPS = ("gemma4_moe",), 5
+# leaves 1e-5 before step 10 is compared over the steps before (Gemma 4 over experts: 6e-6 at step 5, 2e-5 at 10;
+# with its large checkpoints' switches, DeepSpeed's and FSDP2's sums in their own order: 4e-4 at step 10)
+SHORT, SHORT_STEPS = ("gemma4_moe", "gemma4_26b_a4b"), 5
+# and where transformers' own eager and sdpa attention part by more than 1e-5 within those steps (Gemma 4's large
+# checkpoints' switches: by 2e-5 at step 6 dense, 4e-5 at step 5 over experts), the reference runs sdpa, the
+# attention every system here runs (the engine, native and FSDP2 within 5e-7 of it over 10 steps dense)
+SDPA_REFERENCE = ("gemma4_31b", "gemma4_26b_a4b")
 # and one whose logits move far for a small change of weight (Gemma 4's unscaled attention over normed queries and
 # keys: Adam's first update of a near-zero gradient, lr either way on rounding, moves its logits by 3e-4, native's
 # alike) has its export's logits compared at 1e-2 (a lost tensor moves them by ~1)
-ROUGH_LOGITS = ("gemma4", "gemma4_moe")
+ROUGH_LOGITS = ("gemma4", "gemma4_moe", "gemma4_31b", "gemma4_26b_a4b")
 
 
 def _cases():
@@ -77,7 +86,8 @@ def test_train_matches_transformers_and_the_export_reloads_with_its_logits(tmp_p
     data = pretokenized(tmp_path / "data.jsonl")
     steps = SHORT_STEPS if kind in SHORT else STEPS
     assert train_any(system, init, data, tmp_path / "run", steps=steps) == 0
-    ref_losses, ref_model = reference_training(init, data, steps=steps)
+    ref_losses, ref_model = reference_training(init, data, attn="sdpa" if kind in SDPA_REFERENCE else "eager",
+                                               steps=steps)
     ours = [m for m in metrics(tmp_path / "run") if "loss" in m]
     assert [m["step"] for m in ours] == list(range(1, steps + 1))
     torch.testing.assert_close(torch.tensor([m["loss"] for m in ours]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
@@ -220,14 +230,14 @@ def test_what_cannot_stream_exits_2_naming_why(tmp_path, capsys):
     assert "1 positional inputs besides the hidden states" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "deepseek_v3", "qwen3_next"])
+@pytest.mark.parametrize("kind", ["mixtral", "deepseek_v3", "qwen3_next", "gemma4_26b_a4b"])
 def test_active_parameters_count_routed_experts_at_k_of_e_and_shared_experts_whole(kind):
     config = generic_config(kind, **SHAPE)
     cfg = GenericConfig.from_hf(config.to_dict())
     model = transformers.AutoModelForCausalLM.from_config(config)
     routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n and "shared" not in n)
     shared = sum(p.numel() for n, p in model.named_parameters() if "shared_expert" in n)
-    assert shared > 0 or kind == "mixtral"
+    assert shared > 0 or kind in ("mixtral", "gemma4_26b_a4b")  # Gemma 4's MLP beside the experts is a dense one
     assert cfg.num_params() == sum(p.numel() for p in model.parameters())
     assert (cfg.num_experts, cfg.num_experts_per_tok) == (EXPERTS, TOP_K)
     assert cfg.active_params() == cfg.num_params() - routed * (EXPERTS - TOP_K) // EXPERTS
@@ -235,9 +245,43 @@ def test_active_parameters_count_routed_experts_at_k_of_e_and_shared_experts_who
     assert cfg.layer_matmul_params() * cfg.num_layers == pytest.approx(flat - routed * (EXPERTS - TOP_K) / EXPERTS)
 
 
+@pytest.mark.parametrize("name,total_b,active_b", [("gemma-4-31b", 30.7, 30.7), ("gemma-4-26b-a4b", 25.2, 3.8)])
+def test_gemma4_large_counts_match_the_model_card(name, total_b, active_b):
+    """The model card's parameters: 31B 30.7B; 26B-A4B 25.2B, 3.8B of them active (8 of 128 experts, top_k_experts)."""
+    from megatrain.models import get_model_config
+
+    cfg = get_model_config(name)
+    assert (round(cfg.num_params() / 1e9, 1), round(cfg.active_params() / 1e9, 1)) == (total_b, active_b)
+
+
+def test_attention_flops_count_each_layers_head_width():
+    """Gemma 4's full layers attend with heads of their own width (global_head_dim: 32 beside 16 here)."""
+    from megatrain.models.flops import attention_flops_per_seq
+
+    cfg = GenericConfig.from_hf(generic_config("gemma4_31b", **SHAPE).to_dict())
+    widths = [16, 32, 16, 32]
+    assert [cfg.layer_head_dim(n) for n in range(4)] == widths
+    assert attention_flops_per_seq(cfg, 64) == sum(2 * 2.0 * cfg.attended_pairs(n, 64) * cfg.num_heads * w
+                                                   for n, w in enumerate(widths))
+
+
+@pytest.mark.parametrize("name,num_layers", [("gemma-4-31b", 4), ("gemma-4-26b-a4b", 3)])
+def test_a_cut_of_gemma4_counts_the_layer_types_its_model_runs(name, num_layers):
+    """Gemma 4's config class makes the last layer full whatever config.json lists: the cut to 4 (31B) or 3 (26B-A4B)
+    layers of 5 sliding to 1 full runs one full layer, which the FLOP accounting (attended pairs) counts."""
+    from megatrain.models import get_model_config
+    from megatrain.models.generic.skeleton import Skeleton
+
+    cfg = get_model_config(name, num_layers)
+    built = tuple("sliding_attention" if layer.self_attn.is_sliding else "full_attention"
+                  for layer in Skeleton(cfg).layers)
+    assert cfg.layer_types == built and built[-1] == "full_attention"
+    assert cfg.attended_pairs(len(built) - 1, 4096) > cfg.attended_pairs(0, 4096)  # the full layer past the window
+
+
 # Gemma 4's state crossing layers through the engine's plans: every layer streamed or the first two resident, saved
 # inputs offloaded or regenerated by a third forward, one micro-batch or two (the readers' and the preamble's
-# gradients accumulated per micro-batch)
+# gradients accumulated per micro-batch); and its large checkpoints' layers, which share no state, through the same
 CROSSING_PLANS = {
     "streamed": dict(resident_layers=0, resident_embedding=False),
     "resident": dict(resident_layers=2, resident_embedding=True),
@@ -248,7 +292,7 @@ CROSSING_PLANS = {
 
 @pytest.mark.parametrize("micro_batch", [1, 2])
 @pytest.mark.parametrize("plan", CROSSING_PLANS)
-@pytest.mark.parametrize("kind", ["gemma4", "gemma4_moe", "gemma4_unified"])
+@pytest.mark.parametrize("kind", ["gemma4", "gemma4_moe", "gemma4_unified", "gemma4_31b", "gemma4_26b_a4b"])
 def test_state_crossing_layers_has_transformers_gradient_for_every_weight(kind, plan, micro_batch):
     """One engine step's loss and gradients (the host's, and a resident unit's on its device) against
     transformers', weight by weight: a gradient that missed a crossing (the per-layer table's, a KV publisher's from
@@ -266,7 +310,7 @@ def test_state_crossing_layers_has_transformers_gradient_for_every_weight(kind, 
                                           optim=OptimConfig(max_grad_norm=0),  # gradients left as computed
                                           options=MegaTrainOptions(**CROSSING_PLANS[plan])))
     try:
-        engine.load_weights((n, p.detach()) for n, p in reference.state_dict().items())
+        engine.load_weights((n, p.detach()) for n, p in named_weights(reference).items())  # a tied head once
         loss = engine.step(x, y)
         store, resident = engine.store, engine.schedule.resident
         grads = {slot.name: unit.view(resident[unit.index].grad if unit.index in resident else
@@ -308,13 +352,15 @@ def test_state_crossing_layers_keeps_the_model_causal(kind):
     assert losses[0] == losses[1] != losses[2]  # the same to the bit; and an earlier token changes it
 
 
-def test_gemma4_runs_through_bench_and_the_python_api(tmp_path, capfd):
-    """bench --model CHECKPOINT and megatrain.Engine reach the same program: the Engine's losses are train's."""
+@pytest.mark.parametrize("kind", ["gemma4", "gemma4_26b_a4b"])
+def test_gemma4_runs_through_bench_and_the_python_api(tmp_path, capfd, kind):
+    """bench --model CHECKPOINT and megatrain.Engine reach the same program: the Engine's losses are train's (the
+    E-sizes' state crossing layers; the large checkpoints' k=v full layers and experts beside the MLP)."""
     from train_helpers import BATCH, BETAS, EPS, LR, SEQ, WD
 
     import megatrain
 
-    init = generic_model("gemma4", tmp_path / "init")
+    init = generic_model(kind, tmp_path / "init")
     assert main(["bench", "--system", "megatrain", "--model", str(init), "--batch", "2", "--seq", "16", "--steps",
                  "2", "--json"]) == 0
     record = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
@@ -327,6 +373,37 @@ def test_gemma4_runs_through_bench_and_the_python_api(tmp_path, capfd):
                           adam_betas=BETAS, adam_eps=EPS, dtype="float32", device="cpu") as engine:
         losses = [engine.step(torch.tensor(rows[i:i + BATCH])) for i in (0, BATCH)]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor([m["loss"] for m in metrics(tmp_path / "cli")]),
+                               rtol=1e-5, atol=0)
+
+
+def _bench_large_gemma4(system: str, *flags: str) -> dict:
+    """`python -m megatrain bench` of tiny-hf-gemma4-26b-a4b (Gemma 4's large checkpoints' switches) for 3 steps on
+    the CPU in fp32, in a fresh process (Dynamo's counts its own): its record."""
+    proc = python_process("import sys; from megatrain.cli import main; sys.exit(main(sys.argv[1:]))", "bench",
+                          "--system", system, "--model", "tiny-hf-gemma4-26b-a4b", "--batch", "4", "--micro-batch",
+                          "2", "--seq", "80", "--steps", "3", "--device", "cpu", "--dtype", "float32", "--json",
+                          *flags)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@functools.cache
+def _eager_native_large_gemma4() -> dict:
+    return _bench_large_gemma4("native")
+
+
+@pytest.mark.parametrize("system", ["megatrain", "native", "fsdp", pytest.param("deepspeed", marks=needs_deepspeed)])
+@pytest.mark.subprocess
+@pytest.mark.slow  # torch.compile on CPU
+def test_gemma4_large_checkpoints_compile_in_every_system(system):
+    """Compiled, Gemma 4's large checkpoints' layers (keys equal to values on the full layers past the 64-token
+    window, experts beside the MLP) run as compiled graphs in every system, none left eager, at eager native's
+    losses."""
+    compiled = _bench_large_gemma4(system, "--compile")
+    assert compiled["status"] == "ok", compiled["error"]
+    check = compiled["system_config"]["compile_check"]
+    assert check["compiled_frames"] >= 1 and not check["eager_fallback"], check
+    torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(_eager_native_large_gemma4()["losses"]),
                                rtol=1e-5, atol=0)
 
 

@@ -25,7 +25,8 @@ if TYPE_CHECKING:  # annotations only: the skeleton (which builds the model, wit
     from megatrain.models.generic.skeleton import Layout
 
 # the config keys transformers' families name a count with (the first their config has)
-TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "moe_k", "top_k", "n_activated_experts", "num_activated_experts")
+TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "moe_k", "top_k", "n_activated_experts", "num_activated_experts",
+              "top_k_experts")
 LAYERS_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 HEADS_KEYS = ("num_attention_heads", "n_head", "num_heads", "n_heads")
 CHUNKED, LINEAR = "chunked_attention", "linear_attention"
@@ -104,6 +105,12 @@ class GenericConfig(HeadSizes):
         # MLA's query-key width is its qk_head_dim (its head_dim is the rotary part alone)
         return int(hf.get("qk_head_dim") or hf.get("head_dim") or self.hidden_size // self.num_heads)
 
+    def layer_head_dim(self, layer: int) -> int:
+        """Layer `layer`'s head width: transformers' per-layer config's where its config class sets layers apart
+        (Gemma 4's full layers take global_head_dim), else head_dim."""
+        dims = _layer_head_dims(self.hf_json)
+        return dims[layer] if len(dims) == self.num_layers and dims[layer] else self.head_dim
+
     @property
     def intermediate_size(self) -> int:
         return int(self.hf.get("intermediate_size") or 4 * self.hidden_size)
@@ -119,12 +126,15 @@ class GenericConfig(HeadSizes):
     @property
     def layer_types(self) -> tuple[str, ...]:
         """Each layer's attention as the config names it ('full_attention', 'sliding_attention',
-        'chunked_attention', 'linear_attention', ...); every layer sliding where a window is set without types."""
+        'chunked_attention', 'linear_attention', ...) and its model runs it: transformers' config class's, which fills
+        in a pattern where config.json lists none (Gemma's 5:1) and may change a listed one (Gemma 4 makes its last
+        layer full: a cut of Gemma-4-31B to 4 layers has one full layer); every layer sliding where a window is set
+        without types."""
         hf = self.hf
+        if built := _built_layer_types(self.hf_json):
+            return built
         if hf.get("layer_types"):
             return tuple(hf["layer_types"])
-        if built := _built_layer_types(self.hf_json):  # the pattern transformers' config class fills in (Gemma's 5:1)
-            return built
         slides = hf.get("sliding_window") and hf.get("use_sliding_window", True)
         return (SLIDING if slides else FULL,) * self.num_layers
 
@@ -276,8 +286,8 @@ def _numel(shapes: Mapping[str, tuple[int, ...]]) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _built_layer_types(hf_json: str) -> tuple[str, ...]:
-    """The layer types transformers' config class sets where the config.json lists none (Gemma 3 and 4 by their
-    sliding-window pattern), or () where it sets none."""
+    """The layer types transformers' config class sets (config.json's, or a pattern where it lists none: Gemma 3
+    and 4 by their sliding-window pattern), or () where it sets none."""
     from megatrain.models.generic.skeleton import transformers_config
 
     try:
@@ -285,6 +295,21 @@ def _built_layer_types(hf_json: str) -> tuple[str, ...]:
     except ValueError:  # a config transformers refuses: refused, with why, where the model is built
         return ()
     return tuple(getattr(config, "layer_types", None) or ())
+
+
+@functools.lru_cache(maxsize=64)
+def _layer_head_dims(hf_json: str) -> tuple[int, ...]:
+    """Each layer's head_dim (None where its config has none) where transformers' config class sets layers apart (a
+    heterogeneous config's per-layer configs), or () where it does not."""
+    from megatrain.models.generic.skeleton import transformers_config
+
+    try:
+        config = transformers_config(GenericConfig(hf_json))
+    except ValueError:  # a config transformers refuses: refused, with why, where the model is built
+        return ()
+    if not getattr(config, "is_heterogeneous", False):
+        return ()
+    return tuple(getattr(layer, "head_dim", None) for layer in config.per_layer_config)
 
 
 @functools.lru_cache(maxsize=16)

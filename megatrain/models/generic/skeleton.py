@@ -312,25 +312,35 @@ class Skeleton(Parts):
 
     def _crossing_numel(self, calls: list[LayerCall]) -> int:
         """Elements of the captured sequence's state crossing layers: its preamble inputs, and what the layers publish
-        through shared mappings, found by running them (zero weights, on the CPU) in order, only where they share
-        one."""
+        through shared mappings, found by running them in order, only where they share one."""
         preamble = sum(call.args[k].numel() if isinstance(k, int) else call.kwargs[k].numel()
                        for call, keys in zip(calls, self.crossings.preamble, strict=True) for k in keys)
         if not any(self.crossings.shared):
             return preamble
-        shared: dict[str, dict] = {}
-        hidden = calls[0].hidden.detach()
-        with torch.no_grad():
-            for i, (call, names) in enumerate(zip(calls, self.crossings.shared, strict=True)):
-                params = {n: torch.zeros(1, *s[1:]).expand(s) if len(s) >= 2 else torch.zeros(s)
-                          for n, s in ((n, tuple(p.shape)) for n, p in self.layers[i].named_parameters())}
-                args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in call.args)
-                kwargs = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in call.kwargs.items()}
-                out = functional_call(self.layers[i], {**params, **self.layer_buffers(i, "cpu")}, (hidden, *args),
-                                      {**kwargs, **{n: shared.setdefault(n, {}) for n in names}})
-                hidden = out[0] if isinstance(out, tuple) else out
+        try:
+            shared = self._published(calls, "meta")
+        except Exception:  # an op of the layer reads values (a mixture's routing): zero weights on the CPU
+            shared = self._published(calls, "cpu")
         return preamble + sum(t.numel() for mapping in shared.values() for v in mapping.values()
                               for t in ((v,) if isinstance(v, torch.Tensor) else v))
+
+    def _published(self, calls: list[LayerCall], device: str) -> dict[str, dict]:
+        """What the layers publish through the mappings they share, each run in order with zero weights on `device`:
+        the meta device gives the shapes alone (on the CPU, Gemma-4-31B's 60 layers took minutes: every layer shares
+        a mapping, where only two publish)."""
+        def moved(x):
+            return x.detach().to(device)
+
+        shared: dict[str, dict] = {}
+        hidden = moved(calls[0].hidden)
+        with torch.no_grad():
+            for i, (call, names) in enumerate(zip(calls, self.crossings.shared, strict=True)):
+                params = {n: _zeros(tuple(p.shape), device) for n, p in self.layers[i].named_parameters()}
+                args, kwargs = _map_tensors((call.args, call.kwargs), moved)
+                out = functional_call(self.layers[i], {**params, **self.layer_buffers(i, device)}, (hidden, *args),
+                                      {**kwargs, **{n: shared.setdefault(n, {}) for n in names}})
+                hidden = out[0] if isinstance(out, tuple) else out
+        return shared
 
     def base_buffers(self, device: torch.device | str) -> dict[str, torch.Tensor]:
         """The decoder's buffers outside its layers (rotary frequencies, an embedding scale), names in the base."""
@@ -409,7 +419,8 @@ def _preamble_problem(calls: list[LayerCall], out, num_layers: int) -> str | Non
         if nested := [k for k, v in inputs.items() if not _from_preamble(v) and _any_tensor(v, _requires_grad)]:
             return (f"its decoder layers read inputs computed from the weights nested in other inputs "
                     f"({', '.join(nested)})")
-        if plain := [a for a in args if not _from_preamble(a)]:
+        # a positional None carries nothing (Gemma 4's per-layer input where its config has none): replayed as is
+        if plain := [a for a in args if a is not None and not _from_preamble(a)]:
             return f"its forward passes decoder layer {i} {len(plain)} positional inputs besides the hidden states"
         if not _whole_view(hidden, calls[max(i - 1, 0)][1]):
             return f"its forward changes the hidden states between decoder layers {i - 1} and {i}"
@@ -475,6 +486,13 @@ def _expert_count(name: str, shape: tuple[int, ...], names: tuple[str, ...]) -> 
     return shape[0] if len(shape) >= 3 else 1
 
 
+def _zeros(shape: tuple[int, ...], device: str) -> torch.Tensor:
+    """Zeros of `shape` on `device`: one row's memory on the CPU; on the meta device, none."""
+    if device == "meta":
+        return torch.empty(shape, device="meta")
+    return torch.zeros(1, *shape[1:]).expand(shape) if len(shape) >= 2 else torch.zeros(shape)
+
+
 def _zeros_requiring_grad(shape: tuple[int, ...]) -> torch.Tensor:
     """Zeros of `shape` that require gradients, one row's memory (a vocabulary-sized embedding costs nothing)."""
     if not shape:
@@ -484,6 +502,17 @@ def _zeros_requiring_grad(shape: tuple[int, ...]) -> torch.Tensor:
 
 def _requires_grad(t: torch.Tensor) -> bool:
     return t.requires_grad
+
+
+def _map_tensors(value, fn: Callable[[torch.Tensor], torch.Tensor]):
+    """`value` with fn applied to every tensor in it, through tuples, lists and dicts."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    if type(value) is dict:
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    return value
 
 
 def _any_tensor(value, test: Callable[[torch.Tensor], bool]) -> bool:
