@@ -14,6 +14,7 @@ from megatrain.config import DEVICES, DTYPES, PRECISIONS
 from megatrain.engine.config import share
 from megatrain.flags import CaseFlags, add_flags, file_values, flag, given
 from megatrain.models.checkpoint import Checkpoint, open_checkpoint
+from megatrain.models.handwritten.families import FAMILIES
 from megatrain.models.registry import get_model_config
 from megatrain.optim.config import OptimConfig
 from megatrain.options import check_field_types
@@ -34,14 +35,17 @@ RESUME_FIXES = ("system", "init_from", "generic", "model", "tokenizer", "data", 
 
 @dataclass
 class TrainConfig(CaseFlags):
-    # the shared case settings (megatrain.flags.CaseFlags) with training's defaults
-    system: str = "megatrain"
+    # the shared case settings (megatrain.flags.CaseFlags) with training's defaults; --system offers the trainers only
+    system: str = flag("megatrain", help=" | ".join(s for s in SYSTEMS if system_spec(s).trains)
+                       + " (default {default})")
     seq: int = 2048
     batch: int = 8
     lr: float = 1e-5
     # training's own
     init_from: str | None = flag(None, metavar="DIR",
-                                 help="local Hugging Face checkpoint (Qwen2 or Llama, safetensors)")
+                                 help="local Hugging Face checkpoint folder (safetensors): a hand-written family "
+                                 f"({', '.join(FAMILIES)}) or any other transformers decoder, through transformers' "
+                                 "own modules")
     model: str | None = flag(None, help="registry shape trained from scratch (python -m megatrain models)")
     generic: bool = flag(False, help="train --init-from through transformers' own modules even where a hand-written "
                                      "model of its family exists")
