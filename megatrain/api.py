@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from megatrain.build_log import build_lines_to
 from megatrain.engine import distributed
 from megatrain.models.checkpoint import open_checkpoint
 from megatrain.models.loss import IGNORE_INDEX
@@ -99,9 +100,10 @@ class Engine:
     `step` is one AdamW step over a batch, the loss (token cross-entropy) computed inside. `model` is a local
     Hugging Face checkpoint directory (its weights loaded) or a registry shape (python -m megatrain models, initialised
     from `seed`). The settings are train's, by the same names and with its defaults (device cpu: give device="cuda",
-    dtype="bfloat16" on a GPU); `option` holds the system's (--option KEY=VALUE). Under torchrun every rank makes the
-    same Engine and steps the same global batch, as train's ranks do: each trains its share of the rows, and the
-    state is one copy in host memory; save and export write from rank 0 and return on every rank once written."""
+    dtype="bfloat16" on a GPU; generic=True, train's --generic); `option` holds the system's (--option KEY=VALUE).
+    `log` takes every line it says, the build's included. Under torchrun every rank makes the same Engine and steps
+    the same global batch, as train's ranks do: each trains its share of the rows, and the state is one copy in host
+    memory; save and export write from rank 0 and return on every rank once written."""
 
     def __init__(self, model: str | os.PathLike, *, seq: int = TrainConfig.seq, batch: int = TrainConfig.batch,
                  micro_batch: int = TrainConfig.micro_batch, system: str = TrainConfig.system,
@@ -110,12 +112,17 @@ class Engine:
                  weight_decay: float = TrainConfig.weight_decay, max_grad_norm: float = TrainConfig.max_grad_norm,
                  adam_betas: tuple[float, float] = TrainConfig.adam_betas, adam_eps: float = TrainConfig.adam_eps,
                  moments: str = TrainConfig.moments, seed: int = TrainConfig.seed, compile: bool = False,
-                 option: dict | None = None, log=print):
+                 generic: bool = TrainConfig.generic, option: dict | None = None, log=print):
         if not isinstance(model, str | os.PathLike):
             raise ValueError(f"Engine's model is a Hugging Face checkpoint directory or a registry name, got {model!r}")
+        path = Path(model).expanduser()
+        # a path (not a registry name: those have no '/'), found or not: one not found is 'no such directory', as
+        # train --init-from says, not an unknown registry name
+        is_dir = path.is_dir() or isinstance(model, os.PathLike) or os.sep in os.fspath(model) \
+            or os.fspath(model).startswith((".", "~"))
         # the settings by train's rules (train's data and length are the caller's loop here), which make the case too
-        source = {"init_from" if Path(model).is_dir() else "model": os.fspath(model)}
-        settings = TrainConfig(**source, data=["(the caller's)"], steps=1, seq=seq, batch=batch,
+        source = {"init_from": str(path)} if is_dir else {"model": os.fspath(model)}
+        settings = TrainConfig(**source, generic=generic, data=["(the caller's)"], steps=1, seq=seq, batch=batch,
                                micro_batch=micro_batch, system=system, device=device, dtype=dtype, precision=precision,
                                lr=lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm, adam_betas=adam_betas,
                                adam_eps=adam_eps, moments=moments, seed=seed, compile=compile,
@@ -124,10 +131,9 @@ class Engine:
         self.ranks = distributed.current(device)  # under torchrun: this rank's (the process groups made here)
         if not self.ranks.first:
             log = _silent  # rank 0 speaks for the ranks, as train's does
-        path = Path(model)
-        self.model_dir = path if path.is_dir() else None
+        self.model_dir = path if is_dir else None
         # the one road train --init-from takes: its model (hand-written or transformers' own) and config.json
-        self.checkpoint = open_checkpoint(path) if self.model_dir else None
+        self.checkpoint = open_checkpoint(path, generic) if self.model_dir else None
         shape = self.checkpoint.shape if self.checkpoint else None
         self.case = settings.make_case(path.name if shape else os.fspath(model), model_shape=shape, steps=1, warmup=0)
         for note in preflight(self.case):  # refuses what does not fit this machine
@@ -137,7 +143,8 @@ class Engine:
                 trust.check_key(create=True)
             self.ranks.barrier()
             trust.check_key(create=False)
-        self._system = build_system(self.case)
+        with build_lines_to(log):
+            self._system = build_system(self.case)
         if self.checkpoint:
             self.system.load_weights(self.checkpoint.weights())
 

@@ -94,6 +94,9 @@ class TrainConfig(CaseFlags):
             raise ValueError("give one of --init-from DIR (a Hugging Face checkpoint) or --model NAME (from scratch)")
         if self.model is not None:
             get_model_config(self.model)
+            if self.generic:
+                raise ValueError(f"--generic trains an --init-from checkpoint through transformers' own modules; "
+                                 f"--model {self.model} is a registry shape, which has its own model: drop --generic")
         if not self.data:
             raise ValueError("--data FILE is required (JSONL or .txt, repeatable, a folder, or a Hugging Face dataset)")
         if (self.steps is None) == (self.epochs is None):

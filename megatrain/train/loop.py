@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from megatrain.build_log import build_lines_to
 from megatrain.config import CaseConfig
 from megatrain.engine import distributed
 from megatrain.engine.distributed import Ranks
@@ -109,8 +110,9 @@ def train(cfg: TrainConfig, log=print) -> int:
     try:
         for note in notes if first else []:
             runlog(note)
-        code = _train(cfg, run, case, rows, eval_rows, total, tokenizer_dir, runlog, ranks, reporters, prints,
-                      init)
+        with build_lines_to(runlog):  # the build's lines are the run's: the caller's log and OUT/train.log
+            code = _train(cfg, run, case, rows, eval_rows, total, tokenizer_dir, runlog, ranks, reporters, prints,
+                          init)
         return code
     except Exception as exc:  # the terminal shows it as the caller reports it; the log keeps it too
         if isinstance(exc, OSError) and first and exc.filename == str(out / LOG_FILE) \

@@ -82,7 +82,7 @@ def test_train_matches_transformers_with_adamw_and_exports_a_checkpoint_transfor
     assert evals[-1]["eval_loss"] == pytest.approx(float(ref_eval), rel=1e-5)
     assert [m["step"] for m in ours] == list(range(1, STEPS + 1))
     torch.testing.assert_close(torch.tensor([m["loss"] for m in ours]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    assert ours[0]["lr"] == pytest.approx(LR / WARMUP) and ours[-1]["lr"] == pytest.approx(MIN_LR)
+    assert ours[0]["lr"] == pytest.approx(LR / WARMUP) and ours[-1]["lr"] > MIN_LR  # the last step trains too
     assert max(m["grad_norm"] for m in ours) > CLIP  # clipping acted
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf")
     source, export = (json.loads((d / "config.json").read_text()) for d in (init, tmp_path / "run" / "hf"))
