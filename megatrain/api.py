@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from megatrain.build_log import build_lines_to
+from megatrain.config import DTYPES
 from megatrain.engine import distributed
 from megatrain.models.checkpoint import open_checkpoint
 from megatrain.models.loss import IGNORE_INDEX
@@ -33,7 +34,7 @@ from megatrain.preflight import preflight
 from megatrain.systems import build_system, system_spec
 from megatrain.train import checkpoint, trust
 from megatrain.train.config import TrainConfig, check_device, train_config
-from megatrain.train.loop import export_checkpoint, train
+from megatrain.train.loop import export_checkpoint, export_dtype, train
 from megatrain.train.rundir import RUN_FILE, written_aside
 
 STATE_FILE = "engine_state.json"  # Engine.save's: its files' checksums (and this user's signature, for pickles)
@@ -220,18 +221,23 @@ class Engine:
         if draws is not None:
             draws.step = drawn
 
-    def export(self, path: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None) -> Path:
-        """The current weights as a Hugging Face checkpoint in `path` (in the compute dtype), as train exports them:
-        the model directory's config.json carried over, with the tokenizer files and generation config of
-        tokenizer_dir (default: the model directory's)."""
+    def export(self, path: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None,
+               dtype: str | None = None) -> Path:
+        """The current weights as a Hugging Face checkpoint in `path`, as train exports them: the model directory's
+        config.json carried over, with the tokenizer files and generation config of tokenizer_dir (default: the model
+        directory's); the weights in `dtype` (train's --export-dtype: default the model directory's, else the
+        compute dtype)."""
         tokenizer = tokenizer_dir or self.model_dir
         if Path(path).exists() and not Path(path).is_dir():
             raise ValueError(f"Engine.export({str(path)!r}) is a file, which the export would replace: choose a folder")
+        if dtype not in (None, *DTYPES):
+            raise ValueError(f"Engine.export's dtype must be one of {DTYPES}, got {dtype!r}")
         weights = self.system.export_weights()  # with several ranks, every rank's part: the weights are on rank 0
         if self.ranks.first:
             with _writing(Path(path), "Engine.export"):
+                source = self.checkpoint.config if self.checkpoint else None
                 export_checkpoint(weights, self.case, Path(path), None if tokenizer is None else os.fspath(tokenizer),
-                                  {"engine": self.case.model}, self.checkpoint.config if self.checkpoint else None)
+                                  {"engine": self.case.model}, export_dtype(dtype, source, self.case)[0], source)
         self.ranks.barrier()
         return Path(path)
 

@@ -65,6 +65,8 @@ class TrainConfig(CaseFlags):
     adam_betas: tuple[float, float] = flag((OptimConfig.beta1, OptimConfig.beta2), metavar=("B1", "B2"))
     adam_eps: float = flag(OptimConfig.eps)
     out: str = flag("runs/train", metavar="DIR", help="metrics.jsonl, checkpoints/, hf/ (default {default})")
+    export_dtype: str | None = flag(None, choices=DTYPES, help="the dtype of hf/'s weights (default: the --init-from "
+                                    "checkpoint's, else --dtype)")
     save_every: int = flag(0, metavar="N", help="checkpoint every N steps (and always at the end)")
     save: bool = flag(True, help="no training-state checkpoints, not even at the end (the Hugging Face export stays)")
     keep: int = flag(2, metavar="K", help="checkpoints kept (default {default})")
@@ -106,6 +108,8 @@ class TrainConfig(CaseFlags):
         if self.dtype not in DTYPES or self.precision not in PRECISIONS or self.device not in DEVICES:
             raise ValueError(f"--dtype must be one of {DTYPES}, --precision one of {PRECISIONS} and --device one of "
                              f"{DEVICES}")
+        if self.export_dtype not in (None, *DTYPES):
+            raise ValueError(f"--export-dtype must be one of {DTYPES}, got {self.export_dtype!r}")
         for holds, name, value, must in self._ranges():
             if not holds:
                 raise ValueError(f"{name} must be {must}, got {value}")
