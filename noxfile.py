@@ -54,7 +54,8 @@ def lint(session):
 
 @nox.session(python=False)
 def smoke(session):
-    """The main job on a fresh machine: the smoke suite (every system, tiny models, CPU) and its report.
+    """The main job on a fresh machine: the smoke suite (megatrain, native, deepspeed and fsdp on tiny models, CPU;
+    torchao and paper need CUDA) and its report.
 
     Records go to the git-ignored results/smoke-local/ (a new run each time), the report to
     results/smoke-local/report/index.html. Only curated GPU runs are committed under results/<suite>/.

@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 
 from megatrain import user_files
+from megatrain.build_log import build_lines_to
+from megatrain.config import DTYPES
 from megatrain.engine import distributed
 from megatrain.models.checkpoint import open_checkpoint
 from megatrain.models.loss import IGNORE_INDEX
@@ -33,7 +35,7 @@ from megatrain.preflight import preflight
 from megatrain.systems import build_system, system_spec
 from megatrain.train import checkpoint, trust
 from megatrain.train.config import TrainConfig, check_device, train_config
-from megatrain.train.loop import EXPORT_FILE, export_checkpoint, not_exported, train
+from megatrain.train.loop import EXPORT_FILE, export_checkpoint, export_dtype, not_exported, train
 from megatrain.train.rundir import RUN_FILE, written_aside
 
 STATE_FILE = "engine_state.json"  # Engine.save's: its files' checksums (and this user's signature, for pickles)
@@ -100,9 +102,10 @@ class Engine:
     `step` is one AdamW step over a batch, the loss (token cross-entropy) computed inside. `model` is a local
     Hugging Face checkpoint directory (its weights loaded) or a registry shape (python -m megatrain models, initialised
     from `seed`). The settings are train's, by the same names and with its defaults (device cpu: give device="cuda",
-    dtype="bfloat16" on a GPU); `option` holds the system's (--option KEY=VALUE). Under torchrun every rank makes the
-    same Engine and steps the same global batch, as train's ranks do: each trains its share of the rows, and the
-    state is one copy in host memory; save and export write from rank 0 and return on every rank once written."""
+    dtype="bfloat16" on a GPU; generic=True, train's --generic); `option` holds the system's (--option KEY=VALUE).
+    `log` takes every line it says, the build's included. Under torchrun every rank makes the same Engine and steps
+    the same global batch, as train's ranks do: each trains its share of the rows, and the state is one copy in host
+    memory; save and export write from rank 0 and return on every rank once written."""
 
     def __init__(self, model: str | os.PathLike, *, seq: int = TrainConfig.seq, batch: int = TrainConfig.batch,
                  micro_batch: int = TrainConfig.micro_batch, system: str = TrainConfig.system,
@@ -111,12 +114,17 @@ class Engine:
                  weight_decay: float = TrainConfig.weight_decay, max_grad_norm: float = TrainConfig.max_grad_norm,
                  adam_betas: tuple[float, float] = TrainConfig.adam_betas, adam_eps: float = TrainConfig.adam_eps,
                  moments: str = TrainConfig.moments, seed: int = TrainConfig.seed, compile: bool = False,
-                 option: dict | None = None, log=print):
+                 generic: bool = TrainConfig.generic, option: dict | None = None, log=print):
         if not isinstance(model, str | os.PathLike):
             raise ValueError(f"Engine's model is a Hugging Face checkpoint directory or a registry name, got {model!r}")
+        path = Path(model).expanduser()
+        # a path (not a registry name: those have no '/'), found or not: one not found is 'no such directory', as
+        # train --init-from says, not an unknown registry name
+        is_dir = path.is_dir() or isinstance(model, os.PathLike) or os.sep in os.fspath(model) \
+            or os.fspath(model).startswith((".", "~"))
         # the settings by train's rules (train's data and length are the caller's loop here), which make the case too
-        source = {"init_from" if Path(model).is_dir() else "model": os.fspath(model)}
-        settings = TrainConfig(**source, data=["(the caller's)"], steps=1, seq=seq, batch=batch,
+        source = {"init_from": str(path)} if is_dir else {"model": os.fspath(model)}
+        settings = TrainConfig(**source, generic=generic, data=["(the caller's)"], steps=1, seq=seq, batch=batch,
                                micro_batch=micro_batch, system=system, device=device, dtype=dtype, precision=precision,
                                lr=lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm, adam_betas=adam_betas,
                                adam_eps=adam_eps, moments=moments, seed=seed, compile=compile,
@@ -125,10 +133,9 @@ class Engine:
         self.ranks = distributed.current(device)  # under torchrun: this rank's (the process groups made here)
         if not self.ranks.first:
             log = _silent  # rank 0 speaks for the ranks, as train's does
-        path = Path(model)
-        self.model_dir = path if path.is_dir() else None
+        self.model_dir = path if is_dir else None
         # the one road train --init-from takes: its model (hand-written or transformers' own) and config.json
-        self.checkpoint = open_checkpoint(path) if self.model_dir else None
+        self.checkpoint = open_checkpoint(path, generic) if self.model_dir else None
         shape = self.checkpoint.shape if self.checkpoint else None
         self.case = settings.make_case(path.name if shape else os.fspath(model), model_shape=shape, steps=1, warmup=0)
         # the checkpoint's notes, and preflight's, which refuses what does not fit this machine
@@ -139,7 +146,8 @@ class Engine:
                 trust.check_key(create=True)
             self.ranks.barrier()
             trust.check_key(create=False)
-        self._system = build_system(self.case)
+        with build_lines_to(log):
+            self._system = build_system(self.case)
         if self.checkpoint:
             self.system.load_weights(self.checkpoint.weights())
 
@@ -215,21 +223,26 @@ class Engine:
         if draws is not None:
             draws.step = drawn
 
-    def export(self, path: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None) -> Path:
-        """The current weights as a Hugging Face checkpoint in `path` (in the compute dtype), as train exports them:
-        the model directory's config.json carried over, with the tokenizer files and generation config of
-        tokenizer_dir (default: the model directory's)."""
+    def export(self, path: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None,
+               dtype: str | None = None) -> Path:
+        """The current weights as a Hugging Face checkpoint in `path`, as train exports them: the model directory's
+        config.json carried over, with the tokenizer files and generation config of tokenizer_dir (default: the model
+        directory's); the weights in `dtype` (train's --export-dtype: default the model directory's, else the
+        compute dtype)."""
         tokenizer = tokenizer_dir or self.model_dir
         if Path(path).exists() and not Path(path).is_dir():
             raise ValueError(f"Engine.export({str(path)!r}) is a file, which the export would replace: choose a folder")
         if theirs := not_exported(Path(path)):
             raise ValueError(f"Engine.export({str(path)!r}): {path} holds {theirs[0]}, which no export wrote there (it "
                              f"has no {EXPORT_FILE}), and exporting there would replace it: choose another folder")
+        if dtype not in (None, *DTYPES):
+            raise ValueError(f"Engine.export's dtype must be one of {DTYPES}, got {dtype!r}")
         weights = self.system.export_weights()  # with several ranks, every rank's part: the weights are on rank 0
         if self.ranks.first:
             with _writing(Path(path), "Engine.export"):
+                source = self.checkpoint.config if self.checkpoint else None
                 export_checkpoint(weights, self.case, Path(path), None if tokenizer is None else os.fspath(tokenizer),
-                                  {"engine": self.case.model}, self.checkpoint.config if self.checkpoint else None)
+                                  {"engine": self.case.model}, export_dtype(dtype, source, self.case)[0], source)
         self.ranks.barrier()
         return Path(path)
 

@@ -190,12 +190,20 @@ COMMANDS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser (and its commands'), whose refusal of a flag is one line, as every other refusal is: argparse
+    printed the command's whole usage first, 24 lines for train's flags above the line that matters."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The command line; with `command`, only the arguments of the command it names are declared (none when it names
     none): bench's and train's flags take their defaults from modules that import torch, which `--help`, `--version`
     and the other commands do without."""
-    parser = argparse.ArgumentParser(prog="python -m megatrain", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="python -m megatrain", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"megatrain {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, arguments, func, keywords) in COMMANDS.items():

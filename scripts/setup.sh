@@ -34,9 +34,9 @@ KEEP_TORCH=$(mktemp)
 IMPORTED=$(mktemp -u)
 trap 'rm -f "$KEEP_TORCH" "$IMPORTED"' EXIT
 "$PY" -c "import torch; print('torch==' + torch.__version__)" >"$KEEP_TORCH"
-# ninja first (the package's pin): the host AdamW kernel builds (~30 s of g++, once per torch install) while the
-# rest installs, instead of after it. pip starts once the builder has imported what it needs, so that it never
-# imports a package pip is writing.
+# ninja first (the package's pin): the host AdamW kernel builds (minutes of g++ on 2 cores, once per torch install,
+# saying so as it starts and ends) while the rest installs, instead of in the first training step. pip starts once the
+# builder has imported what it needs, so that it never imports a package pip is writing.
 "$PY" -m pip install -q "$(sed -n 's/^ *"\(ninja[^"]*\)".*/\1/p' pyproject.toml)"
 "$PY" -c "import pathlib, sys, torch.utils.cpp_extension
 from megatrain.optim import fused

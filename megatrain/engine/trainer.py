@@ -6,15 +6,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import logging
 import statistics
-import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
+from megatrain.build_log import BUILD_LOG
 from megatrain.compile_check import compile_check
 from megatrain.engine.config import EngineConfig, refuse_delay_across_ranks
 from megatrain.engine.distributed import Ranks
@@ -29,22 +28,6 @@ from megatrain.memory import GIB, peak_host_rss_gib
 from megatrain.models.loss import valid_tokens
 from megatrain.models.weights import copy_named_weights
 from megatrain.optim.state_bytes import adamw_traffic_bytes_per_param
-
-
-class _Stderr(logging.Handler):
-    """Each record on the process's stderr of the moment (a test's capture, a suite case's pipe)."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        print(self.format(record), file=sys.stderr, flush=True)
-
-
-# The build's phases as each ends, on stderr (a suite case cut short keeps its stderr tail); train's RunLog also
-# writes them into OUT/train.log
-BUILD_LOG = logging.getLogger("megatrain.build")
-BUILD_LOG.setLevel(logging.INFO)
-BUILD_LOG.propagate = False
-if not any(isinstance(h, _Stderr) for h in BUILD_LOG.handlers):
-    BUILD_LOG.addHandler(_Stderr())
 
 
 class StreamingSystem:
@@ -82,8 +65,9 @@ class StreamingSystem:
 
     @contextlib.contextmanager
     def _phase(self, name: str):
-        """Time one phase of the build into build_phases_s and say it on stderr as it ends, so a build cut short (a
-        suite case's timeout keeps the stderr tail) shows how far it got and what each phase took."""
+        """Time one phase of the build into build_phases_s and say it as it ends (megatrain.build_log: stderr, or a
+        caller's log), so a build cut short (a suite case's timeout keeps the stderr tail) shows how far it got and
+        what each phase took."""
         t0 = time.perf_counter()
         yield
         if self.device.type == "cuda" and torch.cuda.is_initialized():

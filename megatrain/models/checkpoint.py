@@ -35,6 +35,7 @@ from megatrain.user_files import within
 
 CONFIG_FILE = "config.json"
 REMOTE_CODE = "auto_map"  # config.json's map of its classes to Python files of the checkpoint's own
+DTYPE_KEYS = ("dtype", "torch_dtype")  # a config.json's name of its weights' dtype: transformers 5's, and before
 # the config.json keys read as counts (>= 1 where given), counts that may be 0, and numbers: another type or range is
 # refused by name, whichever kind of model would read it
 _COUNT_KEYS = (*REQUIRED_KEYS, "num_key_value_heads", "max_position_embeddings", "original_max_position_embeddings")
@@ -163,9 +164,32 @@ def check_config_values(config: Mapping) -> None:
 def save_checkpoint(weights: Mapping[str, torch.Tensor], shape: ModelShape, out_dir: str | Path, max_shard_bytes: int,
                     dtype: torch.dtype, source_config: Mapping | None = None) -> None:
     """`weights` (by the names of `shape`'s model) written into out_dir as the family's own Hugging Face checkpoint,
-    which transformers' from_pretrained loads: config.json (from source_config, the config.json of the checkpoint the
-    model was read from, where there is one) and safetensors shards of at most max_shard_bytes, the weights in
-    `dtype`."""
+    which transformers' from_pretrained loads: config.json (exported_config of source_config, the config.json of the
+    checkpoint the model was read from, where there is one; else the kind's) and safetensors shards of at most
+    max_shard_bytes, the weights in `dtype`."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    kind_of(shape).write_weights(weights, shape, out_dir, max_shard_bytes, dtype, source_config)
+    kind_of(shape).write_weights(weights, shape, out_dir, max_shard_bytes, dtype)
+    if source_config is not None:
+        assert shape_from_config(source_config, isinstance(shape, GenericConfig)) == shape, "the source's model"
+        (out_dir / CONFIG_FILE).write_text(json.dumps(exported_config(source_config, dtype), indent=2) + "\n")
+
+
+def exported_config(source: Mapping, dtype: torch.dtype) -> dict:
+    """The config.json of an export of a model trained from the checkpoint whose config.json is `source`: the source
+    whole (its token ids, generation and tokenizer settings, use_cache, keys we do not read), not a kind's rendering
+    of it (transformers' own turned use_cache false), without a quantization_config (the export's experts are plain
+    tensors), and its dtype key naming the weights' dtype: `dtype` (transformers 5), `torch_dtype` (before), both
+    where it has neither."""
+    config = {k: v for k, v in source.items() if k != "quantization_config"}
+    keys = [k for k in DTYPE_KEYS if k in config] or DTYPE_KEYS
+    config.update(dict.fromkeys(keys, str(dtype).removeprefix("torch.")))
+    return config
+
+
+def stored_dtype(config: Mapping) -> torch.dtype | None:
+    """The dtype a config.json says its checkpoint's weights are stored in (None: it names none, or not a floating
+    dtype torch has)."""
+    name = next((config[k] for k in DTYPE_KEYS if isinstance(config.get(k), str)), None)
+    dtype = getattr(torch, name, None) if name else None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None

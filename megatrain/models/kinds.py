@@ -38,14 +38,15 @@ class ModelKind:
         shape or not floating point, as far as the kind can tell from the headers.
     read_weights(shape, path): (name, tensor) of every weight of the checkpoint in folder `path`, by the model's
         names, one at a time; what check_weights could not see is refused as it is read.
-    write_weights(weights, shape, out_dir, max_shard_bytes, dtype, source_config): the weights (by the model's names)
-        written as the family's own checkpoint, config.json included (from source_config, where given).
+    write_weights(weights, shape, out_dir, max_shard_bytes, dtype): the weights (by the model's names) written as the
+        family's own checkpoint, a config.json of the shape included (an export's is its source's:
+        megatrain.models.checkpoint.save_checkpoint).
     """
 
     build_module: Callable[[ModelShape, bool, int], nn.Module]
     check_weights: Callable[[ModelShape, Path, Stored], None]
     read_weights: Callable[[ModelShape, Path], Iterator[tuple[str, torch.Tensor]]]
-    write_weights: Callable[[Mapping[str, torch.Tensor], ModelShape, Path, int, torch.dtype, Mapping | None], None]
+    write_weights: Callable[[Mapping[str, torch.Tensor], ModelShape, Path, int, torch.dtype], None]
 
 
 KINDS = {

@@ -5,7 +5,8 @@ The build lives in a directory of its own per torch version and install, C++ ABI
 torch installs never share a build, and checkouts never rebuild each other's), under torch's extensions root
 (TORCH_EXTENSIONS_DIR, else torch's default); it must be this user's and writable by no other. Builders take an flock
 there, which the kernel drops when its holder dies: a builder killed mid-build cannot leave the next one waiting
-forever on torch's own lock file.
+forever on torch's own lock file. A compile says so as it starts and what it took (megatrain.build_log): a fresh
+machine's first step waits minutes on it where scripts/setup.sh has not compiled it ahead.
 
 Falls back to torch's fused AdamW (more passes over memory, same result) where no C++ compiler
 is available; `available()` says which one runs.
@@ -24,10 +25,13 @@ import os
 import shutil
 import sys
 import sysconfig
+import time
 import warnings
 from pathlib import Path
 
 import torch
+
+from megatrain.build_log import BUILD_LOG
 
 _SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("fused_adamw.cpp", "host_bandwidth.cpp"))
 _NAME = "megatrain_fused_adamw"
@@ -59,8 +63,8 @@ def _build_lock(build_dir: Path):
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             if not (build_dir / f"{_NAME}.so").exists():
-                print(f"waiting for another process building the host AdamW kernel in {build_dir}", file=sys.stderr,
-                      flush=True)
+                BUILD_LOG.info("megatrain build: waiting for another process compiling the host AdamW kernel in "
+                                   "%s", build_dir)
             fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 
@@ -100,8 +104,11 @@ def _module():
         with _build_lock(build_dir):
             # No live builder holds torch's lock file now: it is a dead builder's, on which load() would wait forever.
             (build_dir / "lock").unlink(missing_ok=True)
-            if not (build_dir / f"{_NAME}.so").exists():
-                print(f"building the host AdamW kernel once (~30 s) in {build_dir}", file=sys.stderr, flush=True)
+            compiles = not (build_dir / f"{_NAME}.so").exists()
+            if compiles:  # a wait of minutes on a few cores, said (scripts/setup.sh compiles it ahead)
+                BUILD_LOG.info("megatrain build: compiling the host AdamW kernel, once per machine and torch "
+                                   "install (minutes on a few cores), in %s", build_dir)
+            t0 = time.perf_counter()
             # Built from copies in the build directory: every checkout then gives ninja the same commands, so none
             # rebuilds another's.
             sources = []
@@ -111,8 +118,11 @@ def _module():
                     source.write_bytes(code)
                 sources.append(str(source))
             # copies: load() appends torch's libraries to the lists it is given, which would change the key above
-            return load(name=_NAME, sources=sources, build_directory=str(build_dir),
-                        extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS), verbose=False)
+            module = load(name=_NAME, sources=sources, build_directory=str(build_dir),
+                          extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS), verbose=False)
+            if compiles:
+                BUILD_LOG.info("megatrain build: host AdamW kernel compiled in %.1f s", time.perf_counter() - t0)
+            return module
     except ValueError:  # _check_private's refusal: for the user to act on, not a missing compiler
         raise
     except Exception as exc:  # no compiler or ninja: the torch path computes the same update

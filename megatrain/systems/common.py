@@ -1,15 +1,18 @@
 """What the baselines share: the micro-batches of a step and the held-out loss over them (all of them), and for the
 module-owning ones (native, FSDP2, torchao) one optimizer step with gradient accumulation and clipping, and per-layer
-compilation (DeepSpeed steps and compiles its own way, megatrain.engine has its templates)."""
+compilation (DeepSpeed steps and compiles its own way, megatrain.engine has its templates); DeepSpeed's CPU Adam op
+loaded with a word (DeepSpeed and the paper's code)."""
 
 from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Callable
 
 import torch
 
+from megatrain.build_log import BUILD_LOG
 from megatrain.config import CaseConfig
 from megatrain.engine.distributed import Ranks
 from megatrain.models.draws import Draws
@@ -130,3 +133,14 @@ def evaluate_micro_batches(model: torch.nn.Module, case: CaseConfig, device: tor
     finally:
         model.train(training)
     return total
+
+
+def load_deepspeed_cpu_adam() -> None:
+    """Load DeepSpeed's CPU Adam op (DeepSpeedCPUAdam's, ZenFlowCPUAdam's) and say so with the time it took: its first
+    use on a machine compiles it (minutes of g++ on a few cores), which DeepSpeed does without a word."""
+    from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    BUILD_LOG.info("megatrain build: loading DeepSpeed's CPU Adam op (its first use on a machine compiles it: minutes)")
+    t0 = time.perf_counter()
+    CPUAdamBuilder().load()
+    BUILD_LOG.info("megatrain build: DeepSpeed's CPU Adam op loaded in %.1f s", time.perf_counter() - t0)

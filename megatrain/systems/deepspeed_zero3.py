@@ -56,7 +56,13 @@ from megatrain.optim.state_bytes import FP32_BYTES, checkpoint_bytes_per_param, 
 from megatrain.options import CommonOptions
 from megatrain.preflight import activation_bytes, estimate_plan, largest_unit_params
 from megatrain.systems import SystemSpec
-from megatrain.systems.common import aux_weight, draws_of, evaluate_micro_batches, micro_batches
+from megatrain.systems.common import (
+    aux_weight,
+    draws_of,
+    evaluate_micro_batches,
+    load_deepspeed_cpu_adam,
+    micro_batches,
+)
 from megatrain.systems.dist import (
     kept_on_first,
     ranks_of,
@@ -560,6 +566,7 @@ class DeepSpeedSystem:
         if self.optimizer_name == "cpu_adam":
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+            load_deepspeed_cpu_adam()
             if case.opts.zenflow:  # DeepSpeed builds ZenFlowCPUAdam from the config's optimizer over our groups
                 optimizer = None
                 self.optimizer_desc = "deepspeed.ops.adam.ZenFlowCPUAdam(adamw_mode=True, overlap_step=True), built " \

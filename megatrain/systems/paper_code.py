@@ -64,7 +64,7 @@ from megatrain.optim.state_bytes import FP32_BYTES, checkpoint_bytes_per_param, 
 from megatrain.options import CommonOptions
 from megatrain.preflight import estimate_plan, pinned_bytes
 from megatrain.systems import SystemSpec
-from megatrain.systems.common import max_norm
+from megatrain.systems.common import load_deepspeed_cpu_adam, max_norm
 from megatrain.workspace import WORKSPACE
 
 REPOSITORY = "github.com/DLYuanGod/MegaTrain"
@@ -321,6 +321,7 @@ class PaperSystem:
         if case.opts.optimizer == "deepspeed_adam":
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+            load_deepspeed_cpu_adam()
             self.optimizer = DeepSpeedCPUAdam(self.model.get_parameters(), adamw_mode=True, **hyper)
         else:
             self.optimizer = torch.optim.AdamW(self.model.get_parameters(), **hyper)

@@ -14,6 +14,7 @@ from megatrain.config import DEVICES, DTYPES, PRECISIONS
 from megatrain.engine.config import share
 from megatrain.flags import CaseFlags, add_flags, file_values, flag, given
 from megatrain.models.checkpoint import Checkpoint, open_checkpoint
+from megatrain.models.handwritten.families import FAMILIES
 from megatrain.models.registry import get_model_config
 from megatrain.optim.config import OptimConfig
 from megatrain.options import check_field_types
@@ -34,14 +35,17 @@ RESUME_FIXES = ("system", "init_from", "generic", "model", "tokenizer", "data", 
 
 @dataclass
 class TrainConfig(CaseFlags):
-    # the shared case settings (megatrain.flags.CaseFlags) with training's defaults
-    system: str = "megatrain"
+    # the shared case settings (megatrain.flags.CaseFlags) with training's defaults; --system offers the trainers only
+    system: str = flag("megatrain", help=" | ".join(s for s in SYSTEMS if system_spec(s).trains)
+                       + " (default {default})")
     seq: int = 2048
     batch: int = 8
     lr: float = 1e-5
     # training's own
     init_from: str | None = flag(None, metavar="DIR",
-                                 help="local Hugging Face checkpoint (Qwen2 or Llama, safetensors)")
+                                 help="local Hugging Face checkpoint folder (safetensors): a hand-written family "
+                                 f"({', '.join(FAMILIES)}) or any other transformers decoder, through transformers' "
+                                 "own modules")
     model: str | None = flag(None, help="registry shape trained from scratch (python -m megatrain models)")
     generic: bool = flag(False, help="train --init-from through transformers' own modules even where a hand-written "
                                      "model of its family exists")
@@ -63,6 +67,8 @@ class TrainConfig(CaseFlags):
     adam_betas: tuple[float, float] = flag((OptimConfig.beta1, OptimConfig.beta2), metavar=("B1", "B2"))
     adam_eps: float = flag(OptimConfig.eps)
     out: str = flag("runs/train", metavar="DIR", help="metrics.jsonl, checkpoints/, hf/ (default {default})")
+    export_dtype: str | None = flag(None, choices=DTYPES, help="the dtype of hf/'s weights (default: the --init-from "
+                                    "checkpoint's, else --dtype)")
     save_every: int = flag(0, metavar="N", help="checkpoint every N steps (and always at the end)")
     save: bool = flag(True, help="no training-state checkpoints, not even at the end (the Hugging Face export stays)")
     keep: int = flag(2, metavar="K", help="checkpoints kept (default {default})")
@@ -94,8 +100,7 @@ class TrainConfig(CaseFlags):
             get_model_config(self.model)
             if self.generic:
                 raise ValueError(f"--generic trains an --init-from checkpoint through transformers' own modules; "
-                                 f"--model {self.model} is a registry shape, which trains as registered: drop "
-                                 "--generic")
+                                 f"--model {self.model} is a registry shape, which has its own model: drop --generic")
         if not self.data:
             raise ValueError("--data FILE is required (JSONL or .txt, repeatable, a folder, or a Hugging Face dataset)")
         if (self.steps is None) == (self.epochs is None):
@@ -105,6 +110,8 @@ class TrainConfig(CaseFlags):
         if self.dtype not in DTYPES or self.precision not in PRECISIONS or self.device not in DEVICES:
             raise ValueError(f"--dtype must be one of {DTYPES}, --precision one of {PRECISIONS} and --device one of "
                              f"{DEVICES}")
+        if self.export_dtype not in (None, *DTYPES):
+            raise ValueError(f"--export-dtype must be one of {DTYPES}, got {self.export_dtype!r}")
         for holds, name, value, must in self._ranges():
             if not holds:
                 raise ValueError(f"{name} must be {must}, got {value}")

@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 
 from megatrain import user_files
+from megatrain.build_log import build_lines_to
 from megatrain.config import CaseConfig
 from megatrain.engine import distributed
 from megatrain.engine.distributed import Ranks
 from megatrain.memory import GIB, peak_host_rss_gib
-from megatrain.models.checkpoint import Checkpoint, save_checkpoint
+from megatrain.models.checkpoint import Checkpoint, save_checkpoint, stored_dtype
 from megatrain.models.flops import model_flops
 from megatrain.models.loss import IGNORE_INDEX
 from megatrain.models.registry import get_model_config
@@ -114,8 +115,9 @@ def train(cfg: TrainConfig, log=print) -> int:
     try:
         for note in notes if first else []:
             runlog(note)
-        code = _train(cfg, run, case, rows, eval_rows, total, tokenizer_dir, runlog, ranks, reporters, prints,
-                      init)
+        with build_lines_to(runlog):  # the build's lines are the run's: the caller's log and OUT/train.log
+            code = _train(cfg, run, case, rows, eval_rows, total, tokenizer_dir, runlog, ranks, reporters, prints,
+                          init)
         return code
     except Exception as exc:  # the terminal shows it as the caller reports it; the log keeps it too
         if isinstance(exc, OSError) and first and exc.filename == str(out / LOG_FILE) \
@@ -136,11 +138,11 @@ INPUTS = (("data_files", "the data", "other rows at the recorded data position")
           ("model_files", "--init-from's config", "another model than the run's"))  # fingerprints a run records
 
 
-def _prepare(cfg: TrainConfig, run: RunDir, case, total: int, log, prints: dict) -> tuple:
+def _prepare(cfg: TrainConfig, run: RunDir, case, total: int, log, prints: dict, exported: torch.dtype) -> tuple:
     """(start step, checkpoint resumed from or None, its trainer.json, export only, run id): a resumed run's
     leftovers recovered, what cannot run refused (training data or a tokenizer whose fingerprints `prints` differ
     from those recorded at the run's start, in run.json and in the checkpoint's trainer.json, among them: held-out
-    data may change), the run started in --out."""
+    data may change; a disk short of the checkpoints and the export in `exported`), the run started in --out."""
     out = run.out
     resume_from, meta = None, {"step": 0, "data_rows_consumed": 0}
     if cfg.resume:
@@ -158,7 +160,7 @@ def _prepare(cfg: TrainConfig, run: RunDir, case, total: int, log, prints: dict)
         raise ValueError(f"nothing to train: {resume_from} is at step {start} and the run ends at step {total}; "
                          f"pass --steps N with N above {start} to train on")
     saves = cfg.save * (1 + (len(range(cfg.save_every, total, cfg.save_every)) if cfg.save_every else 0))
-    export_bytes = case.model_config().num_params() * case.dtype_bytes  # the export keeps the compute dtype
+    export_bytes = case.model_config().num_params() * exported.itemsize
     # The old export is deleted only once the new one is complete.
     checkpoint.check_disk(case, out, saves, cfg.keep, export_bytes * (1 + (out / "hf").exists()))
     run_id = run.start(_settings(cfg), meta.get("run_id"), **prints)  # a resume without run.json keeps its id
@@ -206,8 +208,9 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
     """The run in --out (run None: a rank other than 0, which takes rank 0's decisions and writes nothing)."""
     out, report, first = Path(cfg.out), log, ranks.first
     log = log if first else RunLog(_silent)
+    exported, whence = export_dtype(cfg.export_dtype, init.config if init else None, case)
     start, resume_from, meta, export_only, run_id = ranks.from_first(
-        _prepare(cfg, run, case, total, log, prints) if run is not None else (None,) * 5)
+        _prepare(cfg, run, case, total, log, prints, exported) if run is not None else (None,) * 5)
     layout = f"packed into {len(rows)} rows" if cfg.pack else f"one per row, {rows.truncated} truncated"
     log(f"train: {case.model} on {cfg.system}, {rows.examples} examples {layout} of {cfg.seq + 1} tokens "
         f"({rows.fill:.0%} data, the rest padding), {total} steps of {cfg.batch} x {cfg.seq}"
@@ -261,7 +264,7 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
             return 0
         with _writing(out / "hf", progress, out):
             export_checkpoint(weights, case, out / "hf", tokenizer_dir, {"step": progress.step, "run_id": run_id},
-                              init.config if init else None)
+                              exported, init.config if init else None)
         memory.update(export_s=time.perf_counter() - t0, host_peak_gib_exported=peak_host_rss_gib())
         with _writing(out / "memory.json", progress, out):
             (out / "memory.json").write_text(json.dumps(memory, indent=1) + "\n")
@@ -269,7 +272,7 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
             log(f"interrupted ({signal.Signals(progress.signal).name}) during the export, which was finished: "
                 f"{progress.step} steps; Hugging Face checkpoint in {out / 'hf'}")
             return 128 + progress.signal
-        log(f"done: {progress.step} steps; Hugging Face checkpoint in {out / 'hf'}; host peak RSS (GiB) "
+        log(f"done: {progress.step} steps; Hugging Face checkpoint in {out / 'hf'} ({whence}); host peak RSS (GiB) "
             + ", ".join(f"{k.removeprefix('host_peak_gib_')} {v:.2f}" for k, v in memory.items() if "gib" in k))
         return 0
     except distributed.RankLost as exc:  # said while the signal handlers stand: torchrun's SIGTERM follows
@@ -443,13 +446,24 @@ def _exported_step(out: Path) -> int | None:
     return step
 
 
+def export_dtype(asked: str | None, source_config: dict | None, case: CaseConfig) -> tuple[torch.dtype, str]:
+    """(the export's weights' dtype, a note saying which and whence): `asked` (--export-dtype), else the dtype of the
+    checkpoint trained from (an fp32 checkpoint trained at --dtype bfloat16 keeps its fp32 master's updates, where
+    bf16 weights round away those below 2^-8 of a weight: a norm's at lr 1e-5), else the compute dtype (--dtype)."""
+    stored = stored_dtype(source_config) if source_config is not None else None
+    dtype, whence = (getattr(torch, asked), "--export-dtype") if asked is not None else \
+        (stored, "the --init-from checkpoint's dtype") if stored is not None else (case.torch_dtype, "--dtype")
+    return dtype, f"{str(dtype).removeprefix('torch.')} weights: {whence}"
+
+
 def export_checkpoint(weights, case: CaseConfig, hf_dir: Path, tokenizer_dir: str | None, provenance: dict,
-                      source_config: dict | None = None) -> None:
-    """The weights (a system's export_weights) as a Hugging Face checkpoint with the tokenizer files, written aside
-    and swapped in whole; its config.json starts from source_config (the checkpoint's trained from), if any."""
+                      dtype: torch.dtype, source_config: dict | None = None) -> None:
+    """The weights (a system's export_weights) in `dtype` as a Hugging Face checkpoint with the tokenizer files,
+    written aside and swapped in whole; its config.json the source's (source_config, the checkpoint's trained from),
+    if any."""
     with written_aside(hf_dir) as tmp:
         save_checkpoint(weights, case.model_config(), tmp, max_shard_bytes=EXPORT_SHARD_BYTES,
-                        dtype=case.torch_dtype, source_config=source_config)
+                        dtype=dtype, source_config=source_config)
         for name, source in tokenizer_copies(tokenizer_dir).items():
             (tmp / name).parent.mkdir(exist_ok=True)
             shutil.copy(source, tmp / name)

@@ -1,4 +1,6 @@
-"""Learning-rate schedules: linear warmup, then constant, cosine or linear decay to min_lr at the last step."""
+"""Learning-rate schedules: linear warmup, then constant, or a cosine or linear decay towards min_lr, which it reaches
+one step after the last (transformers' get_cosine_schedule_with_warmup and get_linear_schedule_with_warmup): the last
+update still moves the weights."""
 
 from __future__ import annotations
 
@@ -8,13 +10,13 @@ SCHEDULES = ("constant", "cosine", "linear")
 
 
 def lr_at(step: int, total_steps: int, lr: float, schedule: str, warmup_steps: int, min_lr: float) -> float:
-    """The learning rate of update `step` (0-based) of `total_steps`."""
+    """The learning rate of update `step` (0-based) of `total_steps`. The warmup rises to lr at its last step, one step
+    before transformers' (whose first update, at lr 0, moves nothing); the decay is transformers' from there."""
     if step < warmup_steps:
         return lr * (step + 1) / warmup_steps
     if schedule == "constant":
         return lr
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps - 1)
-    progress = min(progress, 1.0)
+    progress = min((step - warmup_steps) / max(1, total_steps - warmup_steps), 1.0)
     if schedule == "cosine":
         return min_lr + (lr - min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
     if schedule == "linear":

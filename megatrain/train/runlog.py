@@ -4,7 +4,6 @@ invocation (a resumed run continues its log)."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -20,9 +19,6 @@ class RunLog:
     def __init__(self, say: Callable[[str], None], path: Path | None = None):
         self.say, self.bar, self.path = say, None, path
         self.file = None  # opened by the first line
-        # the engine's build lines (logger megatrain.build) go to the terminal by themselves; the file takes them too
-        self._build = _ToFile(self)
-        logging.getLogger("megatrain.build").addHandler(self._build)
 
     def __call__(self, line: str) -> None:
         self.to_file(line)
@@ -57,15 +53,5 @@ class RunLog:
             raise OSError(exc.errno, exc.strerror, str(path)) from None
 
     def close(self) -> None:
-        logging.getLogger("megatrain.build").removeHandler(self._build)
         if self.file is not None:
             self.file.close()
-
-
-class _ToFile(logging.Handler):
-    def __init__(self, log: RunLog):
-        super().__init__()
-        self.log = log
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.log.to_file(self.format(record))

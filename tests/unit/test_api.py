@@ -150,12 +150,33 @@ def test_an_engine_saved_and_loaded_steps_on_bit_for_bit_and_pads_short_batches(
     ({"system": "paper"}, "--system paper is a benchmark peer"),
     ({"device": "cuda"}, "--device cuda: torch sees no CUDA device"),
     ({"model": None}, "Engine's model is a Hugging Face checkpoint directory or a registry name, got None"),
+    ({"model": "/no/such/checkpoint"}, "/no/such/checkpoint: no such directory"),  # not 'unknown model'
+    ({"model": Path("typo")}, "typo: no such directory"),
+    ({"model": "tiny", "generic": True}, "--generic trains an --init-from checkpoint through transformers' own"),
 ])
 def test_an_engine_refuses_a_setting_as_train_does(settings, says):
     if settings.get("device") == "cuda" and torch.cuda.is_available():
         pytest.skip("CUDA is here")
     with pytest.raises(ValueError, match=f"^{re.escape(says)}"):
         megatrain.Engine(**{"model": "tiny", "seq": 8, "batch": 2, **settings})
+
+
+def test_an_engine_and_a_trainer_say_every_line_through_log(tmp_path, case, capfd):
+    """log= takes what they say, the build's lines (and the host AdamW kernel's) included: those went to stderr
+    whatever log was; the Engine's generic=True is train's --generic."""
+    from megatrain.models.generic import GenericConfig
+
+    init, data = case
+    engine_said, trainer_said = [], []
+    with megatrain.Engine(init, seq=8, batch=2, generic=True, log=engine_said.append) as engine:
+        assert isinstance(engine.checkpoint.shape, GenericConfig)  # transformers' own modules, not our Llama
+        engine.step(torch.randint(0, SHAPE["vocab_size"], (2, 8)))
+    result = megatrain.Trainer(init_from=init, data=data, steps=1, seq=SEQ, batch=BATCH, out=tmp_path / "run",
+                               dtype="float32").train(log=trainer_said.append)
+    assert "megatrain build:" not in "".join(capfd.readouterr())
+    for said in (engine_said, trainer_said):
+        assert any(line.startswith("megatrain build: optimizer") for line in said), said
+    assert (result.out / "train.log").read_text().splitlines() == trainer_said
 
 
 def test_an_engine_refuses_what_it_cannot_train_on_naming_what_to_change(tmp_path):

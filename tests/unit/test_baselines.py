@@ -188,3 +188,20 @@ def test_cli_bench_runs_the_baseline(system):
     record = json.loads(proc.stdout.strip().splitlines()[-1])
     assert record["status"] == "ok" and len(record["losses"]) == 2
     assert record["system_config"]["activation_checkpointing"] is True
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("system", [pytest.param("deepspeed", marks=needs_deepspeed)])
+def test_deepspeeds_cpu_adam_op_is_loaded_with_a_word_and_its_time(system):
+    """Its first use on a machine compiles it, minutes on a few cores that DeepSpeed spends without a word (the first
+    DeepSpeed case of a fresh GPU host, the paper's code): the load is said, and what it took. A stand-in for the
+    compile here; in a process of its own, as DeepSpeed patches torch at import."""
+    code = ("from deepspeed.ops.op_builder import CPUAdamBuilder\n"
+            "CPUAdamBuilder.load = lambda self, verbose=False: None\n"
+            "from megatrain.systems.common import load_deepspeed_cpu_adam\n"
+            "load_deepspeed_cpu_adam()\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    said = [line for line in proc.stderr.splitlines() if line.startswith("megatrain build:")]
+    assert said[0].startswith("megatrain build: loading DeepSpeed's CPU Adam op (its first use on a machine compiles")
+    assert re.fullmatch(r"megatrain build: DeepSpeed's CPU Adam op loaded in \d+\.\d s", said[1]) and len(said) == 2

@@ -132,7 +132,9 @@ def test_the_engine_models_and_optim_never_import_a_system_or_deepspeed():
             imported = _imported_names(path)
             assert not [m for m in imported if m.startswith(SYSTEMS_WING) or m.split(".")[0] == "deepspeed"], name
             if name.startswith("megatrain.optim"):  # the optimizer knows its own settings, not the cases or systems
-                assert not [m for m in imported if m in modules and not m.startswith("megatrain.optim")], name
+                # (it says its kernel's compile through the build's log, which imports nothing of ours)
+                assert not [m for m in imported if m in modules and not m.startswith("megatrain.optim")
+                            and m != "megatrain.build_log"], name
 
 
 def test_training_with_the_engine_loads_neither_the_harness_nor_another_system():

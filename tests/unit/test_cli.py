@@ -3,6 +3,7 @@ resume line, and a wheel that carries the suites. CPU, seconds (the wheel build 
 pytest tests/unit/test_cli.py"""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -63,7 +64,32 @@ def test_a_suite_flag_out_of_its_kind_is_refused_before_anything_is_made(tmp_pat
     with pytest.raises(SystemExit) as exited:
         main(["suite", "smoke", "--out-dir", str(out), *flags])
     assert exited.value.code == 2 and not out.exists()
-    assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: {says}")
+    assert capsys.readouterr().err == f"error: {says} (see python -m megatrain suite --help)\n"
+
+
+@pytest.mark.parametrize("argv", [["train", "--lr", "abc"], ["train", "--device", "gpu"], ["bench", "--seq"], []])
+def test_a_flag_argparse_refuses_is_one_line_without_the_usage(capsys, argv):
+    """argparse printed the command's usage before its error: 24 lines for train's flags, the line that matters last."""
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+    assert err.endswith(f"(see python -m megatrain{''.join(' ' + a for a in argv[:1])} --help)\n")
+
+
+def test_train_help_offers_what_train_takes(capsys):
+    """--system lists the systems train trains (it offered paper, a benchmark peer train refuses), and --init-from
+    every family it reads (it said 'Qwen2 or Llama')."""
+    from megatrain.models.handwritten.families import FAMILIES
+    from megatrain.systems import SYSTEMS, system_spec
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    offered = re.search(r"--system SYSTEM ([\w |]+) \(default megatrain\)", said).group(1).split(" | ")
+    assert offered == [s for s in SYSTEMS if system_spec(s).trains] and "paper" not in offered
+    init_from = said[said.rindex("--init-from DIR"):said.rindex("--model MODEL")]  # the option, not the usage
+    assert all(family in init_from for family in FAMILIES) and "any other transformers decoder" in init_from
 
 
 def test_a_suite_file_that_is_a_folder_is_one_line(tmp_path, capsys):

@@ -1,6 +1,7 @@
 """The host AdamW kernel's JIT build: one directory per torch install, and no builder's death hangs the next load.
 
-CPU with a C++ compiler and ninja; the kernel builds once per torch install (~30 s) where setup.sh has not built it:
+CPU with a C++ compiler and ninja; the kernel builds once per torch install (minutes on 2 cores) where setup.sh has
+not built it:
 pytest tests/unit/test_fused_build.py
 """
 
@@ -82,6 +83,33 @@ def test_loading_leaves_the_build_directory_where_it_was(tmp_path, monkeypatch):
         assert fused.build_directory() == before
     finally:
         fused._module.cache_clear()
+
+
+def test_a_compile_says_when_it_starts_and_what_it_took_and_a_load_says_nothing(tmp_path, monkeypatch):
+    """A fresh machine's first training step waits on the compile (155-315 s on 2 cores of another machine, without
+    a word): it says so as it starts and what it took, through the build's log (a run's log takes it)."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    from megatrain.build_log import build_lines_to
+
+    def load(name, sources, build_directory, **flags):
+        (Path(build_directory) / f"{name}.so").touch()
+        return object()
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", load)
+    said = []
+    try:
+        for _ in range(2):  # compiled, then loaded by a process of its own
+            fused._module.cache_clear()
+            with build_lines_to(said.append):
+                assert fused.available()
+    finally:
+        fused._module.cache_clear()
+    assert len(said) == 2, said
+    assert said[0].startswith("megatrain build: compiling the host AdamW kernel, once per machine") and \
+        str(fused.build_directory()) in said[0]
+    assert re.fullmatch(r"megatrain build: host AdamW kernel compiled in \d+\.\d s", said[1])
 
 
 @pytest.mark.parametrize("unsafe", ["writable by others", "owned by uid"])

@@ -92,6 +92,8 @@ def test_train_matches_transformers_and_the_export_reloads_with_its_logits(tmp_p
     assert [m["step"] for m in ours] == list(range(1, steps + 1))
     torch.testing.assert_close(torch.tensor([m["loss"] for m in ours]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     assert max(m["grad_norm"] for m in ours) > CLIP  # clipping acted
+    source, export = (json.loads((d / "config.json").read_text()) for d in (init, tmp_path / "run" / "hf"))
+    assert export == source, "the source's config.json whole, not transformers' rendering (use_cache turned false)"
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf",
                                                                  attn_implementation="eager").eval()
     assert type(exported) is type(ref_model)

@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 from families import KINDS, ORIGINAL, family_config  # noqa: E402
 
 from megatrain.models import Transformer, get_model_config  # noqa: E402
-from megatrain.models.checkpoint import open_checkpoint  # noqa: E402
+from megatrain.models.checkpoint import open_checkpoint, save_checkpoint  # noqa: E402
 from megatrain.models.handwritten.hf import config_from_hf, config_to_hf, save_hf_checkpoint  # noqa: E402
 from megatrain.models.init import init_module  # noqa: E402
 from megatrain.models.rope import RopeScaling  # noqa: E402
@@ -111,15 +111,22 @@ def test_transformers_loads_our_checkpoint(tmp_path, name, max_shard_bytes):
 @pytest.mark.parametrize("kind", KINDS)
 def test_an_export_of_a_checkpoint_keeps_its_config_whole(tmp_path, kind):
     """Token ids, generation and tokenizer settings and keys we never read come back as the source had them (they
-    came back as transformers' defaults: Llama's bos/eos 1/2, Qwen3's None); only the dtype is the export's."""
+    came back as transformers' defaults: Llama's bos/eos 1/2, Qwen3's None); only the dtype is the export's, under
+    the key the source names it by (torch_dtype was added beside transformers 5's dtype)."""
     model = hf_model(kind, tied=False)
     model.config.update({"bos_token_id": 100, "eos_token_id": [101, 102], "pad_token_id": 103, "megatrain_test": 1})
     model.save_pretrained(tmp_path / "source")
     source = json.loads((tmp_path / "source" / "config.json").read_text())
-    cfg, weights = load_checkpoint(tmp_path / "source")
-    save_hf_checkpoint(weights, cfg, tmp_path / "export", dtype=torch.bfloat16, source_config=source)
-    exported = json.loads((tmp_path / "export" / "config.json").read_text())
-    assert exported == {**source, "dtype": "bfloat16", "torch_dtype": "bfloat16"}
+    assert source["dtype"] == "float32" and "torch_dtype" not in source
+    checkpoint = open_checkpoint(tmp_path / "source")
+    unnamed = {k: v for k, v in source.items() if k != "dtype"}
+    # transformers 5's config, transformers 4's, and one naming no dtype (given both)
+    for named, keys in ((source, ["dtype"]), ({**unnamed, "torch_dtype": "float32"}, ["torch_dtype"]),
+                        (unnamed, ["dtype", "torch_dtype"])):
+        save_checkpoint(dict(checkpoint.weights()), checkpoint.shape, tmp_path / "export", max_shard_bytes=2**30,
+                        dtype=torch.bfloat16, source_config=named)
+        exported = json.loads((tmp_path / "export" / "config.json").read_text())
+        assert exported == {**named, **dict.fromkeys(keys, "bfloat16")}
     loaded = transformers.AutoConfig.from_pretrained(tmp_path / "export")
     assert (loaded.bos_token_id, loaded.eos_token_id, loaded.pad_token_id) == (100, [101, 102], 103)
 

@@ -3,11 +3,13 @@ appended), lines written above the progress bar, and --report-to: TensorBoard's 
 with TensorBoard's own reader), W&B and MLflow through stand-ins of their modules (their calls recorded). CPU,
 seconds: pytest tests/unit/test_train_outputs.py"""
 
+import json
 import shutil
 import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 from tqdm import tqdm
 from train_helpers import hf_model, interrupt_at_step, metrics, pretokenized, run_train
 
@@ -34,6 +36,27 @@ def test_train_log_holds_every_line_the_terminal_showed_and_a_resume_appends(tmp
     resumed = capsys.readouterr().err.splitlines()
     assert resumed[-1].startswith("error: nothing to train")
     assert (out / LOG_FILE).read_text().splitlines() == [*said, *resumed]
+
+
+def test_the_export_keeps_the_source_checkpoints_dtype_and_says_so(tmp_path, case, capsys):
+    """An fp32 checkpoint trained at --dtype bfloat16 (fp32 masters) is exported in fp32: in bf16 (what the export
+    wrote) a norm's updates at lr 1e-5 round away, so the export held the untrained norms. --export-dtype asks
+    otherwise."""
+    from safetensors.torch import load_file
+
+    norm = "model.norm.weight"
+    start = load_file(case.init / "model.safetensors")[norm]
+    bf16 = ["--dtype", "bfloat16", "--lr", "1e-5", "--min-lr", "0", "--warmup-steps", "0", "--lr-schedule", "constant"]
+    for asked, dtype, said in (([], torch.float32, "float32 weights: the --init-from checkpoint's dtype"),
+                               (["--export-dtype", "bfloat16"], torch.bfloat16, "bfloat16 weights: --export-dtype")):
+        out = tmp_path / str(dtype)
+        assert run_train(case.init, case.data, out, steps=2, extra=[*bf16, *asked]) == 0
+        trained = load_file(out / "hf" / "model.safetensors")[norm]
+        assert trained.dtype == dtype and json.loads((out / "hf" / "config.json").read_text())["dtype"] == str(
+            dtype).removeprefix("torch.")
+        assert f"({said})" in capsys.readouterr().err.splitlines()[-1]
+        moved = trained.float() != start
+        assert bool(moved.all()) if dtype == torch.float32 else not bool(moved.any()), "updates of ~2e-5 round away"
 
 
 def test_a_line_said_while_the_bar_runs_is_written_above_it(capsys):

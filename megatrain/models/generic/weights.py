@@ -117,10 +117,10 @@ def read_weights(cfg: GenericConfig, path: Path) -> Iterator[tuple[str, torch.Te
 
 @torch.no_grad()
 def write_weights(weights: Mapping[str, torch.Tensor], cfg: GenericConfig, out_dir: Path, max_shard_bytes: int,
-                  dtype: torch.dtype, source_config: Mapping | None = None) -> None:
+                  dtype: torch.dtype) -> None:
     """Write `weights` (every parameter and persistent buffer by name) as the family's own checkpoint: transformers'
-    save_pretrained of the same class, the config.json `cfg` was read from (source_config, where given, is that
-    one); the parameters in `dtype`, the buffers in their own."""
+    save_pretrained of the same class, with its rendering of the config.json `cfg` was read from; the parameters in
+    `dtype`, the buffers in their own."""
     model = build_causal_lm(cfg, "meta")
     buffers = persistent_buffers(model)
     expected = named_weights(model)

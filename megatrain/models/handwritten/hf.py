@@ -300,20 +300,10 @@ def _check_names(names, expected, what: str) -> None:
         raise ValueError(f"{what} does not match: missing {missing}, unexpected {unexpected}")
 
 
-def exported_config(source: Mapping, cfg: ModelConfig, dtype: torch.dtype) -> dict:
-    """The config.json of an export of a model trained from the checkpoint whose config.json is `source`: the source
-    whole (its token ids, generation and tokenizer settings, keys we do not read), with the weights' dtype, and
-    without a quantization_config (the export's experts are plain tensors)."""
-    hf = {k: v for k, v in source.items() if k != "quantization_config"}
-    hf.update(torch_dtype=_dtype_name(dtype), dtype=_dtype_name(dtype))
-    assert config_from_hf(hf) == cfg, "the export is of the source's shape"
-    return hf
-
-
 @torch.no_grad()
 def save_hf_checkpoint(model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor], cfg: ModelConfig,
                        out_dir: str | Path, max_shard_bytes: int = 5 * 2**30,
-                       dtype: torch.dtype | None = None, source_config: Mapping | None = None) -> list[Path]:
+                       dtype: torch.dtype | None = None) -> list[Path]:
     """Write a Hugging Face checkpoint: config.json and safetensors shards (plus an index if several).
 
     Only one shard is copied at a time (to CPU, dtype and contiguity), so saving from a model or
@@ -325,8 +315,6 @@ def save_hf_checkpoint(model_or_state_dict: torch.nn.Module | Mapping[str, torch
         out_dir: directory to create or overwrite files in.
         max_shard_bytes: largest shard file in bytes (a single larger tensor gets a shard of its own).
         dtype: dtype to store; None keeps each tensor's dtype.
-        source_config: the config.json of the checkpoint the model was trained from, which the export's starts from
-            (exported_config); None writes one from cfg (config_to_hf).
 
     Returns:
         paths of the weight files written.
@@ -348,8 +336,7 @@ def save_hf_checkpoint(model_or_state_dict: torch.nn.Module | Mapping[str, torch
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stored = dtype or state["embed_tokens.weight"].dtype
-    config = config_to_hf(cfg, stored) if source_config is None else exported_config(source_config, cfg, stored)
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out_dir / "config.json").write_text(json.dumps(config_to_hf(cfg, stored), indent=2) + "\n")
 
     files = shard_names(len(shards))
     weight_map = {}
