@@ -20,9 +20,10 @@ TORCHAO=$(sed -n 's/.*"torchao==\([^"]*\)".*/\1/p' pyproject.toml)
 # typing-extensions are there): hjson, pydantic and pydantic's helpers. typing-extensions travels as well because
 # pydantic 2.13 needs >= 4.14.1 and the image's version is not recorded (4.16.0 is the newest
 # release, so the shadowing install cannot downgrade it). torchao, pinned in pyproject.toml, for the torchao system:
-# its cp310-abi3 wheel (tagged manylinux_2_28) is the one pip picks for 3.12.
+# its cp310-abi3 wheel (tagged manylinux_2_28) is the one pip picks for 3.12. pytest-xdist and execnet: the GPU suite
+# runs as xdist workers sharing the one GPU (scripts/gpu_checks.sh); the image has pytest, not xdist.
 DEPS=(hjson==3.1.0 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2
-      typing-extensions==4.16.0 "torchao==$TORCHAO")
+      typing-extensions==4.16.0 "torchao==$TORCHAO" pytest-xdist==3.8.0 execnet==2.1.2)
 rm -rf .whl
 mkdir -p .whl
 # Without build isolation: an isolated build would download a CUDA torch just to run setup.py.

@@ -1,6 +1,7 @@
 """Shared by the CPU and GPU train tests: a tiny Hugging Face model and pre-tokenized data on disk, and the train
 command over them."""
 
+import copy
 import ctypes
 import errno
 import importlib.util
@@ -121,13 +122,14 @@ def interrupt_at_step(monkeypatch, n: int, sig=signal.SIGINT) -> None:
     at_step(monkeypatch, n, lambda: os.kill(os.getpid(), sig))
 
 
-def reference_training(init, data, attn="eager", steps=STEPS):
+def reference_training(init, data, attn="eager", steps=STEPS, float64=False):
     """(losses, model) of run_train's `steps` done with the transformers model in train mode, torch.optim.AdamW,
-    clip_grad_norm_ and the same schedule. A config with dropout or jitter draws each layer's masks from the seed
-    train's systems draw them from (megatrain.models.draws: one per step, unit and micro-batch), set by forward
-    pre-hooks on transformers' own modules, which apply the masks; such a model's attention must be the one our
-    systems run (attn: sdpa), whose dropout draws where eager's does not."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(init, attn_implementation=attn).float().train()
+    clip_grad_norm_ and the same schedule; with float64, in float64 (float32 rounding's judge). A config with dropout
+    or jitter draws each layer's masks from the seed train's systems draw them from (megatrain.models.draws: one per
+    step, unit and micro-batch), set by forward pre-hooks on transformers' own modules, which apply the masks; such a
+    model's attention must be the one our systems run (attn: sdpa), whose dropout draws where eager's does not."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(init, attn_implementation=attn).float()
+    model = (float64_twin(model) if float64 else model).train()
     draws = seeded_draws(model)
     params = [p for p in model.parameters()]
     decay = [p for name, p in model.named_parameters() if p.ndim >= 2 and not name.endswith("bias")]  # experts' [E, n]
@@ -156,6 +158,42 @@ def reference_training(init, data, attn="eager", steps=STEPS):
         opt.zero_grad()
         losses.append(total)
     return losses, model
+
+
+def float64_twin(model):
+    """A float64 copy of a transformers model, the judge of float32 rounding; its experts run their per-expert loop
+    (grouped_mm, their default, has no float64 kernel)."""
+    twin = copy.deepcopy(model).double()
+    twin.set_experts_implementation("eager")
+    return twin
+
+
+# How near a float32 result must be to transformers' own: judged by the same computation in float64, at most
+# AS_NEAR times as far from it as transformers' float32 result is (each tensor's largest difference over its largest
+# value, against the reference's largest over them all; float32's resolution the floor). A bound derived so holds on
+# any CPU: another vector width or thread count moves both float32 results alike, where a constant held to
+# transformers' float32 result failed on another CPU (gemma3's exported logits 1.12e-4 from it, 1e-4 allowed). Tiny
+# models amplify rounding a hundredfold and more, unevenly: Gemma's embedding scale (sqrt(hidden)) and softcapped
+# logits, Gemma 4's unscaled attention over normed queries and keys, near ties between experts, and Adam's first
+# update of a gradient that is rounding noise (lr either way). Measured: at most 3.3x, over the 12 generic families'
+# losses and exported logits after 10 steps (megatrain and native) and Gemma 4's gradients under every plan, on the
+# AVX2 path of an AMD EPYC and on the second path (nox -s tolerance). Still caught: a learning rate 0.1% off, in each
+# of gemma3, gemma4, mixtral, llama4 and olmo2.
+AS_NEAR = 8
+
+
+def assert_as_near_as_transformers(ours: dict, reference: dict, judge: dict, factor: float = AS_NEAR) -> None:
+    """Each tensor of `ours` (by name) as near the float64 `judge` as transformers' float32 `reference` is: its
+    largest difference over its largest value at most `factor` times the reference's largest such."""
+    ours, reference, judge = ({k: torch.as_tensor(v, dtype=torch.float64) for k, v in d.items()}
+                              for d in (ours, reference, judge))
+    scale = {k: float(j.abs().max()) for k, j in judge.items()}
+    spread = max(torch.finfo(torch.float32).eps, *(float((reference[k] - j).abs().max()) / scale[k]
+                                                   for k, j in judge.items()))
+    for k, j in judge.items():
+        error = float((ours[k] - j).abs().max()) / scale[k]
+        assert error <= factor * spread, f"{k}: {error:.2e} of its largest value from float64, where transformers' " \
+            f"float32 is {spread:.2e} ({factor}x allowed)"
 
 
 def seeded_draws(model, seed=0):
