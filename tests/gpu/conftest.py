@@ -74,9 +74,12 @@ def _lanes(groups: dict[str, list], seconds, count: int) -> list[list]:
     return [lane for lane in lanes if lane]
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Group the GPU tests that share a cache (an xdist group runs in one worker), the heavy ones into HEAVY_LANES
-    lanes, and order the groups longest first by the last whole run's durations."""
+    lanes, and order the groups longest first by the last whole run's durations. First of the hooks: xdist's worker
+    reads the groups in its own (it renames each grouped test), and a group marked after it is none (the first parallel
+    run on the GPU ran every test anywhere: the curves at published widths 15 at once, out of GPU memory)."""
     timed = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
 
     def seconds(members):

@@ -1,0 +1,79 @@
+"""The GPU suite's grouping (tests/gpu/conftest.py) as pytest-xdist runs it: tests that share a process cache in one
+worker, checks at a published width in at most HEAVY_LANES workers. Held on the CPU with stand-in tests, since the
+first parallel run on the GPU ran without any group (marked after xdist's worker had read them) and 15 curves at
+published widths ran at once, out of GPU memory."""
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+STAND_INS = '''
+import os
+import time
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def shares(item):
+    return "cache" if item.originalname == "test_shared" else None
+
+
+def heavy(item):
+    return item.originalname == "test_heavy"
+
+
+def _ran(kind, n):
+    with open(os.environ["WHO_RAN"], "a") as f:
+        f.write(f"{kind} {n} {os.environ['PYTEST_XDIST_WORKER']}\\n")
+    time.sleep(0.2)
+
+
+@pytest.mark.parametrize("n", range(4))
+def test_shared(n):
+    _ran("shared", n)
+
+
+@pytest.mark.parametrize("n", range(6))
+def test_heavy(n):
+    _ran("heavy", n)
+
+
+@pytest.mark.parametrize("n", range(6))
+def test_alone(n):
+    _ran("alone", n)
+'''
+
+
+@pytest.mark.subprocess
+def test_xdist_runs_a_shared_cache_in_one_worker_and_heavy_checks_in_few(tmp_path):
+    pytest.importorskip("xdist")
+    shutil.copy(ROOT / "tests" / "gpu" / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_stand_ins.py").write_text(STAND_INS)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: stand-in\n")
+    who = tmp_path / "who_ran.txt"
+    env = {**os.environ, "WHO_RAN": str(who), "PYTHONPATH": str(ROOT)}
+    env.pop("MEGATRAIN_GPU_CHECKS", None)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "4", "--dist",
+                           "loadgroup", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    workers = defaultdict(set)
+    for line in who.read_text().splitlines():
+        kind, _, worker = line.split()
+        workers[kind].add(worker)
+    assert len(workers["shared"]) == 1, workers
+    spec = importlib.util.spec_from_file_location("gpu_conftest", tmp_path / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    assert len(workers["heavy"]) <= conftest.HEAVY_LANES, workers
+    assert len(workers["alone"]) > 1, workers  # what shares nothing spreads (the run was in parallel)
