@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from megatrain import user_files
+import megatrain.user_files as user_files
 from megatrain.analysis import headline, plots, results_md, scaling_report, tables
 from megatrain.bench.record import STATUSES as RECORD_STATUSES
 from megatrain.bench.suite import read_suite_records

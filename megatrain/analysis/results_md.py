@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from urllib.parse import quote
 
-from megatrain import user_files
+import megatrain.user_files as user_files
 from megatrain.analysis import headline, tables
 from megatrain.bench.suite import read_suite_records
 from megatrain.hardware import get_profile

@@ -55,7 +55,7 @@ import tomllib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from megatrain import user_files
+import megatrain.user_files as user_files
 from megatrain.bench.args import BenchFlags
 from megatrain.bench.env import same_code
 from megatrain.bench.record import Record, append_jsonl, problem, read_jsonl, relative_paths, summary_line

@@ -19,7 +19,7 @@ from typing import BinaryIO
 
 import torch
 
-from megatrain import user_files
+import megatrain.user_files as user_files
 from megatrain.config import CaseConfig
 from megatrain.memory import GIB
 from megatrain.train import trust

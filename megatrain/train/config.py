@@ -100,7 +100,8 @@ class TrainConfig(CaseFlags):
             get_model_config(self.model)
             if self.generic:
                 raise ValueError(f"--generic trains an --init-from checkpoint through transformers' own modules; "
-                                 f"--model {self.model} is a registry shape, which has its own model: drop --generic")
+                                 f"--model {self.model} is a registry shape, which trains as registered: drop "
+                                 "--generic")
         if not self.data:
             raise ValueError("--data FILE is required (JSONL or .txt, repeatable, a folder, or a Hugging Face dataset)")
         if (self.steps is None) == (self.epochs is None):

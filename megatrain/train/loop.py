@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from megatrain import user_files
+import megatrain.user_files as user_files
 from megatrain.build_log import build_lines_to
 from megatrain.config import CaseConfig
 from megatrain.engine import distributed

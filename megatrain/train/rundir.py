@@ -14,7 +14,7 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
-from megatrain import user_files
+import megatrain.user_files as user_files
 from megatrain.train.report_to import TENSORBOARD_DIR
 from megatrain.train.runlog import LOG_FILE
 

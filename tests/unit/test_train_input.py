@@ -454,8 +454,14 @@ def test_a_tokenizer_config_that_is_a_folder_is_refused_naming_it(tmp_path, caps
     tok.save(str(tmp_path / "tok" / "tokenizer.json"))
     text = tmp_path / "text.jsonl"
     text.write_text("".join(json.dumps({"text": "w w w"}) + "\n" for _ in range(4)))
+    # train's first look is at what its export will copy (loop.tokenizer_copies), before the tokenizer is read
     assert refused(capsys, tiny(text, tmp_path, "--tokenizer", str(tmp_path / "tok"))) == \
-        f"error: {tmp_path / 'tok' / 'tokenizer_config.json'} cannot be read (Is a directory)"
+        f"error: {tmp_path / 'tok' / 'tokenizer_config.json'} is not a file (an export copies it from there): put " \
+        "the file there, or remove it"
+    from megatrain.tokenizer import Tokenizer as Ours  # and the tokenizer's own reading, where no export follows
+
+    with pytest.raises(ValueError, match=r"tokenizer_config.json cannot be read \(Is a directory\)"):
+        Ours(tmp_path / "tok")
 
 
 ALTERNATING = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
