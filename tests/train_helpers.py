@@ -180,10 +180,10 @@ def float64_twin(model):
 # AVX2 path of an AMD EPYC and on the second path (nox -s tolerance). Still caught: a learning rate 0.1% off, in each
 # of gemma3, gemma4, mixtral, llama4 and olmo2.
 AS_NEAR = 8
-# The reference's spread is taken as at least this many float32 epsilons (2^-23): transformers' float32 logits can land within 2.5
-# epsilons of float64's by chance (granite's, on an Intel Xeon), where ours, as right, were 23 off (9.3x). Measured
-# there: a learning rate 0.1% off is still caught in granite, gemma3, llama4, mixtral and olmo2 (its losses 3.4x past
-# the bound in mixtral, the closest; 12.7x the spread in gemma3's, whose spread is 28)
+# The reference's spread is taken as at least this many float32 epsilons (2^-23): transformers' float32 logits can
+# land within 2.5 of float64's by chance (granite's, on an Intel Xeon), where ours, as right, were 23 off (9.3x).
+# Measured there: a learning rate 0.1% off is still caught in granite, gemma3, llama4, mixtral and olmo2 (its losses
+# 3.4x past the bound in mixtral, the closest; 12.7x the spread in gemma3's, whose spread is 28)
 FLOOR_ULPS = 8
 
 
