@@ -719,7 +719,7 @@ class DeepSpeedSystem:
             raise ValueError(f"{in_dir} holds DeepSpeed ZeRO-3 partitions of {saved} rank(s) and this run has "
                              f"{self.world}: resume it on {saved} (torchrun --nproc-per-node {saved}"
                              + (", or without torchrun)" if saved == 1 else ")"))
-        from megatrain.train.checkpoint import open_checked
+        from megatrain.checked_files import open_checked
 
         def load(path: str, map_location=None):  # DeepSpeed's own torch.load, of the very bytes checked and signed
             with open_checked(path) as f:
