@@ -26,6 +26,7 @@ import torch
 
 import megatrain.user_files as user_files
 from megatrain.build_log import build_lines_to
+from megatrain.checked_files import checked_loads, files_problem, mismatch
 from megatrain.config import DTYPES
 from megatrain.engine import distributed
 from megatrain.models.checkpoint import open_checkpoint
@@ -208,7 +209,7 @@ class Engine:
         saved it here, or with trust_checkpoint (loading a pickle runs whatever code it holds)."""
         d = Path(path)
         record = _state_record(d)
-        if problem := checkpoint.mismatch(d, record["files"]):
+        if problem := mismatch(d, record["files"]):
             raise ValueError(f"{problem}: the state in {d} was changed or damaged since it was saved")
         checkpoint.check_system(d, record["files"], self.case.system,
                                 f"load it into an Engine of that system (this one's is system={self.case.system!r})")
@@ -218,7 +219,7 @@ class Engine:
             if not isinstance(drawn, int) or isinstance(drawn, bool) or drawn < 0:
                 raise ValueError(f"{d / STATE_FILE}: steps_drawn must be an integer >= 0, got {drawn!r}: it is not "
                                  "what Engine.save writes")
-        with checkpoint.checked_loads(d, record["files"], trust_checkpoint):
+        with checked_loads(d, record["files"], trust_checkpoint):
             self.system.load_state(d)
         if draws is not None:
             draws.step = drawn
@@ -308,7 +309,7 @@ def _state_record(d: Path) -> dict:
         record = json.loads((d / STATE_FILE).read_bytes())
     except (OSError, ValueError, RecursionError):
         raise ValueError(f"{d} is not what Engine.save writes: {STATE_FILE} is missing or unreadable") from None
-    problem = checkpoint.files_problem(record.get("files")) if isinstance(record, dict) else "in an object"
+    problem = files_problem(record.get("files")) if isinstance(record, dict) else "in an object"
     if problem:
         raise ValueError(f"{d / STATE_FILE}: files must be {problem}: it is not what Engine.save writes")
     return record

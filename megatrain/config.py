@@ -9,7 +9,8 @@ import torch
 
 from megatrain.engine.config import share
 from megatrain.memory import dtype_bytes
-from megatrain.models.registry import get_model_config, shape_from_dict
+from megatrain.models.kinds import shape_from_dict
+from megatrain.models.registry import get_model_config
 from megatrain.models.shape import ModelShape
 from megatrain.optim.config import OptimConfig
 from megatrain.options import CommonOptions

@@ -25,10 +25,8 @@ from pathlib import Path
 
 import torch
 
-from megatrain.models.generic.config import LAYERS_KEYS, GenericConfig
-from megatrain.models.handwritten.families import FAMILIES
-from megatrain.models.handwritten.hf import REQUIRED_KEYS, config_from_hf
-from megatrain.models.kinds import kind_of
+from megatrain.models.generic.config import LAYERS_KEYS
+from megatrain.models.kinds import KINDS, claim, kind_of
 from megatrain.models.safetensors_files import read_json, stored_tensors
 from megatrain.models.shape import ModelShape
 from megatrain.user_files import within
@@ -38,7 +36,8 @@ REMOTE_CODE = "auto_map"  # config.json's map of its classes to Python files of 
 DTYPE_KEYS = ("dtype", "torch_dtype")  # a config.json's name of its weights' dtype: transformers 5's, and before
 # the config.json keys read as counts (>= 1 where given), counts that may be 0, and numbers: another type or range is
 # refused by name, whichever kind of model would read it
-_COUNT_KEYS = (*REQUIRED_KEYS, "num_key_value_heads", "max_position_embeddings", "original_max_position_embeddings")
+_COUNT_KEYS = (*dict.fromkeys(k for kind in KINDS for k in kind.required_keys), "num_key_value_heads",
+               "max_position_embeddings", "original_max_position_embeddings")
 _SIZE_KEYS = ("head_dim", "sliding_window", "max_window_layers", "num_experts", "num_local_experts",
               "num_experts_per_tok", "moe_intermediate_size")
 _NUMBER_KEYS = ("rope_theta", "rms_norm_eps", "router_aux_loss_coef", "swiglu_limit", "swiglu_alpha",
@@ -127,14 +126,7 @@ def shape_from_config(config: Mapping, generic: bool = False) -> ModelShape:
     value (check_config_values) is refused whichever model would read it, and a hand-written family's config without
     a shape key is damaged, not a request for transformers' defaults."""
     check_config_values(config)
-    if config.get("model_type") in FAMILIES and (missing := [k for k in REQUIRED_KEYS if k not in config]):
-        raise ValueError(f"{CONFIG_FILE} lacks {', '.join(missing)}")
-    if not generic:
-        try:
-            return config_from_hf(config)
-        except ValueError:
-            pass
-    return GenericConfig.from_hf(config).check()
+    return claim(config, generic)
 
 
 def check_config_values(config: Mapping) -> None:
@@ -171,7 +163,7 @@ def save_checkpoint(weights: Mapping[str, torch.Tensor], shape: ModelShape, out_
     out_dir.mkdir(parents=True, exist_ok=True)
     kind_of(shape).write_weights(weights, shape, out_dir, max_shard_bytes, dtype)
     if source_config is not None:
-        assert shape_from_config(source_config, isinstance(shape, GenericConfig)) == shape, "the source's model"
+        assert shape_from_config(source_config, kind_of(shape) is KINDS[-1]) == shape, "the source's model"
         (out_dir / CONFIG_FILE).write_text(json.dumps(exported_config(source_config, dtype), indent=2) + "\n")
 
 

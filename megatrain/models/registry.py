@@ -230,11 +230,6 @@ HF_CONFIGS: dict[str, dict] = {
 }
 
 
-def shape_from_dict(d: dict) -> ModelShape:
-    """A model shape read back from a record or a case (ModelConfig.to_dict, GenericConfig.to_dict)."""
-    return GenericConfig(**d) if "hf_json" in d else ModelConfig(**d)
-
-
 def get_model_config(name: str, num_layers: int | None = None) -> ModelShape:
     """The registered shape `name` (MODELS, or HF_CONFIGS through transformers' own modules), optionally with another
     depth (depth-scaling sweeps)."""

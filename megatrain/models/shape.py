@@ -5,8 +5,8 @@ Two kinds implement ModelShape: the hand-written models (megatrain.models.handwr
 modules for the families in megatrain.models.handwritten.families) and transformers' own modules
 (megatrain.models.generic.config.GenericConfig: every other decoder). A case, the engine, the memory plan, the FLOP
 formula and the records take a ModelShape and never ask which kind they hold; what only one kind has (its config
-translation, its checkpoint layout, its modules) is its kind's (megatrain.models.kinds), which only
-megatrain.models.checkpoint (the one road from a checkpoint folder and back) and megatrain.models.build_model reach.
+translation, its checkpoint layout, its modules, its engine program, what DeepSpeed gathers whole) is its kind's row
+in megatrain.models.kinds, which code above the models reads by the shape's kind name, never by a class.
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ class ModelShape(Protocol):
 
     @property
     def kind(self) -> str:
-        """Which kind of model it is, 'handwritten' or 'generic': megatrain.models.kinds, which only the model layer
-        reads (its module and its checkpoints are the kind's own)."""
+        """Which kind of model it is, 'handwritten' or 'generic': its row in megatrain.models.kinds.KINDS."""
 
     # ---- what its config says ----------------------------------------------------------------------------------
     @property
@@ -151,7 +150,7 @@ class ModelShape(Protocol):
         """The model at another depth."""
 
     def to_dict(self) -> dict:
-        """The shape as a record keeps it (megatrain.models.registry.shape_from_dict reads it back)."""
+        """The shape as a record keeps it (megatrain.models.kinds.shape_from_dict reads it back)."""
 
     def check(self) -> ModelShape:
         """What building the model alone tells, refused now (ValueError saying why); returns self."""

@@ -32,6 +32,7 @@ from megatrain.engine.plan import CheckedPlan, check_fits
 from megatrain.hardware import LENT, get_profile, gpu_kind, specs
 from megatrain.memory import GIB, Budget
 from megatrain.models.flops import model_flops
+from megatrain.models.kinds import kind_of
 from megatrain.optim.state_bytes import adamw_traffic_bytes_per_param, state_bytes_per_param
 from megatrain.perf_model.model import Ingredients, Machine, Model, simulate
 from megatrain.systems.megatrain import engine_config
@@ -132,7 +133,7 @@ def unmodelled(r: dict) -> str | None:
 def generic_path(r: dict) -> str | None:
     """Why a record trained through transformers' own modules is not modelled (by this model and DeepSpeed's), or
     None for a hand-written model."""
-    if record_case(r).model_config().kind == "generic":
+    if not kind_of(record_case(r).model_config()).profiled:
         return "transformers' own modules (the generic path: no layer profile is an ingredient)"
     return None
 

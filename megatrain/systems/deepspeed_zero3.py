@@ -44,11 +44,12 @@ import torch
 from megatrain.compile_check import compile_check
 from megatrain.config import CaseConfig
 from megatrain.engine.distributed import accumulation_steps
-from megatrain.engine.templates import CompiledCall, LayerTemplate
-from megatrain.models import DecoderLayer, Transformer, build_model
+from megatrain.engine.programs import named
+from megatrain.engine.templates import CompiledCall
+from megatrain.models import build_model
 from megatrain.models.generic.module import reset_buffers
-from megatrain.models.handwritten.moe import MoE
 from megatrain.models.init import init_module, init_param
+from megatrain.models.kinds import kind_of
 from megatrain.models.weights import copy_named_weights, persistent_buffers
 from megatrain.optim.fused import find_ninja
 from megatrain.optim.groups import adamw_param_groups
@@ -365,16 +366,10 @@ def _zero3_model(ds, case: CaseConfig, config: dict) -> torch.nn.Module:
     # for the root's forward and backward too.
     ds.zero.register_external_parameter(model, model.head_weight())
     # A ZeRO-3 leaf module gathers all its parameters in its own hook, eager, instead of in hooks on every submodule:
-    # a compiled layer's hooks must stay outside the compiled call (Dynamo cannot trace them, and the partitioned
-    # stubs are empty); and what DeepSpeed tells its MoE users: the block's experts are read by its own forward, not
-    # by a submodule call ZeRO-3 could hook.
+    # which of its module's classes, and why, is the model's kind's (megatrain.models.kinds: zero3_leaves)
     from deepspeed.utils import set_z3_leaf_modules
 
-    if isinstance(model, Transformer):
-        leaves = [DecoderLayer] if case.compile else [MoE] if model.cfg.is_moe else []
-    else:  # transformers' own: its experts modules read their own parameters, as ZeRO-3's hooks expect
-        leaves = sorted({type(layer) for layer in model.layers}, key=str) if case.compile else []
-    if leaves:
+    if leaves := kind_of(cfg).zero3_leaves(model, case.compile):
         set_z3_leaf_modules(model, leaves)
     return model
 
@@ -382,40 +377,10 @@ def _zero3_model(ds, case: CaseConfig, config: dict) -> torch.nn.Module:
 def _compile_layers(model: torch.nn.Module) -> list[CompiledCall]:
     """Run every decoder layer through a compiled stateless layer, as the engine does (a meta-device layer called with
     the weights as tensor arguments: LayerTemplate, or for transformers' own modules one ModuleTemplate per distinct
-    layer structure, each layer still checkpointed), and return the templates. Compiling each layer's own forward
-    instead let Dynamo guard on that layer's ZeRO-3 parameters (their ds_id): on the GPU host every layer was a new
-    compile up to Dynamo's recompile limit (8), the layers after it eager."""
-    if isinstance(model, Transformer):
-        template = LayerTemplate(model.cfg, compile_layer=True)
-        for layer in model.layers:
-            layer.forward = functools.partial(_forward_through, template, layer)
-        return [template]
-    from megatrain.engine.programs.generic import ModuleTemplate
-    from megatrain.models.generic.module import checkpointed
-    from megatrain.models.generic.skeleton import Skeleton
-
-    skeleton, templates = Skeleton(model.cfg), {}
-    for i, (layer, structure) in enumerate(zip(model.layers, skeleton.structure, strict=True)):
-        if structure not in templates:
-            templates[structure] = ModuleTemplate(skeleton.layers[i], compile_layer=True)
-        layer.forward = functools.partial(checkpointed, functools.partial(_module_through, templates[structure], i,
-                                                                          layer))
-    return list(templates.values())
-
-
-def _module_through(template, index: int, layer: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
-    """A transformers decoder layer's forward: its structure's template with the layer's own (under ZeRO-3: gathered)
-    parameters and buffers (and its positional inputs, Gemma 4's per-layer input)."""
-    if template.module.training != layer.training:  # the template draws (dropout) as the layer it runs for would
-        template.module.train(layer.training)
-    return template.run(index, {**dict(layer.named_parameters()), **dict(layer.named_buffers())}, hidden_states,
-                        args, kwargs)
-
-
-def _forward_through(template: LayerTemplate, layer: DecoderLayer, x_BSH: torch.Tensor, cos_SD: torch.Tensor,
-                     sin_SD: torch.Tensor, mask_B1SS=None) -> torch.Tensor:
-    """`layer`'s forward: the template with the layer's own (under ZeRO-3: gathered) parameters."""
-    return template(dict(layer.named_parameters()), x_BSH, cos_SD, sin_SD, mask_B1SS)
+    layer structure, each layer still checkpointed: the kind's compile_layers), and return the templates. Compiling
+    each layer's own forward instead let Dynamo guard on that layer's ZeRO-3 parameters (their ds_id): on the GPU host
+    every layer was a new compile up to Dynamo's recompile limit (8), the layers after it eager."""
+    return named(kind_of(model.cfg).compile_layers)(model)
 
 
 PHASES = ("forward", "backward", "step")  # the engine calls of a micro-batch, timed in the record
@@ -719,7 +684,7 @@ class DeepSpeedSystem:
             raise ValueError(f"{in_dir} holds DeepSpeed ZeRO-3 partitions of {saved} rank(s) and this run has "
                              f"{self.world}: resume it on {saved} (torchrun --nproc-per-node {saved}"
                              + (", or without torchrun)" if saved == 1 else ")"))
-        from megatrain.train.checkpoint import open_checked
+        from megatrain.checked_files import open_checked
 
         def load(path: str, map_location=None):  # DeepSpeed's own torch.load, of the very bytes checked and signed
             with open_checked(path) as f:

@@ -301,7 +301,7 @@ def _load_checked(state: dict, path: Path) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.filesystem import FileSystem
 
-    from megatrain.train.checkpoint import open_checked
+    from megatrain.checked_files import open_checked
 
     refusals = []
 

@@ -55,8 +55,8 @@ from megatrain.config import CaseConfig
 from megatrain.engine import distributed
 from megatrain.memory import backward_work_bytes, layer_input_bytes
 from megatrain.models.checkpoint import save_checkpoint
-from megatrain.models.handwritten.families import FAMILIES
 from megatrain.models.init import init_param
+from megatrain.models.kinds import KINDS
 from megatrain.models.loss import IGNORE_INDEX
 from megatrain.models.masks import SLIDING
 from megatrain.models.shape import ModelShape
@@ -158,8 +158,9 @@ def refusal(case: CaseConfig, world: int = 1) -> str | None:
         return f"the paper's code runs a step's {case.batch} rows in one forward and backward (train.py's " \
                "gradient_accumulation_steps counts loop iterations, each its own mean): run it with --micro-batch 0"
     cfg = case.model_config()
-    if cfg.family not in FAMILIES:
-        return f"the paper's code is compared on the hand-written families here ({', '.join(FAMILIES)}); " \
+    written = [family for kind in KINDS for family in kind.families]  # the families our modules are written for
+    if cfg.family not in written:
+        return f"the paper's code is compared on the hand-written families here ({', '.join(written)}); " \
                f"{case.model} is a {cfg.family}"
     if settings := cfg.random_settings:
         return f"the paper's code is compared on the hand-written models here, which have no dropout; {case.model} " \

@@ -5,86 +5,25 @@ resume. Only the last K are kept."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import re
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
 from fnmatch import fnmatch
 from pathlib import Path
-from typing import BinaryIO
-
-import torch
 
 import megatrain.user_files as user_files
+from megatrain.checked_files import META_FILE, checksums, mismatch, read_meta, step_of
 from megatrain.config import CaseConfig
 from megatrain.memory import GIB
 from megatrain.train import trust
 from megatrain.train.rundir import recover_dir, remove_dir, written_aside
 
-META_FILE = "trainer.json"  # written last: its presence marks a complete checkpoint
-HASH_BLOCK_BYTES = 2**28  # files are hashed in blocks, in parallel threads: tens of GiB in seconds, not minutes
-READ_BYTES = 2**22
-
-
-META_KEYS = ("step", "total_steps", "data_rows_consumed", "torch_rng", "train_config")  # what a resume reads
 STEP_NAME = re.compile(r"step-(\d+)")  # a checkpoint's directory; another name (a copy, step-8.bak) is not one
 
 
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step}"
-
-
-def _step(d: Path) -> int:
-    return int(d.name.removeprefix("step-"))
-
-
-def read_meta(d: Path) -> dict:
-    """The trainer.json of checkpoint d; ValueError naming it when it is not what a checkpoint writes."""
-    path = d / META_FILE
-    try:
-        meta = json.loads(path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise ValueError(f"{path} is not valid JSON ({exc})") from None
-    except OSError as exc:
-        raise ValueError(f"{path} cannot be read ({exc.strerror})") from None
-    if not isinstance(meta, dict) or (missing := [k for k in META_KEYS if k not in meta]):
-        raise ValueError(f"{path} lacks {', '.join(missing) if isinstance(meta, dict) else 'an object'}")
-    rng_bytes = torch.get_rng_state().numel()
-    files = files_problem(meta["files"]) if "files" in meta else None  # none: an older megatrain's, verify says
-    for key, holds, must in (
-            ("step", _count(meta["step"]) and meta["step"] == _step(d), f"{_step(d)}, the step its directory names"),
-            ("total_steps", _count(meta["total_steps"]) and meta["total_steps"] >= 1, "a whole number >= 1"),
-            ("data_rows_consumed", _count(meta["data_rows_consumed"]), "a whole number >= 0"),
-            ("torch_rng", isinstance(meta["torch_rng"], list) and len(meta["torch_rng"]) == rng_bytes
-             and all(_count(b) and b < 256 for b in meta["torch_rng"]), f"a list of {rng_bytes} bytes (0-255)"),
-            ("train_config", isinstance(meta["train_config"], dict), "an object"),
-            ("run_id", isinstance(meta.get("run_id", ""), str), "a string"),
-            ("files", files is None, files)):
-        if not holds:
-            raise ValueError(f"{path}: {key} must be {must}, got {json.dumps(meta.get(key))[:60]}")
-    return meta
-
-
-def _count(value) -> bool:
-    """A whole number >= 0 (JSON's true is none)."""
-    return type(value) is int and value >= 0
-
-
-def files_problem(files) -> str | None:
-    """What in a record's `files` (checksums' output) is not what checksums writes, or None."""
-    if not isinstance(files, dict):
-        return "an object of file names"
-    for name, want in files.items():
-        if Path(name).is_absolute() or ".." in Path(name).parts:
-            return f"an object of names inside the checkpoint ({name!r} is not)"
-        if not (isinstance(want, dict) and set(want) == {"bytes", "sha256"} and _count(want["bytes"])
-                and isinstance(want["sha256"], list) and all(isinstance(h, str) for h in want["sha256"])):
-            return f"an object of {{bytes, sha256}} per file (that of {name!r} is not)"
-    return None
 
 
 def save(root: Path, step: int, write_state, meta: dict, keep: int, pickled: tuple[str, ...] = ()) -> Path:
@@ -95,7 +34,7 @@ def save(root: Path, step: int, write_state, meta: dict, keep: int, pickled: tup
         write_state(tmp)
         seal(tmp, meta, pickled, META_FILE)
     older = [d for d in complete(root) if d != final]
-    assert all(_step(d) < step for d in older), "a resume removes the checkpoints after its own"
+    assert all(step_of(d) < step for d in older), "a resume removes the checkpoints after its own"
     for d in older[:max(len(older) - (keep - 1), 0)]:
         remove_dir(d)
     return final
@@ -106,7 +45,7 @@ def complete(root: Path) -> list[Path]:
     if not root.exists():
         return []
     return sorted((d for d in root.glob("step-*") if STEP_NAME.fullmatch(d.name) and (d / META_FILE).exists()),
-                  key=_step)
+                  key=step_of)
 
 
 def latest(root: Path) -> Path | None:
@@ -133,30 +72,6 @@ def seal(d: Path, meta: dict, pickled: tuple[str, ...], record_file: str) -> Non
         path.chmod(path.stat().st_mode & ~0o022)
 
 
-def _block_sha256(fd: int, offset: int) -> str:
-    digest = hashlib.sha256()
-    end = offset + HASH_BLOCK_BYTES
-    while offset < end and (chunk := os.pread(fd, min(end - offset, READ_BYTES), offset)):
-        digest.update(chunk)
-        offset += len(chunk)
-    return digest.hexdigest()
-
-
-def _checksums(fds: dict[str, int]) -> dict[str, dict]:
-    """{name: {"bytes", "sha256": [one per HASH_BLOCK_BYTES block]}} of the open files `fds`, read with pread (their
-    offsets stay where they were), the blocks hashed in parallel threads."""
-    sizes = {name: os.fstat(fd).st_size for name, fd in fds.items()}
-    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:  # hashlib lets go of the GIL on large buffers
-        blocks = {name: [pool.submit(_block_sha256, fds[name], at) for at in range(0, max(size, 1), HASH_BLOCK_BYTES)]
-                  for name, size in sizes.items()}
-        return {name: {"bytes": sizes[name], "sha256": [b.result() for b in blocks[name]]} for name in fds}
-
-
-def checksums(d: Path, names: list[str]) -> dict[str, dict]:
-    """{name: {"bytes", "sha256": [one per HASH_BLOCK_BYTES block]}} of the files `names` under d."""
-    with ExitStack() as stack:
-        return _checksums({name: stack.enter_context((d / name).open("rb")).fileno() for name in names})
-
 
 def verify(d: Path) -> str | None:
     """What is wrong with checkpoint d (its trainer.json unreadable, a file missing, of another size or not matching
@@ -170,18 +85,6 @@ def verify(d: Path) -> str | None:
     return mismatch(d, files)
 
 
-def mismatch(d: Path, files: dict[str, dict]) -> str | None:
-    """Which of the files under d (checksums' output) is missing, of another size or not matching its checksum, in
-    words, or None."""
-    for name, want in files.items():
-        if not (d / name).is_file():
-            return f"{d / name} is missing"
-        if (d / name).stat().st_size != want["bytes"]:
-            return f"{d / name} has {(d / name).stat().st_size} bytes, {want['bytes']} were written"
-    found = checksums(d, list(files))
-    bad = [name for name, want in files.items() if found[name]["sha256"] != want["sha256"]]
-    return f"{d / bad[0]} does not match its checksum" if bad else None
-
 
 def check_system(d: Path, files: dict[str, dict], system: str, fix: str) -> None:
     """Refuse (ValueError, ending with `fix`) to load the state in d, whose record lists `files`, into `system` when
@@ -194,48 +97,6 @@ def check_system(d: Path, files: dict[str, dict], system: str, fix: str) -> None
         raise ValueError(f"{d} holds no {system} state (no {missing}; it holds {', '.join(sorted(files)[:3])}"
                          f"{', ...' if len(files) > 3 else ''}): another system saved it; {fix}")
 
-
-# (checkpoint, its record's checksums, --trust-checkpoint) of the state a system is loading (checked_loads)
-_loading: tuple[Path, dict[str, dict], bool] | None = None
-
-
-@contextmanager
-def checked_loads(d: Path, files: dict[str, dict], trusted: bool):
-    """While a system loads its state from checkpoint d: `files` are the checksums of its record as it was checked
-    (and its signature verified), which every pickle the system opens through open_checked must match."""
-    global _loading
-    _loading = (d, files, trusted)
-    try:
-        yield
-    finally:
-        _loading = None
-
-
-def open_checked(path: str | os.PathLike) -> BinaryIO:
-    """A file of the checkpoint being loaded (checked_loads) opened for a loader that unpickles it, which reads it
-    through this handle alone: the bytes read through it match the file's checksum in the checked record, so what
-    unpickles is what was checked and signed, whatever takes the file's name meanwhile; and unless --trust-checkpoint
-    no other user can write them in place while it is open. ValueError naming the file otherwise."""
-    assert _loading is not None, "a checkpoint's pickles are opened inside checked_loads"
-    d, files, trusted = _loading
-    name = Path(os.path.relpath(os.path.abspath(path), os.path.abspath(d))).as_posix()
-    if name not in files:
-        raise ValueError(f"{path} is not among the files {d / META_FILE} lists (and signs): a file put there since; "
-                         "delete it")
-    f = open(path, "rb")  # the caller closes it
-    try:
-        st = os.fstat(f.fileno())
-        if not trusted and (st.st_uid != os.getuid() or st.st_mode & 0o022):
-            raise ValueError(f"{path} is a pickle another user can write (owner uid {st.st_uid}, mode "
-                             f"{st.st_mode & 0o777:o}), so what loads might not be what was checked: make it yours and "
-                             "chmod go-w it, or pass --trust-checkpoint if you trust whoever can write it")
-        if _checksums({name: f.fileno()})[name] != files[name]:
-            raise ValueError(f"{path} changed after the checkpoint's checksums were checked (replaced or written "
-                             "while it loaded): nothing of it was loaded; resume again")
-    except BaseException:
-        f.close()
-        raise
-    return f
 
 
 def resume_point(root: Path, fallback: bool, log) -> tuple[Path, dict]:

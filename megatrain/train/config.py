@@ -180,7 +180,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 def resumed_config(run_dir: Path, fallback: bool = False) -> dict:
     """The settings a run in run_dir was started with, from its latest complete checkpoint (with fallback, the latest
     whose trainer.json reads: the resume itself deletes those that do not)."""
-    from megatrain.train.checkpoint import complete, read_meta
+    from megatrain.checked_files import read_meta
+    from megatrain.train.checkpoint import complete
 
     found = complete(run_dir / "checkpoints")
     if not found:

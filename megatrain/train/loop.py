@@ -21,6 +21,7 @@ import torch
 
 import megatrain.user_files as user_files
 from megatrain.build_log import build_lines_to
+from megatrain.checked_files import checked_loads
 from megatrain.config import CaseConfig
 from megatrain.engine import distributed
 from megatrain.engine.distributed import Ranks
@@ -225,7 +226,7 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
     try:
         if resume_from is not None:
             t0 = time.perf_counter()
-            with checkpoint.checked_loads(resume_from, meta["files"], cfg.trust_checkpoint):
+            with checked_loads(resume_from, meta["files"], cfg.trust_checkpoint):
                 system.load_state(resume_from)
             memory.update(load_s=time.perf_counter() - t0, host_peak_gib_loaded=peak_host_rss_gib())
             torch.set_rng_state(torch.tensor(meta["torch_rng"], dtype=torch.uint8))

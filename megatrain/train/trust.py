@@ -8,7 +8,7 @@ run that signs, in the user's config directory ($XDG_CONFIG_HOME/megatrain/check
 ~/.config/megatrain/checkpoint.key), readable by this user only; a key of another length (an empty one signs for
 anyone) or that others can read is refused, never used.
 Formats that cannot run code (our raw tiles, safetensors, `torch.load(weights_only=True)`) need no key. The bytes
-checked are the bytes loaded: a system opens each pickle once, through megatrain.train.checkpoint.open_checked, which
+checked are the bytes loaded: a system opens each pickle once, through megatrain.checked_files.open_checked, which
 checks them through that handle against the signed checksum and refuses a pickle another user could rewrite meanwhile.
 """
 

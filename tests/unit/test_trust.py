@@ -25,17 +25,17 @@ from train_helpers import (  # noqa: E402
 )
 
 import megatrain  # noqa: E402
-from megatrain import systems  # noqa: E402
+from megatrain import checked_files, systems  # noqa: E402
 from megatrain.cli import main  # noqa: E402
 from megatrain.systems import native  # noqa: E402
-from megatrain.train import checkpoint, trust  # noqa: E402
+from megatrain.train import trust  # noqa: E402
 
 
 class PicklingSystem(native.NativeSystem):
     """native's state loaded as DeepSpeed loads its own: unpickled (weights_only=False), through open_checked."""
 
     def load_state(self, in_dir):
-        with checkpoint.open_checked(Path(in_dir) / "native_state.pt") as f:
+        with checked_files.open_checked(Path(in_dir) / "native_state.pt") as f:
             state = torch.load(f, map_location=self.device, weights_only=False)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -324,12 +324,12 @@ import json, sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from pathlib import Path
 from megatrain.cli import main
-from megatrain.train import checkpoint
+from megatrain import checked_files
 
 d = Path(sys.argv[1]) / "checkpoints" / "step-1"
 (d / "fsdp" / ".metadata").write_bytes((d / "fsdp" / ".metadata").read_bytes()[:100])  # another, cut short
 meta = json.loads((d / "trainer.json").read_text())
-meta["files"] = checkpoint.checksums(d, list(meta["files"]))  # its checksums made again, as by whoever swapped it
+meta["files"] = checked_files.checksums(d, list(meta["files"]))  # its checksums made again, as by whoever swapped it
 (d / "trainer.json").write_text(json.dumps(meta))
 sys.exit(main(["train", "--resume", sys.argv[1], "--steps", "2", "--trust-checkpoint"]))
 """

@@ -4,18 +4,18 @@ A program is what the schedule (megatrain.engine.schedule) calls to compute: the
 places and the optimizer are the schedule's and the same for every kind. `handwritten` runs our own layers
 (megatrain.models.handwritten) through one layer template; `generic` runs transformers' own modules
 (megatrain.models.generic) as stateless templates, with their preamble's state and any state crossing layers. A new
-kind of model is a new program here and one row in PROGRAMS.
+kind of model is a new program here, named by its row in megatrain.models.kinds.KINDS (imported only when built).
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Protocol
 
 import torch
 
 from megatrain.engine.layout import Unit
-from megatrain.engine.programs.generic import GenericProgram
-from megatrain.engine.programs.handwritten import HandWrittenProgram
+from megatrain.models.kinds import kind_of
 
 
 class Program(Protocol):
@@ -53,13 +53,12 @@ class Program(Protocol):
     def buffers(self) -> dict[str, torch.Tensor]: ...
 
 
-# a model's kind (ModelShape.kind) -> its program
-PROGRAMS: dict[str, type] = {"handwritten": HandWrittenProgram, "generic": GenericProgram}
-
-
 def build_program(config, device: torch.device) -> Program:
-    """The program of config.model (an EngineConfig's), by its kind."""
-    kind = config.model.kind
-    if kind not in PROGRAMS:
-        raise ValueError(f"no engine program trains a model of kind {kind!r}; the kinds: {', '.join(PROGRAMS)}")
-    return PROGRAMS[kind](config, device)
+    """The program of config.model (an EngineConfig's), as its kind names it (megatrain.models.kinds)."""
+    return named(kind_of(config.model).program)(config, device)
+
+
+def named(where: str):
+    """The attribute a kind names as "module:attribute", its module imported now."""
+    module, name = where.split(":")
+    return getattr(importlib.import_module(module), name)

@@ -30,6 +30,7 @@ position_ids; a model with layers other than attention is refused packed rows).
 
 from __future__ import annotations
 
+import functools
 import sys
 import types
 from collections import UserDict
@@ -44,7 +45,7 @@ from megatrain.engine.templates import CompiledCall, add_rows
 from megatrain.models.draws import Draws
 from megatrain.models.generic.config import GenericConfig
 from megatrain.models.generic.head import chunked_loss, cross_entropy_sum
-from megatrain.models.generic.module import position_ids
+from megatrain.models.generic.module import GenericCausalLM, checkpointed, position_ids
 from megatrain.models.generic.skeleton import PER_LAYER_ATTRIBUTES, Skeleton, head_logits
 from megatrain.models.weights import persistent_buffers
 
@@ -311,3 +312,26 @@ class GenericProgram:
             else:
                 found[name] = self.base_buffers[name.removeprefix(prefix)]
         return found
+
+
+def compile_module_layers(model: GenericCausalLM) -> list[ModuleTemplate]:
+    """Every decoder layer of `model` run through its structure's compiled template (one per distinct layer
+    structure) with its own parameters and buffers, each layer still checkpointed (a system that owns the module
+    compiles as the engine does: DeepSpeed ZeRO-3); returns the templates."""
+    skeleton, templates = Skeleton(model.cfg), {}
+    for i, (layer, structure) in enumerate(zip(model.layers, skeleton.structure, strict=True)):
+        if structure not in templates:
+            templates[structure] = ModuleTemplate(skeleton.layers[i], compile_layer=True)
+        layer.forward = functools.partial(checkpointed, functools.partial(_module_through, templates[structure], i,
+                                                                          layer))
+    return list(templates.values())
+
+
+def _module_through(template: ModuleTemplate, index: int, layer: nn.Module, hidden_states: torch.Tensor, *args,
+                    **kwargs):
+    """A transformers decoder layer's forward: its structure's template with the layer's own (under ZeRO-3: gathered)
+    parameters and buffers (and its positional inputs, Gemma 4's per-layer input)."""
+    if template.module.training != layer.training:  # the template draws (dropout) as the layer it runs for would
+        template.module.train(layer.training)
+    return template.run(index, {**dict(layer.named_parameters()), **dict(layer.named_buffers())}, hidden_states,
+                        args, kwargs)

@@ -3,12 +3,14 @@ rotary tables and each attention type's mask, the embedding lookup, the chunked 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from megatrain.engine.layout import Unit
 from megatrain.engine.templates import HeadTemplate, LayerTemplate, add_rows
-from megatrain.models import rotary_tables
+from megatrain.models import DecoderLayer, Transformer, rotary_tables
 from megatrain.models.masks import rope_and_masks
 
 
@@ -72,3 +74,18 @@ class HandWrittenProgram:
     def buffers(self) -> dict[str, torch.Tensor]:
         """The model's weights that are not trained but a checkpoint holds, by name, where they live: none here."""
         return {}
+
+
+def compile_module_layers(model: Transformer) -> list[LayerTemplate]:
+    """Every decoder layer of `model` run through one compiled layer template with its own parameters (a system that
+    owns the module compiles as the engine does: DeepSpeed ZeRO-3); returns the template."""
+    template = LayerTemplate(model.cfg, compile_layer=True)
+    for layer in model.layers:
+        layer.forward = functools.partial(_forward_through, template, layer)
+    return [template]
+
+
+def _forward_through(template: LayerTemplate, layer: DecoderLayer, x_BSH: torch.Tensor, cos_SD: torch.Tensor,
+                     sin_SD: torch.Tensor, mask_B1SS=None) -> torch.Tensor:
+    """`layer`'s forward: the template with the layer's own (under ZeRO-3: gathered) parameters."""
+    return template(dict(layer.named_parameters()), x_BSH, cos_SD, sin_SD, mask_B1SS)
