@@ -107,8 +107,11 @@ KINDS = (
 
 
 def kind_of(shape: ModelShape) -> ModelKind:
-    """The kind a shape is of, by the name it gives (ModelShape.kind)."""
-    return next(kind for kind in KINDS if kind.name == shape.kind)
+    """The kind a shape is of, by the name it gives (ModelShape.kind); KeyError naming the kinds there are."""
+    for kind in KINDS:
+        if kind.name == shape.kind:
+            return kind
+    raise KeyError(f"no model kind {shape.kind!r}: the kinds are {', '.join(k.name for k in KINDS)}")
 
 
 def claim(config: Mapping, generic: bool = False) -> ModelShape:
