@@ -19,6 +19,7 @@ curve_published), into published-transformers-<version>-curves.json, written aft
 """
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections import Counter
@@ -157,7 +158,10 @@ def published_markdown(results: list, version: str, curves: dict | None = None) 
              "published (per-layer inputs, keys equal to values, experts, softcapping, window patterns, RoPE type "
              "and scaling, dropout, tied embeddings), at the fewest layers that hold each kind of layer it has; one "
              "step in fp32, train mode (scripts/walk_transformers.py --published).", "",
-             "| CPU | checkpoints |", "| --- | --- |", *[f"| {s} | {counts[s]} |" for s in STATUSES], ""]
+             "| CPU | checkpoints |", "| --- | --- |", *[f"| {s} | {counts[s]} |" for s in STATUSES], "",
+             "Walked (commit, CPU, torch): " + "; ".join(
+                 f"{n} at {where or 'an unrecorded commit (before the rows kept it)'}"
+                 for where, n in Counter(r.walked for r in results).most_common()) + ".", ""]
     if curves:
         env = curves["env"]
         lines += [f"The GPU column: each checkpoint at its published widths and the layers named, in bf16 on "
@@ -193,8 +197,10 @@ def walk_published(device: str | None, only: list[str] | None, out: Path, stem: 
     out.mkdir(parents=True, exist_ok=True)
     if device is None:
         walked = {}
+        env = environment()
+        where = f"{env['commit'][:7]}{'+' if env['dirty'] else ''} on {env['cpu']}, torch {env['torch']}"
         for row in chosen:
-            result = try_published(row)
+            result = dataclasses.replace(try_published(row), walked=where)
             print(f"{row.hub_id:48s} {result.status:8s} {result.detail[:100]}", flush=True)
             walked[row.hub_id] = result
         record = out / f"{stem}.json"  # --only walks those rows again: the others keep the record's results

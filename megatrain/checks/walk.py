@@ -195,13 +195,14 @@ def as_dicts(results: list) -> list[dict]:
 # ---- the published checkpoints (megatrain.models.published) -------------------------------------------------------
 @dataclass(frozen=True)
 class PublishedResult:
-    """One published checkpoint's outcome at the tiny widths: its hub id, model type, status (STATUSES) and what it
-    says."""
+    """One published checkpoint's outcome at the tiny widths: its hub id, model type, status (STATUSES), what it
+    says, and where it was walked (commit, CPU and torch; empty in rows walked before it was kept)."""
 
     hub_id: str
     model_type: str
     status: str
     detail: str = ""
+    walked: str = ""
 
 
 def published_depth(hf: Mapping, least: int = 4) -> int:
