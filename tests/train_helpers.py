@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from families import family_config
+from families import family_config, generic_config
 
 from megatrain.cli import main
 from megatrain.tokenizer import Tokenizer
@@ -37,6 +37,20 @@ def hf_model(kind: str, path):
     config = family_config(kind, **SHAPE)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
     model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def generic_model(kind: str, path, **extra):
+    """A tiny random transformers model of generic `kind` (families.GENERIC_KINDS) saved in `path`, its buffers
+    (DeepSeek's router score correction) random too, so that a path that lost them would differ."""
+    torch.manual_seed(0)
+    config = generic_config(kind, **{**SHAPE, **extra})
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if "correction_bias" in name:
+                buffer.normal_(0, 0.1)
+    model.save_pretrained(path)
     return path
 
 

@@ -38,13 +38,12 @@ from megatrain.engine.config import EngineConfig
 from megatrain.engine.distributed import Ranks
 from megatrain.engine.host_optimizer import HostOptimizer, torch_adamw_unit
 from megatrain.engine.layout import Unit
-from megatrain.engine.programs import Program, build_program
+from megatrain.engine.programs import AuxLoss, Program, build_program
 from megatrain.engine.resident import ResidentUnit
 from megatrain.engine.store import OPT_CHUNK, HostStore
 from megatrain.engine.streams import StreamSet
 from megatrain.engine.templates import bind
 from megatrain.engine.uses import Use, use_order
-from megatrain.models.handwritten.moe import load_balancing_grad, load_balancing_loss
 from megatrain.optim.host_adamw import FlatAdamW
 
 
@@ -58,16 +57,13 @@ class StepState:
     contexts: list  # per micro-batch, what its layers need besides their input (the program's contexts)
     embed_params: dict  # views of the embedding unit's buffer (a tied head reads its matrix too)
     grad_ready: list  # per unit: the D2H event after which its gradient is on the host
+    aux: AuxLoss  # what the step adds to the cross-entropy (its program's aux_loss: a MoE's load-balancing loss)
     weights_ready: dict = field(default_factory=dict)  # use index -> H2D event: its weights are in its slot
     stall_events: list = field(default_factory=list)  # (before, after) compute events around each wait for weights
     grad_sumsq: torch.Tensor | None = None  # the squared global gradient norm, summed on the device
     loss_sum: torch.Tensor | None = None
     output_grads: list = field(default_factory=list)  # per micro-batch: the gradient into the current layer's output
     grad_slot: int = 0  # the gradient slot the next streamed head or backward use accumulates in
-    # the router's load-balancing loss, per micro-batch: tokens routed to each expert and router probability sums,
-    # added up over the layers in forward (models.handwritten.moe)
-    routed: list = field(default_factory=list)
-    probsum: list = field(default_factory=list)
 
 
 class Schedule:
@@ -179,14 +175,10 @@ class Schedule:
             tokens = [inputs_BS[i:i + mb].to(dev, non_blocking=True) for i in range(0, inputs_BS.shape[0], mb)]
             labels = [labels_BS[i:i + mb].to(dev, non_blocking=True) for i in range(0, labels_BS.shape[0], mb)]
             contexts = self.program.contexts(segments_BS, len(tokens))
-        step = StepState(stats=stats, tokens=tokens, labels=labels, contexts=contexts,
+            aux = self.program.aux_loss(tokens, self.ranks.world)
+        return StepState(stats=stats, tokens=tokens, labels=labels, contexts=contexts,
                          embed_params=bind(self.embed, self.embed_buf, requires_grad=False),
-                         grad_ready=[None] * len(self.units))
-        if self.model.router_stats:
-            with s.use("compute"):
-                step.routed, step.probsum = ([torch.zeros(self.model.num_experts, device=dev) for _ in tokens]
-                                             for _ in range(2))
-        return step
+                         grad_ready=[None] * len(self.units), aux=aux)
 
     def _embed_forward(self, step: StepState) -> None:
         """The embedding's weights and the first use's start loading, then the embedding's forward."""
@@ -303,13 +295,7 @@ class Schedule:
         with torch.no_grad():
             outputs = [self.program.layer(unit, params, x, step.contexts[m])
                        for m, x in enumerate(self.acts.gpu[layer - 1])]
-        if self.model.router_stats:
-            if not regenerate:  # a regenerated input's routing was counted in its first forward
-                for m, (_, routed, probsum) in enumerate(outputs):
-                    step.routed[m] += routed
-                    step.probsum[m] += probsum
-            outputs = [out[0] for out in outputs]
-        self.acts.put(layer, outputs)
+        self.acts.put(layer, step.aux.forward(outputs, count=not regenerate))
         if not regenerate:
             self.acts.consumed(layer - 1)
 
@@ -343,9 +329,7 @@ class Schedule:
                 dh, *grads = torch.autograd.grad(loss, [h, *params.values()])
             step.output_grads.append(dh)
             step.loss_sum += loss.detach()
-            if self.model.router_stats:
-                step.loss_sum += self._aux_weight(step, m) * load_balancing_loss(
-                    step.routed[m], step.probsum[m], self._router_rows(step, m))
+            step.aux.add_loss(step.loss_sum, m)
             self._accumulate(grad_acc, unit, own, grads[:len(own)])
             if tied:
                 bind(self.embed, self.embed_grad, requires_grad=False)[self.program.embed_weight_name].add_(grads[-1])
@@ -363,28 +347,11 @@ class Schedule:
             x = x.detach().requires_grad_()
             with torch.enable_grad():
                 y = self.program.layer(unit, params, x, step.contexts[m])
-                if self.model.router_stats:  # its router's share of the load-balancing loss
-                    aux_grad = load_balancing_grad(step.routed[m], self._router_rows(step, m),
-                                                   self._aux_weight(step, m))
-                    grads = torch.autograd.grad([y[0], y[2]], [x, *tensors], [step.output_grads[m], aux_grad])
-                else:
-                    # a parameter a micro-batch leaves unused (an expert of a list no token reached) gets zeros
-                    grads = torch.autograd.grad(y, [x, *tensors], step.output_grads[m], allow_unused=True,
-                                                materialize_grads=True)
+                grads = step.aux.grads(y, [x, *tensors], step.output_grads[m], m)
             step.output_grads[m] = grads[0]
             self._accumulate(grad_acc, unit, names, grads[1:])
             inputs[m] = None
         self._finish_grads(step, unit, grad_acc, step.grad_slot)
-
-    def _router_rows(self, step: StepState, m: int) -> int:
-        """Micro-batch m's (layer, token) rows of the load-balancing loss."""
-        return self.model.num_layers * step.tokens[m].numel()
-
-    def _aux_weight(self, step: StepState, m: int) -> float:
-        """The load-balancing loss's weight for micro-batch m: the coefficient x its share of the step's sequences, all
-        ranks' (as megatrain.systems.common.aux_weight)."""
-        rows = sum(t.shape[0] for t in step.tokens) * self.ranks.world
-        return self.model.router_aux_loss_coef * step.tokens[m].shape[0] / rows
 
     def _finish_grads(self, step: StepState, unit: Unit, grad_acc: torch.Tensor, grad_slot: int) -> None:
         grad_acc = self._summed(unit, grad_acc)
@@ -450,8 +417,7 @@ class Schedule:
             for unit in units[1:-1]:
                 params = bind(unit, weights(unit), requires_grad=False)
                 xs = [self.program.layer(unit, params, x, contexts[m]) for m, x in enumerate(xs)]
-                if self.model.router_stats:  # the held-out loss is the cross-entropy alone
-                    xs = [x[0] for x in xs]
+                xs = [self.program.hidden(x) for x in xs]  # the held-out loss is the cross-entropy alone
             head = units[-1]
             params = bind(head, weights(head), requires_grad=False)
             params.setdefault(self.program.head_weight_name, embed[self.program.embed_weight_name])

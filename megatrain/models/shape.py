@@ -105,13 +105,6 @@ class ModelShape(Protocol):
     @property
     def moe_intermediate_size(self) -> int: ...
 
-    @property
-    def router_stats(self) -> bool:
-        """Whether each layer reports its routing for the router's load-balancing loss."""
-
-    @property
-    def router_aux_loss_coef(self) -> float: ...
-
     # ---- training ------------------------------------------------------------------------------------------------
     @property
     def random_settings(self) -> dict[str, float]:

@@ -1,7 +1,8 @@
 """The generic path (transformers' own modules, megatrain.models.generic) on every system against transformers +
-torch.optim.AdamW + clip_grad_norm_: the families only it trains, exports, bitwise resume, packed documents, FLOP
-accounting and refusals. CPU; megatrain and native in seconds a case, DeepSpeed and FSDP2 each in a fresh process
-(marked subprocess): pytest tests/unit/test_generic.py -m "not subprocess"; all: pytest tests/unit/test_generic.py"""
+torch.optim.AdamW + clip_grad_norm_: the families only it trains, exports, bitwise resume, FLOP accounting and
+refusals (packed documents: test_train.py, over both kinds). CPU; megatrain and native in seconds a case, DeepSpeed
+and FSDP2 each in a fresh process (marked subprocess): pytest tests/unit/test_generic.py -m "not subprocess"; all:
+pytest tests/unit/test_generic.py"""
 
 import json
 import math
@@ -20,6 +21,7 @@ from train_helpers import (  # noqa: E402
     VOCAB,
     assert_as_near_as_transformers,
     float64_twin,
+    generic_model,
     hf_model,
     metrics,
     needs_deepspeed,
@@ -31,26 +33,8 @@ from train_helpers import (  # noqa: E402
 
 from megatrain.cli import main  # noqa: E402
 from megatrain.models.generic import GenericConfig  # noqa: E402
-from megatrain.models.generic.module import GenericCausalLM  # noqa: E402
-from megatrain.models.init import init_module  # noqa: E402
 from megatrain.models.loss import IGNORE_INDEX  # noqa: E402
 from megatrain.models.weights import named_weights  # noqa: E402
-from megatrain.train.data import Example, Rows  # noqa: E402
-
-
-def generic_model(kind: str, path, **extra):
-    """A tiny random transformers model of generic `kind` saved in `path`, its buffers (DeepSeek's router score
-    correction) random too, so that a path that lost them would differ."""
-    torch.manual_seed(0)
-    config = generic_config(kind, **{**SHAPE, **extra})
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if "correction_bias" in name:
-                buffer.normal_(0, 0.1)
-    model.save_pretrained(path)
-    return path
-
 
 # DeepSpeed and FSDP2 train transformers' module through one wrapper (GenericCausalLM) whatever the family, which
 # megatrain and native check with every family: they check it with one of each structure (dense with sliding layers
@@ -169,39 +153,6 @@ def test_a_checkpoint_resumes_bit_for_bit(tmp_path, system, kind):
     a = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "straight" / "hf")
     b = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "cut" / "hf")
     assert all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
-
-
-@pytest.mark.parametrize("kind", ["gemma3", "llama4"])
-def test_a_packed_row_trains_as_its_documents_apart(kind):
-    """Position ids restarting at each document make transformers' own masks keep the documents apart: sliding and
-    full layers (gemma3), chunked and full (llama4)."""
-    cfg = GenericConfig.from_hf(generic_config(kind, **SHAPE).to_dict())
-    gen = torch.Generator().manual_seed(0)
-    docs = [Example(ids, [True] * len(ids)) for ids in
-            (torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (7, 9, 3))]
-    x, y, seg = Rows(docs, seq=24, vocab_size=VOCAB, shuffle=False, seed=0).batch(0, 1)
-    xu, yu, _ = Rows(docs, seq=24, vocab_size=VOCAB, shuffle=False, seed=0, pack=False).batch(0, 3)
-    assert seg is not None and int((y != IGNORE_INDEX).sum()) == int((yu != IGNORE_INDEX).sum()) == 16
-    model = GenericCausalLM(cfg)
-    init_module(model, 0)
-    packed = model(x, y, 16, seg)
-    packed.backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    apart = model(xu, yu, 16)
-    apart.backward()
-    torch.testing.assert_close(packed, apart, rtol=1e-5, atol=0)
-    for g, p in zip(grads, model.parameters(), strict=True):
-        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-6)
-
-
-def test_the_engine_matches_native_on_packed_documents(tmp_path):
-    init = generic_model("gemma3", tmp_path / "init")
-    data = pretokenized(tmp_path / "docs.jsonl", rows=30, varied=True)
-    assert train_any("native", init, data, tmp_path / "native", steps=4) == 0
-    assert train_any("megatrain", init, data, tmp_path / "ours", steps=4) == 0
-    torch.testing.assert_close(torch.tensor([m["loss"] for m in metrics(tmp_path / "ours")]),
-                               torch.tensor([m["loss"] for m in metrics(tmp_path / "native")]), rtol=1e-5, atol=0)
 
 
 def test_what_cannot_stream_exits_2_naming_why(tmp_path, capsys):

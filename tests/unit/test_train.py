@@ -1,8 +1,9 @@
-"""`python -m megatrain train` against transformers + torch.optim.AdamW, resume bit for bit, data formats and
-schedules, for every system (DeepSpeed and FSDP2 each in a fresh process). CPU, about a minute:
-pytest tests/unit/test_train.py"""
+"""`python -m megatrain train` against transformers + torch.optim.AdamW, resume bit for bit, data formats, packed
+documents (of either kind of model) and schedules, for every system (DeepSpeed and FSDP2 each in a fresh process).
+CPU, about a minute: pytest tests/unit/test_train.py"""
 
 import argparse
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -12,17 +13,19 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from families import KINDS  # noqa: E402
+from families import KINDS, generic_config  # noqa: E402
 from train_helpers import (  # noqa: E402
     BATCH,
     CLIP,
     LR,
     MIN_LR,
     SEQ,
+    SHAPE,
     STEPS,
     VOCAB,
     WARMUP,
     chat_tokenizer,
+    generic_model,
     hf_model,
     metrics,
     needs_deepspeed,
@@ -34,9 +37,13 @@ from train_helpers import (  # noqa: E402
 
 from megatrain.cli import main  # noqa: E402
 from megatrain.config import CaseConfig  # noqa: E402
+from megatrain.models import get_model_config  # noqa: E402
+from megatrain.models.generic import GenericConfig  # noqa: E402
+from megatrain.models.init import init_module  # noqa: E402
+from megatrain.models.kinds import kind_of  # noqa: E402
 from megatrain.models.loss import IGNORE_INDEX  # noqa: E402
 from megatrain.train.config import add_train_arguments, config_from_args  # noqa: E402
-from megatrain.train.data import Rows, read_examples  # noqa: E402
+from megatrain.train.data import Example, Rows, read_examples  # noqa: E402
 from megatrain.train.lr import lr_at  # noqa: E402
 
 SYSTEMS = ["megatrain", "native", pytest.param("deepspeed", marks=needs_deepspeed), "fsdp"]
@@ -201,19 +208,23 @@ def test_chat_and_alpaca_data_train_only_on_the_assistant_tokens(tmp_path):
     assert (labels != IGNORE_INDEX).sum() == 3 and inputs.shape == (1, 32) and segments is None
 
 
-@pytest.mark.parametrize("window", [0, 4])
-def test_a_packed_row_trains_as_its_documents_apart(window):
-    """Document masks alone, and with sliding-window layers (a window shorter than two of the documents)."""
-    import dataclasses
+def _packed_case(name: str):
+    """The shape of packed-row case `name` and its tolerances (loss rtol, gradient rtol, gradient atol). The
+    hand-written model's document masks alone ("tiny"), and with sliding-window layers, a window shorter than two of
+    the documents ("tiny-sliding"); transformers' own masks, kept apart by position ids restarting at each document,
+    over sliding and full layers (gemma3) and chunked and full (llama4), whose rounding is ten times ours."""
+    if name == "tiny-sliding":
+        return dataclasses.replace(get_model_config("tiny"), sliding_window=4, layer_types=(
+            "sliding_attention", "full_attention", "sliding_attention")), (1e-6, 1e-5, 1e-7)
+    if name == "tiny":
+        return get_model_config("tiny"), (1e-6, 1e-5, 1e-7)
+    return GenericConfig.from_hf(generic_config(name, **SHAPE).to_dict()), (1e-5, 1e-4, 1e-6)
 
-    from megatrain.models import Transformer, get_model_config
-    from megatrain.models.init import init_module
-    from megatrain.train.data import Example
 
-    cfg = get_model_config("tiny")
-    if window:
-        cfg = dataclasses.replace(cfg, sliding_window=window,
-                                  layer_types=("sliding_attention", "full_attention", "sliding_attention"))
+@pytest.mark.parametrize("name", ["tiny", "tiny-sliding", "gemma3", "llama4"])
+def test_a_packed_row_trains_as_its_documents_apart(name):
+    """A packed row's loss and gradients are its documents' apart, for a model of either kind (its kind's module)."""
+    cfg, (loss_rtol, grad_rtol, grad_atol) = _packed_case(name)
     gen = torch.Generator().manual_seed(0)
     docs = [Example(ids, [True] * len(ids)) for ids in
             (torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (7, 9, 3))]
@@ -221,7 +232,7 @@ def test_a_packed_row_trains_as_its_documents_apart(window):
     xu, yu, seg_u = Rows(docs, seq=24, vocab_size=cfg.vocab_size, shuffle=False, seed=0, pack=False).batch(0, 3)
     assert seg is not None and seg_u is None and x.shape == (1, 24)
     assert int((y != IGNORE_INDEX).sum()) == int((yu != IGNORE_INDEX).sum()) == 6 + 8 + 2
-    model = Transformer(cfg)
+    model = kind_of(cfg).build_module(cfg, False, 0)
     init_module(model, 0)
     packed = model(x, y, 16, seg)
     packed.backward()
@@ -229,16 +240,18 @@ def test_a_packed_row_trains_as_its_documents_apart(window):
     model.zero_grad()
     apart = model(xu, yu, 16)
     apart.backward()
-    torch.testing.assert_close(packed, apart, rtol=1e-6, atol=0)
+    torch.testing.assert_close(packed, apart, rtol=loss_rtol, atol=0)
     for g, p in zip(grads, model.parameters(), strict=True):
-        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(g, p.grad, rtol=grad_rtol, atol=grad_atol)
 
 
 @pytest.mark.parametrize("system, pack, kind", [
     ("megatrain", True, "llama"), ("megatrain", False, "llama"), ("megatrain", True, "qwen3-yarn-sliding"),
-    ("fsdp", True, "llama"), pytest.param("deepspeed", True, "llama", marks=needs_deepspeed)])
+    ("megatrain", True, "gemma3"), ("fsdp", True, "llama"),
+    pytest.param("deepspeed", True, "llama", marks=needs_deepspeed)])
 def test_each_system_matches_native_on_documents_of_varied_length(tmp_path, system, pack, kind):
-    init = hf_model(kind, tmp_path / "init")
+    """Of either kind: a hand-written family's checkpoint (families.KINDS), else transformers' own modules (gemma3)."""
+    init = (hf_model if kind in KINDS else generic_model)(kind, tmp_path / "init")
     data = pretokenized(tmp_path / "docs.jsonl", rows=30, varied=True)
     extra = [] if pack else ["--no-pack"]
     assert run_train(init, data, tmp_path / "native", system="native", steps=6, extra=extra) == 0

@@ -22,9 +22,11 @@ class Program(Protocol):
     """What the schedule asks of a model's program.
 
     `contexts` once per step: what each micro-batch's layers need besides their input; `embed` and `embed_backward`
-    for the embedding unit, `layer` for a decoder layer (forward and, with gradients on, its recompute), `head_loss`
-    for the head; `buffers` the model's untrained weights a checkpoint holds (loaded, exported and saved beside the
-    streamed ones); `train` the mode dropout follows; `draws` the seeds it reseeds from (None: it draws nothing)."""
+    for the embedding unit, `layer` for a decoder layer (forward and, with gradients on, its recompute; `hidden` its
+    output as the next layer's input), `head_loss` for the head; `aux_loss` once per step: what the step adds to the
+    cross-entropy (AuxLoss); `buffers` the model's untrained weights a checkpoint holds (loaded, exported and saved
+    beside the streamed ones); `train` the mode dropout follows; `draws` the seeds it reseeds from (None: it draws
+    nothing)."""
 
     head_weight_name: str  # the head unit's matrix; a tied head borrows the embedding's
     embed_weight_name: str
@@ -47,10 +49,35 @@ class Program(Protocol):
 
     def layer(self, unit: Unit, params: dict, x_BSH: torch.Tensor, context): ...
 
+    def hidden(self, y): ...
+
+    def aux_loss(self, tokens: list[torch.Tensor], world: int) -> AuxLoss: ...
+
     def head_loss(self, params: dict, h_BSH: torch.Tensor, labels_BS: torch.Tensor,
                   normalizer: int) -> torch.Tensor: ...
 
     def buffers(self) -> dict[str, torch.Tensor]: ...
+
+
+class AuxLoss:
+    """What a step adds to its cross-entropy, as the schedule asks its program (Program.aux_loss): nothing here, the
+    generic program's and a dense hand-written model's; a hand-written MoE's router load-balancing loss overrides each
+    call (megatrain.engine.programs.handwritten.LoadBalancing). Every call runs on the compute stream, where the
+    schedule makes it."""
+
+    def forward(self, outputs: list, count: bool) -> list:
+        """The micro-batches' outputs of a layer's forward (Program.layer's) as the next layer's inputs; count: whether
+        to count what they carry (not in a regenerated input's second forward)."""
+        return outputs
+
+    def add_loss(self, loss_sum: torch.Tensor, m: int) -> None:
+        """Add micro-batch m's auxiliary loss to the step's summed loss (in place), once every layer's forward ran."""
+
+    def grads(self, y, inputs: list[torch.Tensor], output_grad: torch.Tensor, m: int) -> tuple:
+        """The gradients for `inputs` of micro-batch m's recomputed layer output y (Program.layer's, gradients on)
+        for the gradient output_grad into its hidden states, the auxiliary loss's included."""
+        # a parameter a micro-batch leaves unused (an expert of a list no token reached) gets zeros
+        return torch.autograd.grad(y, inputs, output_grad, allow_unused=True, materialize_grads=True)
 
 
 def build_program(config, device: torch.device) -> Program:

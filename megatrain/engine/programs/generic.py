@@ -41,6 +41,7 @@ from torch import nn
 from torch.func import functional_call
 
 from megatrain.engine.layout import Unit
+from megatrain.engine.programs import AuxLoss
 from megatrain.engine.templates import CompiledCall, add_rows
 from megatrain.models.draws import Draws
 from megatrain.models.generic.config import GenericConfig
@@ -292,6 +293,15 @@ class GenericProgram:
             tensors += values
             dtensors += summed
         return _Inject.apply(y_BSH, tuple(dtensors), *tensors)
+
+    def hidden(self, y: torch.Tensor) -> torch.Tensor:
+        """A layer's output is its hidden states alone."""
+        return y
+
+    def aux_loss(self, tokens: list[torch.Tensor], world: int) -> AuxLoss:
+        """Nothing besides the cross-entropy: transformers' own routers' auxiliary losses are refused (models.generic.
+        skeleton)."""
+        return AuxLoss()
 
     def head_loss(self, params: dict, h_BSH: torch.Tensor, labels_BS: torch.Tensor, normalizer: int) -> torch.Tensor:
         """The final norm, the LM head, the model's logit transform and the cross-entropy, chunked."""

@@ -1,5 +1,6 @@
 """The engine's program for a hand-written model (megatrain.models.handwritten): its layer template called with the
-rotary tables and each attention type's mask, the embedding lookup, the chunked head."""
+rotary tables and each attention type's mask, the embedding lookup, the chunked head, and a mixture of experts' router
+load-balancing loss (LoadBalancing)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from megatrain.engine.layout import Unit
+from megatrain.engine.programs import AuxLoss
 from megatrain.engine.templates import HeadTemplate, LayerTemplate, add_rows
 from megatrain.models import DecoderLayer, Transformer, rotary_tables
+from megatrain.models.handwritten.config import ModelConfig
+from megatrain.models.handwritten.moe import load_balancing_grad, load_balancing_loss
 from megatrain.models.masks import rope_and_masks
 
 
@@ -68,12 +72,59 @@ class HandWrittenProgram:
         cos, sin, masks = context
         return self.template(params, x_BSH, cos, sin, masks[self.model.layer_type(unit.index - 1)])
 
+    def hidden(self, y):
+        """A layer's output as the next layer's input: its hidden states, without the routing a layer of a model
+        with the load-balancing loss reports beside them."""
+        return y[0] if self.model.router_stats else y
+
+    def aux_loss(self, tokens: list[torch.Tensor], world: int) -> AuxLoss:
+        """The step's router load-balancing loss where the model has one (on the compute stream), else nothing."""
+        return LoadBalancing(self.model, tokens, world, self.device) if self.model.router_stats else AuxLoss()
+
     def head_loss(self, params: dict, h_BSH: torch.Tensor, labels_BS: torch.Tensor, normalizer: int) -> torch.Tensor:
         return self.head.loss(params["norm.weight"], params[self.head_weight_name], h_BSH, labels_BS, normalizer)
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """The model's weights that are not trained but a checkpoint holds, by name, where they live: none here."""
         return {}
+
+
+class LoadBalancing(AuxLoss):
+    """A step's router load-balancing loss (megatrain.models.handwritten.moe.load_balancing_loss), which couples the
+    layers: each micro-batch's tokens routed to each expert and router probability sums, added up over the layers in
+    forward; its gradient into a layer's probability sums, known once every layer's forward has run, backpropagated
+    beside the output gradient when the layer is recomputed in backward."""
+
+    def __init__(self, model: ModelConfig, tokens: list[torch.Tensor], world: int, device: torch.device):
+        """tokens: the step's micro-batches on this rank; world: the ranks, whose sequences share the weight."""
+        self.model, self.tokens, self.world = model, tokens, world
+        self.routed, self.probsum = ([torch.zeros(model.num_experts, device=device) for _ in tokens] for _ in range(2))
+
+    def forward(self, outputs: list, count: bool) -> list:
+        """The hidden states of each micro-batch's (hidden states, routed, probability sums), its routing counted."""
+        if count:  # a regenerated input's routing was counted in its first forward
+            for m, (_, routed, probsum) in enumerate(outputs):
+                self.routed[m] += routed
+                self.probsum[m] += probsum
+        return [out[0] for out in outputs]
+
+    def add_loss(self, loss_sum: torch.Tensor, m: int) -> None:
+        loss_sum += self._weight(m) * load_balancing_loss(self.routed[m], self.probsum[m], self._rows(m))
+
+    def grads(self, y, inputs: list[torch.Tensor], output_grad: torch.Tensor, m: int) -> tuple:
+        """Its router's share of the load-balancing loss backpropagated beside the hidden states' gradient."""
+        aux_grad = load_balancing_grad(self.routed[m], self._rows(m), self._weight(m))
+        return torch.autograd.grad([y[0], y[2]], inputs, [output_grad, aux_grad])
+
+    def _rows(self, m: int) -> int:
+        """Micro-batch m's (layer, token) rows of the load-balancing loss."""
+        return self.model.num_layers * self.tokens[m].numel()
+
+    def _weight(self, m: int) -> float:
+        """The load-balancing loss's weight for micro-batch m: the coefficient x its share of the step's sequences, all
+        ranks' (as megatrain.systems.common.aux_weight)."""
+        rows = sum(t.shape[0] for t in self.tokens) * self.world
+        return self.model.router_aux_loss_coef * self.tokens[m].shape[0] / rows
 
 
 def compile_module_layers(model: Transformer) -> list[LayerTemplate]:

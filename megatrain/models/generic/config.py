@@ -177,9 +177,6 @@ class GenericConfig(HeadSizes):
     def moe_intermediate_size(self) -> int:
         return int(self.hf.get("moe_intermediate_size") or self.intermediate_size)
 
-    router_stats = False  # the router's load-balancing loss is refused in the generic path (skeleton)
-    router_aux_loss_coef = 0.0
-
     @property
     def random_settings(self) -> dict[str, float]:
         """config.json's dropout and jitter settings above 0 (megatrain.models.draws): transformers' modules apply
