@@ -21,9 +21,9 @@ NOT_BENCH = ("--ignore", "tests/bench", "-p", "no:benchmark")
 
 @nox.session(python=False)
 def tests(session):
-    """The fast tests on CPU (~2.5 min on 2 cores; GPU tests skip without CUDA), two processes at a time of one torch
-    thread each (tests/conftest.py): their shapes are small, so a test's time is Python's, which a second thread does
-    not share. The tests that spawn `python -m megatrain` processes, run suites or compile are the session
+    """The fast tests on CPU (~2 min on 2 cores, measured on a 2-core Xeon; GPU tests skip without CUDA), two
+    processes at a time of one torch thread each (tests/conftest.py): their shapes are small, so a test's time is
+    Python's, which a second thread does not share. The tests that spawn `python -m megatrain` processes, run suites or compile are the session
     tests_subprocess."""
     session.run(PY, "-m", "pytest", "tests", *NOT_BENCH, "-q", "-m", "not subprocess and not slow", "-n", "2",
                 *session.posargs)
@@ -32,7 +32,7 @@ def tests(session):
 @nox.session(python=False)
 def tests_subprocess(session):
     """The tests that spawn `python -m megatrain` processes (CLI contracts, kills, signals, torchrun ranks, the suite
-    runner) or compile (torch.compile on CPU): CI runs them after the fast ones, ~6.5 min on 2 cores with empty
+    runner) or compile (torch.compile on CPU): CI runs them after the fast ones, ~5.5 min on 2 cores with empty
     compile caches. Two test files at a time (pytest-xdist; a file's tests stay together, sharing its fixtures): most
     of their time is processes starting and waiting on each other, so two at once take ~0.6x of one after the other."""
     session.run(PY, "-m", "pytest", "tests", *NOT_BENCH, "-q", "-m", "subprocess or slow", "-n", "2", "--dist",
