@@ -23,8 +23,8 @@ NOT_BENCH = ("--ignore", "tests/bench", "-p", "no:benchmark")
 def tests(session):
     """The fast tests on CPU (~2 min on 2 cores, measured on a 2-core Xeon; GPU tests skip without CUDA), two
     processes at a time of one torch thread each (tests/conftest.py): their shapes are small, so a test's time is
-    Python's, which a second thread does not share. The tests that spawn `python -m megatrain` processes, run suites or compile are the session
-    tests_subprocess."""
+    Python's, which a second thread does not share. The tests that spawn `python -m megatrain` processes, run suites
+    or compile are the session tests_subprocess."""
     session.run(PY, "-m", "pytest", "tests", *NOT_BENCH, "-q", "-m", "not subprocess and not slow", "-n", "2",
                 *session.posargs)
 
