@@ -317,9 +317,11 @@ def _state_record(d: Path) -> dict:
 @contextmanager
 def _writing(path: Path, what: str):
     """An OSError writing `path` (a full disk, a read-only or missing directory) as a ValueError naming it; what was
-    there stands (it is written aside and swapped in only once complete)."""
+    there stands (it is written aside and swapped in only once complete). What it writes is writable by this user
+    alone (user_files.private)."""
     try:
-        yield
+        with user_files.private():
+            yield
     except OSError as exc:
         raise ValueError(f"{what}({str(path)!r}): cannot write there ({exc.strerror}); nothing was replaced: free "
                          "space, or choose a writable directory") from None

@@ -123,14 +123,12 @@ def recover(root: Path) -> None:
 def seal(d: Path, meta: dict, pickled: tuple[str, ...], record_file: str) -> None:
     """Seal a state just written into d: its record, d/record_file, is meta with the checksums of every file under d,
     and where the state holds pickles (`pickled`: the system's glob patterns) this user's HMAC of both
-    (megatrain.train.trust). Every file and folder of it, the record too, is made writable by this user alone, whatever
-    the umask: open_checked loads no pickle another user could change meanwhile, and no other user rewrites the raw
-    tiles or the record a resume reads."""
+    (megatrain.train.trust). Its callers write it writable by this user alone, whatever the umask
+    (user_files.private): open_checked loads no pickle another user could change meanwhile, and no other user rewrites
+    the raw tiles or the record a resume reads."""
     names = sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file())
     record = {**meta, "files": checksums(d, names)}
     (d / record_file).write_text(json.dumps(trust.signed(record) if pickled else record, indent=1) + "\n")
-    for path in [d, *d.rglob("*")]:
-        path.chmod(path.stat().st_mode & ~0o022)
 
 
 def _block_sha256(fd: int, offset: int) -> str:

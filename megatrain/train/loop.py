@@ -61,11 +61,12 @@ class Progress:
 
 
 
+@user_files.private()
 def train(cfg: TrainConfig, log=print) -> int:
     """Run (or resume) training as configured; returns the exit code: 0 done, 1 diverged (non-finite for
     --max-nonfinite-steps steps), 130 after Ctrl-C and 143 after SIGTERM (each finishing its step and saving, or the
     export it came during). Every line the run says goes to `log` and to OUT/train.log; every metrics line to
-    OUT/metrics.jsonl and to the --report-to integrations."""
+    OUT/metrics.jsonl and to the --report-to integrations; what it writes is writable by this user alone."""
     # --init-from's checkpoint (its model, the hand-written one or transformers' own modules, and its config.json),
     # read once: the export's family is its Hugging Face model_type, its config.json starts from the source's
     init = check_available(cfg)

@@ -157,16 +157,43 @@ def test_engine_save_deletes_nothing_its_record_does_not_list(tmp_path):
     assert (project / "code.py").read_text() == "mine"
 
 
-def test_a_checkpoint_is_writable_by_this_user_alone_whatever_the_umask(files, tmp_path):
+def _writable_by_others(d):
+    return [p.relative_to(d).as_posix() or "." for p in [d, *d.rglob("*")] if p.stat().st_mode & 0o022]
+
+
+def test_what_train_the_engine_and_report_write_is_writable_by_this_user_alone_whatever_the_umask(files, tmp_path):
+    from megatrain import user_files
+
     init, data, _ = files
     old = os.umask(0)
     try:
         assert run_train(init, data, tmp_path / "run", steps=2) == 0
+        with megatrain.Engine(init, seq=8, batch=2, lr=1e-3, device="cpu", dtype="float32", log=lambda _: None) as e:
+            e.save(tmp_path / "state")
+            e.export(tmp_path / "hf")
+        with user_files.replacing(tmp_path / "report", "report") as stage:
+            (stage / "index.html").write_text("page")
+        assert os.umask(0) == 0, "the caller's umask put back"
     finally:
         os.umask(old)
-    step = tmp_path / "run" / "checkpoints" / "step-2"
-    writable = [p.name for p in [step, *step.rglob("*")] if p.stat().st_mode & 0o022]
-    assert writable == [], "the raw tiles and trainer.json a resume reads, and the folder that holds them"
+    assert (tmp_path / "run" / "checkpoints" / "step-2" / "trainer.json").exists()
+    for d in ("run", "state", "hf", "report"):  # run.json, metrics, train.log, checkpoints, the export alike
+        assert _writable_by_others(tmp_path / d) == [], d
+
+
+def test_a_second_report_into_one_folder_at_once_is_refused_and_the_first_is_whole(tmp_path):
+    from megatrain import user_files
+
+    d = tmp_path / "report"
+    with user_files.replacing(d, "report") as stage:
+        (stage / "index.html").write_text("first")
+        with pytest.raises(ValueError, match=f"report: {d} is being written by another process: wait for it to end"):
+            with user_files.replacing(d, "report") as second:
+                (second / "index.html").write_text("second")
+    assert (d / "index.html").read_text() == "first"
+    with user_files.replacing(d, "report") as stage:  # the lock went with the first
+        (stage / "index.html").write_text("third")
+    assert sorted(p.name for p in d.iterdir()) == [user_files.MANIFEST, "index.html"]
 
 
 def test_sigterm_during_the_final_export_exits_143_once_the_export_is_whole(files, tmp_path, monkeypatch, capsys):
