@@ -43,7 +43,7 @@ STATE_FILE = "engine_state.json"  # Engine.save's: its files' checksums (and thi
 
 @dataclass(frozen=True)
 class TrainResult:
-    """What a train run left: exit_code as the CLI's (0 done, 1 diverged, 130/143 interrupted and saved); step, the
+    """What a train run left: exit_code as the CLI's (0 done, 1 diverged, 129/130/143 interrupted and saved); step, the
     last trained; losses, the training loss of steps 1..step; eval_losses, the held-out loss by step; checkpoint, its
     latest complete checkpoint (None: none saved); export, the Hugging Face checkpoint this run wrote (None unless
     it ended done)."""

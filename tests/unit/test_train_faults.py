@@ -109,6 +109,23 @@ def test_sigterm_saves_like_ctrl_c_and_the_previous_handler_comes_back(straight,
     assert _resume(out) == 0 and _losses_once_each(out) == losses
 
 
+def test_sighup_a_closed_terminal_saves_like_sigterm_and_the_previous_handler_comes_back(straight, tmp_path,
+                                                                                      capsys):
+    init, data, losses, _ = straight
+    out = tmp_path / "run"
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            interrupt_at_step(mp, 3, signal.SIGHUP)
+            assert run_train(init, data, out, steps=8, extra=SAVES) == 129
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN, "train put back the handler it found"
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert f"interrupted (SIGHUP) at step 3: checkpoint at step 3 in {out / 'checkpoints'}" in capsys.readouterr().err
+    assert _entries(out / "checkpoints") == ["step-2", "step-3"]
+    assert _resume(out) == 0 and _losses_once_each(out) == losses
+
+
 def test_a_delayed_update_run_stopped_by_sigterm_across_its_warm_up_resumes_bitwise(straight, tmp_path):
     """update_delay=1 after 2 exact updates: SIGTERM during step 3 (just past the change-over) saves both weight
     copies and the pending update applied; the resumed run's losses are the uninterrupted delayed run's."""
