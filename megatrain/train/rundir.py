@@ -151,6 +151,12 @@ class RunDir:
         if not entries:
             user_files.record(out, RUN_ENTRIES)  # what a run writes here, none of it here before this one
             return
+        if not (out / user_files.MANIFEST).exists() and (out / RUN_FILE).exists():
+            manifest = out / user_files.MANIFEST
+            raise ValueError(f"--out {out} holds a run that recorded nothing of what it wrote ({manifest} is missing: "
+                             "a run of a megatrain from before it, or one put together by hand), so its files cannot "
+                             f"be told from yours: --resume {out} continues it; to discard it, delete it yourself, or "
+                             "choose another --out")
         if strangers := user_files.strangers(out, user_files.written(out) | set(OWN)):
             raise ValueError(f"--out {out} holds {', '.join(strangers[:3])}, which no train run recorded writing "
                              f"there ({out / user_files.MANIFEST}): a run deletes only what one wrote; choose another "

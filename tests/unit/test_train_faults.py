@@ -92,6 +92,25 @@ def test_a_new_run_is_refused_a_directory_holding_another_and_overwrite_discards
     assert "todo.txt" in _error(capsys) and (mine / "todo.txt").exists()
 
 
+def test_overwrite_refuses_a_run_that_recorded_nothing_of_what_it_wrote_and_resume_continues_it(straight, tmp_path,
+                                                                                                 capsys):
+    """A run of a megatrain from before the manifest: its files cannot be told from the user's, so --overwrite
+    deletes none of them and says what to do."""
+    init, data, _, done = straight
+    out = tmp_path / "run"
+    shutil.copytree(done, out)
+    (out / ".megatrain-written").unlink()
+    before = _entries(out)
+    for extra in ([], ["--overwrite"]):
+        assert run_train(init, data, out, steps=2, extra=[*SAVES, *extra]) == 2
+        assert _error(capsys) == f"error: --out {out} holds a run that recorded nothing of what it wrote " \
+            f"({out / '.megatrain-written'} is missing: a run of a megatrain from before it, or one put together by " \
+            f"hand), so its files cannot be told from yours: --resume {out} continues it; to discard it, delete it " \
+            "yourself, or choose another --out"
+        assert _entries(out) == before and len(metrics(out)) == 8
+    assert _resume(out, "--steps", "9") == 0 and len(metrics(out)) == 9
+
+
 def test_sigterm_saves_like_ctrl_c_and_the_previous_handler_comes_back(straight, tmp_path):
     init, data, losses, _ = straight
     out = tmp_path / "run"
