@@ -304,6 +304,7 @@ def _check_ids(name: str, ids, vocab: int, ignore: int | None = None) -> None:
 
 def _state_record(d: Path) -> dict:
     """The record Engine.save wrote in d (STATE_FILE: its files' checksums); ValueError where it is not one."""
+    user_files.plain_entry(d / STATE_FILE, "the record of Engine.save's state")
     try:
         record = json.loads((d / STATE_FILE).read_bytes())
     except (OSError, ValueError, RecursionError):

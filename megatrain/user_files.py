@@ -6,8 +6,8 @@ followed wherever this program reads, writes or deletes there:
   config and tokenizer files, which an export carries and publishes) is refused where a link leads out of it:
   `merges.txt` linked to the user's checkpoint key would be copied into the export. A link inside it is followed, as
   is one of a Hugging Face cache snapshot into its repository's blobs/ (the cache's own layout). An entry this program
-  writes, appends to or deletes is never a link at all: it makes none, so a link there is someone else's, and
-  writing through it writes wherever it leads.
+  writes, appends to or deletes is never a link at all, nor a FIFO or a device: it makes none, so one there is someone
+  else's, writing through a link writes wherever it leads, and opening a FIFO waits without end.
 - Nothing this program did not write is deleted or written over. A directory it writes into keeps a manifest
   (MANIFEST: the relative paths it wrote there, one a line), and only what the manifest lists is ever deleted or
   replaced; anything else in the way is refused by name, before anything there changes.
@@ -42,13 +42,17 @@ def within(d: Path, path: Path) -> Path:
     return target
 
 
-def not_a_link(path: Path, what: str) -> None:
-    """Refuse (ValueError) an entry this program writes, appends to or deletes that is a symbolic link: it makes
-    none, and through one it would write wherever the link leads. `what` says which of its entries path is."""
+def plain_entry(path: Path, what: str) -> None:
+    """Refuse (ValueError) an entry this program writes, appends to, reads back or deletes that is a symbolic link, or
+    no file or folder (a FIFO, a socket, a device): it makes none, through a link it would write wherever the link
+    leads, and opening a FIFO waits for a writer or reader without end. `what` says which of its entries path is."""
     if path.is_symlink():
         raise ValueError(f"{path}, {what}, is a link (to {os.readlink(path)}), which this program never makes: "
                          "writing through it would write (or delete) where it leads; put the file or folder itself "
                          "there, or move the link out")
+    if path.exists() and not path.is_file() and not path.is_dir():
+        raise ValueError(f"{path}, {what}, is no file or folder (a FIFO, a socket or a device), which this program "
+                         "never makes: opening it would wait without end, or write to a device; move it out")
 
 
 def written(d: Path) -> set[str]:

@@ -444,7 +444,7 @@ def sole_runner(out_dir: Path):
     both ok."""
     user_files.make_dir(out_dir, "--out-dir")
     for name in ("records.jsonl", "traces"):  # appended to, written into
-        user_files.not_a_link(out_dir / name, f"which the suite writes in --out-dir {out_dir}")
+        user_files.plain_entry(out_dir / name, f"which the suite writes in --out-dir {out_dir}")
     fd = os.open(out_dir, os.O_RDONLY)
     try:
         try:

@@ -45,6 +45,7 @@ def _step(d: Path) -> int:
 def read_meta(d: Path) -> dict:
     """The trainer.json of checkpoint d; ValueError naming it when it is not what a checkpoint writes."""
     path = d / META_FILE
+    user_files.plain_entry(path, "the record of a checkpoint")
     try:
         meta = json.loads(path.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
@@ -241,7 +242,7 @@ def resume_point(root: Path, fallback: bool, log) -> tuple[Path, dict]:
     by name, or with fallback the one before is tried, and those that failed are deleted (their steps are trained
     again, so a later resume does not meet them). A checkpoint that is a link is refused (the run deletes old ones)."""
     for d in complete(root):
-        user_files.not_a_link(d, "a checkpoint of the run")
+        user_files.plain_entry(d, "a checkpoint of the run")
     failed = []
     for d in reversed(complete(root)):
         t0 = time.perf_counter()

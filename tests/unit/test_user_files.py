@@ -333,3 +333,35 @@ def test_a_tokenizer_file_that_is_no_file_is_refused_before_the_run_not_at_its_e
             "file there, or remove it"
         (ck / name).rmdir() if (ck / name).is_dir() else (ck / name).unlink()
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("entry", [".train.lock", "run.json", "metrics.jsonl", "train.log", "memory.json",
+                                   "checkpoints/step-2/trainer.json"])
+def test_an_entry_of_the_run_that_is_a_fifo_is_refused_where_opening_it_waited_without_end(files, tmp_path, capsys,
+                                                                                        entry):
+    init, data, done = files
+    out = _copy(done, tmp_path)
+    (out / entry).unlink()
+    os.mkfifo(out / entry)
+
+    def hung(*_):
+        raise TimeoutError(f"the resume waited on the FIFO {entry}")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(20)
+    try:
+        assert main(["train", "--resume", str(out), "--steps", "3"]) == 2
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    error = one_error(capsys)
+    assert error.startswith(f"error: {out / entry}, ") and "is no file or folder (a FIFO, a socket or a device)" \
+        in error
+
+
+def test_engine_load_refuses_a_state_record_that_is_a_fifo(tmp_path):
+    os.mkfifo(tmp_path / "engine_state.json")
+    with megatrain.Engine("tiny", seq=8, batch=2, lr=1e-3, device="cpu", dtype="float32", log=lambda _: None) as e:
+        with pytest.raises(ValueError, match="engine_state.json, the record of Engine.save's state, is no file or "
+                                             "folder"):
+            e.load(tmp_path)
