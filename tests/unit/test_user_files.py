@@ -365,3 +365,19 @@ def test_engine_load_refuses_a_state_record_that_is_a_fifo(tmp_path):
         with pytest.raises(ValueError, match="engine_state.json, the record of Engine.save's state, is no file or "
                                              "folder"):
             e.load(tmp_path)
+
+
+def test_a_data_folder_trains_no_file_through_a_link_out_of_it(files, tmp_path, capsys):
+    init, data, _ = files
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "a.jsonl").symlink_to(data)  # the user's file elsewhere: trained into the weights an export publishes
+    assert run_train(init, folder, tmp_path / "out", steps=2) == 2
+    assert one_error(capsys) == f"error: --data {folder / 'a.jsonl'} links to {data}, outside {folder}: a link is " \
+        "never followed out of the directory named (what it leads to could be published in an export); put the file " \
+        "itself there"
+    assert not (tmp_path / "out").exists()
+    (folder / "a.jsonl").unlink()
+    shutil.copy(data, folder / "rows.jsonl")
+    (folder / "a.jsonl").symlink_to("rows.jsonl")  # a link inside the folder
+    assert run_train(init, folder, tmp_path / "out", steps=2) == 0
