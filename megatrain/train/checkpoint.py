@@ -34,6 +34,14 @@ META_KEYS = ("step", "total_steps", "data_rows_consumed", "torch_rng", "train_co
 STEP_NAME = re.compile(r"step-(\d+)")  # a checkpoint's directory; another name (a copy, step-8.bak) is not one
 
 
+def not_checkpoints(root: Path) -> list[Path]:
+    """The entries of root (a run's checkpoints/) that are no checkpoint of the run nor one being swapped (a user's
+    notes, a copy step-8.bak): --overwrite, which discards the run's checkpoints, would delete them."""
+    ours = re.compile(rf"{STEP_NAME.pattern}|\.{STEP_NAME.pattern}\.(tmp|old)")
+    return sorted(p for p in root.iterdir() if not ours.fullmatch(p.name)) if root.is_dir() and not root.is_symlink() \
+        else []
+
+
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step}"
 

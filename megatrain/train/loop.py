@@ -113,6 +113,11 @@ def train(cfg: TrainConfig, log=print) -> int:
     case = dataclasses.replace(planned, steps=total)
     ranks = distributed.current(cfg.device)  # under torchrun: rank 0 owns --out, every rank trains
     first = ranks.first
+    hf = [] if (out / "hf").is_symlink() else sorted((out / "hf").glob("*"))  # a link: refused as the run claims --out
+    if first and cfg.overwrite and not cfg.resume and (theirs := [*checkpoint.not_checkpoints(out / "checkpoints"),
+                                                                  *(p for p in hf if not _exported(p.name))]):
+        raise ValueError(f"--overwrite {out}: {theirs[0]} is no file a run writes there (put there since), and "
+                         "discarding the run would delete it: move it out first")
     run = RunDir(out, cfg.resume is not None, cfg.overwrite) if first else None
     runlog = RunLog(log, out / LOG_FILE if first else None)
     reporters = Reporters(cfg.report_to if first else [], out)

@@ -111,6 +111,18 @@ def test_overwrite_refuses_a_run_that_recorded_nothing_of_what_it_wrote_and_resu
     assert _resume(out, "--steps", "9") == 0 and len(metrics(out)) == 9
 
 
+@pytest.mark.parametrize("mine", ["checkpoints/notes.txt", "checkpoints/step-8.bak", "hf/README.md"])
+def test_overwrite_deletes_no_file_put_into_the_runs_checkpoints_or_export(straight, tmp_path, capsys, mine):
+    init, data, _, done = straight
+    out = tmp_path / "run"
+    shutil.copytree(done, out)
+    (out / mine).write_text("a model card, say")
+    assert run_train(init, data, out, steps=2, extra=[*SAVES, "--overwrite"]) == 2
+    assert _error(capsys) == f"error: --overwrite {out}: {out / mine} is no file a run writes there (put there " \
+        "since), and discarding the run would delete it: move it out first"
+    assert (out / mine).read_text() == "a model card, say" and len(metrics(out)) == 8
+
+
 def test_sigterm_saves_like_ctrl_c_and_the_previous_handler_comes_back(straight, tmp_path):
     init, data, losses, _ = straight
     out = tmp_path / "run"
