@@ -115,17 +115,16 @@ def private():
 
 
 @contextmanager
-def locked(d: Path, what: str):
+def locked(d: Path, busy: str):
     """d (a directory) held by this process alone for the block: a second process writing there meanwhile is refused
-    (ValueError naming `what`, the command writing d) rather than mixing its files with the first's. The lock is on
-    the directory itself (flock): it adds no file there, and goes with its process however that ends."""
+    (ValueError, `busy` its words) rather than mixing its files with the first's. The lock is on the directory itself
+    (flock): it adds no file there, and goes with its process however that ends."""
     fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise ValueError(f"{what}: {d} is being written by another process: wait for it to end, or choose "
-                             "another directory") from None
+            raise ValueError(busy) from None
         yield
     finally:
         os.close(fd)
@@ -140,7 +139,8 @@ def replacing(d: Path, what: str):
     is writing (locked)."""
     with private():
         make_dir(d, f"{what}'s folder")
-        with locked(d, what), tempfile.TemporaryDirectory(prefix="megatrain-") as stage:
+        busy = f"{what}: {d} is being written by another process: wait for it to end, or choose another directory"
+        with locked(d, busy), tempfile.TemporaryDirectory(prefix="megatrain-") as stage:
             yield Path(stage)
             _copy_in(Path(stage), d, what)
 

@@ -381,3 +381,20 @@ def test_a_data_folder_trains_no_file_through_a_link_out_of_it(files, tmp_path, 
     shutil.copy(data, folder / "rows.jsonl")
     (folder / "a.jsonl").symlink_to("rows.jsonl")  # a link inside the folder
     assert run_train(init, folder, tmp_path / "out", steps=2) == 0
+
+
+def test_a_suite_writes_its_traces_in_a_relative_out_dir_not_beside_the_checkout(tmp_path, monkeypatch):
+    from megatrain.bench.suite import CASE_CWD
+
+    (tmp_path / "one.toml").write_text('description = "one case"\nhardware = "cpu-ci"\ntimeout_s = 120\n[defaults]\n'
+                                       'models = "tiny"\ndevice = "cpu"\ndtype = "float32"\nsteps = 2\nwarmup = 1\n'
+                                       'seq = 16\n[[cases]]\nname = "one"\nsystems = ["megatrain"]\nbatch = 2\n')
+    out = f"results-{os.getpid()}"  # relative: to the current directory, where the case runs elsewhere (CASE_CWD)
+    monkeypatch.chdir(tmp_path)
+    try:
+        assert main(["suite", str(tmp_path / "one.toml"), "--out-dir", out, "--any-hardware"]) == 0
+    finally:
+        leaked = (CASE_CWD / out).exists()
+        shutil.rmtree(CASE_CWD / out, ignore_errors=True)
+    assert not leaked, "the case's trace went beside the checkout, outside --out-dir"
+    assert len(list((tmp_path / out / "traces").glob("*.json"))) == 1
