@@ -398,3 +398,21 @@ def test_a_suite_writes_its_traces_in_a_relative_out_dir_not_beside_the_checkout
         shutil.rmtree(CASE_CWD / out, ignore_errors=True)
     assert not leaked, "the case's trace went beside the checkout, outside --out-dir"
     assert len(list((tmp_path / out / "traces").glob("*.json"))) == 1
+
+
+def test_a_report_of_records_that_are_a_fifo_is_one_line_where_it_waited_without_end(tmp_path, capsys):
+    (tmp_path / "results").mkdir()
+    os.mkfifo(tmp_path / "results" / "records.jsonl")
+
+    def hung(*_):
+        raise TimeoutError("the report waited on the FIFO")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(20)
+    try:
+        assert main(["report", str(tmp_path / "results"), "--out", str(tmp_path / "report")]) == 2
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert one_error(capsys) == f"error: {tmp_path / 'results' / 'records.jsonl'} is no file (a FIFO, a socket or a " \
+        "device), whose reading would wait without end: it should be the records' JSONL file"
