@@ -44,7 +44,7 @@ STATE_FILE = "engine_state.json"  # Engine.save's: its files' checksums (and thi
 
 @dataclass(frozen=True)
 class TrainResult:
-    """What a train run left: exit_code as the CLI's (0 done, 1 diverged, 130/143 interrupted and saved); step, the
+    """What a train run left: exit_code as the CLI's (0 done, 1 diverged, 129/130/143 interrupted and saved); step, the
     last trained; losses, the training loss of steps 1..step; eval_losses, the held-out loss by step; checkpoint, its
     latest complete checkpoint (None: none saved); export, the Hugging Face checkpoint this run wrote (None unless
     it ended done)."""
@@ -305,6 +305,7 @@ def _check_ids(name: str, ids, vocab: int, ignore: int | None = None) -> None:
 
 def _state_record(d: Path) -> dict:
     """The record Engine.save wrote in d (STATE_FILE: its files' checksums); ValueError where it is not one."""
+    user_files.plain_entry(d / STATE_FILE, "the record of Engine.save's state")
     try:
         record = json.loads((d / STATE_FILE).read_bytes())
     except (OSError, ValueError, RecursionError):
@@ -318,9 +319,11 @@ def _state_record(d: Path) -> dict:
 @contextmanager
 def _writing(path: Path, what: str):
     """An OSError writing `path` (a full disk, a read-only or missing directory) as a ValueError naming it; what was
-    there stands (it is written aside and swapped in only once complete)."""
+    there stands (it is written aside and swapped in only once complete). What it writes is writable by this user
+    alone (user_files.private)."""
     try:
-        yield
+        with user_files.private():
+            yield
     except OSError as exc:
         raise ValueError(f"{what}({str(path)!r}): cannot write there ({exc.strerror}); nothing was replaced: free "
                          "space, or choose a writable directory") from None

@@ -15,6 +15,8 @@ from typing import BinaryIO
 
 import torch
 
+import megatrain.user_files as user_files
+
 META_FILE = "trainer.json"  # written last: its presence marks a complete checkpoint
 HASH_BLOCK_BYTES = 2**28  # files are hashed in blocks, in parallel threads: tens of GiB in seconds, not minutes
 READ_BYTES = 2**22
@@ -29,6 +31,7 @@ def step_of(d: Path) -> int:
 def read_meta(d: Path) -> dict:
     """The trainer.json of checkpoint d; ValueError naming it when it is not what a checkpoint writes."""
     path = d / META_FILE
+    user_files.plain_entry(path, "the record of a checkpoint")
     try:
         meta = json.loads(path.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:

@@ -171,9 +171,9 @@ TRAIN_EPILOG = ("Exit codes: 0 done; 1 diverged (--max-nonfinite-steps) or ended
                 "(nothing saved or exported), or under torchrun a rank ended or stopped answering "
                 "(MEGATRAIN_RANK_TIMEOUT_S); 2 invalid input, --out in use or holding another run, a damaged "
                 "checkpoint or one in a pickle format another user wrote (--trust-checkpoint), data changed since the "
-                "run started, a full or read-only disk (one line each); 130 after Ctrl-C and 143 after SIGTERM, each "
-                "once the step is finished and saved (during the export, once it is whole). On N ranks: torchrun "
-                "--nproc-per-node N -m megatrain train ...")
+                "run started, a full or read-only disk (one line each); 130 after Ctrl-C, 143 after SIGTERM and 129 "
+                "after SIGHUP (a closed terminal), each once the step is finished and saved (during the export, once "
+                "it is whole). On N ranks: torchrun --nproc-per-node N -m megatrain train ...")
 # name: (help, its arguments, its function, add_parser's other keywords)
 COMMANDS = {
     "bench": ("run one benchmark case: its steps and a summary line (--json: its record as the last line)",

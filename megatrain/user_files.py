@@ -6,15 +6,20 @@ followed wherever this program reads, writes or deletes there:
   config and tokenizer files, which an export carries and publishes) is refused where a link leads out of it:
   `merges.txt` linked to the user's checkpoint key would be copied into the export. A link inside it is followed, as
   is one of a Hugging Face cache snapshot into its repository's blobs/ (the cache's own layout). An entry this program
-  writes, appends to or deletes is never a link at all: it makes none, so a link there is someone else's, and
-  writing through it writes wherever it leads.
+  writes, appends to or deletes is never a link at all, nor a FIFO or a device: it makes none, so one there is someone
+  else's, writing through a link writes wherever it leads, and opening a FIFO waits without end.
 - Nothing this program did not write is deleted or written over. A directory it writes into keeps a manifest
   (MANIFEST: the relative paths it wrote there, one a line), and only what the manifest lists is ever deleted or
   replaced; anything else in the way is refused by name, before anything there changes.
+
+And what this program writes there is writable by this user alone, whatever the umask (private): under umask 000 a
+run's run.json, metrics and export were world-writable, so another user could rewrite what a resume reads or an export
+publishes.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
@@ -37,13 +42,17 @@ def within(d: Path, path: Path) -> Path:
     return target
 
 
-def not_a_link(path: Path, what: str) -> None:
-    """Refuse (ValueError) an entry this program writes, appends to or deletes that is a symbolic link: it makes
-    none, and through one it would write wherever the link leads. `what` says which of its entries path is."""
+def plain_entry(path: Path, what: str) -> None:
+    """Refuse (ValueError) an entry this program writes, appends to, reads back or deletes that is a symbolic link, or
+    no file or folder (a FIFO, a socket, a device): it makes none, through a link it would write wherever the link
+    leads, and opening a FIFO waits for a writer or reader without end. `what` says which of its entries path is."""
     if path.is_symlink():
         raise ValueError(f"{path}, {what}, is a link (to {os.readlink(path)}), which this program never makes: "
                          "writing through it would write (or delete) where it leads; put the file or folder itself "
                          "there, or move the link out")
+    if path.exists() and not path.is_file() and not path.is_dir():
+        raise ValueError(f"{path}, {what}, is no file or folder (a FIFO, a socket or a device), which this program "
+                         "never makes: opening it would wait without end, or write to a device; move it out")
 
 
 def written(d: Path) -> set[str]:
@@ -94,31 +103,67 @@ def make_dir(d: Path, what: str) -> None:
 
 
 @contextmanager
+def private():
+    """The files and folders made in the block are writable by this user alone (the umask takes group and others'
+    write away, as it stood before for the rest); the umask is put back after. Also a decorator."""
+    old = os.umask(0o022)
+    os.umask(old | 0o022)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+@contextmanager
+def locked(d: Path, busy: str):
+    """d (a directory) held by this process alone for the block: a second process writing there meanwhile is refused
+    (ValueError, `busy` its words) rather than mixing its files with the first's. The lock is on the directory itself
+    (flock): it adds no file there, and goes with its process however that ends."""
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(busy) from None
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextmanager
 def replacing(d: Path, what: str):
     """Yields a fresh folder in which to write the files `what` (the command, naming d) puts in directory d; once the
     block ends they are copied into d, the files d's manifest listed and not written again are deleted, and the
     manifest lists the new ones. A file in the way that the manifest does not list (or a link) is refused by name
-    before anything in d changes; a d that is a file or cannot be made is refused first."""
-    make_dir(d, f"{what}'s folder")
+    before anything in d changes; a d that is a file or cannot be made is refused first, and so is a d another process
+    is writing (locked)."""
+    with private():
+        make_dir(d, f"{what}'s folder")
+        busy = f"{what}: {d} is being written by another process: wait for it to end, or choose another directory"
+        with locked(d, busy), tempfile.TemporaryDirectory(prefix="megatrain-") as stage:
+            yield Path(stage)
+            _copy_in(Path(stage), d, what)
+
+
+def _copy_in(stage: Path, d: Path, what: str) -> None:
+    """replacing's end: the files under stage copied into d over those its manifest lists, which are replaced."""
     ours = written(d)
-    with tempfile.TemporaryDirectory(prefix="megatrain-") as stage:
-        yield Path(stage)
-        new = sorted(Path(top, f).relative_to(stage).as_posix() for top, _, files in os.walk(stage) for f in files)
-        if in_way := [n for n in new if _in_the_way(d, n, ours)]:
-            raise ValueError(f"{what}: {d / in_way[0]} was not written by this program ({d / MANIFEST} does not list "
-                             "it), and writing there would replace it: move it, or choose another directory")
-        try:
-            record(d, ours | set(new))  # first: a kill midway leaves nothing of its unlisted
-            for name in new:
-                (d / name).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(Path(stage) / name, d / name)
-            for name in sorted(ours - set(new)):
-                if not (d / name).is_symlink() and (d / name).is_file():
-                    (d / name).unlink()
-            record(d, new)
-        except OSError as exc:  # a full disk, a directory made read-only
-            raise ValueError(f"{what}: cannot write in {d} ({exc.strerror}): free space there, or make it "
-                             "writable") from None
+    new = sorted(Path(top, f).relative_to(stage).as_posix() for top, _, files in os.walk(stage) for f in files)
+    if in_way := [n for n in new if _in_the_way(d, n, ours)]:
+        raise ValueError(f"{what}: {d / in_way[0]} was not written by this program ({d / MANIFEST} does not list "
+                         "it), and writing there would replace it: move it, or choose another directory")
+    try:
+        record(d, ours | set(new))  # first: a kill midway leaves nothing of its unlisted
+        for name in new:
+            (d / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(stage / name, d / name)
+        for name in sorted(ours - set(new)):
+            if not (d / name).is_symlink() and (d / name).is_file():
+                (d / name).unlink()
+        record(d, new)
+    except OSError as exc:  # a full disk, a directory made read-only
+        raise ValueError(f"{what}: cannot write in {d} ({exc.strerror}): free space there, or make it "
+                         "writable") from None
 
 
 def _in_the_way(d: Path, name: str, ours: set[str]) -> bool:

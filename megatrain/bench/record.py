@@ -188,6 +188,9 @@ def read_jsonl(path: str | Path, check=None) -> list[dict]:
     path = Path(path)
     if not path.exists():
         return []
+    if not path.is_file() and not path.is_dir():  # a folder says so as it is read
+        raise ValueError(f"{path} is no file (a FIFO, a socket or a device), whose reading would wait without end: it "
+                         "should be the records' JSONL file")
     try:
         lines = path.read_bytes().splitlines()
     except OSError as exc:  # a folder named like the file, one this user cannot read

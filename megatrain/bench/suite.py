@@ -38,7 +38,6 @@ fresh run_id and runs everything.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import itertools
 import json
@@ -308,7 +307,8 @@ _WATCHDOG = "import os, signal, sys; sys.stdin.buffer.read(); os.killpg(0, signa
 
 def run_case_subprocess(case: SuiteCase, command: list[str], trace_file: Path) -> tuple[dict, dict]:
     """Run one case's command; return (record, facts about the process for the suite block)."""
-    env = {**os.environ, "MEGATRAIN_TRACE_FILE": str(trace_file)}
+    # the case runs in CASE_CWD: a relative --out-dir's trace went there, outside the folder named
+    env = {**os.environ, "MEGATRAIN_TRACE_FILE": str(trace_file.absolute())}
     t0 = time.perf_counter()
     oom_kills_before = cgroup_oom_kills()
     # A group of its own (Ctrl-C at the terminal reaches the runner only), in the runner's session: a process can
@@ -439,22 +439,15 @@ def _current_run(records: list[dict], machine: Machine) -> str | None:
 
 @contextlib.contextmanager
 def sole_runner(out_dir: Path):
-    """Sole use of out_dir by this suite runner: an flock on the directory, which the kernel drops when the runner
-    ends however it ends. Two runners there would run every case twice at once, each slowing the other, and record
-    both ok."""
+    """Sole use of out_dir by this suite runner: an flock on the directory (user_files.locked), which the kernel drops
+    when the runner ends however it ends. Two runners there would run every case twice at once, each slowing the
+    other, and record both ok."""
     user_files.make_dir(out_dir, "--out-dir")
     for name in ("records.jsonl", "traces"):  # appended to, written into
-        user_files.not_a_link(out_dir / name, f"which the suite writes in --out-dir {out_dir}")
-    fd = os.open(out_dir, os.O_RDONLY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ValueError(f"--out-dir {out_dir} is in use by another suite runner: wait for it to end, or choose "
-                             "another --out-dir") from None
+        user_files.plain_entry(out_dir / name, f"which the suite writes in --out-dir {out_dir}")
+    with user_files.locked(out_dir, f"--out-dir {out_dir} is in use by another suite runner: wait for it to end, "
+                                    "or choose another --out-dir"):
         yield
-    finally:
-        os.close(fd)
 
 
 @contextlib.contextmanager

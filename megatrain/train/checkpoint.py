@@ -22,6 +22,14 @@ from megatrain.train.rundir import recover_dir, remove_dir, written_aside
 STEP_NAME = re.compile(r"step-(\d+)")  # a checkpoint's directory; another name (a copy, step-8.bak) is not one
 
 
+def not_checkpoints(root: Path) -> list[Path]:
+    """The entries of root (a run's checkpoints/) that are no checkpoint of the run nor one being swapped (a user's
+    notes, a copy step-8.bak): --overwrite, which discards the run's checkpoints, would delete them."""
+    ours = re.compile(rf"{STEP_NAME.pattern}|\.{STEP_NAME.pattern}\.(tmp|old)")
+    return sorted(p for p in root.iterdir() if not ours.fullmatch(p.name)) if root.is_dir() and not root.is_symlink() \
+        else []
+
+
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step}"
 
@@ -62,14 +70,12 @@ def recover(root: Path) -> None:
 def seal(d: Path, meta: dict, pickled: tuple[str, ...], record_file: str) -> None:
     """Seal a state just written into d: its record, d/record_file, is meta with the checksums of every file under d,
     and where the state holds pickles (`pickled`: the system's glob patterns) this user's HMAC of both
-    (megatrain.train.trust). Every file and folder of it, the record too, is made writable by this user alone, whatever
-    the umask: open_checked loads no pickle another user could change meanwhile, and no other user rewrites the raw
-    tiles or the record a resume reads."""
+    (megatrain.train.trust). Its callers write it writable by this user alone, whatever the umask
+    (user_files.private): open_checked loads no pickle another user could change meanwhile, and no other user rewrites
+    the raw tiles or the record a resume reads."""
     names = sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file())
     record = {**meta, "files": checksums(d, names)}
     (d / record_file).write_text(json.dumps(trust.signed(record) if pickled else record, indent=1) + "\n")
-    for path in [d, *d.rglob("*")]:
-        path.chmod(path.stat().st_mode & ~0o022)
 
 
 
@@ -104,7 +110,7 @@ def resume_point(root: Path, fallback: bool, log) -> tuple[Path, dict]:
     by name, or with fallback the one before is tried, and those that failed are deleted (their steps are trained
     again, so a later resume does not meet them). A checkpoint that is a link is refused (the run deletes old ones)."""
     for d in complete(root):
-        user_files.not_a_link(d, "a checkpoint of the run")
+        user_files.plain_entry(d, "a checkpoint of the run")
     failed = []
     for d in reversed(complete(root)):
         t0 = time.perf_counter()

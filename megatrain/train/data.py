@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+import megatrain.user_files as user_files
 from megatrain.data import records
 from megatrain.models.loss import IGNORE_INDEX
 from megatrain.tokenizer import Tokenizer
@@ -87,12 +88,17 @@ def _folder_files(folder: Path, flag: str) -> list[Path]:
     """The files a folder that is no dataset trains: its .jsonl files, or its .txt files, directly in it, sorted by
     name; ValueError naming what looks like data and would not be trained (the other kind beside them, a data file in
     a subfolder, of another format or compressed). Hidden folders (.git, .ipynb_checkpoints) are no one's data. An
-    entry that is not a regular file (a FIFO, a broken link) is skipped with a warning."""
+    entry that is not a regular file (a FIFO, a broken link) is skipped with a warning; one that links out of the
+    folder is refused (megatrain.user_files)."""
     found: dict[str, list[Path]] = {suffix: [] for suffix in OWN_SUFFIXES}
     untrained = []
     for f in sorted(folder.iterdir()):
         suffix = f.suffix.lower()  # a.JSONL too
         if suffix in found and f.is_file():
+            try:  # trained on, so published in the export's weights: not through a link out of the folder named
+                user_files.within(folder, f)
+            except ValueError as exc:
+                raise ValueError(f"{flag} {exc}") from None
             found[suffix].append(f)
         elif suffix in found:
             warnings.warn(f"{flag} {folder}: skipped {f.name}, not a regular file (a folder, a FIFO, a broken or "

@@ -48,6 +48,9 @@ GENERATION_FILE = "generation_config.json"  # an export copies it from the token
 TOKENIZER_FILES = (*TOKEN_FILES, GENERATION_FILE)  # what an export copies from the tokenizer's directory (and
 # the named chat templates of its CHAT_TEMPLATES_DIR)
 EXPORT_SHARD_BYTES = 2**29  # the most a Hugging Face export holds in memory beyond training's own state
+# the signals that stop a run after its step, saved: Ctrl-C, a scheduler's or kill's SIGTERM, and SIGHUP (the terminal
+# it ran in closed, an ssh session dropped), which killed the run with no checkpoint of the steps since the last save
+STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 EXPORT_FILE = "megatrain_export.json"  # in hf/: the step exported and the run, beside the Hugging Face files
 
 
@@ -56,17 +59,19 @@ class Progress:
     """Where the run is; the signal handler writes `signal`."""
     step: int
     rows_consumed: int  # the data position: rows of the epoch-ordered stream trained on
-    signal: int = 0  # the signal (SIGINT, SIGTERM) that asked the run to stop after its step; 0: none
+    signal: int = 0  # the signal (one of STOPS) that asked the run to stop after its step; 0: none
     nonfinite_steps: int = 0  # consecutive steps, up to this one, whose loss or gradient norm was not finite
 
 
 
 
+@user_files.private()
 def train(cfg: TrainConfig, log=print) -> int:
     """Run (or resume) training as configured; returns the exit code: 0 done, 1 diverged (non-finite for
-    --max-nonfinite-steps steps), 130 after Ctrl-C and 143 after SIGTERM (each finishing its step and saving, or the
-    export it came during). Every line the run says goes to `log` and to OUT/train.log; every metrics line to
-    OUT/metrics.jsonl and to the --report-to integrations."""
+    --max-nonfinite-steps steps), 130 after Ctrl-C, 143 after SIGTERM and 129 after SIGHUP (each finishing its step
+    and saving, or the export it came during). Every line the run says goes to `log` and to OUT/train.log; every
+    metrics line to OUT/metrics.jsonl and to the --report-to integrations; what it writes is writable by this user
+    alone."""
     # --init-from's checkpoint (its model, the hand-written one or transformers' own modules, and its config.json),
     # read once: the export's family is its Hugging Face model_type, its config.json starts from the source's
     init = check_available(cfg)
@@ -109,6 +114,11 @@ def train(cfg: TrainConfig, log=print) -> int:
     case = dataclasses.replace(planned, steps=total)
     ranks = distributed.current(cfg.device)  # under torchrun: rank 0 owns --out, every rank trains
     first = ranks.first
+    hf = [] if (out / "hf").is_symlink() else sorted((out / "hf").glob("*"))  # a link: refused as the run claims --out
+    if first and cfg.overwrite and not cfg.resume and (theirs := [*checkpoint.not_checkpoints(out / "checkpoints"),
+                                                                  *(p for p in hf if not _exported(p.name))]):
+        raise ValueError(f"--overwrite {out}: {theirs[0]} is no file a run writes there (put there since), and "
+                         "discarding the run would delete it: move it out first")
     run = RunDir(out, cfg.resume is not None, cfg.overwrite) if first else None
     runlog = RunLog(log, out / LOG_FILE if first else None)
     reporters = Reporters(cfg.report_to if first else [], out)
@@ -221,7 +231,7 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
     system = build_system(case)
     progress = Progress(start, meta["data_rows_consumed"])
     handlers = {s: signal.signal(s, lambda signum, _: setattr(progress, "signal", signum))  # finish the step, save
-                for s in (signal.SIGINT, signal.SIGTERM)}
+                for s in STOPS}
     memory = {"host_peak_gib_built": peak_host_rss_gib()}
     try:
         if resume_from is not None:

@@ -103,7 +103,7 @@ class MLflow:
         self.mlflow.log_metrics(values, step=step)
 
     def close(self, code: int | None) -> None:
-        self.mlflow.end_run(status="FINISHED" if code == 0 else "KILLED" if code in (130, 143) else "FAILED")
+        self.mlflow.end_run(status="FINISHED" if code == 0 else "KILLED" if code in (129, 130, 143) else "FAILED")
 
 
 SINKS = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow}

@@ -113,7 +113,7 @@ class RunDir:
         self.out, self.started = out, False
         if out.exists() and not out.is_dir():
             raise ValueError(f"--out {out} is a file: choose a directory")
-        user_files.not_a_link(out / LOCK_FILE, f"the lock of --out {out}")  # opening it would make its target
+        user_files.plain_entry(out / LOCK_FILE, f"the lock of --out {out}")  # opening it would make its target
         try:
             self.created = _made(out)
             self.lock = (out / LOCK_FILE).open("a")
@@ -140,7 +140,7 @@ class RunDir:
         out = self.out
         entries = sorted(p for p in out.iterdir() if p.name not in OWN)
         for entry in (p for p in entries if p.name in RUN_ENTRIES):  # written, appended to, deleted: never a link
-            user_files.not_a_link(entry, f"an entry of the run in --out {out}")
+            user_files.plain_entry(entry, f"an entry of the run in --out {out}")
         if resume:
             if wrong := next((name for name in (*RUN_FILES, *RUN_FOLDERS) if (out / name).exists()
                               and (out / name).is_dir() != (name in RUN_FOLDERS)), None):
@@ -151,6 +151,12 @@ class RunDir:
         if not entries:
             user_files.record(out, RUN_ENTRIES)  # what a run writes here, none of it here before this one
             return
+        if not (out / user_files.MANIFEST).exists() and (out / RUN_FILE).is_file() and (out / "checkpoints").is_dir():
+            manifest = out / user_files.MANIFEST
+            raise ValueError(f"--out {out} holds a run that recorded nothing of what it wrote ({manifest} is missing: "
+                             "a run of a megatrain from before it, or one put together by hand), so its files cannot "
+                             f"be told from yours: --resume {out} continues it; to discard it, delete it yourself, or "
+                             "choose another --out")
         if strangers := user_files.strangers(out, user_files.written(out) | set(OWN)):
             raise ValueError(f"--out {out} holds {', '.join(strangers[:3])}, which no train run recorded writing "
                              f"there ({out / user_files.MANIFEST}): a run deletes only what one wrote; choose another "

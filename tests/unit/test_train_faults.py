@@ -92,6 +92,37 @@ def test_a_new_run_is_refused_a_directory_holding_another_and_overwrite_discards
     assert "todo.txt" in _error(capsys) and (mine / "todo.txt").exists()
 
 
+def test_overwrite_refuses_a_run_that_recorded_nothing_of_what_it_wrote_and_resume_continues_it(straight, tmp_path,
+                                                                                                 capsys):
+    """A run of a megatrain from before the manifest: its files cannot be told from the user's, so --overwrite
+    deletes none of them and says what to do."""
+    init, data, _, done = straight
+    out = tmp_path / "run"
+    shutil.copytree(done, out)
+    (out / ".megatrain-written").unlink()
+    before = _entries(out)
+    for extra in ([], ["--overwrite"]):
+        assert run_train(init, data, out, steps=2, extra=[*SAVES, *extra]) == 2
+        assert _error(capsys) == f"error: --out {out} holds a run that recorded nothing of what it wrote " \
+            f"({out / '.megatrain-written'} is missing: a run of a megatrain from before it, or one put together by " \
+            f"hand), so its files cannot be told from yours: --resume {out} continues it; to discard it, delete it " \
+            "yourself, or choose another --out"
+        assert _entries(out) == before and len(metrics(out)) == 8
+    assert _resume(out, "--steps", "9") == 0 and len(metrics(out)) == 9
+
+
+@pytest.mark.parametrize("mine", ["checkpoints/notes.txt", "checkpoints/step-8.bak", "hf/README.md"])
+def test_overwrite_deletes_no_file_put_into_the_runs_checkpoints_or_export(straight, tmp_path, capsys, mine):
+    init, data, _, done = straight
+    out = tmp_path / "run"
+    shutil.copytree(done, out)
+    (out / mine).write_text("a model card, say")
+    assert run_train(init, data, out, steps=2, extra=[*SAVES, "--overwrite"]) == 2
+    assert _error(capsys) == f"error: --overwrite {out}: {out / mine} is no file a run writes there (put there " \
+        "since), and discarding the run would delete it: move it out first"
+    assert (out / mine).read_text() == "a model card, say" and len(metrics(out)) == 8
+
+
 def test_sigterm_saves_like_ctrl_c_and_the_previous_handler_comes_back(straight, tmp_path):
     init, data, losses, _ = straight
     out = tmp_path / "run"
@@ -105,6 +136,23 @@ def test_sigterm_saves_like_ctrl_c_and_the_previous_handler_comes_back(straight,
         assert received == [1], "train put back the handler it found"
     finally:
         signal.signal(signal.SIGTERM, previous)
+    assert _entries(out / "checkpoints") == ["step-2", "step-3"]
+    assert _resume(out) == 0 and _losses_once_each(out) == losses
+
+
+def test_sighup_a_closed_terminal_saves_like_sigterm_and_the_previous_handler_comes_back(straight, tmp_path,
+                                                                                      capsys):
+    init, data, losses, _ = straight
+    out = tmp_path / "run"
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            interrupt_at_step(mp, 3, signal.SIGHUP)
+            assert run_train(init, data, out, steps=8, extra=SAVES) == 129
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN, "train put back the handler it found"
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert f"interrupted (SIGHUP) at step 3: checkpoint at step 3 in {out / 'checkpoints'}" in capsys.readouterr().err
     assert _entries(out / "checkpoints") == ["step-2", "step-3"]
     assert _resume(out) == 0 and _losses_once_each(out) == losses
 

@@ -157,16 +157,43 @@ def test_engine_save_deletes_nothing_its_record_does_not_list(tmp_path):
     assert (project / "code.py").read_text() == "mine"
 
 
-def test_a_checkpoint_is_writable_by_this_user_alone_whatever_the_umask(files, tmp_path):
+def _writable_by_others(d):
+    return [p.relative_to(d).as_posix() or "." for p in [d, *d.rglob("*")] if p.stat().st_mode & 0o022]
+
+
+def test_what_train_the_engine_and_report_write_is_writable_by_this_user_alone_whatever_the_umask(files, tmp_path):
+    from megatrain import user_files
+
     init, data, _ = files
     old = os.umask(0)
     try:
         assert run_train(init, data, tmp_path / "run", steps=2) == 0
+        with megatrain.Engine(init, seq=8, batch=2, lr=1e-3, device="cpu", dtype="float32", log=lambda _: None) as e:
+            e.save(tmp_path / "state")
+            e.export(tmp_path / "hf")
+        with user_files.replacing(tmp_path / "report", "report") as stage:
+            (stage / "index.html").write_text("page")
+        assert os.umask(0) == 0, "the caller's umask put back"
     finally:
         os.umask(old)
-    step = tmp_path / "run" / "checkpoints" / "step-2"
-    writable = [p.name for p in [step, *step.rglob("*")] if p.stat().st_mode & 0o022]
-    assert writable == [], "the raw tiles and trainer.json a resume reads, and the folder that holds them"
+    assert (tmp_path / "run" / "checkpoints" / "step-2" / "trainer.json").exists()
+    for d in ("run", "state", "hf", "report"):  # run.json, metrics, train.log, checkpoints, the export alike
+        assert _writable_by_others(tmp_path / d) == [], d
+
+
+def test_a_second_report_into_one_folder_at_once_is_refused_and_the_first_is_whole(tmp_path):
+    from megatrain import user_files
+
+    d = tmp_path / "report"
+    with user_files.replacing(d, "report") as stage:
+        (stage / "index.html").write_text("first")
+        with pytest.raises(ValueError, match=f"report: {d} is being written by another process: wait for it to end"):
+            with user_files.replacing(d, "report") as second:
+                (second / "index.html").write_text("second")
+    assert (d / "index.html").read_text() == "first"
+    with user_files.replacing(d, "report") as stage:  # the lock went with the first
+        (stage / "index.html").write_text("third")
+    assert sorted(p.name for p in d.iterdir()) == [user_files.MANIFEST, "index.html"]
 
 
 def test_sigterm_during_the_final_export_exits_143_once_the_export_is_whole(files, tmp_path, monkeypatch, capsys):
@@ -306,3 +333,86 @@ def test_a_tokenizer_file_that_is_no_file_is_refused_before_the_run_not_at_its_e
             "file there, or remove it"
         (ck / name).rmdir() if (ck / name).is_dir() else (ck / name).unlink()
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("entry", [".train.lock", "run.json", "metrics.jsonl", "train.log", "memory.json",
+                                   "checkpoints/step-2/trainer.json"])
+def test_an_entry_of_the_run_that_is_a_fifo_is_refused_where_opening_it_waited_without_end(files, tmp_path, capsys,
+                                                                                        entry):
+    init, data, done = files
+    out = _copy(done, tmp_path)
+    (out / entry).unlink()
+    os.mkfifo(out / entry)
+
+    def hung(*_):
+        raise TimeoutError(f"the resume waited on the FIFO {entry}")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(20)
+    try:
+        assert main(["train", "--resume", str(out), "--steps", "3"]) == 2
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    error = one_error(capsys)
+    assert error.startswith(f"error: {out / entry}, ") and "is no file or folder (a FIFO, a socket or a device)" \
+        in error
+
+
+def test_engine_load_refuses_a_state_record_that_is_a_fifo(tmp_path):
+    os.mkfifo(tmp_path / "engine_state.json")
+    with megatrain.Engine("tiny", seq=8, batch=2, lr=1e-3, device="cpu", dtype="float32", log=lambda _: None) as e:
+        with pytest.raises(ValueError, match="engine_state.json, the record of Engine.save's state, is no file or "
+                                             "folder"):
+            e.load(tmp_path)
+
+
+def test_a_data_folder_trains_no_file_through_a_link_out_of_it(files, tmp_path, capsys):
+    init, data, _ = files
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "a.jsonl").symlink_to(data)  # the user's file elsewhere: trained into the weights an export publishes
+    assert run_train(init, folder, tmp_path / "out", steps=2) == 2
+    assert one_error(capsys) == f"error: --data {folder / 'a.jsonl'} links to {data}, outside {folder}: a link is " \
+        "never followed out of the directory named (what it leads to could be published in an export); put the file " \
+        "itself there"
+    assert not (tmp_path / "out").exists()
+    (folder / "a.jsonl").unlink()
+    shutil.copy(data, folder / "rows.jsonl")
+    (folder / "a.jsonl").symlink_to("rows.jsonl")  # a link inside the folder
+    assert run_train(init, folder, tmp_path / "out", steps=2) == 0
+
+
+def test_a_suite_writes_its_traces_in_a_relative_out_dir_not_beside_the_checkout(tmp_path, monkeypatch):
+    from megatrain.bench.suite import CASE_CWD
+
+    (tmp_path / "one.toml").write_text('description = "one case"\nhardware = "cpu-ci"\ntimeout_s = 120\n[defaults]\n'
+                                       'models = "tiny"\ndevice = "cpu"\ndtype = "float32"\nsteps = 2\nwarmup = 1\n'
+                                       'seq = 16\n[[cases]]\nname = "one"\nsystems = ["megatrain"]\nbatch = 2\n')
+    out = f"results-{os.getpid()}"  # relative: to the current directory, where the case runs elsewhere (CASE_CWD)
+    monkeypatch.chdir(tmp_path)
+    try:
+        assert main(["suite", str(tmp_path / "one.toml"), "--out-dir", out, "--any-hardware"]) == 0
+    finally:
+        leaked = (CASE_CWD / out).exists()
+        shutil.rmtree(CASE_CWD / out, ignore_errors=True)
+    assert not leaked, "the case's trace went beside the checkout, outside --out-dir"
+    assert len(list((tmp_path / out / "traces").glob("*.json"))) == 1
+
+
+def test_a_report_of_records_that_are_a_fifo_is_one_line_where_it_waited_without_end(tmp_path, capsys):
+    (tmp_path / "results").mkdir()
+    os.mkfifo(tmp_path / "results" / "records.jsonl")
+
+    def hung(*_):
+        raise TimeoutError("the report waited on the FIFO")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(20)
+    try:
+        assert main(["report", str(tmp_path / "results"), "--out", str(tmp_path / "report")]) == 2
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert one_error(capsys) == f"error: {tmp_path / 'results' / 'records.jsonl'} is no file (a FIFO, a socket or a " \
+        "device), whose reading would wait without end: it should be the records' JSONL file"
