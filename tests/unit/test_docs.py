@@ -95,3 +95,11 @@ def test_the_guides_train_section_names_every_setting_train_shares_with_bench():
     for field in dataclasses.fields(CaseFlags):
         flag = "--" + field.name.replace("_", "-")
         assert f"`{flag}" in train, f"docs/GUIDE.md's Train section does not name {flag}"
+
+
+def test_ci_runs_the_readmes_test_command_as_written():
+    """CI calls the test command the README gives a new user, not a variant of it."""
+    readme = (ROOT / "README.md").read_text()
+    command = next(line for line in readme.splitlines() if line.startswith("bash scripts/setup.sh && ")
+                   and "tests" in line).removeprefix("bash scripts/setup.sh && ")
+    assert command in (ROOT / ".ci" / "run").read_text()
