@@ -11,8 +11,8 @@ from megatrain.cli import main  # noqa: E402
 
 code = main()
 if "torch.distributed" in sys.modules:  # a command that never loaded torch is no torchrun rank with process groups
-    from megatrain.engine.distributed import exit_rank, launched
+    from megatrain.engine.distributed import exit_rank, teardown_may_abort
 
-    if launched():
-        exit_rank(code)  # a torchrun rank skips the interpreter's teardown (megatrain.engine.distributed.exit_rank)
+    if teardown_may_abort():  # a torchrun rank, or a run that made process groups of its own (FSDP2, DeepSpeed)
+        exit_rank(code)  # skips the interpreter's teardown (megatrain.engine.distributed.exit_rank)
 sys.exit(code)

@@ -96,6 +96,23 @@ def launched() -> bool:
     return dist.is_torchelastic_launched()
 
 
+# set once this process has started a one-process world of its own (a baseline run without torchrun: FSDP2,
+# DeepSpeed; megatrain.systems.dist.single_process_env)
+_OWN_WORLD: list[bool] = []
+
+
+def started_own_world() -> None:
+    _OWN_WORLD.append(True)
+
+
+def teardown_may_abort() -> bool:
+    """Whether the interpreter's teardown may abort this process ('terminate called without an active exception'
+    from torch's process-group threads, pytorch/pytorch#179291): a torchrun rank, or a process that made process
+    groups of its own, even once destroyed (an FSDP2 resume refused on an unreadable .metadata aborted so, under
+    load, after its one-line error: exit -6 for 2)."""
+    return launched() or bool(_OWN_WORLD)
+
+
 # (ranks, ranks per node) that plans are made for meanwhile, from one process (as_launch)
 _PLANNED_LAUNCH: list[tuple[int, int]] = []
 

@@ -28,6 +28,7 @@ def single_process_env() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    distributed.started_own_world()  # its process groups' threads can abort the interpreter's teardown
 
 
 def ranks_of(case: CaseConfig) -> Ranks:

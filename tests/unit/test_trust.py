@@ -320,10 +320,9 @@ def test_deepspeed_and_fsdp_load_the_pickles_checked_not_ones_swapped_in_after_t
 
 
 RESEALED = f"""
-import json, sys
+import json, runpy, sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from pathlib import Path
-from megatrain.cli import main
 from megatrain import checked_files
 
 d = Path(sys.argv[1]) / "checkpoints" / "step-1"
@@ -331,7 +330,8 @@ d = Path(sys.argv[1]) / "checkpoints" / "step-1"
 meta = json.loads((d / "trainer.json").read_text())
 meta["files"] = checked_files.checksums(d, list(meta["files"]))  # its checksums made again, as by whoever swapped it
 (d / "trainer.json").write_text(json.dumps(meta))
-sys.exit(main(["train", "--resume", sys.argv[1], "--steps", "2", "--trust-checkpoint"]))
+sys.argv = ["megatrain", "train", "--resume", sys.argv[1], "--steps", "2", "--trust-checkpoint"]
+runpy.run_module("megatrain", run_name="__main__")  # as python -m megatrain ends its process (its __main__)
 """
 
 
