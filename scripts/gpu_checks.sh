@@ -4,7 +4,7 @@
 #   bash scripts/gpu_checks.sh OUT_JSONL [SRC_DIR [pytest args...]]
 # SRC_DIR (default: this checkout) may be an exported older tree, to show a check failing before a fix.
 # GPU_TESTS (default tests/gpu): which test files or directories run. GPU_CHECK_WORKERS (default 8): how many pytest
-# processes share the one GPU. The checks are small models whose steps leave the GPU mostly idle, so they run side by
+# processes share the one GPU; GPU_CHECK_HEAVY_LANES (default 2): how many of them run checks at published widths. The checks are small models whose steps leave the GPU mostly idle, so they run side by
 # side (pytest-xdist), the tests that share a process-wide cache in one worker and the longest groups first, at most
 # two checks at a published width at once (tests/gpu/conftest.py): about 9 minutes on one H200 (16 cores, 128 GiB).
 # Every check compares numbers, none times anything. A MegaTrain plan that places units by the GPU memory free at its

@@ -44,8 +44,9 @@ def check(request) -> dict:
 DURATIONS = Path(__file__).with_name("durations.json")
 UNTIMED_S = 30.0  # a test the last whole run did not time (new, or skipped there)
 # Checks at a published width hold 25-60 GiB of host state each (a 128 GiB host): at most this many at once, each lane
-# one worker running its share of them one after another
-HEAVY_LANES = 2
+# one worker running its share of them one after another (GPU_CHECK_HEAVY_LANES sets it: 1 where two meet each
+# other's memory)
+HEAVY_LANES = int(os.environ.get("GPU_CHECK_HEAVY_LANES", "2"))
 # A group longer than this is split in parts, each paying for the shared cache once: one worker on a 400 s group
 # would end the suite alone
 GROUP_CAP_S = 240.0
