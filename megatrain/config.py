@@ -5,10 +5,8 @@ from __future__ import annotations
 import functools
 from dataclasses import asdict, dataclass, field
 
-import torch
-
 from megatrain.engine.config import share
-from megatrain.memory import dtype_bytes
+from megatrain.memory import ComputeDtype
 from megatrain.models.kinds import shape_from_dict
 from megatrain.models.registry import get_model_config
 from megatrain.models.shape import ModelShape
@@ -22,7 +20,7 @@ DEVICES = ("cpu", "cuda")
 
 
 @dataclass(frozen=True)
-class CaseConfig:
+class CaseConfig(ComputeDtype):
     """One training case: which system trains which model on what work.
 
     Attributes:
@@ -109,15 +107,7 @@ class CaseConfig:
         """The system's typed options (its SystemSpec.options)."""
         return parse_options(self.system, self.options)
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """The compute dtype."""
-        return getattr(torch, self.dtype)
 
-    @property
-    def dtype_bytes(self) -> int:
-        """Bytes per element of the compute dtype."""
-        return dtype_bytes(self.dtype)
 
     @property
     def tokens_per_step(self) -> int:

@@ -5,9 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-import torch
-
-from megatrain.memory import dtype_bytes
+from megatrain.memory import ComputeDtype
 from megatrain.models.shape import ModelShape
 from megatrain.optim.config import OptimConfig
 from megatrain.options import CommonOptions
@@ -79,7 +77,7 @@ def refuse_delay_across_ranks(options: MegaTrainOptions, several: bool) -> None:
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig(ComputeDtype):
     """What the streaming engine needs to train: the model, one step's work, precision, device and its options.
 
     Attributes:
@@ -115,14 +113,7 @@ class EngineConfig:
         share(self.batch, self.micro_batch)
         refuse_delay_across_ranks(self.options, self.ranks > 1)
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
 
-    @property
-    def dtype_bytes(self) -> int:
-        """Bytes per element of the compute dtype."""
-        return dtype_bytes(self.dtype)
 
     @property
     def micro_batches(self) -> int:
