@@ -4,7 +4,9 @@ A suite file holds suite-wide settings and `[[cases]]` groups. In a group, `syst
 `batch`, `seq`, `num_layers`, `precision`, `compile` and `hardware` may be lists: the group's cases are
 their product. Every other key is a CaseConfig field (micro_batch, steps, options, ...) or one of
 `label` (a format string over {system} and {precision}; a compiled case's label ends in '-compiled'),
-`timeout_s` and `ladder`.
+`timeout_s` and `ladder`. A model is a registry name, or (as `bench --model` takes) a config.json or a checkpoint
+folder, its path relative to the suite file unless absolute: its shape alone, the case labelled name@sha256, so
+that its case id follows the file's contents, not where it lies.
 
 A top-level `[num_layers_by_hardware]` table (profile name = depth) sets the depth of every case on that profile
 whose group names none: how a suite asks one question at the depth each host admits for every system (a cut
@@ -61,6 +63,8 @@ from megatrain.bench.record import Record, append_jsonl, problem, read_jsonl, re
 from megatrain.config import CaseConfig
 from megatrain.flags import flag_argv, parse
 from megatrain.hardware import actual_profile, get_profile, same_machine
+from megatrain.models.checkpoint import config_shape
+from megatrain.models.registry import HF_CONFIGS, MODELS
 from megatrain.optim.config import OptimConfig
 from megatrain.options import check_values
 from megatrain.probe import Machine, measure
@@ -99,6 +103,7 @@ class SuiteCase:
     label: str
     timeout_s: float
     ladder: str | None = None
+    model_path: str | None = None  # a model named by its config.json or checkpoint folder: where bench reads it
 
     @property
     def case_id(self) -> str:
@@ -154,8 +159,23 @@ def _label(template: str, config: CaseConfig) -> str:
                          "{precision}") from None
 
 
+def _model_file(point: dict, suite_dir: Path) -> str | None:
+    """A case's model named by a config.json or a checkpoint folder (not a registry name), as `bench --model` takes
+    one: the point's model becomes the file's label (name@sha256, bench's) and its shape the case's model_shape; the
+    file's path, relative to the suite file's folder unless absolute, is returned for the case's bench command."""
+    model = point["model"]
+    if not isinstance(model, str) or model in MODELS or model in HF_CONFIGS:
+        return None
+    path = (suite_dir / model).resolve()
+    if not path.exists():
+        return None  # CaseConfig names the registry, and the model it does not know
+    shape, sha256 = config_shape(path)
+    point.update(model=f"{path.name}@sha256:{sha256}", model_shape=shape)
+    return str(path)
+
+
 def _expand_group(group: dict, index: int, default_timeout_s: float,
-                  depth_by_hardware: dict[str, int] | None = None) -> list[SuiteCase]:
+                  depth_by_hardware: dict[str, int] | None = None, suite_dir: Path = SUITES_DIR) -> list[SuiteCase]:
     unknown = set(group) - set(PRODUCT_KEYS) - GROUP_KEYS - CASE_FIELDS
     if unknown:
         raise ValueError(f"group {index}: unknown keys {sorted(unknown)}; use {sorted(PRODUCT_KEYS)}, "
@@ -182,6 +202,7 @@ def _expand_group(group: dict, index: int, default_timeout_s: float,
         hardware = get_profile(point.pop("hardware")).name
         if "num_layers" not in point and hardware in (depth_by_hardware or {}):
             point["num_layers"] = depth_by_hardware[hardware]
+        model_path = _model_file(point, suite_dir)
         config = CaseConfig(**fields, **point)
         label = group.get("label", "{system}" if config.precision == "mixed" else "{system}-{precision}")
         label += "-compiled" if config.compile else ""
@@ -191,7 +212,7 @@ def _expand_group(group: dict, index: int, default_timeout_s: float,
                                 **{k: v for k, v in config.to_dict().items() if k not in (ladder, "micro_batch")}},
                                sort_keys=True)
         cases.append(SuiteCase(config, hardware, name, _label(label, config),
-                               float(group.get("timeout_s", default_timeout_s)), chain))
+                               float(group.get("timeout_s", default_timeout_s)), chain, model_path))
     return cases
 
 
@@ -246,7 +267,7 @@ def load_suite(name_or_path: str) -> Suite:
         if merged["hardware"] is None:
             merged.pop("hardware")
         try:
-            cases.extend(_expand_group(merged, index, timeout_s, depth_by_hardware))
+            cases.extend(_expand_group(merged, index, timeout_s, depth_by_hardware, path.parent))
         except (TypeError, ValueError) as exc:  # a value of the wrong type or range, an unknown optim key
             raise ValueError(f"{path}: [[cases]] group {group.get('name', index)!r}: {exc}") from None
     ids = [c.case_id for c in cases]
@@ -256,9 +277,11 @@ def load_suite(name_or_path: str) -> Suite:
     return Suite(path.stem, spec.get("description", ""), cases)
 
 
-def bench_args(config: CaseConfig, gemm_peak_tflops: float | None = None) -> list[str]:
-    """`python -m megatrain bench` arguments that rebuild exactly `config`."""
-    args = flag_argv(replace(BenchFlags.of_case(config), gemm_peak_tflops=gemm_peak_tflops, json=True))
+def bench_args(config: CaseConfig, gemm_peak_tflops: float | None = None, model_path: str | None = None) -> list[str]:
+    """`python -m megatrain bench` arguments that rebuild exactly `config` (its model read from model_path, a
+    config.json or checkpoint folder, where the case was named by one)."""
+    flags = replace(BenchFlags.of_case(config), gemm_peak_tflops=gemm_peak_tflops, json=True)
+    args = flag_argv(replace(flags, model=model_path) if model_path else flags)
     if parse(BenchFlags, args).case() != config:
         raise ValueError(f"the bench CLI cannot express this case (optim betas/eps are not flags): {config}")
     return args
@@ -483,7 +506,7 @@ def run_suite(suite: Suite, out_dir: Path, only: str | None = None, timeout_s: f
     log = log or tqdm.write
     cases = [c for c in suite.cases if not only or re.search(only, f"{c.group} {c.name} {c.case_id}")]
     if timeout_s is not None:
-        cases = [SuiteCase(c.config, c.hardware, c.group, c.label, timeout_s, c.ladder) for c in cases]
+        cases = [replace(c, timeout_s=timeout_s) for c in cases]
     pre = _preflight(cases, rates=not dry_run)
     machine = Machine.from_dict(pre["machine"])
     log(f"suite {suite.name}: {len(cases)} cases; machine: {machine.gpu_name or 'no GPU'}, "
@@ -556,7 +579,7 @@ def _progress(done: int, total: int, elapsed_s: float) -> str:
 def _run_one(case: SuiteCase, plan: dict, machine: Machine, run_id: str, suite_name: str, out_dir: Path,
              command_prefix: list[str]) -> dict:
     gemm = machine.gemm_bf16_tflops if case.config.device == "cuda" else None
-    args = bench_args(case.config, round(gemm, 1) if gemm else None)
+    args = bench_args(case.config, round(gemm, 1) if gemm else None, case.model_path)
     trace_rel = Path("traces") / f"{run_id}-{case.case_id}.json"  # a rerun in a new run keeps the old trace
     started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     if plan["fits"]:

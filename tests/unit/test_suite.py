@@ -3,6 +3,7 @@ pytest tests/unit/test_suite.py"""
 
 import argparse
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -415,3 +416,32 @@ def test_a_record_names_the_version_that_runs_not_the_one_installed_beneath_it(m
     assert env._version("transformers") == "5.17.0-shadowing"
     monkeypatch.setitem(sys.modules, "transformers", types.SimpleNamespace())  # no version of its own: the metadata's
     assert env._version("transformers") != "5.17.0-shadowing"
+
+
+def test_a_suite_case_may_name_a_config_json_or_a_checkpoint_folder_as_bench_does(tmp_path):
+    """A model of a suite is what bench --model takes: a registry name, or a config.json or checkpoint folder (its
+    shape alone, labelled by name and sha256); its path is relative to the suite file, and the case's bench command
+    reads it there."""
+    from megatrain.models.registry import HF_CONFIGS
+
+    folder = tmp_path / "models" / "ckpt"
+    folder.mkdir(parents=True)
+    config = HF_CONFIGS["tiny-hf-gemma3"]
+    (folder / "config.json").write_text(json.dumps(config))
+    (tmp_path / "alone.json").write_text(json.dumps(config))
+    suite = _suite(tmp_path, 'hardware = "cpu-ci"\n[[cases]]\nsystems = "native"\nmodels = ["models/ckpt", '
+                             '"alone.json", "tiny"]\nnum_layers = 2\n')
+    by_model = {c.config.model.split("@")[0]: c for c in suite.cases}
+    assert set(by_model) == {"ckpt", "alone.json", "tiny"}
+    folder_case, file_case = by_model["ckpt"], by_model["alone.json"]
+    assert folder_case.model_path == str(folder.resolve()) and by_model["tiny"].model_path is None
+    assert folder_case.config.model_config().num_layers == 2  # the group's depth over the file's
+    assert folder_case.config.model_shape == file_case.config.model_shape  # the same contents, the same shape
+    args = bench_args(folder_case.config, model_path=folder_case.model_path)
+    assert args[args.index("--model") + 1] == str(folder.resolve())
+    (folder / "config.json").write_text(json.dumps({**config, "hidden_size": 48}))
+    with pytest.raises(ValueError, match="cannot express"):  # the file changed since: another case
+        bench_args(folder_case.config, model_path=folder_case.model_path)
+    with pytest.raises(ValueError, match="nope.json"):
+        (tmp_path / "nope.json").write_text("{")
+        _suite(tmp_path, 'hardware = "cpu-ci"\n[[cases]]\nsystems = "native"\nmodels = "nope.json"\n')
