@@ -282,7 +282,10 @@ def bench_args(config: CaseConfig, gemm_peak_tflops: float | None = None, model_
     config.json or checkpoint folder, where the case was named by one)."""
     flags = replace(BenchFlags.of_case(config), gemm_peak_tflops=gemm_peak_tflops, json=True)
     args = flag_argv(replace(flags, model=model_path) if model_path else flags)
-    if parse(BenchFlags, args).case() != config:
+    rebuilt = parse(BenchFlags, args).case()
+    if model_path and rebuilt.model != config.model:
+        raise ValueError(f"{model_path} changed since its suite was read (now {rebuilt.model}): run the suite again")
+    if rebuilt != config:
         raise ValueError(f"the bench CLI cannot express this case (optim betas/eps are not flags): {config}")
     return args
 
