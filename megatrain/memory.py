@@ -49,6 +49,7 @@ class ComputeDtype:
         """Bytes per element of the compute dtype."""
         return dtype_bytes(self.dtype)
 
+
 HOST_USABLE = 0.92
 GPU_FILL = 0.92
 # Fixed per-process costs beyond the training state, the same in the engine's plan and every system's pre-flight

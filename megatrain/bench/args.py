@@ -12,6 +12,19 @@ from megatrain.engine import distributed
 from megatrain.flags import CaseFlags, flag
 from megatrain.models.checkpoint import config_shape
 from megatrain.models.registry import HF_CONFIGS, MODELS
+from megatrain.models.shape import ModelShape
+
+
+def model_file(model: str, base: Path = Path()) -> tuple[str, ModelShape] | None:
+    """(label, shape) of a model named by a config.json or a checkpoint folder, its path relative to `base` unless
+    absolute: its shape alone, labelled with the file's name and sha256 (so a case follows its contents, not where it
+    lies); None for a registry name or no such path."""
+    path = base / model
+    if model in MODELS or model in HF_CONFIGS or not path.exists():
+        return None
+    shape, sha256 = config_shape(path)
+    return f"{path.name}@sha256:{sha256}", shape
+
 
 # the OptimConfig fields that are flags; betas and eps are not
 OPTIM_FLAGS = ("lr", "weight_decay", "max_grad_norm", "moments")
@@ -36,10 +49,7 @@ class BenchFlags(CaseFlags):
     def case(self) -> CaseConfig:
         """The case of these flags; a --model that is a config.json or a checkpoint folder (not a registry name) is
         the case's model_shape, labelled with its file's name and sha256."""
-        label, shape = self.model, None
-        if self.model not in MODELS and self.model not in HF_CONFIGS and Path(self.model).exists():
-            shape, sha256 = config_shape(Path(self.model))
-            label = f"{Path(self.model).name}@sha256:{sha256}"
+        label, shape = model_file(self.model) or (self.model, None)
         return self.make_case(label, model_shape=shape, num_layers=self.num_layers, steps=self.steps,
                               warmup=self.warmup, data=self.data, tokenizer=self.tokenizer,
                               repeat_batch=self.repeat_batch, ranks=self.ranks or distributed.launch_size()[0])

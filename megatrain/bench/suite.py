@@ -57,14 +57,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import megatrain.user_files as user_files
-from megatrain.bench.args import BenchFlags
+from megatrain.bench.args import BenchFlags, model_file
 from megatrain.bench.env import same_code
 from megatrain.bench.record import Record, append_jsonl, problem, read_jsonl, relative_paths, summary_line
 from megatrain.config import CaseConfig
 from megatrain.flags import flag_argv, parse
 from megatrain.hardware import actual_profile, get_profile, same_machine
-from megatrain.models.checkpoint import config_shape
-from megatrain.models.registry import HF_CONFIGS, MODELS
 from megatrain.optim.config import OptimConfig
 from megatrain.options import check_values
 from megatrain.probe import Machine, measure
@@ -160,17 +158,14 @@ def _label(template: str, config: CaseConfig) -> str:
 
 
 def _model_file(point: dict, suite_dir: Path) -> str | None:
-    """A case's model named by a config.json or a checkpoint folder (not a registry name), as `bench --model` takes
-    one: the point's model becomes the file's label (name@sha256, bench's) and its shape the case's model_shape; the
-    file's path, relative to the suite file's folder unless absolute, is returned for the case's bench command."""
-    model = point["model"]
-    if not isinstance(model, str) or model in MODELS or model in HF_CONFIGS:
-        return None
-    path = (suite_dir / model).resolve()
-    if not path.exists():
-        return None  # CaseConfig names the registry, and the model it does not know
-    shape, sha256 = config_shape(path)
-    point.update(model=f"{path.name}@sha256:{sha256}", model_shape=shape)
+    """A case's model named by a config.json or a checkpoint folder, relative to the suite file's folder unless
+    absolute (bench's model_file): the point's model becomes its label and its shape the case's model_shape; the
+    file's path is returned for the case's bench command."""
+    named = model_file(point["model"], suite_dir) if isinstance(point["model"], str) else None
+    if named is None:
+        return None  # a registry name (CaseConfig refuses one it does not know, naming the registry)
+    path = (suite_dir / point["model"]).resolve()
+    point.update(model=named[0], model_shape=named[1])
     return str(path)
 
 
