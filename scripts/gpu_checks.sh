@@ -18,6 +18,9 @@ workers=${GPU_CHECK_WORKERS:-8}
 cd "$src" || exit 2
 # groups go out in the order conftest gave them, not reordered by their count of tests (xdist >= 3.6 has the flag)
 reorder=$("$py" -m pytest --help 2>/dev/null | grep -q -- --no-loadscope-reorder && echo --no-loadscope-reorder)
+# one inductor compile thread per worker: the workers are the parallelism, and a pool of compile processes per worker
+# (16 on the H200 host) took host memory the published-width curves needed
+[ "$workers" -gt 1 ] && export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1}
 start=$SECONDS
 MEGATRAIN_GPU_CHECKS=$out "$py" -m pytest ${GPU_TESTS:-tests/gpu} -m gpu -q -rfE -p no:cacheprovider \
     --durations=15 -n "$workers" --dist loadgroup $reorder "$@"

@@ -11,6 +11,7 @@ whose steps leave the GPU mostly idle. Two things make that fast and safe, both 
   group does not start last and the workers finish together.
 """
 
+import gc
 import json
 import math
 import os
@@ -39,6 +40,16 @@ def check(request) -> dict:
     data: dict = {}
     request.node.user_properties.append(("check", data))
     return data
+
+
+@pytest.fixture(autouse=True)
+def _release_gpu_memory():
+    """Hand the GPU memory a check's caching allocator kept back to the device when it ends: the workers share one
+    GPU, and a worker's cache of a finished curve (74 GiB once) left the next checks of the others out of memory."""
+    yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 DURATIONS = Path(__file__).with_name("durations.json")

@@ -38,7 +38,9 @@ NEEDS_PAPER_CODE = pytest.mark.skipif(bool(paper_code.refusal(CaseConfig(
 def _bench(system: str, *args: str) -> dict:
     proc = subprocess.run([sys.executable, "-m", "megatrain", "bench", "--system", system, "--device", "cuda", "--json",
                            *args], cwd=ROOT, capture_output=True, text=True, timeout=900)
-    record = json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = proc.stdout.strip().splitlines()
+    assert lines, f"bench wrote no record (exit {proc.returncode}): {proc.stderr[-3000:]}"
+    record = json.loads(lines[-1])
     assert record["status"] == "ok", (record.get("error"), record.get("traceback"), proc.stderr[-3000:])
     print(f"{system} {' '.join(args)}: losses {[round(x, 4) for x in record['losses']]}, "
           f"step {record['step_time_s']:.3f}s, GPU peak {record['peak_gpu_alloc_gib']:.2f} GiB, "

@@ -129,7 +129,8 @@ def shares(item) -> str | None:
 
 
 def heavy(item) -> bool:
-    """A curve at a published width: 25-60 GiB of host state (tests/gpu/conftest.py runs few of them at once)."""
+    """A curve at a published width (25-60 GiB of host state) or at 32k tokens (tens of GiB of GPU memory):
+    tests/gpu/conftest.py runs few of them at once."""
     return item.originalname == "test_bf16_loss_curve_tracks_native" and item.callspec.params["shape"] in HEAVY_SHAPES
 
 
@@ -335,7 +336,9 @@ CURVE_SHAPES = {
 }
 HEAVY_SHAPES = {"llama3.1-8b-4l-b4-s1024", "gpt-oss-20b-2l-b4-s1024", "gemma-3-27b-2l-b4-s1024",
                 "deepseek-v2-lite-2l-b4-s1024", "seed-oss-36b-4l-b4-s1024", "gemma-4-e4b-12l-b4-s1024",
-                "gemma-4-31b-4l-b4-s1024", "gemma-4-26b-a4b-3l-b4-s1024"}
+                "gemma-4-31b-4l-b4-s1024", "gemma-4-26b-a4b-3l-b4-s1024",
+                # 32k tokens in one sequence: native's activations are tens of GiB of GPU memory
+                "qwen2.5-1.5b-b1-s32768"}
 # the long-context options together: 8 of 28 inputs recomputed, the next 8 offloaded, SwiGLU in 4k-token chunks
 LONG_CONTEXT = {"recompute_inputs": 8, "offload_activations": 8, "mlp_chunk_tokens": 4096}
 # name -> (precision, case fields over the shape, engine options over STREAMED); compiled unless a set says not
