@@ -4,6 +4,7 @@ first parallel run on the GPU ran without any group (marked after xdist's worker
 published widths ran at once, out of GPU memory."""
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -77,3 +78,22 @@ def test_xdist_runs_a_shared_cache_in_one_worker_and_heavy_checks_in_few(tmp_pat
     spec.loader.exec_module(conftest)
     assert len(workers["heavy"]) <= conftest.HEAVY_LANES, workers
     assert len(workers["alone"]) > 1, workers  # what shares nothing spreads (the run was in parallel)
+
+
+def test_durations_take_each_passed_checks_time_by_its_node_id_and_keep_the_rest(tmp_path, monkeypatch):
+    """scripts/gpu_durations.py: a record's check id carries the @group pytest-xdist appends (a key conftest would
+    never look up), and a check out of memory in 0.1 s is no measure of its length."""
+    spec = importlib.util.spec_from_file_location("gpu_durations", ROOT / "scripts" / "gpu_durations.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    durations = tmp_path / "durations.json"
+    durations.write_text('{"tests/gpu/t.py::test_b[x]": 50.0, "tests/gpu/t.py::test_c": 7.0}')
+    monkeypatch.setattr(module, "DURATIONS", durations)
+    records = tmp_path / "run.jsonl"
+    records.write_text("\n".join([
+        '{"file": "tests/gpu/t.py", "check": "test_a@heavy-lane-0", "passed": true, "duration_s": 12.5}',
+        '{"file": "tests/gpu/t.py", "check": "test_b[x]@t:cache", "passed": false, "duration_s": 0.1}',
+    ]) + "\n")
+    module.main([str(records)])
+    assert json.loads(durations.read_text()) == {"tests/gpu/t.py::test_a": 12.5, "tests/gpu/t.py::test_b[x]": 50.0,
+                                                 "tests/gpu/t.py::test_c": 7.0}
