@@ -125,15 +125,18 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     path = os.environ.get("MEGATRAIN_GPU_CHECKS")
-    if not path or report.when != "call":
+    # a check's call, or its setup where that did not pass (a fixture's error or skip: the call never comes, and the
+    # first run that cut the log short left two such checks without a trace)
+    if not path or not (report.when == "call" or (report.when == "setup" and not report.passed)):
         return
     data = dict(item.user_properties).get("check", {})
     append_jsonl(path, {
         "check": item.nodeid.split("::", 1)[1],
         "file": item.nodeid.split("::", 1)[0],
         "passed": report.passed,
+        "outcome": report.outcome if report.when == "call" else f"{report.outcome} in setup",
         **json.loads(json.dumps(data, default=str)),
-        "failure": relative_paths(str(report.longrepr))[-3000:] if report.failed else None,
+        "failure": relative_paths(str(report.longrepr))[-3000:] if not report.passed else None,
         "duration_s": round(report.duration, 2),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "env": environment(),

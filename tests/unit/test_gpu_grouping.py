@@ -97,3 +97,51 @@ def test_durations_take_each_passed_checks_time_by_its_node_id_and_keep_the_rest
     module.main([str(records)])
     assert json.loads(durations.read_text()) == {"tests/gpu/t.py::test_a": 12.5, "tests/gpu/t.py::test_b[x]": 50.0,
                                                  "tests/gpu/t.py::test_c": 7.0}
+
+
+FIXTURE_FAULTS = '''
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def broken():
+    raise RuntimeError("the fixture broke")
+
+
+@pytest.fixture
+def absent():
+    pytest.skip("what it needs is absent")
+
+
+def test_passes():
+    pass
+
+
+def test_setup_error(broken):
+    pass
+
+
+def test_setup_skip(absent):
+    pass
+'''
+
+
+@pytest.mark.subprocess
+def test_a_check_whose_fixture_fails_or_skips_leaves_a_record(tmp_path):
+    """The record is what survives a run cut short by the device call's limit (before pytest's summary): a check
+    that errored in its fixture left none, so two checks of the first rerun were missing without a trace."""
+    shutil.copy(ROOT / "tests" / "gpu" / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_faults.py").write_text(FIXTURE_FAULTS)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: stand-in\n")
+    out = tmp_path / "checks.jsonl"
+    env = {**os.environ, "MEGATRAIN_GPU_CHECKS": str(out), "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)], cwd=tmp_path,
+                   env=env, capture_output=True, text=True, timeout=300)
+    records = {r["check"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert {name: (r["passed"], r["outcome"]) for name, r in records.items()} == {
+        "test_passes": (True, "passed"), "test_setup_error": (False, "failed in setup"),
+        "test_setup_skip": (False, "skipped in setup")}
+    assert "the fixture broke" in records["test_setup_error"]["failure"]
+    assert "absent" in records["test_setup_skip"]["failure"]
