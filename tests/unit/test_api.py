@@ -272,11 +272,12 @@ def test_the_api_example_runs(tmp_path):
 def test_an_engine_loads_no_changed_state_and_no_pickle_another_user_saved(tmp_path, monkeypatch):
     from dataclasses import replace
 
-    from megatrain import api, systems
+    from megatrain import systems
+    from megatrain.train.engine import STATE_FILE
 
     # the engine's own state holds no pickle; here it stands for one that does (DeepSpeed's, FSDP's)
     spec = replace(systems.system_spec("megatrain"), pickled=("**/*.bin",))
-    monkeypatch.setattr(api, "system_spec", lambda name: spec)
+    monkeypatch.setattr("megatrain.train.engine.system_spec", lambda name: spec)
     settings = dict(seq=8, batch=4, lr=1e-3, device="cpu", dtype="float32")
     with megatrain.Engine("tiny", **settings) as engine:
         engine.save(tmp_path / "state")
@@ -287,14 +288,14 @@ def test_an_engine_loads_no_changed_state_and_no_pickle_another_user_saved(tmp_p
         with pytest.raises(ValueError, match="not written by this user .* pass --trust-checkpoint"):
             engine.load(tmp_path / "state")
         engine.load(tmp_path / "state", trust_checkpoint=True)
-        victim = next(p for p in (tmp_path / "state").rglob("*") if p.is_file() and p.name != api.STATE_FILE)
+        victim = next(p for p in (tmp_path / "state").rglob("*") if p.is_file() and p.name != STATE_FILE)
         damaged = bytearray(victim.read_bytes())
         damaged[0] ^= 0xFF
         victim.write_bytes(bytes(damaged))
         with pytest.raises(ValueError, match="does not match its checksum: the state in .* was changed"):
             engine.load(tmp_path / "state", trust_checkpoint=True)
         for files in ([], {"../x": {"bytes": 1, "sha256": []}}, {"x": {"bytes": "1", "sha256": []}}):
-            (tmp_path / "state" / api.STATE_FILE).write_text(json.dumps({"files": files}))
+            (tmp_path / "state" / STATE_FILE).write_text(json.dumps({"files": files}))
             with pytest.raises(ValueError, match="engine_state.json: files must be an object of"):
                 engine.load(tmp_path / "state", trust_checkpoint=True)
 
