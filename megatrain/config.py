@@ -7,8 +7,8 @@ from dataclasses import asdict, dataclass, field
 
 from megatrain.engine.config import share
 from megatrain.memory import ComputeDtype
+from megatrain.models import registry
 from megatrain.models.kinds import shape_from_dict
-from megatrain.models.registry import get_model_config
 from megatrain.models.shape import ModelShape
 from megatrain.optim.config import OptimConfig
 from megatrain.options import CommonOptions
@@ -69,7 +69,7 @@ class CaseConfig(ComputeDtype):
 
     def __post_init__(self) -> None:
         system_spec(self.system)  # refuses an unknown system, naming the known ones
-        self.model_config()  # validates the model name and depth
+        self.shape()  # validates the model name and depth
         if self.batch < 1:
             raise ValueError(f"batch must be >= 1, got {self.batch}")
         if self.ranks < 1:
@@ -97,10 +97,12 @@ class CaseConfig(ComputeDtype):
         if self.data != "synthetic" and not self.tokenizer:
             raise ValueError("text data needs --tokenizer DIR (a local Hugging Face tokenizer directory)")
 
-    def model_config(self) -> ModelShape:
+    def shape(self) -> ModelShape:
+        """The shape of the model the case trains: model_shape (a checkpoint's) or the registry's `model`, at
+        num_layers where that is given."""
         if self.model_shape is not None:
             return self.model_shape if self.num_layers is None else self.model_shape.with_layers(self.num_layers)
-        return get_model_config(self.model, self.num_layers)
+        return registry.model_shape(self.model, self.num_layers)
 
     @functools.cached_property
     def opts(self) -> CommonOptions:

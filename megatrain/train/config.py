@@ -16,7 +16,7 @@ from megatrain.engine.config import share
 from megatrain.flags import CaseFlags, add_flags, file_values, flag, given
 from megatrain.models.checkpoint import Checkpoint, open_checkpoint
 from megatrain.models.handwritten.families import FAMILIES
-from megatrain.models.registry import get_model_config
+from megatrain.models.registry import model_shape
 from megatrain.optim.config import OptimConfig
 from megatrain.options import check_field_types
 from megatrain.systems import SYSTEMS, parse_options, system_spec
@@ -66,7 +66,7 @@ class EngineSettings(CaseFlags):
         if (self.init_from is None) == (self.model is None):
             raise ValueError("give one of --init-from DIR (a Hugging Face checkpoint) or --model NAME (from scratch)")
         if self.model is not None:
-            get_model_config(self.model)
+            model_shape(self.model)
             if self.generic:
                 raise ValueError(f"--generic trains an --init-from checkpoint through transformers' own modules; "
                                  f"--model {self.model} is a registry shape, which trains as registered: drop "

@@ -235,7 +235,7 @@ class Engine:
     def _batch(self, input_ids: torch.Tensor, labels: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), each [batch, seq]: targets[:, i] is the token after inputs[:, i]; padding is no
         target."""
-        vocab = self.case.model_config().vocab_size
+        vocab = self.case.shape().vocab_size
         _check_ids("input_ids", input_ids, vocab)
         rows, tokens = input_ids.shape
         batch, seq = self.case.batch, self.case.seq

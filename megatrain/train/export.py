@@ -41,7 +41,7 @@ def export_checkpoint(weights, case: CaseConfig, hf_dir: Path, tokenizer_dir: st
     written aside and swapped in whole; its config.json the source's (source_config, the checkpoint's trained from),
     if any."""
     with written_aside(hf_dir) as tmp:
-        save_checkpoint(weights, case.model_config(), tmp, max_shard_bytes=EXPORT_SHARD_BYTES,
+        save_checkpoint(weights, case.shape(), tmp, max_shard_bytes=EXPORT_SHARD_BYTES,
                         dtype=dtype, source_config=source_config)
         for name, source in tokenizer_copies(tokenizer_dir).items():
             (tmp / name).parent.mkdir(exist_ok=True)

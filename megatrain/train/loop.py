@@ -89,7 +89,7 @@ def train(cfg: TrainConfig, log=print) -> int:
     # the Engine's plan, before the rows are made, each --seq tokens wide: a --seq this machine cannot hold is refused
     # before its rows' padding is allocated (the run's length, not known until they are, weighs nothing in it)
     planned, notes = plan(cfg, init)
-    model = planned.model_config()
+    model = planned.shape()
     vocab = model.vocab_size
     ignored = tuple(cfg.ignore_column)
     rows = Rows(read_examples(files, tokenizer, cfg.train_on_prompt, "--data", ignored), cfg.seq, vocab, cfg.shuffle,
@@ -162,7 +162,7 @@ def _prepare(cfg: TrainConfig, run: RunDir, case, total: int, log, prints: dict,
         raise ValueError(f"nothing to train: {resume_from} is at step {start} and the run ends at step {total}; "
                          f"pass --steps N with N above {start} to train on")
     saves = cfg.save * (1 + (len(range(cfg.save_every, total, cfg.save_every)) if cfg.save_every else 0))
-    export_bytes = case.model_config().num_params() * exported.itemsize
+    export_bytes = case.shape().num_params() * exported.itemsize
     # The old export is deleted only once the new one is complete.
     checkpoint.check_disk(case, out, saves, cfg.keep, export_bytes * (1 + (out / "hf").exists()))
     run_id = run.start(_settings(cfg), meta.get("run_id"), **prints)  # a resume without run.json keeps its id
@@ -288,7 +288,7 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
 
 def _run_steps(cfg, system, case, rows, eval_rows, progress: Progress, total, out, identity: dict, log: RunLog,
                ranks: Ranks, reporters: Reporters) -> None:
-    flops_per_token = model_flops(case.model_config().active_params(), tokens=1)  # the records' 6NT
+    flops_per_token = model_flops(case.shape().active_params(), tokens=1)  # the records' 6NT
     first, bar = ranks.first, None
     if sys.stderr.isatty() and first:
         from tqdm import tqdm

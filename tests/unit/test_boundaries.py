@@ -147,7 +147,7 @@ from megatrain.data import make_batches
 from megatrain.systems import build_system
 case = CaseConfig(system="megatrain", model="tiny", batch=2, seq=8, steps=1)
 system = build_system(case)
-system.step(*make_batches(case, case.model_config().vocab_size).batch_at(0))
+system.step(*make_batches(case, case.shape().vocab_size).batch_at(0))
 system.close()
 print(" ".join(m for m in sys.modules if m.startswith({HARNESS!r} + ("deepspeed",))
                or m.startswith("megatrain.systems.") and m != "megatrain.systems.megatrain" or m == "torch._dynamo"))
@@ -206,7 +206,7 @@ def test_a_system_added_with_one_registry_entry_is_known_everywhere(monkeypatch)
     assert state_bytes(case) == state_bytes(native)
     system = build_system(case)
     assert type(system).__name__ == "FailingSystem"
-    system.step(*make_batches(case, case.model_config().vocab_size).batch_at(0))
+    system.step(*make_batches(case, case.shape().vocab_size).batch_at(0))
     system.close()
 
 
