@@ -11,14 +11,13 @@ from pathlib import Path
 
 import torch
 
-from megatrain.config import DEVICES, DTYPES, PRECISIONS
-from megatrain.engine.config import share
 from megatrain.flags import CaseFlags, add_flags, file_values, flag, given
 from megatrain.models.checkpoint import Checkpoint, open_checkpoint
 from megatrain.models.handwritten.families import FAMILIES
 from megatrain.models.registry import model_shape
 from megatrain.optim.config import OptimConfig
 from megatrain.options import check_field_types
+from megatrain.run_config import DEVICES, DTYPES, PRECISIONS, share
 from megatrain.systems import SYSTEMS, parse_options, system_spec
 from megatrain.train import trust
 from megatrain.train.data import data_files

@@ -16,13 +16,14 @@ import torch
 import megatrain.user_files as user_files
 from megatrain.build_log import build_lines_to
 from megatrain.checked_files import checked_loads, files_problem, mismatch
-from megatrain.config import DTYPES, CaseConfig
+from megatrain.config import CaseConfig
 from megatrain.engine import distributed
 from megatrain.engine.distributed import Ranks
 from megatrain.models.checkpoint import Checkpoint, open_checkpoint
 from megatrain.models.loss import IGNORE_INDEX
 from megatrain.optim.config import check_lr
 from megatrain.preflight import preflight
+from megatrain.run_config import DTYPES
 from megatrain.systems import build_system, system_spec
 from megatrain.train import checkpoint, trust
 from megatrain.train.config import EngineSettings, check_device

@@ -23,8 +23,8 @@ from megatrain.train.checkpoint import state_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = ("megatrain.engine", "megatrain.optim", "megatrain.models", "megatrain.memory", "megatrain.options",
-           "megatrain.config", "megatrain.data", "megatrain.flags", "megatrain.preflight", "megatrain.probe",
-           "megatrain.tokenizer", "megatrain.checked_files")
+           "megatrain.run_config", "megatrain.config", "megatrain.data", "megatrain.flags", "megatrain.preflight",
+           "megatrain.probe", "megatrain.tokenizer", "megatrain.checked_files")
 # the protocol and the registry (and the wing's face, which hands them on): library; the systems beside it are not
 REGISTRY = ("megatrain.systems_registry", "megatrain.systems")
 SYSTEMS_WING = "megatrain.systems."  # MegaTrain's adapter and every peer, each imported only when a case names it
