@@ -34,23 +34,24 @@ STATE_FILE = "engine_state.json"  # Engine.save's: its files' checksums (and thi
 
 
 def plan(settings: EngineSettings, source: Checkpoint | None) -> tuple[CaseConfig, list[str]]:
-    """(the case the settings train, of one step: the length is the loop's; what the run says before it starts: the
-    checkpoint's notes and the pre-flight's, which refuses what does not fit this machine). `source` is the
-    checkpoint settings.init_from names, opened (None: settings.model, a registry shape)."""
+    """(the case `settings` train, what a run of it says before it starts). The case is of one step: its length is the
+    loop's. The lines are the checkpoint's notes and the pre-flight's, which refuses what does not fit this machine.
+    `source` is the checkpoint settings.init_from names, opened (None: settings.model, a registry shape)."""
     label = source.path.name if source else settings.model
     case = settings.make_case(label, model_shape=source.shape if source else None, steps=1, warmup=0)
     return case, [*(source.notes if source else ()), *preflight(case)]
 
 
 class Engine:
-    """One training system (MegaTrain's engine by default) over a model, for another program's training loop: each
-    `step` is one AdamW step over a batch, the loss (token cross-entropy) computed inside. `model` is a local
-    Hugging Face checkpoint directory (its weights loaded) or a registry shape (python -m megatrain models, initialised
-    from `seed`). The settings are train's, by the same names and with its defaults (device cpu: give device="cuda",
-    dtype="bfloat16" on a GPU; generic=True, train's --generic); `option` holds the system's (--option KEY=VALUE).
-    `log` takes every line it says, the build's included. Under torchrun every rank makes the same Engine and steps
-    the same global batch, as train's ranks do: each trains its share of the rows, and the state is one copy in host
-    memory; save and export write from rank 0 and return on every rank once written."""
+    """One training system (MegaTrain's engine by default) over a model, for a training loop (another program's;
+    train's own opens it by Engine.built): each `step` is one AdamW step over a batch, the loss (token cross-entropy)
+    computed inside. `model` is a local Hugging Face checkpoint directory (its weights loaded) or a registry shape
+    (python -m megatrain models, initialised from `seed`). The settings are train's, by the same names and with its
+    defaults (device cpu: give device="cuda", dtype="bfloat16" on a GPU; generic=True, train's --generic); `option`
+    holds the system's (--option KEY=VALUE). `log` takes every line it says, the build's included. Under torchrun
+    every rank makes the same Engine and steps the same global batch, as train's ranks do: each trains its share of
+    the rows, and the state is one copy in host memory; save and export write from rank 0 and return on every rank
+    once written."""
 
     def __init__(self, model: str | os.PathLike, *, seq: int = EngineSettings.seq, batch: int = EngineSettings.batch,
                  micro_batch: int = EngineSettings.micro_batch, system: str = EngineSettings.system,
