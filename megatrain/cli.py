@@ -57,9 +57,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_models(args: argparse.Namespace) -> int:
     from megatrain.bench.record import params_text
-    from megatrain.models.registry import HF_CONFIGS, MODELS, get_model_config
+    from megatrain.models.registry import HF_CONFIGS, MODELS, model_shape
 
-    for name, cfg in {**MODELS, **{n: get_model_config(n) for n in HF_CONFIGS}}.items():
+    for name, cfg in {**MODELS, **{n: model_shape(n) for n in HF_CONFIGS}}.items():
         experts = f" experts={cfg.num_experts_per_tok}/{cfg.num_experts}x{cfg.moe_intermediate_size} " \
             f"active={params_text(cfg.active_params())}" if cfg.is_moe else ""
         print(f"{name:15s} {params_text(cfg.num_params()):>8s}  layers={cfg.num_layers:3d} hidden={cfg.hidden_size:5d} "

@@ -24,8 +24,9 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatrain.config import DEVICES, DTYPES, PRECISIONS, CaseConfig
+from megatrain.config import CaseConfig
 from megatrain.optim.config import MOMENTS, OptimConfig
+from megatrain.run_config import DEVICES, DTYPES, PRECISIONS, RunConfig
 from megatrain.systems import SYSTEMS
 
 
@@ -164,28 +165,31 @@ def file_values(cls, path: str | None, flag_name: str = "--config") -> dict:
     return values
 
 
-CASE_SETTINGS = ("system", "device", "dtype", "precision", "compile", "seq", "batch", "micro_batch", "seed")
+# the case settings whose flags are the settings themselves: the system and the shared ones (RunConfig's) but AdamW's,
+# whose flags are its fields (CaseFlags.optim)
+CASE_SETTINGS = ("system", *(f.name for f in dataclasses.fields(RunConfig) if f.name != "optim"))
 
 
 @dataclass
 class CaseFlags:
-    """The case settings every command takes, declared once; a command's class may re-declare one's default."""
+    """The case settings every command takes, declared once, with the defaults of the settings every system shares
+    (megatrain.run_config.RunConfig); a command's class may re-declare one's default."""
 
     system: str = flag(CaseConfig.system, help=" | ".join(SYSTEMS) + " (default {default})")
-    device: str = flag(CaseConfig.device, choices=DEVICES)
-    dtype: str = flag(CaseConfig.dtype, choices=DTYPES)
-    precision: str = flag(CaseConfig.precision, choices=PRECISIONS)
-    compile: bool = flag(CaseConfig.compile, help="torch.compile each decoder layer (every system; eager without it)")
+    device: str = flag(RunConfig.device, choices=DEVICES)
+    dtype: str = flag(RunConfig.dtype, choices=DTYPES)
+    precision: str = flag(RunConfig.precision, choices=PRECISIONS)
+    compile: bool = flag(RunConfig.compile, help="torch.compile each decoder layer (every system; eager without it)")
     option: dict = flag(factory=dict, metavar="KEY=VALUE", help="system-specific setting (JSON value), repeatable")
-    seq: int = flag(CaseConfig.seq, help="tokens per sequence (default {default})")
-    batch: int = flag(CaseConfig.batch, help="sequences per optimizer step (default {default})")
-    micro_batch: int = flag(CaseConfig.micro_batch, help="sequences per forward/backward (0 = batch, the default)")
+    seq: int = flag(RunConfig.seq, help="tokens per sequence (default {default})")
+    batch: int = flag(RunConfig.batch, help="sequences per optimizer step (default {default})")
+    micro_batch: int = flag(RunConfig.micro_batch, help="sequences per forward/backward (0 = batch, the default)")
     lr: float = flag(OptimConfig.lr, help="peak learning rate (default {default})")
     weight_decay: float = flag(OptimConfig.weight_decay, help="on tensors of 2+ dimensions")
     max_grad_norm: float = flag(OptimConfig.max_grad_norm, help="global-norm clipping, 0 disables")
     moments: str = flag(OptimConfig.moments, choices=MOMENTS, help="AdamW's moments: fp32 (exact), bf16 (stochastic "
                         "rounding) or int8 (blocks with an absmax); megatrain engine only (default {default})")
-    seed: int = flag(CaseConfig.seed)
+    seed: int = flag(RunConfig.seed)
 
     def optim(self, **settings) -> OptimConfig:
         """AdamW's settings of these flags (and `settings`: OptimConfig's others, betas and eps)."""

@@ -27,29 +27,6 @@ from megatrain.models.shape import ModelShape
 GIB = 2**30
 
 
-def dtype_bytes(dtype: str) -> int:
-    """Bytes per element of a compute dtype, named as torch names it ('bfloat16', 'float32'): every case, engine and
-    estimate counts by this."""
-    return getattr(torch, dtype).itemsize
-
-
-class ComputeDtype:
-    """The compute dtype of a config whose `dtype` field names it (CaseConfig, EngineConfig), as torch's dtype and in
-    bytes per element: written once for both."""
-
-    dtype: str
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """The compute dtype."""
-        return getattr(torch, self.dtype)
-
-    @property
-    def dtype_bytes(self) -> int:
-        """Bytes per element of the compute dtype."""
-        return dtype_bytes(self.dtype)
-
-
 HOST_USABLE = 0.92
 GPU_FILL = 0.92
 # Fixed per-process costs beyond the training state, the same in the engine's plan and every system's pre-flight

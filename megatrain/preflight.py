@@ -52,7 +52,7 @@ def activation_bytes(case: CaseConfig) -> int:
     output is the head's), and the larger working set of a layer's recompute + backward or the loss, beside the input
     and output gradient of what computes.
     """
-    cfg = case.model_config()
+    cfg = case.shape()
     e = case.dtype_bytes
     tokens = case.micro_batch * case.seq
     mlp_chunk_tokens = getattr(case.opts, "mlp_chunk_tokens", 0)  # native's option; the others run the MLP whole
@@ -62,7 +62,7 @@ def activation_bytes(case: CaseConfig) -> int:
 
 def largest_unit_params(case: CaseConfig) -> int:
     """The largest block a sharding/streaming system gathers at once: a decoder layer or the embedding."""
-    cfg = case.model_config()
+    cfg = case.shape()
     return max(cfg.layer_params(), cfg.embedding_params())
 
 
@@ -139,7 +139,7 @@ def preflight(case: CaseConfig) -> list[str]:
     before anything is allocated; the message suggests a setting that fits, or says that none of those does.
     Returns notes to show before the run (a sequence beyond the model's published context)."""
     notes = []
-    cfg = case.model_config()
+    cfg = case.shape()
     if case.seq > cfg.max_seq_len:
         notes.append(f"note: seq {case.seq} is beyond {case.model}'s published context of {cfg.max_seq_len} tokens "
                      "(RoPE extrapolates; attention grows with seq^2, so a step can take minutes on a CPU)")

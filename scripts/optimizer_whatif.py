@@ -33,7 +33,7 @@ def case(batch: int, precision: str) -> CaseConfig:
 def greedy_gpu_updated(c: CaseConfig, model: Model) -> tuple[list[int], dict]:
     """Units added one at a time while the predicted TFLOPS rises."""
     chosen, best = [], simulate(c, STREAMED, model)
-    units = range(len(build_units(c.model_config())))
+    units = range(len(build_units(c.shape())))
     while True:
         trials = [(u, simulate(c, {**STREAMED, "gpu_updated_units": chosen + [u]}, model))
                   for u in units if u not in chosen]
@@ -65,7 +65,7 @@ def main() -> None:
             streamed = simulate(c, STREAMED, model)
             chosen, gpu = greedy_gpu_updated(c, model)
             resident = simulate(c, {**STREAMED, "resident_units": chosen}, model)
-            numel = sum(u.numel for u in build_units(c.model_config()) if u.index in chosen)
+            numel = sum(u.numel for u in build_units(c.shape()) if u.index in chosen)
             row = {"host_speedup": speedup, "precision": precision, "batch": 16, "streamed_tflops": streamed["tflops"],
                    "streamed_exposed": streamed["exposed_s"] / streamed["step_s"],
                    "gpu_updated_units": chosen, "gpu_updated_params": numel, "gpu_updated_tflops": gpu["tflops"],

@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere: this checkout's package
-from megatrain.models import get_model_config  # noqa: E402
+from megatrain.models import model_shape  # noqa: E402
 
 out, model, rows, lo, hi = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
-vocab = get_model_config(model).vocab_size
+vocab = model_shape(model).vocab_size
 gen = torch.Generator().manual_seed(0)
 with open(out, "w") as f:
     for _ in range(rows):

@@ -23,7 +23,7 @@ def built(system: str, steps: int, **kw):
     case = CaseConfig(system=system, steps=steps, **kw)
     trainer = build_system(case)
     try:
-        yield trainer, make_batches(case, case.model_config().vocab_size)
+        yield trainer, make_batches(case, case.shape().vocab_size)
     finally:
         trainer.close()
 

@@ -109,9 +109,9 @@ def metrics(out):
 
 def at_step(monkeypatch, n: int, action) -> None:
     """action() once step n of the next train run has computed, before the run records it."""
-    import megatrain.train.loop as loop
+    import megatrain.train.engine as engine  # the Engine train's loop opens builds the system
 
-    build = loop.build_system
+    build = engine.build_system
 
     def built(case):
         system = build(case)
@@ -127,7 +127,7 @@ def at_step(monkeypatch, n: int, action) -> None:
         system.step = stepped
         return system
 
-    monkeypatch.setattr(loop, "build_system", built)
+    monkeypatch.setattr(engine, "build_system", built)
 
 
 def interrupt_at_step(monkeypatch, n: int, sig=signal.SIGINT) -> None:

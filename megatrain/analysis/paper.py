@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatrain.models.flops import model_flops, paper_flops
-from megatrain.models.registry import MODELS, get_model_config
+from megatrain.models.registry import MODELS, model_shape
 
 PAPER = "paper (arXiv:2604.05091)"
 README = "public code README"
@@ -109,7 +109,7 @@ def step_time_s(claim: Claim) -> float:
     """The claim's step time: as its source states it, or from its TFLOPS in its own FLOP count (needs its batch)."""
     if claim.step_time_s is not None:
         return claim.step_time_s
-    cfg = get_model_config(claim.model, claim.num_layers)
+    cfg = model_shape(claim.model, claim.num_layers)
     flops = paper_flops(cfg, claim.batch, claim.seq) if claim.flops == WITH_ATTENTION else \
         model_flops(cfg.num_params(), claim.batch * claim.seq)
     return flops / (claim.tflops * 1e12)

@@ -19,7 +19,7 @@ from megatrain.bench.suite import PREFLIGHT_REFUSAL
 from megatrain.hardware import actual_profile
 from megatrain.memory import GPU_FILL
 from megatrain.models.flops import hardware_flops, paper_flops
-from megatrain.models.registry import MODELS, get_model_config
+from megatrain.models.registry import MODELS, model_shape
 from megatrain.probe import Machine
 
 GIB = 2**30
@@ -176,7 +176,7 @@ def _tflops_no_embed(record: dict) -> float | None:
     (ModelConfig.matmul_params), from the record's own TFLOPS (exact: same tokens, same step time)."""
     if "tflops_no_embed" in record or record["tflops"] is None:
         return record.get("tflops_no_embed")
-    cfg = get_model_config(record["model"], record["config"].get("num_layers"))
+    cfg = model_shape(record["model"], record["config"].get("num_layers"))
     return record["tflops"] * cfg.matmul_params() / record["num_params"]
 
 
@@ -185,7 +185,7 @@ def _rate(record: dict, key: str) -> float | None:
     (megatrain.models.flops) over the record's own median step time (exact)."""
     if key in record or record["tflops"] is None:
         return record.get(key)
-    cfg = get_model_config(record["model"], record["config"].get("num_layers"))
+    cfg = model_shape(record["model"], record["config"].get("num_layers"))
     flops = hardware_flops(cfg, record["batch"], record["seq"]) if key == "hw_tflops" else \
         paper_flops(cfg, record["batch"], record["seq"])
     return flops / record["step_time_s"] / 1e12

@@ -45,7 +45,7 @@ def run_case(case: CaseConfig, gemm_peak_tflops: float | None = None, on_step=No
         t_build = time.perf_counter()
         system = build_system(case)
         record.build_s = time.perf_counter() - t_build
-        batches = make_batches(case, case.model_config().vocab_size)
+        batches = make_batches(case, case.shape().vocab_size)
         for step in range(case.steps):
             inputs, labels = batches.batch_at(step)
             if cuda:

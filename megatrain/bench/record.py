@@ -61,7 +61,7 @@ class Timing:
         hardware FLOPs."""
         timed = step_times_s[case.warmup:] if len(step_times_s) > case.warmup else step_times_s
         median = statistics.median(timed)
-        cfg = case.model_config()
+        cfg = case.shape()
         hw = hardware_flops(cfg, case.batch, case.seq, recompute=True, extra_layer_forwards=extra_layer_forwards) \
             / median / 1e12
         quartiles = statistics.quantiles(timed, n=4) if len(timed) >= 2 else None
@@ -108,7 +108,7 @@ class Record:
     stderr_tail: str | None = None  # the suite runner's, for a case that wrote no record
 
     def to_dict(self) -> dict:
-        case, cfg = self.case, self.case.model_config()
+        case, cfg = self.case, self.case.shape()
         timing = dataclasses.asdict(self.timing) if self.timing else {}
         peaks = dataclasses.asdict(self.peaks) if self.peaks else {}
         head = {"status": self.status, "system": case.system, "model": case.model, "num_layers": cfg.num_layers,

@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megatrain.memory import ComputeDtype
 from megatrain.models.shape import ModelShape
-from megatrain.optim.config import OptimConfig
 from megatrain.options import CommonOptions
+from megatrain.run_config import RunConfig
 
 
 @dataclass(frozen=True)
@@ -58,62 +57,31 @@ class MegaTrainOptions(CommonOptions):
                              "drop resident_embedding/resident_layers or set them to false/0")
 
 
-def share(batch: int, micro_batch: int, world: int = 1) -> int:
-    """Rows of a global batch of `batch` that each of `world` ranks trains: whole micro-batches, as many as the
-    others (every system splits it so; one process is one rank). The one home of the rule that the micro-batch
-    divides the batch: cases, the engine's config and train's flags ask it."""
-    if micro_batch < 1 or batch % (world * micro_batch):
-        if world == 1:
-            raise ValueError(f"micro_batch={micro_batch} must divide batch={batch}")
-        raise ValueError(f"--batch {batch} must be a multiple of the {world} ranks x --micro-batch {micro_batch}: "
-                         "each rank trains whole micro-batches, as many as the others")
-    return batch // world
-
-
 def refuse_delay_across_ranks(options: MegaTrainOptions, several: bool) -> None:
     """update_delay=1 runs in one process: its second copies are not in the shared store of several ranks."""
     if several and options.update_delay:
         raise ValueError("option update_delay=1 runs in one process for now: launch without torchrun, or drop it")
 
 
-@dataclass(frozen=True)
-class EngineConfig(ComputeDtype):
-    """What the streaming engine needs to train: the model, one step's work, precision, device and its options.
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig(RunConfig):
+    """What the streaming engine needs to train: the settings every system shares (megatrain.run_config.RunConfig:
+    one step's work, precision, device, seed, AdamW, compile), the model and the engine's options.
 
     Attributes:
         model: the model's shape.
-        batch: sequences per optimizer step.
-        micro_batch: sequences per forward/backward pass; divides batch (gradients accumulate over the rest).
-        seq: tokens per sequence.
-        dtype: compute dtype, 'bfloat16' or 'float32'.
-        precision: 'mixed' (fp32 master weights) or 'bf16' (bf16 weights, fp32 Adam moments).
-        device: 'cpu' or 'cuda'.
-        seed: seeds the weights.
-        optim: AdamW and global-norm clipping.
-        compile: run each decoder layer through torch.compile.
         options: the engine's typed options.
         ranks: processes sharing one host copy of the state (torchrun ranks, engine/distributed.py); batch is then
             one rank's share.
     """
 
     model: ModelShape
-    batch: int
-    micro_batch: int
-    seq: int
-    dtype: str = "float32"
-    precision: str = "mixed"
-    device: str = "cpu"
-    seed: int = 0
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    compile: bool = False
     options: MegaTrainOptions = field(default_factory=MegaTrainOptions)
     ranks: int = 1
 
     def __post_init__(self) -> None:
-        share(self.batch, self.micro_batch)
+        super().__post_init__()
         refuse_delay_across_ranks(self.options, self.ranks > 1)
-
-
 
     @property
     def micro_batches(self) -> int:

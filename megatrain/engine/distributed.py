@@ -35,8 +35,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatrain.engine.config import EngineConfig, share
+from megatrain.engine.config import EngineConfig
 from megatrain.engine.layout import ALIGN
+from megatrain.run_config import share
 
 
 class RankLost(RuntimeError):

@@ -12,7 +12,7 @@ from megatrain.models.generic import GenericConfig
 from megatrain.models.handwritten.config import ModelConfig
 from megatrain.models.handwritten.transformer import DecoderLayer, RMSNorm, Transformer
 from megatrain.models.kinds import kind_of
-from megatrain.models.registry import MODELS, get_model_config
+from megatrain.models.registry import MODELS, model_shape
 from megatrain.models.rope import rotary_tables
 from megatrain.models.shape import ModelShape
 
@@ -25,4 +25,4 @@ def build_model(shape: ModelShape, activation_checkpointing: bool = False, mlp_c
 
 
 __all__ = ["MODELS", "DecoderLayer", "GenericConfig", "ModelConfig", "ModelShape", "RMSNorm", "Transformer",
-           "build_model", "get_model_config", "rotary_tables"]
+           "build_model", "model_shape", "rotary_tables"]

@@ -230,7 +230,7 @@ HF_CONFIGS: dict[str, dict] = {
 }
 
 
-def get_model_config(name: str, num_layers: int | None = None) -> ModelShape:
+def model_shape(name: str, num_layers: int | None = None) -> ModelShape:
     """The registered shape `name` (MODELS, or HF_CONFIGS through transformers' own modules), optionally with another
     depth (depth-scaling sweeps)."""
     if name not in MODELS and name not in HF_CONFIGS:

@@ -116,7 +116,7 @@ def step(case: CaseConfig, model: Model, host: HostStep, compiled_layers: int | 
     one layer on one micro-batch: ZeRO-3's hooks), a floor under a micro-batch's layer work; 0 (no ingredient measures
     it) except in what-ifs. The phases (forward_s, backward_s, optimizer_s) are those a record's phase_times_s
     measures: the engine's forward, backward and step calls."""
-    cfg = case.model_config()
+    cfg = case.shape()
     o = case.opts
     m = model.machine
     units = build_units(cfg)

@@ -55,7 +55,7 @@ def compiled_layers(r: dict) -> int:
     case = record_case(r)
     if not case.compile:
         return 0
-    layers = case.model_config().num_layers
+    layers = case.shape().num_layers
     how = str((r.get("system_config") or {}).get("compile") or "")
     return min(layers, deepspeed.DYNAMO_RECOMPILE_LIMIT) if "each decoder layer's forward" in how else layers
 

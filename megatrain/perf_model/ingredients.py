@@ -37,7 +37,7 @@ from megatrain.engine.layout import build_units
 from megatrain.engine.store import OPT_CHUNK
 from megatrain.engine.templates import HeadTemplate
 from megatrain.memory import GIB
-from megatrain.models import get_model_config
+from megatrain.models import model_shape
 from megatrain.optim.compact import Moments
 from megatrain.optim.config import OptimConfig
 from megatrain.optim.host_adamw import FlatAdamW
@@ -61,7 +61,7 @@ def host_copy_gbs(nbytes: int = 2 * GIB, repeats: int = 3) -> float:
 
 def gpu_adamw_gparams_s(precision: str, model: str = "qwen2.5-7b") -> float:
     """A resident unit's update on the GPU as the engine runs it (Schedule._update_resident), one 7B layer."""
-    unit = build_units(get_model_config(model))[1]
+    unit = build_units(model_shape(model))[1]
     dev = torch.device("cuda")
     w = torch.zeros(unit.numel, dtype=torch.bfloat16, device=dev)
     g = torch.full((unit.numel,), 1e-3, dtype=torch.float32, device=dev)
@@ -85,7 +85,7 @@ def gpu_copy_gbs(nbytes: int = 4 * GIB) -> float:
 def layer_times(model: str, tokens: int, compiled: bool, seq: int = 1024) -> dict:
     """One decoder layer of `model` on `tokens` tokens (rows of `seq`) as the engine runs it, bf16: forward, and
     recompute + backward + fp32 gradient accumulation + squared norm."""
-    layer, fwd, bwd = engine_layer(get_model_config(model), tokens // seq, seq, compiled, accumulate=True)
+    layer, fwd, bwd = engine_layer(model_shape(model), tokens // seq, seq, compiled, accumulate=True)
     out = {"model": model, "seq": seq, "tokens": tokens, "compiled": compiled}
     out["fwd_ms"], out["bwd_ms"] = bench_ms(fwd, warmup=2, iters=5), bench_ms(bwd, warmup=2, iters=5)
     out["compiled_ran"] = layer.compiled  # False when compilation failed and the layer fell back to eager
@@ -94,7 +94,7 @@ def layer_times(model: str, tokens: int, compiled: bool, seq: int = 1024) -> dic
 
 def head_times(model: str, tokens: int, seq: int = 1024) -> dict:
     """The engine's head use: final norm, chunked LM-head cross-entropy, and its backward to h, norm and head."""
-    cfg = get_model_config(model)
+    cfg = model_shape(model)
     dev, dt = torch.device("cuda"), torch.bfloat16
     head = HeadTemplate(cfg)
     norm_w = torch.ones(cfg.hidden_size, device=dev, dtype=dt, requires_grad=True)
@@ -112,7 +112,7 @@ def head_times(model: str, tokens: int, seq: int = 1024) -> dict:
 
 def attention_times(model: str, seq: int) -> dict:
     """SDPA on one sequence with this model's heads, as the layer calls it: forward, and forward + backward."""
-    cfg = get_model_config(model)
+    cfg = model_shape(model)
     dev, dt = torch.device("cuda"), torch.bfloat16
     q = torch.randn(1, cfg.num_heads, seq, cfg.head_dim, device=dev, dtype=dt, requires_grad=True)
     k = torch.randn(1, cfg.num_kv_heads, seq, cfg.head_dim, device=dev, dtype=dt, requires_grad=True)

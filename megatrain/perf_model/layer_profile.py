@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from megatrain.bench.env import environment
 from megatrain.engine.templates import LayerTemplate
-from megatrain.models import DecoderLayer, get_model_config, rotary_tables
+from megatrain.models import DecoderLayer, model_shape, rotary_tables
 from megatrain.models.flops import attention_flops_per_seq
 from megatrain.models.init import init_module
 from megatrain.models.masks import attended_pairs
@@ -52,7 +52,7 @@ def gemm_peak_tflops(n: int = 8192) -> float:
 
 
 def profile(model: str, tokens: int, seq: int) -> dict:
-    cfg = get_model_config(model)
+    cfg = model_shape(model)
     dev, dt = torch.device("cuda"), torch.bfloat16
     layer = DecoderLayer(cfg).to(dev)
     init_module(layer, 0, prefix="layers.0.")
@@ -163,7 +163,7 @@ def engine_layer(cfg, rows: int, seq: int, compiled: bool, mlp_chunk_tokens: int
 
 def profile_long(model: str, seq: int, mlp_chunk_tokens: int) -> dict:
     """One sequence of `seq` tokens through one compiled decoder layer as the engine runs it (bf16)."""
-    cfg = get_model_config(model)
+    cfg = model_shape(model)
     layer, fwd, recompute_bwd = engine_layer(cfg, 1, seq, True, mlp_chunk_tokens)
 
     def timed_s(fn) -> float:

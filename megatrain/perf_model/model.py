@@ -34,7 +34,7 @@ from pathlib import Path
 from megatrain.config import CaseConfig
 from megatrain.engine.layout import build_units
 from megatrain.engine.uses import use_order
-from megatrain.models import ModelConfig, get_model_config
+from megatrain.models import ModelConfig, model_shape
 from megatrain.models.flops import attention_flops_per_seq, hardware_flops, model_flops
 from megatrain.optim.state_bytes import MOMENT_BYTES, state_bytes_per_param
 
@@ -116,7 +116,7 @@ class Ingredients:
         out: dict = {}
         for r in self.data["layers"]:
             if "error" not in r:
-                key = (layer_key(get_model_config(r["model"])), r["compiled"])
+                key = (layer_key(model_shape(r["model"])), r["compiled"])
                 out.setdefault(key, []).append((r["tokens"], r["fwd_ms"] / 1e3, r["bwd_ms"] / 1e3))
         return out
 
@@ -125,7 +125,7 @@ class Ingredients:
         out: dict = {}
         for r in self.data["heads"]:
             if "error" not in r:
-                out.setdefault(head_key(get_model_config(r["model"])), []).append((r["tokens"], r["ms"] / 1e3))
+                out.setdefault(head_key(model_shape(r["model"])), []).append((r["tokens"], r["ms"] / 1e3))
         return out
 
     @cached_property
@@ -133,7 +133,7 @@ class Ingredients:
         out: dict = {}
         for r in self.data["attention"]:
             if "error" not in r:
-                cfg = get_model_config(r["model"])
+                cfg = model_shape(r["model"])
                 key = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
                 out.setdefault(key, []).append((r["seq"], r["fwd_ms"] / 1e3, r["fwd_bwd_ms"] / 1e3))
         return out
@@ -251,7 +251,7 @@ def simulate(case: CaseConfig, plan: dict, model: Model) -> dict:
     """One steady-state step of `case` under its memory plan, as a record keeps it (resident_units, offloaded_layers,
     recomputed_inputs: dataclasses.asdict of a megatrain.engine.plan.MemoryPlan, or a record's system_config's):
     seconds, and where they went."""
-    cfg = case.model_config()
+    cfg = case.shape()
     m = model.machine
     units = build_units(cfg)
     layers = cfg.num_layers

@@ -133,7 +133,7 @@ def unmodelled(r: dict) -> str | None:
 def generic_path(r: dict) -> str | None:
     """Why a record trained through transformers' own modules is not modelled (by this model and DeepSpeed's), or
     None for a hand-written model."""
-    if not kind_of(record_case(r).model_config()).profiled:
+    if not kind_of(record_case(r).shape()).profiled:
         return "transformers' own modules (the generic path: no layer profile is an ingredient)"
     return None
 
@@ -284,7 +284,7 @@ def project(out: Path) -> list[dict]:
         case = CaseConfig(system="megatrain", model=model, num_layers=layers, batch=batch, seq=seq,
                           precision=precision, device="cuda", dtype="bfloat16", compile=True, options=opts)
         case, plan = fitted_plan(case, Budget.of(spec["host_mem_gib"], spec["gpu_mem_gib"], "published"))
-        cfg = case.model_config()
+        cfg = case.shape()
         row = {"label": label, "profile": profile, "model": model, "layers": cfg.num_layers,
                "params_b": cfg.num_params() / 1e9, "active_params_b": cfg.active_params() / 1e9,
                "batch": batch, "micro_batch": case.micro_batch,

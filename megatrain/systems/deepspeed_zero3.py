@@ -161,7 +161,7 @@ def memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
     """
     if case.opts.zero_stage == 2:
         return _zero2_memory_bytes(case, world)
-    cfg = case.model_config()
+    cfg = case.shape()
     n = cfg.num_params()
     per = MOE_HOST_BYTES_PER_PARAM if cfg.is_moe else HOST_BYTES_PER_PARAM
     if case.opts.super_offload:  # its worker process's state and copies (SUPER_OFFLOAD_HOST_BYTES_PER_PARAM)
@@ -185,7 +185,7 @@ def sub_group_size(case: CaseConfig) -> int:
     """The optimizer's sub-group size in parameters: with partial offload a decoder layer's, which deepspeed_config
     sets so that the host's share is the ratio asked to within a layer (DeepSpeed's default cuts a 3B model into 4
     sub-groups); else DeepSpeed's default."""
-    return case.model_config().layer_params() if case.opts.optimizer_ratio < 1 else DEEPSPEED_SUB_GROUP_SIZE
+    return case.shape().layer_params() if case.opts.optimizer_ratio < 1 else DEEPSPEED_SUB_GROUP_SIZE
 
 
 def optimizer_sub_groups(case: CaseConfig, world: int = 1) -> list[int]:
@@ -193,7 +193,7 @@ def optimizer_sub_groups(case: CaseConfig, world: int = 1) -> list[int]:
     the model's partitions, each cut as deepspeed.runtime.zero.stage3._create_fp16_sub_groups cuts it (a sub-group
     closes once it reaches the size, a parameter never split)."""
     with torch.device("meta"):
-        model = build_model(case.model_config(), activation_checkpointing=False)
+        model = build_model(case.shape(), activation_checkpointing=False)
     size = sub_group_size(case)
     out = []
     for group in adamw_param_groups(model.named_parameters(), case.optim):
@@ -227,7 +227,7 @@ def _zero2_memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
     DeepSpeed's pinned fp32 buffers were rounded up to a power of two (torch's pinned host allocator does so; not
     measured buffer by buffer): 28 bounds both depths. Its estimate leaves the gradients off the GPU (reduced
     in buckets and offloaded as backward goes): counting them all is the bound."""
-    n = case.model_config().num_params()
+    n = case.shape().num_params()
     accumulates = accumulation_steps(case.batch, case.micro_batch, world) > 1
     per = ZERO2_HOST_BYTES_PER_PARAM + (FP32_BYTES if accumulates else 0)
     if case.opts.zenflow:  # its overlapped host step keeps more (ZENFLOW_HOST_BYTES_PER_PARAM: a bound from an OOM)
@@ -264,7 +264,7 @@ def refusal(case: CaseConfig, world: int = 1) -> str | None:
 
 def checkpoint_bytes(case: CaseConfig) -> int:
     """One save_state: the fp32 master weights (its fp32 parameter partitions) and both fp32 moments."""
-    return case.model_config().num_params() * checkpoint_bytes_per_param(state_bytes_per_param(FP32_BYTES, "mixed"))
+    return case.shape().num_params() * checkpoint_bytes_per_param(state_bytes_per_param(FP32_BYTES, "mixed"))
 
 
 def deepspeed_config(case: CaseConfig, world: int = 1) -> dict:
@@ -272,7 +272,7 @@ def deepspeed_config(case: CaseConfig, world: int = 1) -> dict:
     memory (SuperOffload's optimizer, or a share of the optimizer kept on the GPU, where its options ask); or
     ZeRO-Offload (zero_stage=2), the optimizer alone offloaded; each rank accumulating its share of the global
     batch."""
-    h = case.model_config().hidden_size
+    h = case.shape().hidden_size
     o = case.opts
     pin = case.device == "cuda"
     offload = {"device": "cpu", "pin_memory": pin}
@@ -352,7 +352,7 @@ def _full_shape(p: torch.nn.Parameter) -> torch.Size:
 
 def _zero3_model(ds, case: CaseConfig, config: dict) -> torch.nn.Module:
     """The model built partitioned (zero.Init), initialised one gathered unit at a time."""
-    cfg = case.model_config()
+    cfg = case.shape()
     # a generic model's transformers imported (and the model checked) before zero.Init: its tensor patches break
     # torch._dynamo's first import, which transformers' modeling makes
     cfg.check()
@@ -520,7 +520,7 @@ class DeepSpeedSystem:
             model = _zero3_model(ds, case, self.config)
         else:  # whole on the device, built in the compute dtype (ZeRO-3's partitions are too): no fp32 copy there
             with torch.device("meta"):
-                model = build_model(case.model_config(), activation_checkpointing=True)
+                model = build_model(case.shape(), activation_checkpointing=True)
             model.to(self.dtype).to_empty(device=self.device)
             init_module(model, case.seed)
             reset_buffers(model, self.device)  # a generic model's: to_empty left none

@@ -14,9 +14,9 @@ import torch
 
 from megatrain.config import CaseConfig
 from megatrain.engine import distributed
-from megatrain.engine.config import share
 from megatrain.engine.distributed import Ranks
 from megatrain.models.loss import valid_tokens
+from megatrain.run_config import share
 
 
 def single_process_env() -> None:

@@ -105,17 +105,17 @@ def memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
     per = SHARD_STATE_BYTES
     host = sum(pinned_bytes(per["weights"] * k) + pinned_bytes(per["grads"] * k)
                + (per["exp_avg"] + per["exp_avg_sq"]) * k
-               for k in (-(-n // world) for n in case.model_config().param_numels()))
+               for k in (-(-n // world) for n in case.shape().param_numels()))
     gathered = 1 + max(1, case.opts.prefetch_layers) + 1  # computing, prefetched, the gradient before its reduce
     gpu = gathered * 2 * largest_unit_params(case) + activation_bytes(case)
     if case.opts.accumulate_on_gpu and accumulation_steps(case.batch, case.micro_batch, world) > 1:
-        gpu += FP32_BYTES * case.model_config().num_params()
+        gpu += FP32_BYTES * case.shape().num_params()
     return host, gpu
 
 
 def checkpoint_bytes(case: CaseConfig) -> int:
     """One save_state: the sharded fp32 parameters and both fp32 moments."""
-    return case.model_config().num_params() * checkpoint_bytes_per_param(SHARD_STATE_BYTES)
+    return case.shape().num_params() * checkpoint_bytes_per_param(SHARD_STATE_BYTES)
 
 
 class _ShardTarget:
@@ -154,7 +154,7 @@ class FSDPSystem:
         mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
 
         with torch.device("meta"):
-            self.model = build_model(case.model_config(), activation_checkpointing=True)
+            self.model = build_model(case.shape(), activation_checkpointing=True)
         self.mp_policy = None if self.dtype == torch.float32 else \
             MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
         self.pin_memory = self.device.type == "cuda"

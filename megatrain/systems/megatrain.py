@@ -18,9 +18,7 @@ from megatrain.systems import SystemSpec
 
 def engine_config(case: CaseConfig) -> EngineConfig:
     """The engine's part of a benchmark or training case (its steps, warm-up and data stay the caller's)."""
-    return EngineConfig(model=case.model_config(), batch=case.batch, micro_batch=case.micro_batch, seq=case.seq,
-                        dtype=case.dtype, precision=case.precision, device=case.device, seed=case.seed,
-                        optim=case.optim, compile=case.compile, options=case.opts)
+    return EngineConfig(model=case.shape(), **case.run_settings(), options=case.opts)
 
 
 def build(case: CaseConfig) -> StreamingSystem:

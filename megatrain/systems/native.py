@@ -65,12 +65,12 @@ def memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
     """(host bytes of a rank beyond its process overhead, device bytes of a rank): the whole model and its state on
     each rank's device (state_bytes; DDP's gradient buckets are the gradients themselves), and activations
     (megatrain.preflight.activation_bytes)."""
-    return 0, case.model_config().num_params() * sum(state_bytes(case).values()) + activation_bytes(case)
+    return 0, case.shape().num_params() * sum(state_bytes(case).values()) + activation_bytes(case)
 
 
 def checkpoint_bytes(case: CaseConfig) -> int:
     """One save_state: the parameters and both moments, in the parameter dtype."""
-    return case.model_config().num_params() * checkpoint_bytes_per_param(state_bytes(case))
+    return case.shape().num_params() * checkpoint_bytes_per_param(state_bytes(case))
 
 
 def _no_buffer_sync() -> dict:
@@ -95,7 +95,7 @@ class NativeSystem:
         ckpt = case.opts.activation_checkpointing if activation_checkpointing is None \
             else activation_checkpointing
         with torch.device(self.device):
-            self.model = build_model(case.model_config(), activation_checkpointing=ckpt,
+            self.model = build_model(case.shape(), activation_checkpointing=ckpt,
                                      mlp_chunk_tokens=case.opts.mlp_chunk_tokens)
         init_module(self.model, case.seed)
         self.param_dtype = self.dtype if case.precision == "bf16" else torch.float32

@@ -157,7 +157,7 @@ def refusal(case: CaseConfig, world: int = 1) -> str | None:
     if case.micro_batch != case.batch:
         return f"the paper's code runs a step's {case.batch} rows in one forward and backward (train.py's " \
                "gradient_accumulation_steps counts loop iterations, each its own mean): run it with --micro-batch 0"
-    cfg = case.model_config()
+    cfg = case.shape()
     written = [family for kind in KINDS for family in kind.families]  # the families our modules are written for
     if cfg.family not in written:
         return f"the paper's code is compared on the hand-written families here ({', '.join(written)}); " \
@@ -190,7 +190,7 @@ def memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
     and one block's recomputed inputs), and the larger of the loss's log-softmax over every position (its chunks stay
     in the graph until one backward, before any layer's) and a layer's recompute + backward.
     """
-    cfg = case.model_config()
+    cfg = case.shape()
     interval = case.opts.checkpoint_interval or 4
     slabs = case.opts.num_grad_slabs or 12
     layer_bytes = cfg.layer_params() * BF16_BYTES
@@ -209,7 +209,7 @@ def memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
 
 def checkpoint_bytes(case: CaseConfig) -> int:
     """Its weights and optimizer moments (what a checkpoint of its state would hold; `train` does not run it)."""
-    return int(case.model_config().num_params() * checkpoint_bytes_per_param(state_bytes(case)))
+    return int(case.shape().num_params() * checkpoint_bytes_per_param(state_bytes(case)))
 
 
 plan_memory = functools.partial(estimate_plan, memory_bytes, refusal=refusal)
@@ -244,7 +244,7 @@ class InitialWeights(Mapping):
 def initial_checkpoint(case: CaseConfig, root: Path, device: torch.device | str) -> Path:
     """The case's initial weights as a bf16 Hugging Face checkpoint under `root`, written once per model shape, seed
     and device (random draws differ between GPU models) and reused: written beside its place and renamed there."""
-    cfg = case.model_config()
+    cfg = case.shape()
     device = torch.device(device)
     drawn_on = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     key = json.dumps({"config": cfg.to_dict(), "seed": case.seed, "device": drawn_on},

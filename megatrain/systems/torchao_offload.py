@@ -54,13 +54,13 @@ def memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
     """
     per = state_bytes(case)
     host = device_moments = 0
-    for n in case.model_config().param_numels():
+    for n in case.shape().param_numels():
         if n >= case.opts.minimal_size:
             host += pinned_bytes(per["weights"] * n) + pinned_bytes(per["grads"] * n)
             host += (per["exp_avg"] + per["exp_avg_sq"]) * n
         else:
             device_moments += (per["exp_avg"] + per["exp_avg_sq"]) * n
-    num_params = case.model_config().num_params()
+    num_params = case.shape().num_params()
     return host, (per["weights"] + per["grads"]) * num_params + device_moments + activation_bytes(case)
 
 

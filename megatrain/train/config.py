@@ -1,5 +1,6 @@
 """What `train` runs: every flag, readable from a TOML file (--config) whose keys are the flags' names with
-underscores; flags given on the command line override the file."""
+underscores; flags given on the command line override the file. EngineSettings are those of the Engine train's loop
+drives (megatrain.train.engine), which a program's Engine takes by the same names; TrainConfig adds training's own."""
 
 from __future__ import annotations
 
@@ -10,14 +11,13 @@ from pathlib import Path
 
 import torch
 
-from megatrain.config import DEVICES, DTYPES, PRECISIONS
-from megatrain.engine.config import share
 from megatrain.flags import CaseFlags, add_flags, file_values, flag, given
 from megatrain.models.checkpoint import Checkpoint, open_checkpoint
 from megatrain.models.handwritten.families import FAMILIES
-from megatrain.models.registry import get_model_config
+from megatrain.models.registry import model_shape
 from megatrain.optim.config import OptimConfig
 from megatrain.options import check_field_types
+from megatrain.run_config import DEVICES, DTYPES, PRECISIONS, share
 from megatrain.systems import SYSTEMS, parse_options, system_spec
 from megatrain.train import trust
 from megatrain.train.data import data_files
@@ -34,14 +34,17 @@ RESUME_FIXES = ("system", "init_from", "generic", "model", "tokenizer", "data", 
 
 
 @dataclass
-class TrainConfig(CaseFlags):
-    # the shared case settings (megatrain.flags.CaseFlags) with training's defaults; --system offers the trainers only
+class EngineSettings(CaseFlags):
+    """The settings of one training system over a model (megatrain.Engine's, by train's flags and rules): the shared
+    case settings (megatrain.flags.CaseFlags) with training's defaults, the model and AdamW's betas and eps. train's
+    own settings (TrainConfig) hold these beneath theirs."""
+
+    # --system offers the trainers only
     system: str = flag("megatrain", help=" | ".join(s for s in SYSTEMS if system_spec(s).trains)
                        + " (default {default})")
     seq: int = 2048
     batch: int = 8
     lr: float = 1e-5
-    # training's own
     init_from: str | None = flag(None, metavar="DIR",
                                  help="local Hugging Face checkpoint folder (safetensors): a hand-written family "
                                  f"({', '.join(FAMILIES)}) or any other transformers decoder, through transformers' "
@@ -49,6 +52,60 @@ class TrainConfig(CaseFlags):
     model: str | None = flag(None, help="registry shape trained from scratch (python -m megatrain models)")
     generic: bool = flag(False, help="train --init-from through transformers' own modules even where a hand-written "
                                      "model of its family exists")
+    adam_betas: tuple[float, float] = flag((OptimConfig.beta1, OptimConfig.beta2), metavar=("B1", "B2"))
+    adam_eps: float = flag(OptimConfig.eps)
+
+    def __post_init__(self) -> None:
+        check_field_types(self, "train setting")  # a TOML file's values reach here untyped
+        if self.system not in SYSTEMS:
+            raise ValueError(f"--system must be one of {', '.join(SYSTEMS)}, got {self.system!r}")
+        if not system_spec(self.system).trains:
+            raise ValueError(f"--system {self.system} is a benchmark peer (bench and suites), not a trainer: train "
+                             f"with {', '.join(s for s in SYSTEMS if system_spec(s).trains)}")
+        if (self.init_from is None) == (self.model is None):
+            raise ValueError("give one of --init-from DIR (a Hugging Face checkpoint) or --model NAME (from scratch)")
+        if self.model is not None:
+            model_shape(self.model)
+            if self.generic:
+                raise ValueError(f"--generic trains an --init-from checkpoint through transformers' own modules; "
+                                 f"--model {self.model} is a registry shape, which trains as registered: drop "
+                                 "--generic")
+        if self.dtype not in DTYPES or self.precision not in PRECISIONS or self.device not in DEVICES:
+            raise ValueError(f"--dtype must be one of {DTYPES}, --precision one of {PRECISIONS} and --device one of "
+                             f"{DEVICES}")
+        for holds, name, value, must in self._ranges():
+            if not holds:
+                raise ValueError(f"{name} must be {must}, got {value}")
+        parse_options(self.system, self.option)  # a wrong option is refused before the data is read
+        self.adam_betas = tuple(self.adam_betas)
+
+    def _ranges(self) -> list[tuple[bool, str, object, str]]:
+        """(holds, flag, value, what it must be) of every numeric setting; NaN fails every comparison."""
+        finite = math.isfinite
+        return [
+            (finite(self.lr) and self.lr > 0, "--lr", self.lr, "a finite number > 0"),
+            (finite(self.weight_decay) and self.weight_decay >= 0, "--weight-decay", self.weight_decay,
+             "a finite number >= 0"),
+            (all(0 <= b < 1 for b in self.adam_betas), "--adam-betas", " ".join(map(str, self.adam_betas)),
+             "two numbers in [0, 1)"),
+            (finite(self.adam_eps) and self.adam_eps > 0, "--adam-eps", self.adam_eps, "a finite number > 0"),
+            (finite(self.max_grad_norm) and self.max_grad_norm >= 0, "--max-grad-norm", self.max_grad_norm,
+             "a finite number >= 0 (0 disables clipping)"),
+            (self.seq >= 1, "--seq", self.seq, ">= 1"),
+            (self.batch >= 1, "--batch", self.batch, ">= 1"),
+            (self.micro_batch == 0 or _holds(share, self.batch, self.micro_batch), "--micro-batch",
+             self.micro_batch, f"a divisor of --batch ({self.batch}), or 0 for the whole batch"),
+            (0 <= self.seed < 2**32, "--seed", self.seed, "in [0, 2**32)"),  # seeds torch.Generator per epoch
+        ]
+
+    def optim(self) -> OptimConfig:
+        return super().optim(beta1=self.adam_betas[0], beta2=self.adam_betas[1], eps=self.adam_eps)
+
+
+@dataclass
+class TrainConfig(EngineSettings):
+    """What `train` runs: the engine's settings (EngineSettings) and training's own."""
+
     data: list[str] = flag(factory=list, metavar="FILE", help=".jsonl/.txt file or folder; or a Hugging Face dataset: "
                            "a save_to_disk folder, parquet/arrow/json files, a hub name with --data-split; repeatable")
     data_split: str | None = flag(None, metavar="SPLIT", help="the split of a --data dataset that has several, or of "
@@ -64,8 +121,6 @@ class TrainConfig(CaseFlags):
     lr_schedule: str = flag("cosine", choices=SCHEDULES, help="after warmup (default {default})")
     warmup_steps: int = flag(0)
     min_lr: float = flag(0.0, help="the schedule's final learning rate (default 0)")
-    adam_betas: tuple[float, float] = flag((OptimConfig.beta1, OptimConfig.beta2), metavar=("B1", "B2"))
-    adam_eps: float = flag(OptimConfig.eps)
     out: str = flag("runs/train", metavar="DIR", help="metrics.jsonl, checkpoints/, hf/ (default {default})")
     export_dtype: str | None = flag(None, choices=DTYPES, help="the dtype of hf/'s weights (default: the --init-from "
                                     "checkpoint's, else --dtype)")
@@ -88,32 +143,16 @@ class TrainConfig(CaseFlags):
                                 "(OUT/tensorboard), wandb or mlflow, repeatable; each its own extra (default none)")
 
     def __post_init__(self) -> None:
-        check_field_types(self, "train setting")  # a TOML file's values reach here untyped
-        if self.system not in SYSTEMS:
-            raise ValueError(f"--system must be one of {', '.join(SYSTEMS)}, got {self.system!r}")
-        if not system_spec(self.system).trains:
-            raise ValueError(f"--system {self.system} is a benchmark peer (bench and suites), not a trainer: train "
-                             f"with {', '.join(s for s in SYSTEMS if system_spec(s).trains)}")
-        if (self.init_from is None) == (self.model is None) and self.resume is None:
-            raise ValueError("give one of --init-from DIR (a Hugging Face checkpoint) or --model NAME (from scratch)")
-        if self.model is not None:
-            get_model_config(self.model)
-            if self.generic:
-                raise ValueError(f"--generic trains an --init-from checkpoint through transformers' own modules; "
-                                 f"--model {self.model} is a registry shape, which trains as registered: drop "
-                                 "--generic")
+        super().__post_init__()
         if not self.data:
             raise ValueError("--data FILE is required (JSONL or .txt, repeatable, a folder, or a Hugging Face dataset)")
         if (self.steps is None) == (self.epochs is None):
             raise ValueError("give one of --steps N or --epochs E")
         if self.lr_schedule not in SCHEDULES:
             raise ValueError(f"--lr-schedule must be one of {', '.join(SCHEDULES)}, got {self.lr_schedule!r}")
-        if self.dtype not in DTYPES or self.precision not in PRECISIONS or self.device not in DEVICES:
-            raise ValueError(f"--dtype must be one of {DTYPES}, --precision one of {PRECISIONS} and --device one of "
-                             f"{DEVICES}")
         if self.export_dtype not in (None, *DTYPES):
             raise ValueError(f"--export-dtype must be one of {DTYPES}, got {self.export_dtype!r}")
-        for holds, name, value, must in self._ranges():
+        for holds, name, value, must in self._train_ranges():
             if not holds:
                 raise ValueError(f"{name} must be {must}, got {value}")
         if self.resume and self.overwrite:
@@ -124,41 +163,23 @@ class TrainConfig(CaseFlags):
             raise ValueError("--eval-data FILE and --eval-every N (>= 1) go together")
         if self.eval_split is not None and not self.eval_data:
             raise ValueError(f"--eval-split {self.eval_split} names a split of --eval-data, which is not given")
-        parse_options(self.system, self.option)  # a wrong option is refused before the data is read
-        self.adam_betas = tuple(self.adam_betas)
 
-    def _ranges(self) -> list[tuple[bool, str, object, str]]:
-        """(holds, flag, value, what it must be) of every numeric setting; NaN fails every comparison."""
+    def _train_ranges(self) -> list[tuple[bool, str, object, str]]:
+        """(holds, flag, value, what it must be) of training's own numeric settings."""
         finite = math.isfinite
         return [
-            (finite(self.lr) and self.lr > 0, "--lr", self.lr, "a finite number > 0"),
             (finite(self.min_lr) and 0 <= self.min_lr <= self.lr, "--min-lr", self.min_lr,
              f"a number from 0 to --lr ({self.lr:g})"),
-            (finite(self.weight_decay) and self.weight_decay >= 0, "--weight-decay", self.weight_decay,
-             "a finite number >= 0"),
-            (all(0 <= b < 1 for b in self.adam_betas), "--adam-betas", " ".join(map(str, self.adam_betas)),
-             "two numbers in [0, 1)"),
-            (finite(self.adam_eps) and self.adam_eps > 0, "--adam-eps", self.adam_eps, "a finite number > 0"),
-            (finite(self.max_grad_norm) and self.max_grad_norm >= 0, "--max-grad-norm", self.max_grad_norm,
-             "a finite number >= 0 (0 disables clipping)"),
             (self.steps is None or self.steps >= 1, "--steps", self.steps, ">= 1"),
             (self.epochs is None or (finite(self.epochs) and self.epochs > 0), "--epochs", self.epochs,
              "a finite number > 0"),
-            (self.seq >= 1, "--seq", self.seq, ">= 1"),
-            (self.batch >= 1, "--batch", self.batch, ">= 1"),
-            (self.micro_batch == 0 or _holds(share, self.batch, self.micro_batch), "--micro-batch",
-             self.micro_batch, f"a divisor of --batch ({self.batch}), or 0 for the whole batch"),
             (self.warmup_steps >= 0, "--warmup-steps", self.warmup_steps, ">= 0"),
-            (0 <= self.seed < 2**32, "--seed", self.seed, "in [0, 2**32)"),  # seeds torch.Generator per epoch
             (self.save_every >= 0, "--save-every", self.save_every, ">= 0 (0: only at the end)"),
             (self.keep >= 1, "--keep", self.keep, ">= 1"),
             (self.log_every >= 1, "--log-every", self.log_every, ">= 1"),
             (self.eval_every >= 0, "--eval-every", self.eval_every, ">= 0"),
             (self.max_nonfinite_steps >= 0, "--max-nonfinite-steps", self.max_nonfinite_steps, ">= 0 (0: never stop)"),
         ]
-
-    def optim(self) -> OptimConfig:
-        return super().optim(beta1=self.adam_betas[0], beta2=self.adam_betas[1], eps=self.adam_eps)
 
 
 def _holds(rule, *args) -> bool:

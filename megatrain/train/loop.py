@@ -1,4 +1,6 @@
-"""The training loop of `python -m megatrain train`: data, schedule, steps, metrics, checkpoints, resume, export."""
+"""The training loop of `python -m megatrain train`: data, schedule, steps, metrics, checkpoints, resume, export, over
+the Engine a program opens (megatrain.train.engine: the model, the system, its first weights and the export are built
+there, once for both)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ import errno
 import json
 import math
 import os
-import shutil
 import signal
 import sys
 import time
@@ -21,37 +22,29 @@ import torch
 
 import megatrain.user_files as user_files
 from megatrain.build_log import build_lines_to
-from megatrain.checked_files import checked_loads
-from megatrain.config import CaseConfig
 from megatrain.engine import distributed
 from megatrain.engine.distributed import Ranks
 from megatrain.memory import GIB, peak_host_rss_gib
-from megatrain.models.checkpoint import Checkpoint, save_checkpoint, stored_dtype
+from megatrain.models.checkpoint import Checkpoint
 from megatrain.models.flops import model_flops
 from megatrain.models.loss import IGNORE_INDEX
-from megatrain.models.registry import get_model_config
-from megatrain.models.safetensors_files import INDEX_FILE
-from megatrain.preflight import preflight
-from megatrain.systems import build_system, system_spec
-from megatrain.tokenizer import CHAT_TEMPLATES_DIR, TOKEN_FILES, Tokenizer, token_files
+from megatrain.systems import system_spec
+from megatrain.tokenizer import Tokenizer, token_files
 from megatrain.train import checkpoint, trust
 from megatrain.train.config import PER_INVOCATION, TrainConfig, check_available
 from megatrain.train.data import Rows, data_files, read_examples
+from megatrain.train.engine import Engine, plan
+from megatrain.train.export import EXPORT_FILE, export_dtype, exported_name, tokenizer_copies
 from megatrain.train.fingerprint import changed as fingerprint_change
 from megatrain.train.fingerprint import fingerprints, fingerprints_record
 from megatrain.train.lr import lr_at, schedule_notes
 from megatrain.train.report_to import Reporters
-from megatrain.train.rundir import RUN_FILE, RunDir, aside, fault, recover_dir, written_aside
+from megatrain.train.rundir import RUN_FILE, RunDir, aside, fault, recover_dir
 from megatrain.train.runlog import LOG_FILE, RunLog
 
-GENERATION_FILE = "generation_config.json"  # an export copies it from the tokenizer's directory, beside token_files
-TOKENIZER_FILES = (*TOKEN_FILES, GENERATION_FILE)  # what an export copies from the tokenizer's directory (and
-# the named chat templates of its CHAT_TEMPLATES_DIR)
-EXPORT_SHARD_BYTES = 2**29  # the most a Hugging Face export holds in memory beyond training's own state
 # the signals that stop a run after its step, saved: Ctrl-C, a scheduler's or kill's SIGTERM, and SIGHUP (the terminal
 # it ran in closed, an ssh session dropped), which killed the run with no checkpoint of the steps since the last save
 STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-EXPORT_FILE = "megatrain_export.json"  # in hf/: the step exported and the run, beside the Hugging Face files
 
 
 @dataclass
@@ -75,7 +68,6 @@ def train(cfg: TrainConfig, log=print) -> int:
     # --init-from's checkpoint (its model, the hand-written one or transformers' own modules, and its config.json),
     # read once: the export's family is its Hugging Face model_type, its config.json starts from the source's
     init = check_available(cfg)
-    label = Path(cfg.init_from).name if cfg.init_from else cfg.model
     out = Path(cfg.out)
     if cfg.resume and Path(cfg.resume).resolve() != out.resolve():
         raise ValueError(f"--resume {cfg.resume} continues the run in that directory, not in --out {cfg.out}: drop "
@@ -94,12 +86,11 @@ def train(cfg: TrainConfig, log=print) -> int:
     prints = {"data_files": fingerprints(files), "tokenizer_files": fingerprints(tokenizer_files),
               "model_files": fingerprints([Path(cfg.init_from) / "config.json"] if cfg.init_from else [])}
     tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir else None
-    model = init.shape if init else get_model_config(cfg.model)
+    # the Engine's plan, before the rows are made, each --seq tokens wide: a --seq this machine cannot hold is refused
+    # before its rows' padding is allocated (the run's length, not known until they are, weighs nothing in it)
+    planned, notes = plan(cfg, init)
+    model = planned.shape()
     vocab = model.vocab_size
-    # before the rows are made, each --seq tokens wide: a --seq this machine cannot hold is refused before its rows'
-    # padding is allocated (the run's length, not known until they are, weighs nothing in it)
-    planned = cfg.make_case(label, model_shape=init.shape if init else None, steps=1, warmup=0)
-    notes = [*(init.notes if init else ()), *preflight(planned)]
     ignored = tuple(cfg.ignore_column)
     rows = Rows(read_examples(files, tokenizer, cfg.train_on_prompt, "--data", ignored), cfg.seq, vocab, cfg.shuffle,
                 cfg.seed, cfg.pack)
@@ -116,7 +107,7 @@ def train(cfg: TrainConfig, log=print) -> int:
     first = ranks.first
     hf = [] if (out / "hf").is_symlink() else sorted((out / "hf").glob("*"))  # a link: refused as the run claims --out
     if first and cfg.overwrite and not cfg.resume and (theirs := [*checkpoint.not_checkpoints(out / "checkpoints"),
-                                                                  *(p for p in hf if not _exported(p.name))]):
+                                                                  *(p for p in hf if not exported_name(p.name))]):
         raise ValueError(f"--overwrite {out}: {theirs[0]} is no file a run writes there (put there since), and "
                          "discarding the run would delete it: move it out first")
     run = RunDir(out, cfg.resume is not None, cfg.overwrite) if first else None
@@ -171,7 +162,7 @@ def _prepare(cfg: TrainConfig, run: RunDir, case, total: int, log, prints: dict,
         raise ValueError(f"nothing to train: {resume_from} is at step {start} and the run ends at step {total}; "
                          f"pass --steps N with N above {start} to train on")
     saves = cfg.save * (1 + (len(range(cfg.save_every, total, cfg.save_every)) if cfg.save_every else 0))
-    export_bytes = case.model_config().num_params() * exported.itemsize
+    export_bytes = case.shape().num_params() * exported.itemsize
     # The old export is deleted only once the new one is complete.
     checkpoint.check_disk(case, out, saves, cfg.keep, export_bytes * (1 + (out / "hf").exists()))
     run_id = run.start(_settings(cfg), meta.get("run_id"), **prints)  # a resume without run.json keeps its id
@@ -228,7 +219,8 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
         + (f" over {ranks.world} ranks" if ranks.launched else ""))
     reporters.start(run_id, start, _settings(cfg))
     identity = {"run_id": run_id, **prints}  # every checkpoint records the run and what it trains on
-    system = build_system(case)
+    engine = Engine.built(case, init, ranks)  # the one a program opens, of the same plan; its first weights below
+    system = engine.system
     progress = Progress(start, meta["data_rows_consumed"])
     handlers = {s: signal.signal(s, lambda signum, _: setattr(progress, "signal", signum))  # finish the step, save
                 for s in STOPS}
@@ -236,14 +228,13 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
     try:
         if resume_from is not None:
             t0 = time.perf_counter()
-            with checked_loads(resume_from, meta["files"], cfg.trust_checkpoint):
-                system.load_state(resume_from)
+            engine.load_state(resume_from, meta["files"], cfg.trust_checkpoint)
             memory.update(load_s=time.perf_counter() - t0, host_peak_gib_loaded=peak_host_rss_gib())
             torch.set_rng_state(torch.tensor(meta["torch_rng"], dtype=torch.uint8))
             log(f"resumed from {resume_from} at step {start}" + ("; nothing to train, exporting it (its export "
                                                                  "was cut short)" if export_only else ""))
-        elif init is not None:
-            system.load_weights(init.weights())
+        else:
+            engine.load_checkpoint()
         _run_steps(cfg, system, case, rows, eval_rows, progress, total, out, identity, log, ranks, reporters)
         # a signal that reached any rank after the last step stops every rank alike
         progress.signal = ranks.agree(progress.signal)
@@ -270,12 +261,10 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
             log(f"interrupted ({signal.Signals(progress.signal).name}) at step {progress.step}: {kept}")
             return 128 + progress.signal
         t0 = time.perf_counter()
-        weights = system.export_weights()  # with several ranks, every rank's part: the weights are on rank 0
+        with _writing(out / "hf", progress, out):  # every rank gives its part of the weights, rank 0 writes them
+            engine.write_export(out / "hf", tokenizer_dir, {"step": progress.step, "run_id": run_id}, exported)
         if not first:
             return 0
-        with _writing(out / "hf", progress, out):
-            export_checkpoint(weights, case, out / "hf", tokenizer_dir, {"step": progress.step, "run_id": run_id},
-                              exported, init.config if init else None)
         memory.update(export_s=time.perf_counter() - t0, host_peak_gib_exported=peak_host_rss_gib())
         with _writing(out / "memory.json", progress, out):
             (out / "memory.json").write_text(json.dumps(memory, indent=1) + "\n")
@@ -294,12 +283,12 @@ def _train(cfg: TrainConfig, run: RunDir | None, case, rows, eval_rows, total: i
     finally:
         for s, handler in handlers.items():
             signal.signal(s, handler)
-        system.close()
+        engine.close()
 
 
 def _run_steps(cfg, system, case, rows, eval_rows, progress: Progress, total, out, identity: dict, log: RunLog,
                ranks: Ranks, reporters: Reporters) -> None:
-    flops_per_token = model_flops(case.model_config().active_params(), tokens=1)  # the records' 6NT
+    flops_per_token = model_flops(case.shape().active_params(), tokens=1)  # the records' 6NT
     first, bar = ranks.first, None
     if sys.stderr.isatty() and first:
         from tqdm import tqdm
@@ -455,67 +444,3 @@ def _exported_step(out: Path) -> int | None:
     if type(step) is not int:
         raise ValueError(f"{path} is not what an export writes: delete it (the next export writes it again)")
     return step
-
-
-def export_dtype(asked: str | None, source_config: dict | None, case: CaseConfig) -> tuple[torch.dtype, str]:
-    """(the export's weights' dtype, a note saying which and whence): `asked` (--export-dtype), else the dtype of the
-    checkpoint trained from (an fp32 checkpoint trained at --dtype bfloat16 keeps its fp32 master's updates, where
-    bf16 weights round away those below 2^-8 of a weight: a norm's at lr 1e-5), else the compute dtype (--dtype)."""
-    stored = stored_dtype(source_config) if source_config is not None else None
-    dtype, whence = (getattr(torch, asked), "--export-dtype") if asked is not None else \
-        (stored, "the --init-from checkpoint's dtype") if stored is not None else (case.torch_dtype, "--dtype")
-    return dtype, f"{str(dtype).removeprefix('torch.')} weights: {whence}"
-
-
-def export_checkpoint(weights, case: CaseConfig, hf_dir: Path, tokenizer_dir: str | None, provenance: dict,
-                      dtype: torch.dtype, source_config: dict | None = None) -> None:
-    """The weights (a system's export_weights) in `dtype` as a Hugging Face checkpoint with the tokenizer files,
-    written aside and swapped in whole; its config.json the source's (source_config, the checkpoint's trained from),
-    if any."""
-    with written_aside(hf_dir) as tmp:
-        save_checkpoint(weights, case.model_config(), tmp, max_shard_bytes=EXPORT_SHARD_BYTES,
-                        dtype=dtype, source_config=source_config)
-        for name, source in tokenizer_copies(tokenizer_dir).items():
-            (tmp / name).parent.mkdir(exist_ok=True)
-            shutil.copy(source, tmp / name)
-        (tmp / EXPORT_FILE).write_text(json.dumps(provenance) + "\n")
-        _keep_others(hf_dir, tmp)
-
-
-def tokenizer_copies(tokenizer_dir: str | None) -> dict[str, Path]:
-    """The tokenizer files (TOKENIZER_FILES) an export copies from tokenizer_dir, by name, each where it leads: one
-    whose link leads out of the directory is refused (megatrain.user_files.within), for the export publishes it, and
-    so is one that is not a file (a folder, a named pipe), which the export could not copy."""
-    if not tokenizer_dir:
-        return {}
-    d = Path(tokenizer_dir)
-    named = [name for name in token_files(d) if name.startswith(CHAT_TEMPLATES_DIR + "/")]
-    copies = {name: user_files.within(d, d / name) for name in [*TOKENIZER_FILES, *named] if (d / name).exists()}
-    if odd := next((name for name, path in copies.items() if not path.is_file()), None):
-        raise ValueError(f"{d / odd} is not a file (an export copies it from there): put the file there, or remove it")
-    return copies
-
-
-def _keep_others(old: Path, new: Path) -> None:
-    """Carry into the new export, as hard links, what no export writes that someone put in the old one (a README, a
-    model card): the swap would delete it."""
-    for entry in sorted(old.iterdir()) if old.is_dir() else ():
-        if not _exported(entry.name) and not (new / entry.name).exists():
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.copytree(entry, new / entry.name, symlinks=True, copy_function=os.link)
-            else:
-                os.link(entry, new / entry.name, follow_symlinks=False)
-
-
-def not_exported(folder: Path) -> list[str]:
-    """The files of `folder` an export would replace that no export wrote: those of an export's names, in a folder
-    without the EXPORT_FILE every export writes (a user's own checkpoint, say)."""
-    if not folder.is_dir() or (folder / EXPORT_FILE).is_file():
-        return []
-    return sorted(p.name for p in folder.iterdir() if _exported(p.name))
-
-
-def _exported(name: str) -> bool:
-    """Whether an export writes (or replaces) the file `name` of its folder."""
-    return name in {"config.json", INDEX_FILE, EXPORT_FILE, *TOKENIZER_FILES, CHAT_TEMPLATES_DIR} or \
-        name.endswith(".safetensors")

@@ -11,11 +11,11 @@ import os
 import pytest
 import torch
 
-from megatrain.models.registry import get_model_config
+from megatrain.models.registry import model_shape
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 MODEL = os.environ.get("MEGATRAIN_BENCH_MODEL", "qwen2.5-7b" if torch.cuda.is_available() else "qwen2.5-0.5b")
-LAYER_NUMEL = get_model_config(MODEL).layer_params()
+LAYER_NUMEL = model_shape(MODEL).layer_params()
 
 
 @pytest.fixture(autouse=True)
@@ -81,7 +81,7 @@ def test_bind_a_layer_template(benchmark, requires_grad):
     from megatrain.engine.layout import build_units
     from megatrain.engine.templates import bind
 
-    unit = build_units(get_model_config(MODEL))[1]
+    unit = build_units(model_shape(MODEL))[1]
     flat = torch.empty(unit.numel, dtype=torch.bfloat16)
     views = benchmark(bind, unit, flat, requires_grad)
     assert all(v.data_ptr() >= flat.data_ptr() for v in views.values())  # views into the buffer, no copies

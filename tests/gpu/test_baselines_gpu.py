@@ -146,7 +146,7 @@ from megatrain.config import CaseConfig
 from megatrain.data import make_batches
 case = CaseConfig.from_dict(json.loads(sys.argv[1]))
 system = build_system(case)
-batches = make_batches(case, case.model_config().vocab_size)
+batches = make_batches(case, case.shape().vocab_size)
 system.step(*batches.batch_at(0))  # moments to step with
 before = system.named_parameters_fp32()
 system.set_lr(0.0)
@@ -217,7 +217,7 @@ def test_torchao_host_adamw_steps_the_gpus_clipped_gradient_bit_for_bit(precisio
 
     for p_device, host_optimizer in optimizer.optim_dict.items():
         host_optimizer.register_step_pre_hook(compare(p_device))
-    batches = make_batches(case, case.model_config().vocab_size)
+    batches = make_batches(case, case.shape().vocab_size)
     losses = [system.step(*batches.batch_at(i)) for i in range(3)]
     system.close()
     check.update(precision=precision, losses=losses, host_steps=len(stepped), differing=differing)

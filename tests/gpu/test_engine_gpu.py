@@ -491,9 +491,9 @@ def test_a_compiled_layer_recomputes_the_masks_its_forward_drew(check):
     from megatrain.engine.config import EngineConfig
     from megatrain.engine.layout import Unit
     from megatrain.engine.programs.generic import GenericProgram
-    from megatrain.models import get_model_config
+    from megatrain.models import model_shape
 
-    device, cfg = torch.device("cuda"), get_model_config("tiny-hf-seed-oss")
+    device, cfg = torch.device("cuda"), model_shape("tiny-hf-seed-oss")
     outputs = {}
     for compiled in (True, False):
         program = GenericProgram(EngineConfig(model=cfg, batch=2, micro_batch=2, seq=256, device="cuda",

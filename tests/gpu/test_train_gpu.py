@@ -23,7 +23,7 @@ from train_helpers import hf_model, interrupt_at_step, metrics, pretokenized, ru
 from megatrain.cli import main
 from megatrain.models.handwritten.transformer import Attention
 from megatrain.models.masks import FULL, SLIDING, rope_and_masks
-from megatrain.models.registry import get_model_config
+from megatrain.models.registry import model_shape
 from megatrain.models.rope import rotary_tables
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
@@ -114,7 +114,7 @@ def test_offload_baselines_train_and_resume_through_their_own_checkpoints_on_gpu
 @pytest.mark.parametrize("window", [0, 96])
 def test_the_sparse_document_mask_equals_the_dense_one_on_gpu(window, check):
     """Documents alone, and documents under a sliding window (both longer and shorter than the window)."""
-    cfg = get_model_config("tiny")
+    cfg = model_shape("tiny")
     kind, types = (SLIDING, (SLIDING,)) if window else (FULL, ())
     torch.manual_seed(0)
     attn = Attention(cfg).cuda()

@@ -23,6 +23,7 @@ from train_helpers import (  # noqa: E402
     MIN_LR,
     SEQ,
     SHAPE,
+    VOCAB,
     WARMUP,
     WD,
     chat_tokenizer,
@@ -34,6 +35,7 @@ from train_helpers import (  # noqa: E402
 
 import megatrain  # noqa: E402
 from megatrain.cli import main  # noqa: E402
+from megatrain.train.lr import lr_at  # noqa: E402
 
 STEPS = 4
 
@@ -116,6 +118,39 @@ def test_an_engine_loop_trains_and_exports_as_train_does(tmp_path, kind):
     reference = transformers.AutoModelForCausalLM.from_pretrained(trained)
     for (name, p), q in zip(exported.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_train_is_an_engine_loop_to_the_bit(tmp_path):
+    """train drives the Engine a program opens (one build: the model, the system, --init-from, the export): the same
+    run made by train and by a loop of ours over megatrain.Engine (the seed, the rows, the schedule through set_lr,
+    AdamW) has every step's loss exactly and the export byte for byte, its megatrain_export.json aside (it names who
+    exported). Rows of SEQ tokens, one a row: train's last position of a row is then padding, as the Engine's is."""
+    init = hf_model("llama", tmp_path / "init")
+    chat_tokenizer(init)
+    ids = torch.randint(0, VOCAB, (12, SEQ), generator=torch.Generator().manual_seed(5))
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": row}) + "\n" for row in ids.tolist()))
+    adamw = dict(lr=LR, weight_decay=WD, adam_betas=BETAS, adam_eps=EPS, max_grad_norm=CLIP)
+    run = dict(seq=SEQ, batch=BATCH, micro_batch=2, dtype="float32", device="cpu", **adamw)
+    trained = megatrain.Trainer(init_from=init, data=data, shuffle=False, steps=STEPS, lr_schedule="cosine",
+                                warmup_steps=WARMUP, min_lr=MIN_LR, out=tmp_path / "train", **run).train(log=_quiet)
+    losses = []
+    with megatrain.Engine(init, **run, log=_quiet) as engine:
+        for step in range(STEPS):
+            engine.set_lr(lr_at(step, STEPS, LR, "cosine", WARMUP, MIN_LR))
+            losses.append(engine.step(ids[[(step * BATCH + row) % len(ids) for row in range(BATCH)]]))
+        ours = engine.export(tmp_path / "engine-hf")
+    assert trained.exit_code == 0 and losses == trained.losses
+    files = sorted(p.relative_to(ours) for p in ours.rglob("*") if p.name != "megatrain_export.json")
+    assert files == sorted(p.relative_to(trained.export) for p in trained.export.rglob("*")
+                           if p.name != "megatrain_export.json")
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {str(p) for p in files}
+    for name in files:
+        assert (ours / name).read_bytes() == (trained.export / name).read_bytes(), name
+
+
+def _quiet(line: str) -> None:
+    """A log that keeps nothing."""
 
 
 @pytest.mark.parametrize("model", ["tiny", "tiny-hf-seed-oss"])  # the second with dropout: its draws go on too
@@ -237,11 +272,12 @@ def test_the_api_example_runs(tmp_path):
 def test_an_engine_loads_no_changed_state_and_no_pickle_another_user_saved(tmp_path, monkeypatch):
     from dataclasses import replace
 
-    from megatrain import api, systems
+    from megatrain import systems
+    from megatrain.train.engine import STATE_FILE
 
     # the engine's own state holds no pickle; here it stands for one that does (DeepSpeed's, FSDP's)
     spec = replace(systems.system_spec("megatrain"), pickled=("**/*.bin",))
-    monkeypatch.setattr(api, "system_spec", lambda name: spec)
+    monkeypatch.setattr("megatrain.train.engine.system_spec", lambda name: spec)
     settings = dict(seq=8, batch=4, lr=1e-3, device="cpu", dtype="float32")
     with megatrain.Engine("tiny", **settings) as engine:
         engine.save(tmp_path / "state")
@@ -252,14 +288,14 @@ def test_an_engine_loads_no_changed_state_and_no_pickle_another_user_saved(tmp_p
         with pytest.raises(ValueError, match="not written by this user .* pass --trust-checkpoint"):
             engine.load(tmp_path / "state")
         engine.load(tmp_path / "state", trust_checkpoint=True)
-        victim = next(p for p in (tmp_path / "state").rglob("*") if p.is_file() and p.name != api.STATE_FILE)
+        victim = next(p for p in (tmp_path / "state").rglob("*") if p.is_file() and p.name != STATE_FILE)
         damaged = bytearray(victim.read_bytes())
         damaged[0] ^= 0xFF
         victim.write_bytes(bytes(damaged))
         with pytest.raises(ValueError, match="does not match its checksum: the state in .* was changed"):
             engine.load(tmp_path / "state", trust_checkpoint=True)
         for files in ([], {"../x": {"bytes": 1, "sha256": []}}, {"x": {"bytes": "1", "sha256": []}}):
-            (tmp_path / "state" / api.STATE_FILE).write_text(json.dumps({"files": files}))
+            (tmp_path / "state" / STATE_FILE).write_text(json.dumps({"files": files}))
             with pytest.raises(ValueError, match="engine_state.json: files must be an object of"):
                 engine.load(tmp_path / "state", trust_checkpoint=True)
 

@@ -37,7 +37,7 @@ from megatrain.config import CaseConfig
 from megatrain.data import make_batches
 case = CaseConfig.from_dict(json.loads(sys.argv[1]))
 system = build_system(case)
-batches = make_batches(case, case.model_config().vocab_size)
+batches = make_batches(case, case.shape().vocab_size)
 losses = [system.step(*batches.batch_at(i)) for i in range(case.steps)]
 # every guard of every frame Dynamo compiled: what it checks before reusing a compiled layer
 from torch._dynamo.convert_frame import input_codes
@@ -66,7 +66,7 @@ def _run_in_subprocess(case: CaseConfig, tmp_path: Path) -> dict:
 
 def _native(case: CaseConfig) -> dict:
     native = NativeSystem(dataclasses.replace(case, system="native"))
-    batches = make_batches(case, case.model_config().vocab_size)
+    batches = make_batches(case, case.shape().vocab_size)
     losses = [native.step(*batches.batch_at(i)) for i in range(case.steps)]
     return {"losses": losses, "params": native.named_parameters_fp32()}
 
@@ -125,7 +125,7 @@ def test_deepspeed_matches_native_with_accumulation_and_clipping(model, tmp_path
     assert list(phases) == ["forward", "backward", "step"]
     assert all(len(seconds) == case.steps and min(seconds) > 0 for seconds in phases.values())
     zero = result["config"]["deepspeed_config"]["zero_optimization"]
-    h = case.model_config().hidden_size
+    h = case.shape().hidden_size
     assert (zero["stage"], zero["reduce_bucket_size"], zero["stage3_param_persistence_threshold"]) == (3, h * h, 10 * h)
     assert result["config"]["deepspeed_config"]["gradient_accumulation_steps"] == 2
 

@@ -23,8 +23,8 @@ from megatrain.train.checkpoint import state_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = ("megatrain.engine", "megatrain.optim", "megatrain.models", "megatrain.memory", "megatrain.options",
-           "megatrain.config", "megatrain.data", "megatrain.flags", "megatrain.preflight", "megatrain.probe",
-           "megatrain.tokenizer", "megatrain.checked_files")
+           "megatrain.run_config", "megatrain.config", "megatrain.data", "megatrain.flags", "megatrain.preflight",
+           "megatrain.probe", "megatrain.tokenizer", "megatrain.checked_files")
 # the protocol and the registry (and the wing's face, which hands them on): library; the systems beside it are not
 REGISTRY = ("megatrain.systems_registry", "megatrain.systems")
 SYSTEMS_WING = "megatrain.systems."  # MegaTrain's adapter and every peer, each imported only when a case names it
@@ -147,7 +147,7 @@ from megatrain.data import make_batches
 from megatrain.systems import build_system
 case = CaseConfig(system="megatrain", model="tiny", batch=2, seq=8, steps=1)
 system = build_system(case)
-system.step(*make_batches(case, case.model_config().vocab_size).batch_at(0))
+system.step(*make_batches(case, case.shape().vocab_size).batch_at(0))
 system.close()
 print(" ".join(m for m in sys.modules if m.startswith({HARNESS!r} + ("deepspeed",))
                or m.startswith("megatrain.systems.") and m != "megatrain.systems.megatrain" or m == "torch._dynamo"))
@@ -206,7 +206,7 @@ def test_a_system_added_with_one_registry_entry_is_known_everywhere(monkeypatch)
     assert state_bytes(case) == state_bytes(native)
     system = build_system(case)
     assert type(system).__name__ == "FailingSystem"
-    system.step(*make_batches(case, case.model_config().vocab_size).batch_at(0))
+    system.step(*make_batches(case, case.shape().vocab_size).batch_at(0))
     system.close()
 
 

@@ -12,7 +12,7 @@ from megatrain.engine.config import EngineConfig
 from megatrain.engine.host_optimizer import update_compact
 from megatrain.engine.layout import Unit
 from megatrain.engine.plan import plan_memory
-from megatrain.models import get_model_config
+from megatrain.models import model_shape
 from megatrain.optim import fused
 from megatrain.optim.compact import Moments, round_bf16_stochastic
 from megatrain.optim.config import OptimConfig
@@ -146,7 +146,7 @@ def test_state_bytes_are_what_the_store_holds_and_the_plan_counts(moments, momen
         n = trainer.store.weights.numel()
         assert trainer.store.host_bytes() == n * (4 + 4 + moment_bytes)  # fp32 weights, grads (CPU), moments
         assert trainer.plan.host_state_bytes == trainer.store.host_bytes()
-    big = dict(model=get_model_config("qwen2.5-7b"), batch=1, micro_batch=1, seq=1024, dtype="bfloat16")
+    big = dict(model=model_shape("qwen2.5-7b"), batch=1, micro_batch=1, seq=1024, dtype="bfloat16")
     fp32, compact = (plan_memory(EngineConfig(**big, optim=OptimConfig(moments=m))) for m in ("fp32", moments))
     assert fp32.host_state_bytes - compact.host_state_bytes == pytest.approx(
         (8 - moment_bytes) * fp32.host_state_bytes / 16, rel=1e-6)  # 16 B/param in mixed with fp32 moments

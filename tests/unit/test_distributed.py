@@ -25,7 +25,7 @@ from megatrain.engine.host_optimizer import HostOptimizer
 from megatrain.engine.plan import check_fits, plan_memory
 from megatrain.engine.store import HostStore
 from megatrain.memory import GIB, GPU_RESERVE_BYTES, PROCESS_OVERHEAD_BYTES, Budget
-from megatrain.models import get_model_config
+from megatrain.models import model_shape
 from megatrain.optim import fused
 from megatrain.optim.config import OptimConfig
 from megatrain.optim.state_bytes import QBLOCK
@@ -249,7 +249,7 @@ def test_three_ranks_shards_updated_apart_equal_the_whole_update(kernel, moments
     if kernel == "fused" and not fused.available():
         pytest.skip("no C++ compiler for the host AdamW kernel")
     cpu, optim, world = torch.device("cpu"), OptimConfig(lr=1e-2, moments=moments), 3
-    stores = [HostStore(get_model_config("tiny"), torch.bfloat16, "mixed", pin=False, moments=moments)
+    stores = [HostStore(model_shape("tiny"), torch.bfloat16, "mixed", pin=False, moments=moments)
               for _ in range(2)]
     whole = HostOptimizer(stores[0], optim, kernel)
     ranks = [HostOptimizer(stores[1], optim, kernel) for _ in range(world)]
@@ -278,7 +278,7 @@ def test_three_ranks_shards_updated_apart_equal_the_whole_update(kernel, moments
 
 
 def test_the_plan_counts_the_host_state_once_and_each_ranks_process_and_share_of_the_batch():
-    config = EngineConfig(model=get_model_config("tiny"), batch=4, micro_batch=1, seq=8)
+    config = EngineConfig(model=model_shape("tiny"), batch=4, micro_batch=1, seq=8)
     one, two = plan_memory(config), plan_memory(per_rank(config, 2, 2))
     assert two.host_state_bytes == one.host_state_bytes
     assert two.host_bytes == one.host_bytes + PROCESS_OVERHEAD_BYTES
@@ -289,7 +289,7 @@ def test_the_plan_counts_the_host_state_once_and_each_ranks_process_and_share_of
 
 
 def test_a_batch_the_ranks_cannot_share_in_whole_micro_batches_is_refused():
-    config = EngineConfig(model=get_model_config("tiny"), batch=4, micro_batch=1, seq=8)
+    config = EngineConfig(model=model_shape("tiny"), batch=4, micro_batch=1, seq=8)
     assert Ranks(0, 2, torch.device("cpu"), None).per_rank(config).batch == 2
     with pytest.raises(ValueError, match="multiple of the 3 ranks x --micro-batch 1"):
         Ranks(0, 3, torch.device("cpu"), None).per_rank(config)
@@ -316,7 +316,7 @@ def test_a_process_started_alone_is_one_rank_whose_collectives_hand_back_what_th
     assert norm_and_loss.tolist() == [4.0, 2.0] and not dist.is_initialized()
     rows = torch.arange(8).view(4, 2)
     assert torch.equal(ranks.split_rows(rows)[0], rows)
-    config = EngineConfig(model=get_model_config("tiny"), batch=4, micro_batch=2, seq=8)
+    config = EngineConfig(model=model_shape("tiny"), batch=4, micro_batch=2, seq=8)
     assert ranks.per_rank(config) == config
     unasked = [f"{p.relative_to(ROOT)}:{n}" for p in (ROOT / "megatrain").rglob("*.py")
                for n, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"ranks is (not )?None", line)]

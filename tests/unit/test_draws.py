@@ -97,7 +97,7 @@ def test_the_held_out_loss_draws_nothing_and_training_stays_in_train_mode():
     case = CaseConfig(system="megatrain", model="seed_oss", model_shape=_shape("seed_oss"), batch=2, seq=16, steps=2)
     system = build_system(case)
     try:
-        batch = make_batches(case, case.model_config().vocab_size).batch_at(0)
+        batch = make_batches(case, case.shape().vocab_size).batch_at(0)
         first, second = system.evaluate(*batch), system.evaluate(*batch)
         assert first == second
         losses = [system.step(*batch) for _ in range(2)]

@@ -23,7 +23,7 @@ from megatrain.engine.store import HostStore
 from megatrain.engine.templates import LayerTemplate, bind
 from megatrain.engine.uses import use_order
 from megatrain.memory import GPU_FILL, Budget
-from megatrain.models import Transformer, get_model_config, rotary_tables
+from megatrain.models import Transformer, model_shape, rotary_tables
 from megatrain.models.checkpoint import shape_from_config
 from megatrain.optim.config import OptimConfig
 from megatrain.optim.host_adamw import FlatAdamW
@@ -91,7 +91,7 @@ def test_streamed_engine_matches_native(name):
 
 @pytest.mark.parametrize("model", ["tiny", "tiny-tied"])
 def test_units_lay_out_exactly_the_modules_parameters(model):
-    cfg = get_model_config(model)
+    cfg = model_shape(model)
     with torch.device("meta"):
         module = Transformer(cfg)
     slots = {slot.name: slot.shape for unit in build_units(cfg) for slot in unit.params}
@@ -179,7 +179,7 @@ def test_only_the_first_k_layer_inputs_cross_pcie():
 def test_recomputed_inputs_cost_weight_loads_and_no_activation_traffic():
     kw = dict(steps=2, model="tiny", num_layers=4, batch=2, seq=8)
     _, _, plain = _train("megatrain", **kw)
-    layer_bytes = build_units(CaseConfig(system="megatrain", model="tiny").model_config())[1].numel * 4
+    layer_bytes = build_units(CaseConfig(system="megatrain", model="tiny").shape())[1].numel * 4
     # (recomputed, offloaded) -> layer loads beyond two a layer: layers 1..R load again, but the slots' reuse of
     # unit R (refwd R then bwd R, one use apart) saves one, and all of them recomputed lose the head's saving of L
     for r, k, extra in [(1, 2, 0), (2, 0, 1), (3, 0, 3)]:
@@ -271,7 +271,7 @@ def test_resident_embedding_never_crosses_pcie_and_matches_the_streamed_one_in_b
     kw = dict(steps=2, model="tiny", num_layers=3, batch=2, seq=8)
     _, _, streamed = _train("megatrain", **kw)
     _, _, resident = _train("megatrain", options={"resident_embedding": True}, **kw)
-    embed_bytes = build_units(get_model_config("tiny", num_layers=3))[0].numel * 4  # fp32 weights, fp32 grads
+    embed_bytes = build_units(model_shape("tiny", num_layers=3))[0].numel * 4  # fp32 weights, fp32 grads
     assert streamed["h2d_bytes"] - resident["h2d_bytes"] == embed_bytes
     assert streamed["d2h_bytes"] - resident["d2h_bytes"] == embed_bytes
     # bf16 mode, one step: the GPU-side torch AdamW and the host one-pass kernel agree to a bf16 ulp
@@ -292,7 +292,7 @@ def test_resident_layers_take_no_slot_and_never_cross_pcie():
     kw = dict(steps=2, model="tiny", num_layers=4, batch=2, seq=8)
     _, _, plain = _train("megatrain", **kw)
     _, _, res = _train("megatrain", options={"resident_layers": 2}, **kw)
-    units = build_units(get_model_config("tiny", num_layers=4))
+    units = build_units(model_shape("tiny", num_layers=4))
     assert plain["h2d_bytes"] - res["h2d_bytes"] == 2 * (units[1].numel + units[2].numel) * 4  # in twice a step
     assert plain["d2h_bytes"] - res["d2h_bytes"] == (units[1].numel + units[2].numel) * 4
 
@@ -331,8 +331,8 @@ def test_by_default_the_plan_makes_resident_what_fits_and_nothing_when_the_batch
     from megatrain.engine import plan as plan_mod
 
     streamed = plan_memory(_qwen_3b_b8(resident_embedding=False, resident_layers=0)).gpu_bytes
-    embedding = plan_mod.resident_bytes(_qwen_3b_b8(), build_units(get_model_config("qwen2.5-3b"))[0])
-    per_layer = plan_mod.resident_bytes(_qwen_3b_b8(), build_units(get_model_config("qwen2.5-3b"))[1])
+    embedding = plan_mod.resident_bytes(_qwen_3b_b8(), build_units(model_shape("qwen2.5-3b"))[0])
+    per_layer = plan_mod.resident_bytes(_qwen_3b_b8(), build_units(model_shape("qwen2.5-3b"))[1])
     gpu = int((streamed + embedding + 2.5 * per_layer) / GPU_FILL)
     monkeypatch.setattr(plan_mod, "budget_here", lambda c: Budget(2**40, gpu, "test"))
     assert plan_memory(_qwen_3b_b8()).resident_units == [0, 1, 2]
@@ -418,7 +418,7 @@ def test_clipping_changes_the_result():
 
 
 def test_each_layer_crosses_twice_and_bytes_are_counted():
-    cfg = get_model_config("tiny", num_layers=4)
+    cfg = model_shape("tiny", num_layers=4)
     plan = use_order(cfg.num_layers)
     loads = [u for u, _, _, load in plan if load]
     for layer in range(1, cfg.num_layers):
@@ -436,7 +436,7 @@ def test_one_weight_slot_loads_every_use_and_trains_as_two_do():
     """weight_slots=1 (the paper's ablation of double buffering): every streamed use loads into the one slot, layer L
     again after the head, each load once the use before it has run; the same arithmetic as two slots, bit for bit
     (on CPU the copies are synchronous: a load issued before the last use ran would overwrite its weights)."""
-    cfg = get_model_config("tiny", num_layers=4)
+    cfg = model_shape("tiny", num_layers=4)
     one = use_order(cfg.num_layers, slots=1)
     assert all(slot == 0 and load for _, _, slot, load in one)
     assert [use[:2] for use in one] == [use[:2] for use in use_order(cfg.num_layers)]
@@ -574,7 +574,7 @@ def test_non_finite_gradient_norm_skips_the_update(system, options):
 
 
 def _failing_compiled_layer(exc: BaseException):
-    template = LayerTemplate(get_model_config("tiny"), compile_layer=False)
+    template = LayerTemplate(model_shape("tiny"), compile_layer=False)
     template.compiled = True
 
     def fail(*args):
@@ -585,7 +585,7 @@ def _failing_compiled_layer(exc: BaseException):
 
 
 def _layer_inputs():
-    cfg = get_model_config("tiny")
+    cfg = model_shape("tiny")
     unit = build_units(cfg)[1]
     params = bind(unit, torch.randn(unit.numel) * 0.02, requires_grad=False)
     cos, sin = rotary_tables(cfg, 8, torch.device("cpu"), torch.float32)
@@ -680,7 +680,7 @@ def test_update_delay_refuses_what_it_cannot_do(options, why):
 
 
 def test_delayed_update_plans_its_second_copies_and_no_resident_unit():
-    config = EngineConfig(model=get_model_config("tiny"), batch=2, micro_batch=2, seq=16, dtype="bfloat16",
+    config = EngineConfig(model=model_shape("tiny"), batch=2, micro_batch=2, seq=16, dtype="bfloat16",
                           precision="mixed", options=MegaTrainOptions(update_delay=1))
     plan = plan_memory(config)
     assert plan.host_tiles_bytes_per_param == {"weights": 2, "grads": 2, "exp_avg": 4, "exp_avg_sq": 4, "master": 4,
@@ -703,7 +703,7 @@ def test_delayed_step_two_trains_on_the_first_update_in_bf16_precisions(precisio
 
 def test_update_delay_is_refused_across_ranks():
     with pytest.raises(ValueError, match="runs in one process"):
-        EngineConfig(model=get_model_config("tiny"), batch=2, micro_batch=2, seq=16, ranks=2,
+        EngineConfig(model=model_shape("tiny"), batch=2, micro_batch=2, seq=16, ranks=2,
                      options=MegaTrainOptions(update_delay=1))
 
 
@@ -717,7 +717,7 @@ def test_a_compiled_layer_leaves_flex_attention_to_its_own_graph():
 
     from megatrain.models.masks import _allowed, document_positions
 
-    cfg = get_model_config("tiny")
+    cfg = model_shape("tiny")
     seq, gen = 16, torch.Generator().manual_seed(0)
     segments_BS = torch.tensor([[0] * seq, [0] * 6 + [1] * 10])
     positions = document_positions(segments_BS)

@@ -195,9 +195,9 @@ def test_active_parameters_count_routed_experts_at_k_of_e_and_shared_experts_who
 @pytest.mark.parametrize("name,total_b,active_b", [("gemma-4-31b", 30.7, 30.7), ("gemma-4-26b-a4b", 25.2, 3.8)])
 def test_gemma4_large_counts_match_the_model_card(name, total_b, active_b):
     """The model card's parameters: 31B 30.7B; 26B-A4B 25.2B, 3.8B of them active (8 of 128 experts, top_k_experts)."""
-    from megatrain.models import get_model_config
+    from megatrain.models import model_shape
 
-    cfg = get_model_config(name)
+    cfg = model_shape(name)
     assert (round(cfg.num_params() / 1e9, 1), round(cfg.active_params() / 1e9, 1)) == (total_b, active_b)
 
 
@@ -216,10 +216,10 @@ def test_attention_flops_count_each_layers_head_width():
 def test_a_cut_of_gemma4_counts_the_layer_types_its_model_runs(name, num_layers):
     """Gemma 4's config class makes the last layer full whatever config.json lists: the cut to 4 (31B) or 3 (26B-A4B)
     layers of 5 sliding to 1 full runs one full layer, which the FLOP accounting (attended pairs) counts."""
-    from megatrain.models import get_model_config
+    from megatrain.models import model_shape
     from megatrain.models.generic.skeleton import Skeleton
 
-    cfg = get_model_config(name, num_layers)
+    cfg = model_shape(name, num_layers)
     built = tuple("sliding_attention" if layer.self_attn.is_sliding else "full_attention"
                   for layer in Skeleton(cfg).layers)
     assert cfg.layer_types == built and built[-1] == "full_attention"

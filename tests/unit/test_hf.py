@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 from families import KINDS, ORIGINAL, family_config  # noqa: E402
 
-from megatrain.models import Transformer, get_model_config  # noqa: E402
+from megatrain.models import Transformer, model_shape  # noqa: E402
 from megatrain.models.checkpoint import open_checkpoint, save_checkpoint  # noqa: E402
 from megatrain.models.handwritten.hf import config_from_hf, config_to_hf, save_hf_checkpoint  # noqa: E402
 from megatrain.models.init import init_module  # noqa: E402
@@ -90,7 +90,7 @@ def test_load_transformers_checkpoint(tmp_path, kind, tied, sharded):
 def test_transformers_loads_our_checkpoint(tmp_path, name, max_shard_bytes):
     """Our export of a registry shape or of each family's config loads in transformers as the same architecture,
     every parameter and the logits the same."""
-    cfg = config_from_hf(hf_model(name, tied=False).config.to_dict()) if name in KINDS else get_model_config(name)
+    cfg = config_from_hf(hf_model(name, tied=False).config.to_dict()) if name in KINDS else model_shape(name)
     ours = Transformer(cfg).eval()
     init_module(ours, seed=3)
     files = save_hf_checkpoint(ours, cfg, tmp_path, max_shard_bytes=max_shard_bytes)
@@ -132,7 +132,7 @@ def test_an_export_of_a_checkpoint_keeps_its_config_whole(tmp_path, kind):
 
 
 def test_save_from_plain_dict_in_bf16_round_trips(tmp_path):
-    cfg = get_model_config("tiny")
+    cfg = model_shape("tiny")
     model = Transformer(cfg)
     init_module(model, seed=5)
     # Host tiles: views into one flat buffer, as the streaming engine keeps them.
@@ -155,7 +155,7 @@ def test_save_from_plain_dict_in_bf16_round_trips(tmp_path):
 
 
 def test_saving_over_an_old_checkpoint_leaves_no_stale_weights(tmp_path):
-    cfg = get_model_config("tiny")
+    cfg = model_shape("tiny")
     for seed, max_shard_bytes in [(0, SMALL_SHARD_BYTES), (1, 5 * 2**30), (2, SMALL_SHARD_BYTES)]:
         model = Transformer(cfg)
         init_module(model, seed=seed)
@@ -167,7 +167,7 @@ def test_saving_over_an_old_checkpoint_leaves_no_stale_weights(tmp_path):
 
 
 def test_save_rejects_state_dict_that_does_not_match_config(tmp_path):
-    cfg = get_model_config("tiny")
+    cfg = model_shape("tiny")
     state = Transformer(cfg).state_dict()
     with pytest.raises(ValueError, match=r"missing \['lm_head.weight'\]"):
         save_hf_checkpoint({k: v for k, v in state.items() if k != "lm_head.weight"}, cfg, tmp_path)
@@ -177,7 +177,7 @@ def test_save_rejects_state_dict_that_does_not_match_config(tmp_path):
 
 
 def test_tied_checkpoint_that_stores_the_head_and_untied_one_without_it(tmp_path):
-    cfg = get_model_config("tiny-tied")
+    cfg = model_shape("tiny-tied")
     model = Transformer(cfg)
     init_module(model, seed=0)
     save_hf_checkpoint(model, cfg, tmp_path)
@@ -250,14 +250,14 @@ QWEN3_30B_A3B = {
                                             (MISTRAL_7B_V01, "mistral-7b-v0.1"), (GPT_OSS_20B, "gpt-oss-20b"),
                                             (QWEN3_30B_A3B, "qwen3-30b-a3b")])
 def test_published_configs_map_to_registry(hf_config, name):
-    assert config_from_hf(hf_config) == get_model_config(name)
+    assert config_from_hf(hf_config) == model_shape(name)
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-tied", "qwen2.5-7b", "llama3-70b", "llama3.1-8b", "llama3.2-1b",
                                   "qwen3-8b", "mistral-7b-v0.1", "mistral-7b-v0.3", "gpt-oss-120b",
                                   "qwen3-235b-a22b", "tiny-moe", "tiny-gpt-oss"])
 def test_config_round_trips_through_transformers(name):
-    cfg = get_model_config(name)
+    cfg = model_shape(name)
     hf = transformers.AutoConfig.for_model(**config_to_hf(cfg, torch.bfloat16))
     assert hf.dtype == torch.bfloat16
     assert config_from_hf(hf.to_dict()) == cfg
@@ -368,7 +368,6 @@ def test_a_checkpoint_tensor_the_model_does_not_have_is_refused(tmp_path):
 
 def test_a_shape_its_family_cannot_hold_is_refused():
     with pytest.raises(ValueError, match="a qwen2 model cannot have {'qkv_bias': False}"):
-        get_model_config("tiny").__class__(**{**get_model_config("tiny").to_dict(), "qkv_bias": False,
-                                              "family": "qwen2"})
+        model_shape("tiny").__class__(**{**model_shape("tiny").to_dict(), "qkv_bias": False, "family": "qwen2"})
     with pytest.raises(ValueError, match="model family 'gpt2' is not supported"):
-        get_model_config("tiny").__class__(**{**get_model_config("tiny").to_dict(), "family": "gpt2"})
+        model_shape("tiny").__class__(**{**model_shape("tiny").to_dict(), "family": "gpt2"})

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 from train_helpers import at_step, hf_model, make_read_only, one_error, pretokenized, run_train, unmount  # noqa: E402
 
-import megatrain.train.loop as loop  # noqa: E402
+import megatrain.train.engine as engine  # noqa: E402
 from megatrain.cli import main  # noqa: E402
 from megatrain.models.handwritten.hf import INDEX_FILE, SINGLE_FILE  # noqa: E402
 
@@ -162,9 +162,9 @@ def test_a_damaged_file_of_the_run_names_itself(files, tmp_path, capsys, where, 
 def test_ctrl_c_before_the_first_step_says_so_and_the_same_command_runs_again(files, tmp_path, capsys, monkeypatch):
     init, data, _ = files
     out = tmp_path / "run"
-    build = loop.build_system
+    build = engine.build_system  # the Engine train's loop opens builds the system
     with monkeypatch.context() as mp:  # Ctrl-C while the system builds: before train's handlers stand
-        mp.setattr(loop, "build_system", lambda case: (_ for _ in ()).throw(KeyboardInterrupt))
+        mp.setattr(engine, "build_system", lambda case: (_ for _ in ()).throw(KeyboardInterrupt))
         try:
             code = run_train(init, data, out, steps=2)
         except KeyboardInterrupt:  # escaped main, as a 30-line traceback
@@ -179,7 +179,7 @@ def test_ctrl_c_before_the_first_step_says_so_and_the_same_command_runs_again(fi
         return system
 
     with monkeypatch.context() as mp:
-        mp.setattr(loop, "build_system", built)
+        mp.setattr(engine, "build_system", built)
         assert run_train(init, data, out, steps=2) == 130
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last == "interrupted (SIGINT) at step 0: nothing trained, no checkpoint: run the same command again"

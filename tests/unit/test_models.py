@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatrain.models import MODELS, DecoderLayer, ModelConfig, Transformer, get_model_config
+from megatrain.models import MODELS, DecoderLayer, ModelConfig, Transformer, model_shape
 from megatrain.models.init import init_module
 from megatrain.models.loss import IGNORE_INDEX, linear_cross_entropy
 
@@ -87,13 +87,13 @@ def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="must divide num_heads"):
         ModelConfig(vocab_size=10, hidden_size=32, intermediate_size=8, num_layers=1, num_heads=4, num_kv_heads=3)
     with pytest.raises(ValueError, match="unknown model"):
-        get_model_config("gpt-5")
+        model_shape("gpt-5")
     with pytest.raises(ValueError, match="num_layers"):
-        get_model_config("tiny", num_layers=0)
+        model_shape("tiny", num_layers=0)
 
 
 def test_depth_override():
-    assert get_model_config("qwen2.5-7b", num_layers=180).num_layers == 180
+    assert model_shape("qwen2.5-7b", num_layers=180).num_layers == 180
 
 
 def test_init_is_order_independent():

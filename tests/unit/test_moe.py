@@ -117,11 +117,11 @@ def test_router_logits_are_fp32_whatever_the_compute_dtype(autocast):
     """Megatron's moe_router_dtype=fp32 in every system: the engine's bf16 weights and native's autocast both route
     from fp32 logits of the same (bf16) inputs, where a bf16 GEMM would round them; the layer's output keeps the
     input's dtype."""
-    from megatrain.models import get_model_config
+    from megatrain.models import model_shape
     from megatrain.models.handwritten.moe import MoE
     from megatrain.models.init import init_module
 
-    moe = MoE(get_model_config("tiny-moe"))
+    moe = MoE(model_shape("tiny-moe"))
     init_module(moe, 0, "mlp.")
     if not autocast:
         moe.to(torch.bfloat16)

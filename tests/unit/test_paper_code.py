@@ -139,7 +139,7 @@ def test_estimate_is_the_measured_run_of_issue_45():
     # the embedding's 2 GiB blocks.
     case = _case(model="qwen2.5-7b", batch=16, seq=1024)
     host, gpu = paper_code.memory_bytes(case)
-    params = case.model_config().num_params()
+    params = case.shape().num_params()
     assert host == 12 * params + (28 + 2 + 12) * 2**29 + 2 * 2**31
     assert abs(host / GIB - 111.7) < 0.05 * 111.7 and abs(gpu / GIB - 12.7) < 0.1 * 12.7
     adamw = dataclasses.replace(case, options={"optimizer": "adamw"})  # torch's AdamW: bf16 moments
@@ -166,7 +166,7 @@ def test_shifted_labels_score_each_position_against_its_own_next_token():
 def test_initial_checkpoint_holds_natives_initial_weights_and_is_written_once(tmp_path):
     case = _case(seed=7)
     out = paper_code.initial_checkpoint(case, tmp_path, "cpu")
-    native = Transformer(case.model_config())
+    native = Transformer(case.shape())
     init_module(native, 7)
     expected = {n: p.detach().to(torch.bfloat16) for n, p in native.named_parameters()}
     written = dict(open_checkpoint(out).weights())
@@ -263,14 +263,14 @@ def test_the_system_loads_the_checkpoint_and_steps_as_train_py_does(tmp_path, mo
     assert loaded == {"torch_dtype": torch.bfloat16, "device_map": "cpu", "trust_remote_code": True,
                       "attn_implementation": paper_code.attention(case.opts)}
     before = system.named_parameters_fp32()
-    assert before.keys() == case.model_config().param_shapes().keys()
+    assert before.keys() == case.shape().param_shapes().keys()
     inputs, labels = torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (2, 32))
     assert system.step(inputs, labels) == 5.0
     name, given_inputs, mask, given_labels = system.model.calls[0]
     assert given_inputs is inputs and torch.equal(mask, torch.ones_like(inputs))
     assert torch.equal(given_labels, paper_code.shifted_labels(labels))
     assert [c[0] for c in system.model.calls] == ["forward_and_backward", "_sync_params_to_gpu", "zero_grad"]
-    assert system.last_grad_norm == pytest.approx(case.model_config().num_params() ** 0.5, rel=1e-2)
+    assert system.last_grad_norm == pytest.approx(case.shape().num_params() ** 0.5, rel=1e-2)
     after = system.named_parameters_fp32()
     # AdamW moved every matrix (~0.02: its 1e-4 update is above half a bf16 ulp there) and no norm weight (1.0: the
     # same update is below half an ulp): without an fp32 master, their small updates are lost

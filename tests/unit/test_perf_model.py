@@ -53,7 +53,7 @@ def test_one_weight_slot_exposes_every_load():
     compute plus every load at the link's rate (each way alone in forward, shared with the gradients in backward)."""
     ing = _ingredients(fwd_ms=100.0, bwd_ms=300.0, head_ms=50.0)
     two, one = _run(ing), _run(ing, options={"weight_slots": 1})
-    units = build_units(CaseConfig(model=MODEL).model_config())
+    units = build_units(CaseConfig(model=MODEL).shape())
     # bf16 bytes of every load but the first, which waits for nothing but the embedding either way
     loaded = sum(units[u].numel for u, _, _, load in use_order(28, slots=1)[1:] if load) * 2
     assert one["compute_s"] == pytest.approx(two["compute_s"])
@@ -63,7 +63,7 @@ def test_one_weight_slot_exposes_every_load():
 def test_small_batch_waits_for_the_host_optimizer():
     ing = _ingredients(fwd_ms=0.01, bwd_ms=0.03, head_ms=0.01)
     out = _run(ing, precision="mixed")
-    n = sum(u.numel for u in build_units(CaseConfig(model=MODEL).model_config()))
+    n = sum(u.numel for u in build_units(CaseConfig(model=MODEL).shape()))
     # the forward cannot finish before the previous step's update of every unit up to the head has landed
     assert out["step_s"] >= out["host_opt_s"] * 0.95
     assert out["host_opt_s"] == pytest.approx(n / 3e9)
@@ -90,14 +90,14 @@ def test_transfer_bound_step_is_the_link():
     ing = _ingredients(fwd_ms=0.001, bwd_ms=0.001, head_ms=0.001)
     ing.data["host_adamw_gparams_s"] = {"bf16": 1e6, "mixed": 1e6}
     out = _run(ing)
-    units = build_units(CaseConfig(model=MODEL).model_config())
+    units = build_units(CaseConfig(model=MODEL).shape())
     weights = 2 * (sum(u.numel for u in units) + sum(u.numel for u in units[1:-1]))  # forward, backward loads
     assert out["step_s"] > weights / 80e9 * 0.8
 
 
 def test_resident_units_move_nothing_and_update_on_the_gpu():
     ing = _ingredients(fwd_ms=0.001, bwd_ms=0.001, head_ms=0.001)
-    units = build_units(CaseConfig(model=MODEL).model_config())
+    units = build_units(CaseConfig(model=MODEL).shape())
     every = [u.index for u in units[:-1]]
     out = _run(ing, {"resident_units": every})
     assert out["resident_opt_s"] == pytest.approx(sum(u.numel for u in units[:-1]) / 100e9)
@@ -109,7 +109,7 @@ def test_gpu_updated_units_leave_the_host_update_and_pay_their_state_across_pcie
     """The what-if of issue 29: a streamed unit updated on the GPU costs no host time but its optimizer state
     crosses the link both ways; the same unit resident costs neither."""
     ing = _ingredients(fwd_ms=0.01, bwd_ms=0.03, head_ms=0.01)
-    units = build_units(CaseConfig(model=MODEL).model_config())
+    units = build_units(CaseConfig(model=MODEL).shape())
     embedding = units[0].numel
     streamed = _run(ing, precision="mixed")
     gpu = _run(ing, {"gpu_updated_units": [0]}, precision="mixed")
@@ -132,12 +132,12 @@ def test_recomputed_inputs_add_layer_forwards():
 
 def test_long_rows_add_attention_and_a_chunked_mlp_adds_its_recompute():
     ing = _ingredients()
-    short = ing.layer_s(CaseConfig(model=MODEL).model_config(), 16384, 1024, True)
-    long = ing.layer_s(CaseConfig(model=MODEL).model_config(), 16384, 16384, True)
+    short = ing.layer_s(CaseConfig(model=MODEL).shape(), 16384, 1024, True)
+    long = ing.layer_s(CaseConfig(model=MODEL).shape(), 16384, 16384, True)
     # one 16k row: its attention (16, 48 ms), less the 16 rows of 1024 scaled from the 4096 point (1/16 ms each)
     assert long[0] - short[0] == pytest.approx(16.0e-3 - 16 * (1 / 16) * 1e-3)
     assert long[1] - short[1] == pytest.approx(48.0e-3 - 16 * (3 / 16) * 1e-3)
-    cfg = CaseConfig(model=MODEL).model_config()
+    cfg = CaseConfig(model=MODEL).shape()
     chunked = ing.layer_s(cfg, 16384, 1024, True, mlp_chunk_tokens=4096)
     mlp_share = 3 * cfg.hidden_size * cfg.intermediate_size / (
         (cfg.matmul_params() - cfg.vocab_size * cfg.hidden_size) / cfg.num_layers)
@@ -146,7 +146,7 @@ def test_long_rows_add_attention_and_a_chunked_mlp_adds_its_recompute():
 
 def test_missing_shape_says_what_to_measure():
     with pytest.raises(KeyError, match="run megatrain.perf_model.ingredients"):
-        _ingredients().layer_s(CaseConfig(model="qwen2.5-7b").model_config(), 8192, 1024, True)
+        _ingredients().layer_s(CaseConfig(model="qwen2.5-7b").shape(), 8192, 1024, True)
 
 
 def test_committed_validation_meets_the_median_target(tmp_path):
@@ -189,7 +189,7 @@ def _ds(ing, link_gbs=None, compiled_layers=None, host_call_s=0.0, **case):
 
 
 def _units():
-    return build_units(CaseConfig(model=MODEL).model_config())
+    return build_units(CaseConfig(model=MODEL).shape())
 
 
 def test_deepspeed_host_step_is_clip_adam_and_cast_at_their_rates():

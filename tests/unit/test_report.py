@@ -28,7 +28,7 @@ from megatrain.bench.suite import SUITES_DIR, read_suite_records
 from megatrain.cli import main
 from megatrain.config import CaseConfig
 from megatrain.models.flops import model_flops, paper_flops
-from megatrain.models.registry import get_model_config
+from megatrain.models.registry import model_shape
 from megatrain.systems import SYSTEMS
 from megatrain.workspace import WORKSPACE
 
@@ -158,7 +158,7 @@ def test_paper_claims_sit_beside_our_best_number():
 
 
 def test_long_context_claims_are_compared_in_the_papers_own_flop_count(tmp_path):
-    cfg = get_model_config("qwen2.5-7b")
+    cfg = model_shape("qwen2.5-7b")
     # the paper's 512k point: 871 s per step and 407.4 TFLOPS, which only 6NT + 12 L H seq per token gives
     assert paper_flops(cfg, 1, 524288) / 871 / 1e12 == pytest.approx(407.4, rel=1e-3)
     assert model_flops(cfg.num_params(), 524288) / 871 / 1e12 == pytest.approx(27.5, rel=1e-2)

@@ -234,7 +234,7 @@ def test_offload_baselines_host_estimates_follow_their_measured_bytes_per_parame
     """DeepSpeed's peak RSS measured 24.4-24.9 B/param (1.5B-14B), FSDP2's 16.9-21.7 with its power-of-two pinned
     blocks (results/smoke_gpu, results/reproduce_14b): the pre-flight counts at least that, so it refuses first."""
     for model, fsdp_measured in (("qwen2.5-1.5b", 16.9), ("qwen2.5-3b", 19.1), ("qwen2.5-14b", 21.7)):
-        n = CaseConfig(model=model).model_config().num_params()
+        n = CaseConfig(model=model).shape().num_params()
         ds, _ = deepspeed_zero3.memory_bytes(_case("deepspeed", model=model))
         fsdp, _ = fsdp_offload.memory_bytes(_case("fsdp", model=model))
         assert ds / n == 25
@@ -246,7 +246,7 @@ def test_deepspeed_counts_a_mixture_of_experts_at_its_measured_host_bytes_and_re
     layers, estimated at 25 (107 GiB), were killed by the kernel on a 126 GiB host (results/moe, run at 9103d75)."""
     for model, layers in (("qwen3-30b-a3b", 6), ("gpt-oss-20b", 4)):
         case = replace(_case("deepspeed", model=model), num_layers=layers)
-        n = case.model_config().num_params()
+        n = case.shape().num_params()
         assert deepspeed_zero3.memory_bytes(case)[0] / n == 30 >= 29.5
     gpt_oss = replace(_case("deepspeed", model="gpt-oss-20b"), num_layers=4)
     host_128 = replace(H200_X2, gpu_count=1, host_mem_gib=125.9, host_available_gib=122.0)
@@ -257,7 +257,7 @@ def test_deepspeed_counts_a_mixture_of_experts_at_its_measured_host_bytes_and_re
 
 def test_zero_offload_holds_parameters_and_gradients_on_the_gpu_and_the_optimizer_on_the_host():
     zero2, zero3 = (replace(_case("deepspeed"), options={"zero_stage": stage}) for stage in (2, 3))
-    n = zero2.model_config().num_params()
+    n = zero2.shape().num_params()
     host, gpu = deepspeed_zero3.memory_bytes(zero2)
     assert host == 28 * n and gpu == 4 * n + preflight.activation_bytes(zero2)  # bf16 parameters and gradients
     # 116.25 GiB of host RSS measured at batch 16 of the 7B width's 14 layers on an H100 host; accumulating 4
@@ -280,7 +280,7 @@ def test_zero_offload_holds_parameters_and_gradients_on_the_gpu_and_the_optimize
     assert not plan["fits"] and "host memory" in plan["reason"]
     assert preflight.plan_memory(replace(zenflow, batch=16, num_layers=8), host_128)["fits"]
     # four ranks share batch 64 one micro-batch each: no rank accumulates, so none holds the accumulation buffer
-    n7 = seven.model_config().num_params()
+    n7 = seven.shape().num_params()
     assert deepspeed_zero3.memory_bytes(replace(seven, batch=64), world=4)[0] == -(-n7 * 28 // 4)
     # 14B on an 80 GB H100: at batch 16 both fit; at batch 64 the whole model beside its activations does not, ZeRO-3's
     # gathered layers do
@@ -307,7 +307,7 @@ def test_superoffload_and_partial_offload_plan_their_state_where_deepspeed_keeps
     partial = replace(ten, options={"optimizer_ratio": 0.5})
     sub_groups = deepspeed_zero3.optimizer_sub_groups(partial)
     on_gpu = sub_groups[:deepspeed_zero3.gpu_sub_groups(0.5, len(sub_groups))]
-    assert sum(sub_groups) == ten.model_config().num_params() and len(sub_groups) > 10
+    assert sum(sub_groups) == ten.shape().num_params() and len(sub_groups) > 10
     assert 0.4 < sum(on_gpu) / sum(sub_groups) < 0.6  # the ratio asked, to within a sub-group
     host, gpu = deepspeed_zero3.memory_bytes(partial)
     assert plain_host - host == 12 * sum(on_gpu) and gpu - plain_gpu == 16 * sum(on_gpu) + 8 * max(on_gpu)
@@ -435,7 +435,7 @@ def test_a_suite_case_may_name_a_config_json_or_a_checkpoint_folder_as_bench_doe
     assert set(by_model) == {"ckpt", "alone.json", "tiny"}
     folder_case, file_case = by_model["ckpt"], by_model["alone.json"]
     assert folder_case.model_path == str(folder.resolve()) and by_model["tiny"].model_path is None
-    assert folder_case.config.model_config().num_layers == 2  # the group's depth over the file's
+    assert folder_case.config.shape().num_layers == 2  # the group's depth over the file's
     assert folder_case.config.model_shape == file_case.config.model_shape  # the same contents, the same shape
     args = bench_args(folder_case.config, model_path=folder_case.model_path)
     assert args[args.index("--model") + 1] == str(folder.resolve())

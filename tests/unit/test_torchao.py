@@ -60,7 +60,7 @@ def test_estimate_is_natives_with_nothing_offloaded_and_sheds_the_moments_with_e
     assert torchao_offload.memory_bytes(nothing) == (0, native_bytes[1])
     everything = _gpu_case(options={"minimal_size": 0})
     host, gpu = torchao_offload.memory_bytes(everything)
-    n = everything.model_config().num_params()
+    n = everything.shape().num_params()
     assert gpu == native_bytes[1] - 8 * n
     assert 16 * n < host < 24 * n  # fp32 weight, gradient, m, v; the pinned two rounded up to powers of two
 
@@ -114,7 +114,7 @@ def _native_step(precision: str = "mixed", max_grad_norm: float = 0.05):
                       dtype="bfloat16" if precision == "bf16" else "float32",
                       optim=OptimConfig(lr=1e-3, max_grad_norm=max_grad_norm))
     system = build_system(case)
-    return case, system, make_batches(case, case.model_config().vocab_size).batch_at(0)
+    return case, system, make_batches(case, case.shape().vocab_size).batch_at(0)
 
 
 @pytest.mark.parametrize("precision", ["mixed", "bf16"])

@@ -37,7 +37,7 @@ from train_helpers import (  # noqa: E402
 
 from megatrain.cli import main  # noqa: E402
 from megatrain.config import CaseConfig  # noqa: E402
-from megatrain.models import get_model_config  # noqa: E402
+from megatrain.models import model_shape  # noqa: E402
 from megatrain.models.generic import GenericConfig  # noqa: E402
 from megatrain.models.init import init_module  # noqa: E402
 from megatrain.models.kinds import kind_of  # noqa: E402
@@ -214,10 +214,10 @@ def _packed_case(name: str):
     the documents ("tiny-sliding"); transformers' own masks, kept apart by position ids restarting at each document,
     over sliding and full layers (gemma3) and chunked and full (llama4), whose rounding is ten times ours."""
     if name == "tiny-sliding":
-        return dataclasses.replace(get_model_config("tiny"), sliding_window=4, layer_types=(
+        return dataclasses.replace(model_shape("tiny"), sliding_window=4, layer_types=(
             "sliding_attention", "full_attention", "sliding_attention")), (1e-6, 1e-5, 1e-7)
     if name == "tiny":
-        return get_model_config("tiny"), (1e-6, 1e-5, 1e-7)
+        return model_shape("tiny"), (1e-6, 1e-5, 1e-7)
     return GenericConfig.from_hf(generic_config(name, **SHAPE).to_dict()), (1e-5, 1e-4, 1e-6)
 
 

@@ -197,16 +197,16 @@ def test_a_second_report_into_one_folder_at_once_is_refused_and_the_first_is_who
 
 
 def test_sigterm_during_the_final_export_exits_143_once_the_export_is_whole(files, tmp_path, monkeypatch, capsys):
-    import megatrain.train.loop as loop
+    import megatrain.train.engine as engine  # the Engine train's loop opens writes the export
 
     init, data, _ = files
-    export = loop.export_checkpoint
+    export = engine.export_checkpoint
 
     def signalled(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)
         export(*args, **kwargs)
 
-    monkeypatch.setattr(loop, "export_checkpoint", signalled)
+    monkeypatch.setattr(engine, "export_checkpoint", signalled)
     out = tmp_path / "run"
     assert run_train(init, data, out, steps=2) == 143
     assert capsys.readouterr().err.splitlines()[-1] == "interrupted (SIGTERM) during the export, which was finished: " \
