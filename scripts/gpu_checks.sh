@@ -6,7 +6,8 @@
 # GPU_TESTS (default tests/gpu): which test files or directories run. GPU_CHECK_WORKERS (default 8): how many pytest
 # processes share the one GPU; GPU_CHECK_HEAVY_LANES (default 2): how many of them run checks at published widths. The checks are small models whose steps leave the GPU mostly idle, so they run side by
 # side (pytest-xdist), the tests that share a process-wide cache in one worker and the longest groups first, at most
-# two checks at a published width at once (tests/gpu/conftest.py): about 9 minutes on one H200 (16 cores, 128 GiB).
+# two checks at a published width at once, and those only while their engines' host state fits GPU_CHECK_HEAVY_HOST_GIB
+# (default 80) together (tests/gpu/conftest.py).
 # Every check compares numbers, none times anything. A MegaTrain plan that places units by the GPU memory free at its
 # start can meet another worker's allocation later (an out-of-memory): run such a check again alone.
 set -uo pipefail

@@ -8,13 +8,18 @@ whose steps leave the GPU mostly idle. Two things make that fast and safe, both 
 - tests that share a process-wide cache (a module-scoped fixture, or a module's own `shares(item)` key: native's runs
   and curves, computed once per process) run in one worker, as one xdist group;
 - groups start longest first (durations.json, the last whole run's times: scripts/gpu_durations.py), so the longest
-  group does not start last and the workers finish together.
+  group does not start last and the workers finish together;
+- the checks at a published width run in few lanes, each waiting for its engine's share of the host (host_share),
+  and every check hands its cached GPU memory back when it ends.
 """
 
+import contextlib
+import fcntl
 import gc
 import json
 import math
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,14 +47,63 @@ def check(request) -> dict:
     return data
 
 
+# What the heavy checks running at one time may hold of the host (GiB; GPU_CHECK_HEAVY_HOST_GIB sets it): the rest
+# of a 128 GiB host is the light workers' and the system's. A heavy check that needs more runs alone among them.
+HEAVY_HOST_GIB = float(os.environ.get("GPU_CHECK_HEAVY_HOST_GIB", "80"))
+LEDGER_POLL_S = 2.0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def host_share(gib: float, ledger: Path, limit: float = HEAVY_HOST_GIB):
+    """Hold `gib` of the heavy checks' host allowance for the block, waiting while the workers' holdings in `ledger`
+    (pid -> GiB, behind a lock file; a dead worker's holding lapses) leave too little. The lanes are fixed when the
+    run starts, not when each check does: two lanes' published-width curves met at once and GPT-OSS's engine was
+    refused its 45 GiB (the suite at 5ec0d0c, twice)."""
+    lock = ledger.with_suffix(".lock")
+    me = str(os.getpid())
+    while True:
+        with open(lock, "a") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            holdings = json.loads(ledger.read_text()) if ledger.exists() else {}
+            holdings = {pid: g for pid, g in holdings.items() if _alive(int(pid))}
+            if not holdings or sum(holdings.values()) + gib <= limit:
+                ledger.write_text(json.dumps({**holdings, me: gib}))
+                break
+        time.sleep(LEDGER_POLL_S)
+    try:
+        yield
+    finally:
+        with open(lock, "a") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            holdings = json.loads(ledger.read_text()) if ledger.exists() else {}
+            holdings.pop(me, None)
+            ledger.write_text(json.dumps(holdings))
+
+
 @pytest.fixture(autouse=True)
-def _release_gpu_memory():
-    """Hand the GPU memory a check's caching allocator kept back to the device when it ends: the workers share one
-    GPU, and a worker's cache of a finished curve (74 GiB once) left the next checks of the others out of memory."""
-    yield
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        gc.collect()
-        torch.cuda.empty_cache()
+def _share_the_gpu_host(request):
+    """A heavy check waits for its share of the host (host_share) when workers run side by side; and the GPU memory
+    a check's caching allocator kept goes back to the device when it ends: the workers share one GPU, and a worker's
+    cache of a finished curve (74 GiB once) left the next checks of the others out of memory."""
+    gib = getattr(request.module, "heavy_host_gib", lambda item: 0.0)(request.node)
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    share = (host_share(gib, Path(tempfile.gettempdir()) / f"megatrain-gpu-checks-{run}.json") if gib and run
+             else contextlib.nullcontext())
+    with share:
+        yield
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            gc.collect()
+            torch.cuda.empty_cache()
 
 
 DURATIONS = Path(__file__).with_name("durations.json")

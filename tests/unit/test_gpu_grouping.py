@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from collections import defaultdict
 from pathlib import Path
 
@@ -145,3 +146,66 @@ def test_a_check_whose_fixture_fails_or_skips_leaves_a_record(tmp_path):
         "test_setup_skip": (False, "skipped in setup")}
     assert "the fixture broke" in records["test_setup_error"]["failure"]
     assert "absent" in records["test_setup_skip"]["failure"]
+
+
+def _gpu_conftest():
+    spec = importlib.util.spec_from_file_location("gpu_conftest_ledger", ROOT / "tests" / "gpu" / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_heavy_check_waits_for_its_share_of_the_host_and_a_dead_workers_share_lapses(tmp_path, monkeypatch):
+    """host_share: the heavy checks' lanes are fixed at the start, so two 45 GiB curves could meet; the second now
+    waits while the first holds the allowance, and takes it when the first is done or its worker is dead."""
+    conftest = _gpu_conftest()
+    monkeypatch.setattr(conftest, "LEDGER_POLL_S", 0.05)
+    ledger = tmp_path / "ledger.json"
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ledger.write_text(json.dumps({str(other.pid): 60.0}))
+        got = threading.Event()
+
+        def second():
+            with conftest.host_share(40.0, ledger, limit=80.0):
+                got.set()
+                assert json.loads(ledger.read_text())[str(os.getpid())] == 40.0
+
+        waiter = threading.Thread(target=second)
+        waiter.start()
+        assert not got.wait(0.5)  # 60 + 40 > 80: it waits
+        with conftest.host_share(15.0, ledger, limit=80.0):  # 60 + 15 fits beside the first
+            pass
+        other.kill()
+        other.wait()
+        waiter.join(10)
+        assert got.is_set()  # the dead worker's 60 lapsed
+        assert json.loads(ledger.read_text()) == {}
+        # alone, a check larger than the allowance still runs
+        with conftest.host_share(120.0, ledger, limit=80.0):
+            pass
+    finally:
+        other.kill()
+
+
+def test_each_heavy_curve_declares_the_host_its_engine_will_hold(monkeypatch):
+    """heavy_host_gib from the engine's own plan: GPT-OSS-20B's two layers in mixed precision at the 44.8 GiB its
+    refusal on the H200 named; every heavy curve some, none beyond what the 128 GiB host has, no other check any."""
+    from types import SimpleNamespace
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "gpu"))
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    spec = importlib.util.spec_from_file_location("gpu_engine_checks", ROOT / "tests" / "gpu" / "test_engine_gpu.py")
+    checks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(checks)
+    gib = {}
+    for shape, name in checks.CURVE_CASES:
+        item = SimpleNamespace(originalname="test_bf16_loss_curve_tracks_native",
+                               callspec=SimpleNamespace(params={"shape": shape, "name": name}))
+        gib[shape, name] = checks.heavy_host_gib(item)
+        assert (gib[shape, name] > 0) == (shape in checks.HEAVY_SHAPES), (shape, name)
+        assert gib[shape, name] < 100, (shape, name)
+    assert 44 < gib["gpt-oss-20b-2l-b4-s1024", "mixed"] < 45.5
+    assert gib["gpt-oss-20b-2l-b4-s1024", "bf16"] < gib["gpt-oss-20b-2l-b4-s1024", "mixed"]
+    light = SimpleNamespace(originalname="test_fp32_engine_matches_native_tightly",
+                            callspec=SimpleNamespace(params={"name": "eager", "clipping": "clip-active"}))
+    assert checks.heavy_host_gib(light) == 0.0
