@@ -4,10 +4,11 @@
 #   bash scripts/gpu_checks.sh OUT_JSONL [SRC_DIR [pytest args...]]
 # SRC_DIR (default: this checkout) may be an exported older tree, to show a check failing before a fix.
 # GPU_TESTS (default tests/gpu): which test files or directories run. GPU_CHECK_WORKERS (default 8): how many pytest
-# processes share the one GPU; GPU_CHECK_HEAVY_LANES (default 2): how many of them run checks at published widths. The checks are small models whose steps leave the GPU mostly idle, so they run side by
-# side (pytest-xdist), the tests that share a process-wide cache in one worker and the longest groups first, at most
-# two checks at a published width at once, and those only while their engines' host state fits GPU_CHECK_HEAVY_HOST_GIB
-# (default 80) together (tests/gpu/conftest.py).
+# processes share the one GPU; GPU_CHECK_HEAVY_LANES (default 3): how many of them run the checks at published widths.
+# The checks are small models whose steps leave the GPU mostly idle, so they run side by side (pytest-xdist): the tests
+# that share a process-wide cache in one worker and the longest groups first; a check at a published width starts only
+# while its engine's host state fits beside the others' within GPU_CHECK_HEAVY_HOST_GIB (default 80;
+# tests/gpu/conftest.py). By the last runs' times, 8 workers take ~12.5 minutes and 10 ~10.
 # Every check compares numbers, none times anything. A MegaTrain plan that places units by the GPU memory free at its
 # start can meet another worker's allocation later (an out-of-memory): run such a check again alone.
 set -uo pipefail

@@ -209,3 +209,15 @@ def test_each_heavy_curve_declares_the_host_its_engine_will_hold(monkeypatch):
     light = SimpleNamespace(originalname="test_fp32_engine_matches_native_tightly",
                             callspec=SimpleNamespace(params={"name": "eager", "clipping": "clip-active"}))
     assert checks.heavy_host_gib(light) == 0.0
+
+
+def test_a_group_is_split_only_where_each_part_pays_its_first_check_and_still_ends_sooner():
+    conftest = _gpu_conftest()
+    # Qwen3-Next's hybrid set at 5ec0d0c: the first check 343 s (the native runs and the layers' first compile), the
+    # rest 18-56 s: one part, not the three that each paid the compile
+    hybrid = [342.9, 26.1, 31.7, 46.2, 17.7, 18.7, 55.7, 21.8, 20.8]
+    assert conftest.part_count(hybrid) == 1
+    # checks of even length with little shared: split as before
+    assert conftest.part_count([30.0] * 20, cap=240.0) == 3
+    assert conftest.part_count([100.0, 20.0, 20.0, 20.0], cap=240.0) == 1
+    assert conftest.part_count([5.0, 5.0], cap=1.0) == 2  # never more parts than checks
