@@ -134,15 +134,15 @@ def shares(item) -> str | None:
 
 
 def heavy(item) -> bool:
-    """A curve at a published width (25-60 GiB of host state) or at 32k tokens (tens of GiB of GPU memory):
-    tests/gpu/conftest.py runs few of them at once."""
+    """A curve at a published width (15-45 GiB of host state: heavy_host_gib) or at 32k tokens (tens of GiB of GPU
+    memory): tests/gpu/conftest.py runs them in few lanes."""
     return item.originalname == "test_bf16_loss_curve_tracks_native" and item.callspec.params["shape"] in HEAVY_SHAPES
 
 
 def heavy_host_gib(item) -> float:
     """The host memory a heavy curve's engine holds (the engine's own plan of the set's precision on the H200 host),
-    which tests/gpu/conftest.py admits against what the heavy checks may
-    hold at once; 0 for any other check. Two lanes of published-width curves side by side left GPT-OSS's 45 GiB out."""
+    which tests/gpu/conftest.py admits against what the heavy checks may hold at once; 0 for any other check. Two
+    lanes of published-width curves side by side left GPT-OSS's 45 GiB out."""
     if not heavy(item):
         return 0.0
     shape, precision = item.callspec.params["shape"], CURVE_SETS[item.callspec.params["name"]][0]
