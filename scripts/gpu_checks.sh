@@ -9,6 +9,9 @@
 # that share a process-wide cache in one worker and the longest groups first; a check at a published width starts only
 # while its engine's host state fits beside the others' within GPU_CHECK_HEAVY_HOST_GIB (default 80;
 # tests/gpu/conftest.py). By the last runs' times, 8 workers take ~12.5 minutes and 10 ~10.
+# Longer than one device call (10 minutes): run it as an item of scripts/gpu_queue.sh, its record under the queue's
+# results (start 'run bash scripts/gpu_checks.sh /tmp/megatrain-queue/results/gpu_checks/run-SHA-h200.jsonl .', then
+# collect 540 gpu_checks).
 # Every check compares numbers, none times anything. A MegaTrain plan that places units by the GPU memory free at its
 # start can meet another worker's allocation later (an out-of-memory): run such a check again alone.
 set -uo pipefail
