@@ -74,10 +74,7 @@ def test_xdist_runs_a_shared_cache_in_one_worker_and_heavy_checks_in_few(tmp_pat
         kind, _, worker = line.split()
         workers[kind].add(worker)
     assert len(workers["shared"]) == 1, workers
-    spec = importlib.util.spec_from_file_location("gpu_conftest", tmp_path / "conftest.py")
-    conftest = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(conftest)
-    assert len(workers["heavy"]) <= conftest.HEAVY_LANES, workers
+    assert len(workers["heavy"]) <= _gpu_conftest().HEAVY_LANES, workers
     assert len(workers["alone"]) > 1, workers  # what shares nothing spreads (the run was in parallel)
 
 
