@@ -51,6 +51,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import tomllib
 from dataclasses import dataclass, replace
@@ -327,7 +328,12 @@ _WATCHDOG = "import os, signal, sys; sys.stdin.buffer.read(); os.killpg(0, signa
 
 
 def run_case_subprocess(case: SuiteCase, command: list[str], trace_file: Path) -> tuple[dict, dict]:
-    """Run one case's command; return (record, facts about the process for the suite block)."""
+    """Run one case's command; return (record, facts about the process for the suite block).
+
+    The case's output goes to files, not pipes, and the case ends when its own process does: a worker it leaves
+    running (DeepSpeed SuperOffload's CPU-Adam process, a daemon the bench's exit without the interpreter's teardown
+    never stops) holds a pipe open, and waiting for the pipe's end held two SuperOffload cases until the device call's
+    limit killed them, their records written. Such workers die with the case's group; the record names them."""
     # the case runs in CASE_CWD: a relative --out-dir's trace went there, outside the folder named
     env = {**os.environ, "MEGATRAIN_TRACE_FILE": str(trace_file.absolute())}
     t0 = time.perf_counter()
@@ -336,24 +342,32 @@ def run_case_subprocess(case: SuiteCase, command: list[str], trace_file: Path) -
     # join only a group of its own session.
     watchdog = subprocess.Popen([sys.executable, "-c", _WATCHDOG], stdin=subprocess.PIPE, process_group=0)
     group = watchdog.pid
-    try:
-        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=env, cwd=CASE_CWD, process_group=group)
-        timed_out = False
+    left_running: list[str] = []
+    with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as out, \
+            tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as err:
         try:
-            stdout, stderr = proc.communicate(timeout=case.timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            os.killpg(group, signal.SIGKILL)  # the whole group: DeepSpeed/compile workers too
-            stdout, stderr = proc.communicate()
-        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the case's whole group goes too, then the suite stops
-            os.killpg(group, signal.SIGKILL)
-            proc.communicate()
-            raise
-    finally:
-        watchdog.stdin.close()
-        watchdog.wait()
-    facts = {"exit_code": proc.returncode, "wall_s": round(time.perf_counter() - t0, 3)}
+            proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=err, text=True, env=env,
+                                    cwd=CASE_CWD, process_group=group)
+            timed_out = False
+            try:
+                proc.wait(timeout=case.timeout_s)
+                left_running = _group_members(group, but=watchdog.pid)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                os.killpg(group, signal.SIGKILL)  # the whole group: DeepSpeed/compile workers too
+                proc.wait()
+            except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the case's whole group goes too, then the suite stops
+                os.killpg(group, signal.SIGKILL)
+                proc.wait()
+                raise
+        finally:
+            watchdog.stdin.close()  # the watchdog kills the group: whatever the case left running goes with it
+            watchdog.wait()
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    facts = {"exit_code": proc.returncode, "wall_s": round(time.perf_counter() - t0, 3),
+             **({"left_running": left_running} if left_running else {})}
     record = _last_json_line(stdout)
     tail = relative_paths(stderr)[-STDERR_TAIL_CHARS:]
     if record is not None:
@@ -374,6 +388,22 @@ def run_case_subprocess(case: SuiteCase, command: list[str], trace_file: Path) -
         status = "error"
         error = f"exit code {proc.returncode} without a record: " + (tail.strip().splitlines() or [""])[-1]
     return Record(case.config, status, error, stderr_tail=tail).to_dict(), facts
+
+
+def _group_members(group: int, but: int) -> list[str]:
+    """The command lines of the processes of process group `group` but `but`, from /proc (none where there is no
+    /proc): the program's name, not its path, and its arguments, cut to 120 characters."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # state, ppid, pgrp, ...
+            if int(fields[2]) != group or int(stat.parent.name) == but or fields[0] == "Z":
+                continue
+            argv = (stat.parent / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except (OSError, IndexError, ValueError):  # it ended meanwhile
+            continue
+        found.append(relative_paths(shlex.join([Path(argv[0]).name, *filter(None, argv[1:])]))[:120])
+    return sorted(found)
 
 
 def _lacked(record: dict) -> bool:

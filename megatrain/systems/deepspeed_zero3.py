@@ -700,6 +700,13 @@ class DeepSpeedSystem:
             raise ValueError(f"{in_dir}: no DeepSpeed checkpoint '{CHECKPOINT_TAG}' to resume from")
 
     def close(self) -> None:
+        # SuperOffload's CPU-Adam worker is a daemon process that neither engine.destroy() (DeepSpeed 0.19.8) nor a
+        # bench ending without the interpreter's teardown (megatrain.engine.distributed.exit_rank) stops: it stayed
+        # with ~27 GiB of host memory and the case's output open, and held the suite runner until the device call's
+        # limit killed it (the runner now ends a case with its process and kills its group)
+        worker = getattr(self.engine.optimizer, "superoffload_cpu_optimizer", None)
+        if worker is not None:
+            worker.close()
         self.engine.destroy()
         del self.engine
         if self.owns_process_group:

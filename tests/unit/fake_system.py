@@ -10,6 +10,8 @@ test cannot add its own). Seeds 102, 103 and 105 fail as the script starts (fail
     seed 105: be killed by a signal that is not the OOM killer's
     seed 106: be refused by its own pre-flight (memory taken between the suite's check and the case's start)
     seed 107: start a worker process (as compile workers and DeepSpeed do), then hang
+    seed 108: start a worker that outlives the case holding its output (DeepSpeed SuperOffload's CPU-Adam process
+              after a bench that exits without the interpreter's teardown), then train and end with a record
 """
 
 import dataclasses
@@ -21,7 +23,7 @@ import time
 from pathlib import Path
 
 FAILURES = {101: "oom", 102: "crash", 103: "hang", 104: "oom_from_batch_2", 105: "sigterm", 106: "refused",
-            107: "worker"}
+            107: "worker", 108: "orphan"}
 
 
 def fail_at_start(argv: list[str]) -> None:
@@ -60,6 +62,9 @@ class FailingSystem(native.NativeSystem):
         if failure == "worker":  # a worker of the case's own, whose group the runner must take down with it
             subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)  # fake_system worker"])
             time.sleep(3600)
+        if failure == "orphan" and not getattr(self, "orphan", None):  # inherits stdout and stderr, never stopped
+            orphan = "import time; time.sleep(3600)  # fake_system orphan"
+            self.orphan = subprocess.Popen([sys.executable, "-c", orphan])
         return super().step(inputs_BS, labels_BS)
 
 

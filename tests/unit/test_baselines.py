@@ -205,3 +205,24 @@ def test_deepspeeds_cpu_adam_op_is_loaded_with_a_word_and_its_time(system):
     said = [line for line in proc.stderr.splitlines() if line.startswith("megatrain build:")]
     assert said[0].startswith("megatrain build: loading DeepSpeed's CPU Adam op (its first use on a machine compiles")
     assert re.fullmatch(r"megatrain build: DeepSpeed's CPU Adam op loaded in \d+\.\d s", said[1]) and len(said) == 2
+
+
+def test_closing_deepspeed_stops_superoffloads_worker_before_the_engine():
+    """SuperOffload's CPU-Adam worker is a daemon process DeepSpeed's engine.destroy() leaves running, and a bench
+    that ends without the interpreter's teardown never stops: close() stops it (SuperOffload needs CUDA, so its
+    optimizer is stood in for by the two calls close() makes)."""
+    from megatrain.systems.deepspeed_zero3 import DeepSpeedSystem
+
+    calls = []
+    worker = type("Worker", (), {"close": lambda self: calls.append("worker.close")})()
+    optimizer = type("Optimizer", (), {"superoffload_cpu_optimizer": worker})()
+    engine = type("Engine", (), {"optimizer": optimizer, "destroy": lambda self: calls.append("engine.destroy")})()
+    system = object.__new__(DeepSpeedSystem)
+    system.engine, system.owns_process_group, system.device = engine, False, torch.device("cpu")
+    system.close()
+    assert calls == ["worker.close", "engine.destroy"]
+    plain = object.__new__(DeepSpeedSystem)  # ZeRO-3 offload without SuperOffload: no worker to stop
+    plain.engine = type("Engine", (), {"optimizer": object(), "destroy": lambda self: calls.append("plain")})()
+    plain.owns_process_group, plain.device = False, torch.device("cpu")
+    plain.close()
+    assert calls[-1] == "plain"

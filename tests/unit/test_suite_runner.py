@@ -243,6 +243,20 @@ def _alive(pids: set[int]) -> set[int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_case_ends_with_its_process_though_a_worker_it_left_holds_its_output(tmp_path):
+    (tmp_path / "s.toml").write_text(SUITE + '\n[[cases]]\nname = "orphan"\nseed = 108\ntimeout_s = 90\n')
+    [record] = _run(load_suite(str(tmp_path / "s.toml")), tmp_path / "results", only="orphan")
+    assert record["status"] == "ok", record.get("error")
+    assert record["suite"]["wall_s"] < 45, "the runner waited on the worker's pipe, not on the case"
+    assert any("fake_system orphan" in c for c in record["suite"]["left_running"]), "the record names the worker"
+    deadline = time.monotonic() + 5
+    while (left := [p for p in _alive(set(_processes())) if "fake_system orphan" in _command_line(p)]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, "the worker outlived its case's group"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_a_killed_runner_takes_its_running_case_and_the_cases_workers_with_it(tmp_path, sig):
     (tmp_path / "s.toml").write_text(SUITE + '\n[[cases]]\nname = "worker"\nseed = 107\n')
