@@ -12,6 +12,9 @@
 # Longer than one device call (10 minutes): run it as an item of scripts/gpu_queue.sh, its record under the queue's
 # results (start 'run bash scripts/gpu_checks.sh /tmp/megatrain-queue/results/gpu_checks/run-SHA-h200.jsonl .', then
 # collect 540 gpu_checks).
+# A run resumes: the checks OUT_JSONL already records as passed at this commit (a clean tree) are not run again
+# (GPU_CHECK_FRESH=1 runs them all), so the next call goes on where a call's limit or a lost machine cut one short:
+# carry the record there and name it again (cp it into $OUT first: only $OUT comes back).
 # Every check compares numbers, none times anything. A MegaTrain plan that places units by the GPU memory free at its
 # start can meet another worker's allocation later (an out-of-memory): run such a check again alone.
 set -uo pipefail
@@ -26,6 +29,11 @@ reorder=$("$py" -m pytest --help 2>/dev/null | grep -q -- --no-loadscope-reorder
 # one inductor compile thread per worker: the workers are the parallelism, and a pool of compile processes per worker
 # (16 on the H200 host) took host memory the published-width curves needed
 [ "$workers" -gt 1 ] && export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1}
+# the passed checks as the run starts: every xdist worker (a restarted one too) must leave out the same ones
+if [ -s "$out" ] && [ "${GPU_CHECK_FRESH:-0}" != 1 ]; then
+    passed=$(mktemp); cp "$out" "$passed"; export GPU_CHECKS_PASSED=$passed
+    echo "gpu_checks: resuming $out ($(grep -c '"passed": true' "$passed") passed records)"
+fi
 start=$SECONDS
 MEGATRAIN_GPU_CHECKS=$out "$py" -m pytest ${GPU_TESTS:-tests/gpu} -m gpu -q -rfE -p no:cacheprovider \
     --durations=15 -n "$workers" --dist loadgroup $reorder "$@"

@@ -11,6 +11,9 @@ whose steps leave the GPU mostly idle. Two things make that fast and safe, both 
   group does not start last and the workers finish together;
 - the checks at a published width run in few lanes, each waiting for its engine's share of the host (host_share),
   and every check hands its cached GPU memory back when it ends.
+A run resumes: with GPU_CHECKS_PASSED=FILE (scripts/gpu_checks.sh sets it to a copy of the record it appends to), the
+checks FILE records as passed at this commit, in a clean tree, are not run again, so a run cut by a device call's limit,
+or whose machine was given back, goes on from there in the next call (one was: 155 of 228 checks came back).
 """
 
 import contextlib
@@ -26,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain.bench.env import environment
+from megatrain.bench.env import environment, git_commit
 from megatrain.bench.record import append_jsonl, relative_paths
 
 
@@ -155,12 +158,42 @@ def _lanes(groups: dict[str, list], seconds, count: int) -> list[list]:
     return [lane for lane in lanes if lane]
 
 
+def passed_before(path: Path, commit: str) -> set[str]:
+    """The node ids of the checks the record file `path` holds as passed at `commit` in a clean tree (a line torn by a
+    kill is passed over)."""
+    done = set()
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        env = record.get("env") or {}
+        if record.get("passed") is True and env.get("commit") == commit and env.get("dirty") is False:
+            done.add(f"{record['file']}::{record['check'].split('@', 1)[0]}")
+    return done
+
+
+def _resume(config, items) -> None:
+    """Leave out the checks GPU_CHECKS_PASSED records as passed at this commit (none in a dirty tree). Every xdist
+    worker reads the same file, so it must not change during the run: a copy, not the record being appended to."""
+    path = os.environ.get("GPU_CHECKS_PASSED")
+    commit, dirty = git_commit()
+    if not path or not Path(path).is_file() or dirty is not False:
+        return
+    done = passed_before(Path(path), commit)
+    kept = [item for item in items if item.nodeid not in done]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.nodeid in done])
+        items[:] = kept
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Group the GPU tests that share a cache (an xdist group runs in one worker), the heavy ones into HEAVY_LANES
     lanes, and order the groups longest first by the last whole run's durations. First of the hooks: xdist's worker
     reads the groups in its own (it renames each grouped test), and a group marked after it is none (the first parallel
     run on the GPU ran every test anywhere: the curves at published widths 15 at once, out of GPU memory)."""
+    _resume(config, items)
     timed = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
 
     def seconds(members):

@@ -218,3 +218,48 @@ def test_a_group_is_split_only_where_each_part_pays_its_first_check_and_still_en
     assert conftest.part_count([30.0] * 20, cap=240.0) == 3
     assert conftest.part_count([100.0, 20.0, 20.0, 20.0], cap=240.0) == 1
     assert conftest.part_count([5.0, 5.0], cap=1.0) == 2  # never more parts than checks
+
+
+RESUMED = '''
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("n", range(3))
+def test_check(n):
+    pass
+'''
+
+
+@pytest.mark.subprocess
+def test_a_run_resumes_past_the_checks_passed_at_this_commit_and_only_those(tmp_path):
+    """The queue's machine was given back between its two calls and took the suite's second half with it: a run
+    named again goes on from its record, leaving out what passed at this commit in a clean tree; not what failed,
+    what passed at another commit, or anything when the tree is dirty. Through xdist: every worker leaves out the
+    same checks."""
+    pytest.importorskip("xdist")
+    shutil.copy(ROOT / "tests" / "gpu" / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_resumed.py").write_text(RESUMED)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: stand-in\n")
+    before = tmp_path / "before.jsonl"
+
+    def record(n, passed, commit):
+        return json.dumps({"check": f"test_check[{n}]@group", "file": "test_resumed.py", "passed": passed,
+                           "env": {"commit": commit, "dirty": False}})
+
+    before.write_text("\n".join([record(0, True, "abc"), record(1, False, "abc"), record(2, True, "older"),
+                                 '{"check": "torn']) + "\n")
+
+    def ran(dirty):
+        out = tmp_path / f"run-{dirty}.jsonl"
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "MEGATRAIN_GPU_CHECKS": str(out),
+               "GPU_CHECKS_PASSED": str(before), "MEGATRAIN_COMMIT": "abc", "MEGATRAIN_DIRTY": dirty}
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist",
+                               "loadgroup", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return sorted(json.loads(line)["check"] for line in out.read_text().splitlines())
+
+    assert ran("0") == ["test_check[1]", "test_check[2]"]
+    assert ran("1") == ["test_check[0]", "test_check[1]", "test_check[2]"], "a dirty tree is not the commit's code"
