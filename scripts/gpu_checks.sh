@@ -8,10 +8,12 @@
 # The checks are small models whose steps leave the GPU mostly idle, so they run side by side (pytest-xdist): the tests
 # that share a process-wide cache in one worker and the longest groups first; a check at a published width starts only
 # while its engine's host state fits beside the others' within GPU_CHECK_HEAVY_HOST_GIB (default 80;
-# tests/gpu/conftest.py). By the last runs' times, 8 workers take ~12.5 minutes and 10 ~10.
-# Longer than one device call (10 minutes): run it as an item of scripts/gpu_queue.sh, its record under the queue's
-# results (start 'run bash scripts/gpu_checks.sh /tmp/megatrain-queue/results/gpu_checks/run-SHA-h200.jsonl .', then
-# collect 540 gpu_checks).
+# tests/gpu/conftest.py). Measured at 4e32950: 10 workers did ~7x one worker's pace after ~75 s of start, so the whole
+# (~104 min of check time) takes ~16 minutes.
+# Longer than one device call (10 minutes): run it in self-contained calls that resume (below), each
+#   cp results/gpu_checks/run-SHA-h200.jsonl $OUT/run.jsonl 2>/dev/null; timeout 560 bash scripts/gpu_checks.sh $OUT/run.jsonl
+# with the record it brought back committed between them. (The queue, scripts/gpu_queue.sh, loses what was left when
+# its machine is given back between calls: it was, with 73 of 228 checks.)
 # A run resumes: the checks OUT_JSONL already records as passed at this commit (a clean tree) are not run again
 # (GPU_CHECK_FRESH=1 runs them all), so the next call goes on where a call's limit or a lost machine cut one short:
 # carry the record there and name it again (cp it into $OUT first: only $OUT comes back).
