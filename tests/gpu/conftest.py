@@ -22,6 +22,7 @@ import gc
 import json
 import math
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import megatrain.bench.case  # noqa: F401 (imported so that _time_each_run finds it in sys.modules)
 from megatrain.bench.env import environment, git_commit
 from megatrain.bench.record import append_jsonl, relative_paths
 
@@ -109,6 +111,43 @@ def _share_the_gpu_host(request):
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             gc.collect()
             torch.cuda.empty_cache()
+
+
+# where the checks build their systems: run_case's and the test helpers' own name for it
+BUILDERS = ("megatrain.bench.case", "engine_helpers", "train_helpers")
+
+
+@pytest.fixture(autouse=True)
+def _time_each_run(request, monkeypatch):
+    """Each system a check builds, in its record's `runs`: which (system, model, compile, precision), its build's
+    seconds and its training's, build to close (a run a process cache answered builds nothing). The suite is ~100 min
+    of check time where 10 minutes are wanted: these say what in a check the time goes to (the build, native's
+    references, a first compile), so that cuts are made where they cost no judgement."""
+    runs: list[dict] = []
+    request.node.user_properties.append(("runs", runs))
+
+    def timed(build):
+        def build_system(case, *args, **kwargs):
+            t0 = time.perf_counter()
+            system = build(case, *args, **kwargs)
+            run = {"system": case.system, "model": case.model, "compile": case.compile, "precision": case.precision,
+                   "build_s": round(time.perf_counter() - t0, 2)}
+            runs.append(run)
+            close = system.close
+
+            def timed_close():
+                run["trained_s"] = round(time.perf_counter() - t0 - run["build_s"], 2)
+                return close()
+
+            system.close = timed_close
+            return system
+        return build_system
+
+    for name in BUILDERS:
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "build_system"):
+            monkeypatch.setattr(module, "build_system", timed(module.build_system))
+    yield
 
 
 DURATIONS = Path(__file__).with_name("durations.json")
@@ -233,12 +272,14 @@ def pytest_runtest_makereport(item, call):
     if not path or not (report.when == "call" or (report.when == "setup" and not report.passed)):
         return
     data = dict(item.user_properties).get("check", {})
+    runs = dict(item.user_properties).get("runs")
     append_jsonl(path, {
         "check": item.nodeid.split("::", 1)[1],
         "file": item.nodeid.split("::", 1)[0],
         "passed": report.passed,
         "outcome": report.outcome if report.when == "call" else f"{report.outcome} in setup",
         **json.loads(json.dumps(data, default=str)),
+        **({"runs": runs} if runs else {}),
         "failure": relative_paths(str(report.longrepr))[-3000:] if not report.passed else None,
         "duration_s": round(report.duration, 2),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -263,3 +263,38 @@ def test_a_run_resumes_past_the_checks_passed_at_this_commit_and_only_those(tmp_
 
     assert ran("0") == ["test_check[1]", "test_check[2]"]
     assert ran("1") == ["test_check[0]", "test_check[1]", "test_check[2]"], "a dirty tree is not the commit's code"
+
+
+TIMED = '''
+import pytest
+from engine_helpers import train
+
+from megatrain.bench.case import run_case
+from megatrain.config import CaseConfig
+
+pytestmark = pytest.mark.gpu
+
+
+def test_two_runs():
+    assert run_case(CaseConfig(system="native", model="tiny", device="cpu", batch=2, seq=16, steps=2))["status"] == "ok"
+    train("megatrain", 2, model="tiny", device="cpu", batch=2, seq=16)
+'''
+
+
+@pytest.mark.subprocess
+def test_a_checks_record_times_each_system_it_builds_and_trains(tmp_path):
+    """What a check's time goes to, per run: run_case's and the helpers' builds, each to its close."""
+    shutil.copy(ROOT / "tests" / "gpu" / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_timed.py").write_text(TIMED)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: stand-in\n")
+    out = tmp_path / "checks.jsonl"
+    env = {**os.environ, "MEGATRAIN_GPU_CHECKS": str(out),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    [record] = map(json.loads, out.read_text().splitlines())
+    assert [(r["system"], r["model"], r["compile"]) for r in record["runs"]] == [("native", "tiny", False),
+                                                                              ("megatrain", "tiny", False)]
+    assert all(r["build_s"] > 0 and r["trained_s"] > 0 for r in record["runs"])
+    assert sum(r["build_s"] + r["trained_s"] for r in record["runs"]) <= record["duration_s"]
