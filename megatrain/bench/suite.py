@@ -351,7 +351,7 @@ def run_case_subprocess(case: SuiteCase, command: list[str], trace_file: Path) -
             timed_out = False
             try:
                 proc.wait(timeout=case.timeout_s)
-                left_running = _group_members(group, but=watchdog.pid)
+                left_running = group_members(group, but=watchdog.pid)
             except subprocess.TimeoutExpired:
                 timed_out = True
                 os.killpg(group, signal.SIGKILL)  # the whole group: DeepSpeed/compile workers too
@@ -390,9 +390,10 @@ def run_case_subprocess(case: SuiteCase, command: list[str], trace_file: Path) -
     return Record(case.config, status, error, stderr_tail=tail).to_dict(), facts
 
 
-def _group_members(group: int, but: int) -> list[str]:
-    """The command lines of the processes of process group `group` but `but`, from /proc (none where there is no
-    /proc): the program's name, not its path, and its arguments, cut to 120 characters."""
+def group_members(group: int, but: int | None = None) -> list[str]:
+    """The command lines of the running processes of process group `group` (but `but`), from /proc (none where there
+    is no /proc): the program's name, not its path, and its arguments, cut to 120 characters. What a case or a bench
+    run left behind when its own process ended."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:

@@ -8,15 +8,20 @@ JIT-compiling DeepSpeedCPUAdam (the paper cases alone, -k paper: about 4; DeepSp
     pytest tests/gpu/test_baselines_gpu.py -m gpu -s
 """
 
+import contextlib
 import importlib.util
 import json
+import os
+import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
+from megatrain.bench.suite import group_members
 from megatrain.config import CaseConfig
 from megatrain.data import make_batches
 from megatrain.optim.config import OptimConfig
@@ -36,12 +41,25 @@ NEEDS_PAPER_CODE = pytest.mark.skipif(bool(paper_code.refusal(CaseConfig(
 
 
 def _bench(system: str, *args: str) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "megatrain", "bench", "--system", system, "--device", "cuda", "--json",
-                           *args], cwd=ROOT, capture_output=True, text=True, timeout=900)
-    lines = proc.stdout.strip().splitlines()
-    assert lines, f"bench wrote no record (exit {proc.returncode}): {proc.stderr[-3000:]}"
+    """One bench run's record, from a process group of its own: the run ends with its process, and whatever it left
+    running fails the check by name (SuperOffload's CPU-Adam worker did, holding the output pipe this waited on)."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "megatrain", "bench", "--system", system, "--device", "cuda",
+                                 "--json", *args], cwd=ROOT, stdout=out, stderr=err, text=True, process_group=0)
+        try:
+            proc.wait(timeout=900)
+        finally:
+            left = group_members(proc.pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    assert not left, f"{system} {' '.join(args)}: its bench left processes running after it ended: {left}"
+    lines = stdout.strip().splitlines()
+    assert lines, f"bench wrote no record (exit {proc.returncode}): {stderr[-3000:]}"
     record = json.loads(lines[-1])
-    assert record["status"] == "ok", (record.get("error"), record.get("traceback"), proc.stderr[-3000:])
+    assert record["status"] == "ok", (record.get("error"), record.get("traceback"), stderr[-3000:])
     print(f"{system} {' '.join(args)}: losses {[round(x, 4) for x in record['losses']]}, "
           f"step {record['step_time_s']:.3f}s, GPU peak {record['peak_gpu_alloc_gib']:.2f} GiB, "
           f"host peak {record['peak_host_rss_gib']:.2f} GiB")
@@ -142,6 +160,7 @@ def test_deepspeed_modes_match_native_and_track_it_in_bf16(options, native_tiny_
 LR_WORKER = """
 import json, sys, torch
 from megatrain.systems import build_system
+from megatrain.bench.suite import group_members
 from megatrain.config import CaseConfig
 from megatrain.data import make_batches
 case = CaseConfig.from_dict(json.loads(sys.argv[1]))
