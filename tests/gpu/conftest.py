@@ -113,6 +113,23 @@ def _share_the_gpu_host(request):
             torch.cuda.empty_cache()
 
 
+@pytest.fixture(autouse=True)
+def _running(request):
+    """While a check runs, RECORD.running/WORKER names it (RECORD: MEGATRAIN_GPU_CHECKS): a worker that dies (one did,
+    "node down", its check unnamed) or a run cut by a device call's limit leaves the file, which says what was running
+    and since when; a check that ends removes it."""
+    path = os.environ.get("MEGATRAIN_GPU_CHECKS")
+    if not path:
+        yield
+        return
+    running = Path(f"{path}.running") / os.environ.get("PYTEST_XDIST_WORKER", "main")
+    running.parent.mkdir(parents=True, exist_ok=True)
+    running.write_text(json.dumps({"check": request.node.nodeid,
+                                   "since_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}) + "\n")
+    yield
+    running.unlink(missing_ok=True)
+
+
 # where the checks build their systems: run_case's and the test helpers' own name for it
 BUILDERS = ("megatrain.bench.case", "engine_helpers", "train_helpers")
 
@@ -282,6 +299,7 @@ def pytest_runtest_makereport(item, call):
         **({"runs": runs} if runs else {}),
         "failure": relative_paths(str(report.longrepr))[-3000:] if not report.passed else None,
         "duration_s": round(report.duration, 2),
+        "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "env": environment(),
     })

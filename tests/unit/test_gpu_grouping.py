@@ -298,3 +298,41 @@ def test_a_checks_record_times_each_system_it_builds_and_trains(tmp_path):
                                                                               ("megatrain", "tiny", False)]
     assert all(r["build_s"] > 0 and r["trained_s"] > 0 for r in record["runs"])
     assert sum(r["build_s"] + r["trained_s"] for r in record["runs"]) <= record["duration_s"]
+
+
+RUNNING = '''
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+# the conftest orders checks of one (untimed) length by node id: this one runs first
+def test_1_names_itself():
+    running = json.loads(Path(os.environ["MEGATRAIN_GPU_CHECKS"] + ".running", "main").read_text())
+    assert running["check"].endswith("test_1_names_itself")
+
+
+def test_2_dies():
+    os._exit(1)
+'''
+
+
+@pytest.mark.subprocess
+def test_a_check_that_kills_its_worker_is_named_by_the_file_it_leaves(tmp_path):
+    """A worker died in the whole run at 4e32950 ("node down") and nothing said which check it was running."""
+    shutil.copy(ROOT / "tests" / "gpu" / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_running.py").write_text(RUNNING)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: stand-in\n")
+    out = tmp_path / "checks.jsonl"
+    env = {**os.environ, "MEGATRAIN_GPU_CHECKS": str(out), "PYTHONPATH": str(ROOT)}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)], cwd=tmp_path,
+                   env=env, capture_output=True, text=True, timeout=300)
+    [passed] = map(json.loads, out.read_text().splitlines())
+    assert passed["check"] == "test_1_names_itself" and passed["passed"] and passed["worker"] == "main"
+    running = json.loads((tmp_path / "checks.jsonl.running" / "main").read_text())
+    assert running["check"].endswith("test_2_dies") and running["since_utc"]
