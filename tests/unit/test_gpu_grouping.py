@@ -336,3 +336,4 @@ def test_a_check_that_kills_its_worker_is_named_by_the_file_it_leaves(tmp_path):
     assert passed["check"] == "test_1_names_itself" and passed["passed"] and passed["worker"] == "main"
     running = json.loads((tmp_path / "checks.jsonl.running" / "main").read_text())
     assert running["check"].endswith("test_2_dies") and running["since_utc"]
+
