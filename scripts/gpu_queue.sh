@@ -17,6 +17,11 @@
 #       its unfinished items lost, ~140 s of a fresh start spent). Order the queue most telling first, and keep
 #       work whose records must come back within the first call's window.
 #
+# Prefer self-contained calls that resume where a chain would lose its tail: a suite resumes its run by case id at
+# the same commit (`cp -r results/SUITE $OUT/SUITE; python3 -m megatrain suite SUITE --out-dir $OUT/SUITE`, the
+# records committed between calls), and scripts/gpu_checks.sh resumes from its record. At 4e32950 the second call of
+# a queue found a fresh machine and 73 of the GPU suite's 228 checks went with the first.
+#
 # Every call that starts a queue carries .whl and .paper (the device tool's carry; both are git-ignored): without
 # them DeepSpeed's and the paper's cases are recorded skipped, and a later call must carry them for the resumed
 # suite to run those cases again (it does: a skip for what the machine lacked is not final).
