@@ -56,18 +56,30 @@ def test_alone(n):
 '''
 
 
+def _stand_ins(tmp_path: Path, module: str, source: str) -> None:
+    """tmp_path as a GPU suite of stand-in checks: the suite's own conftest beside the test module `module`."""
+    shutil.copy(ROOT / "tests" / "gpu" / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / module).write_text(source)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: stand-in\n")
+
+
+def _pytest(tmp_path: Path, env: dict, workers: int = 0) -> subprocess.CompletedProcess:
+    """pytest over the stand-ins in tmp_path (through `workers` xdist workers, if any), with `env` over this process's
+    environment less what this run's own pytest and records set (the checkout and tests/ importable)."""
+    inherited = {k: v for k, v in os.environ.items()
+                 if not k.startswith("PYTEST_XDIST_") and k not in ("MEGATRAIN_GPU_CHECKS", "GPU_CHECKS_PASSED")}
+    xdist = ["-n", str(workers), "--dist", "loadgroup"] if workers else []
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *xdist, str(tmp_path)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300, env={
+                              **inherited, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]), **env})
+
+
 @pytest.mark.subprocess
 def test_xdist_runs_a_shared_cache_in_one_worker_and_heavy_checks_in_few(tmp_path):
     pytest.importorskip("xdist")
-    shutil.copy(ROOT / "tests" / "gpu" / "conftest.py", tmp_path / "conftest.py")
-    (tmp_path / "test_stand_ins.py").write_text(STAND_INS)
-    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: stand-in\n")
+    _stand_ins(tmp_path, "test_stand_ins.py", STAND_INS)
     who = tmp_path / "who_ran.txt"
-    env = {**os.environ, "WHO_RAN": str(who), "PYTHONPATH": str(ROOT)}
-    env.pop("MEGATRAIN_GPU_CHECKS", None)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "4", "--dist",
-                           "loadgroup", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = _pytest(tmp_path, {"WHO_RAN": str(who)}, workers=4)
     assert done.returncode == 0, done.stdout + done.stderr
     workers = defaultdict(set)
     for line in who.read_text().splitlines():
@@ -130,13 +142,9 @@ def test_setup_skip(absent):
 def test_a_check_whose_fixture_fails_or_skips_leaves_a_record(tmp_path):
     """The record is what survives a run cut short by the device call's limit (before pytest's summary): a check
     that errored in its fixture left none, so two checks of the first rerun were missing without a trace."""
-    shutil.copy(ROOT / "tests" / "gpu" / "conftest.py", tmp_path / "conftest.py")
-    (tmp_path / "test_faults.py").write_text(FIXTURE_FAULTS)
-    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: stand-in\n")
+    _stand_ins(tmp_path, "test_faults.py", FIXTURE_FAULTS)
     out = tmp_path / "checks.jsonl"
-    env = {**os.environ, "MEGATRAIN_GPU_CHECKS": str(out), "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)], cwd=tmp_path,
-                   env=env, capture_output=True, text=True, timeout=300)
+    _pytest(tmp_path, {"MEGATRAIN_GPU_CHECKS": str(out)})
     records = {r["check"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert {name: (r["passed"], r["outcome"]) for name, r in records.items()} == {
         "test_passes": (True, "passed"), "test_setup_error": (False, "failed in setup"),
@@ -239,9 +247,7 @@ def test_a_run_resumes_past_the_checks_passed_at_this_commit_and_only_those(tmp_
     what passed at another commit, or anything when the tree is dirty. Through xdist: every worker leaves out the
     same checks."""
     pytest.importorskip("xdist")
-    shutil.copy(ROOT / "tests" / "gpu" / "conftest.py", tmp_path / "conftest.py")
-    (tmp_path / "test_resumed.py").write_text(RESUMED)
-    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: stand-in\n")
+    _stand_ins(tmp_path, "test_resumed.py", RESUMED)
     before = tmp_path / "before.jsonl"
 
     def record(n, passed, commit):
@@ -253,11 +259,8 @@ def test_a_run_resumes_past_the_checks_passed_at_this_commit_and_only_those(tmp_
 
     def ran(dirty):
         out = tmp_path / f"run-{dirty}.jsonl"
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "MEGATRAIN_GPU_CHECKS": str(out),
-               "GPU_CHECKS_PASSED": str(before), "MEGATRAIN_COMMIT": "abc", "MEGATRAIN_DIRTY": dirty}
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist",
-                               "loadgroup", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=300)
+        done = _pytest(tmp_path, {"MEGATRAIN_GPU_CHECKS": str(out), "GPU_CHECKS_PASSED": str(before),
+                                  "MEGATRAIN_COMMIT": "abc", "MEGATRAIN_DIRTY": dirty}, workers=2)
         assert done.returncode == 0, done.stdout + done.stderr
         return sorted(json.loads(line)["check"] for line in out.read_text().splitlines())
 
@@ -284,14 +287,9 @@ def test_two_runs():
 @pytest.mark.subprocess
 def test_a_checks_record_times_each_system_it_builds_and_trains(tmp_path):
     """What a check's time goes to, per run: run_case's and the helpers' builds, each to its close."""
-    shutil.copy(ROOT / "tests" / "gpu" / "conftest.py", tmp_path / "conftest.py")
-    (tmp_path / "test_timed.py").write_text(TIMED)
-    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: stand-in\n")
+    _stand_ins(tmp_path, "test_timed.py", TIMED)
     out = tmp_path / "checks.jsonl"
-    env = {**os.environ, "MEGATRAIN_GPU_CHECKS": str(out),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=300)
+    done = _pytest(tmp_path, {"MEGATRAIN_GPU_CHECKS": str(out)})
     assert done.returncode == 0, done.stdout + done.stderr
     [record] = map(json.loads, out.read_text().splitlines())
     assert [(r["system"], r["model"], r["compile"]) for r in record["runs"]] == [("native", "tiny", False),
@@ -324,14 +322,9 @@ def test_2_dies():
 @pytest.mark.subprocess
 def test_a_check_that_kills_its_worker_is_named_by_the_file_it_leaves(tmp_path):
     """A worker died in the whole run at 4e32950 ("node down") and nothing said which check it was running."""
-    shutil.copy(ROOT / "tests" / "gpu" / "conftest.py", tmp_path / "conftest.py")
-    (tmp_path / "test_running.py").write_text(RUNNING)
-    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: stand-in\n")
+    _stand_ins(tmp_path, "test_running.py", RUNNING)
     out = tmp_path / "checks.jsonl"
-    env = {**os.environ, "MEGATRAIN_GPU_CHECKS": str(out), "PYTHONPATH": str(ROOT)}
-    env.pop("PYTEST_XDIST_WORKER", None)
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)], cwd=tmp_path,
-                   env=env, capture_output=True, text=True, timeout=300)
+    _pytest(tmp_path, {"MEGATRAIN_GPU_CHECKS": str(out)})
     [passed] = map(json.loads, out.read_text().splitlines())
     assert passed["check"] == "test_1_names_itself" and passed["passed"] and passed["worker"] == "main"
     running = json.loads((tmp_path / "checks.jsonl.running" / "main").read_text())
