@@ -109,6 +109,21 @@ def test_durations_take_each_passed_checks_time_by_its_node_id_and_keep_the_rest
                                                  "tests/gpu/t.py::test_c": 7.0}
 
 
+def test_durations_say_where_the_checks_time_went_by_system_and_model():
+    spec = importlib.util.spec_from_file_location("gpu_durations", ROOT / "scripts" / "gpu_durations.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    native = {"system": "native", "model": "big", "compile": False, "build_s": 10.0, "trained_s": 20.0}
+    ours = {"system": "megatrain", "model": "big", "compile": True, "build_s": 5.0, "trained_s": 40.0}
+    failed = {"system": "megatrain", "model": "tiny", "compile": True, "build_s": 1.0}  # no close: the check failed
+    went = module.where_the_time_went([{"duration_s": 100.0, "runs": [native, ours]},
+                                       {"duration_s": 3.0, "runs": [failed]}, {"duration_s": 50.0}])
+    assert went["checks"] == 2 and went["total_s"] == 103.0 and went["outside_runs_s"] == 103.0 - 76.0
+    assert went["by_system"] == {"megatrain compiled": {"build_s": 6.0, "trained_s": 40.0},
+                                 "native": {"build_s": 10.0, "trained_s": 20.0}}
+    assert went["by_model"] == {"big": 75.0, "tiny": 1.0}
+
+
 FIXTURE_FAULTS = '''
 import pytest
 
