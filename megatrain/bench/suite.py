@@ -327,17 +327,24 @@ def _last_json_line(stdout: str) -> dict | None:
 _WATCHDOG = "import os, signal, sys; sys.stdin.buffer.read(); os.killpg(0, signal.SIGKILL)"
 
 
-def run_case_subprocess(case: SuiteCase, command: list[str], trace_file: Path) -> tuple[dict, dict]:
-    """Run one case's command; return (record, facts about the process for the suite block).
+@dataclass(frozen=True)
+class Finished:
+    """How a command run_grouped ran ended: its exit code, its output, whether its time ran out, and what it left
+    running in its group when it ended by itself (each process's program name and arguments: group_members)."""
+    returncode: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+    left_running: list[str]
 
-    The case's output goes to files, not pipes, and the case ends when its own process does: a worker it leaves
-    running (DeepSpeed SuperOffload's CPU-Adam process, a daemon the bench's exit without the interpreter's teardown
-    never stops) holds a pipe open, and waiting for the pipe's end held two SuperOffload cases until the device call's
-    limit killed them, their records written. Such workers die with the case's group; the record names them."""
-    # the case runs in CASE_CWD: a relative --out-dir's trace went there, outside the folder named
-    env = {**os.environ, "MEGATRAIN_TRACE_FILE": str(trace_file.absolute())}
-    t0 = time.perf_counter()
-    oom_kills_before = cgroup_oom_kills()
+
+def run_grouped(command: list[str], timeout_s: float, env: dict | None = None, cwd: Path | None = None) -> Finished:
+    """Run `command` in a process group of its own, led by a watchdog that kills the group once the command ends, its
+    time runs out, or this process dies (by SIGKILL too). Its output goes to files, not pipes, and it ends when its own
+    process does: a worker it leaves running (DeepSpeed SuperOffload's CPU-Adam process, a daemon that a bench ending
+    without the interpreter's teardown never stops) held a pipe open, and waiting for the pipe's end held two
+    SuperOffload cases until the device call's limit killed them, their records written. Ctrl-C or SIGTERM kills the
+    group and is raised."""
     # A group of its own (Ctrl-C at the terminal reaches the runner only), in the runner's session: a process can
     # join only a group of its own session.
     watchdog = subprocess.Popen([sys.executable, "-c", _WATCHDOG], stdin=subprocess.PIPE, process_group=0)
@@ -347,27 +354,38 @@ def run_case_subprocess(case: SuiteCase, command: list[str], trace_file: Path) -
             tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as err:
         try:
             proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=err, text=True, env=env,
-                                    cwd=CASE_CWD, process_group=group)
+                                    cwd=cwd, process_group=group)
             timed_out = False
             try:
-                proc.wait(timeout=case.timeout_s)
+                proc.wait(timeout=timeout_s)
                 left_running = group_members(group, but=watchdog.pid)
             except subprocess.TimeoutExpired:
                 timed_out = True
                 os.killpg(group, signal.SIGKILL)  # the whole group: DeepSpeed/compile workers too
                 proc.wait()
-            except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the case's whole group goes too, then the suite stops
+            except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the whole group goes too, then the caller stops
                 os.killpg(group, signal.SIGKILL)
                 proc.wait()
                 raise
         finally:
-            watchdog.stdin.close()  # the watchdog kills the group: whatever the case left running goes with it
+            watchdog.stdin.close()  # the watchdog kills the group: whatever the command left running goes with it
             watchdog.wait()
         out.seek(0)
         err.seek(0)
-        stdout, stderr = out.read(), err.read()
+        return Finished(proc.returncode, out.read(), err.read(), timed_out, left_running)
+
+
+def run_case_subprocess(case: SuiteCase, command: list[str], trace_file: Path) -> tuple[dict, dict]:
+    """Run one case's command (run_grouped); return (record, facts about the process for the suite block: what the
+    case left running among them)."""
+    # the case runs in CASE_CWD: a relative --out-dir's trace went there, outside the folder named
+    env = {**os.environ, "MEGATRAIN_TRACE_FILE": str(trace_file.absolute())}
+    t0 = time.perf_counter()
+    oom_kills_before = cgroup_oom_kills()
+    proc = run_grouped(command, case.timeout_s, env=env, cwd=CASE_CWD)
+    stdout, stderr, timed_out = proc.stdout, proc.stderr, proc.timed_out
     facts = {"exit_code": proc.returncode, "wall_s": round(time.perf_counter() - t0, 3),
-             **({"left_running": left_running} if left_running else {})}
+             **({"left_running": proc.left_running} if proc.left_running else {})}
     record = _last_json_line(stdout)
     tail = relative_paths(stderr)[-STDERR_TAIL_CHARS:]
     if record is not None:
@@ -390,10 +408,10 @@ def run_case_subprocess(case: SuiteCase, command: list[str], trace_file: Path) -
     return Record(case.config, status, error, stderr_tail=tail).to_dict(), facts
 
 
-def group_members(group: int, but: int | None = None) -> list[str]:
-    """The command lines of the running processes of process group `group` (but `but`), from /proc (none where there
-    is no /proc): the program's name, not its path, and its arguments, cut to 120 characters. What a case or a bench
-    run left behind when its own process ended."""
+def group_members(group: int, but: int) -> list[str]:
+    """The command lines of the running processes of process group `group` but `but` (its watchdog), from /proc (none
+    where there is no /proc): the program's name, not its path, and its arguments, cut to 120 characters. What a
+    command run_grouped ran left behind when its own process ended."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:

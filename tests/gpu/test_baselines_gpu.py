@@ -8,20 +8,16 @@ JIT-compiling DeepSpeedCPUAdam (the paper cases alone, -k paper: about 4; DeepSp
     pytest tests/gpu/test_baselines_gpu.py -m gpu -s
 """
 
-import contextlib
 import importlib.util
 import json
-import os
-import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from megatrain.bench.suite import group_members
+from megatrain.bench.suite import run_grouped
 from megatrain.config import CaseConfig
 from megatrain.data import make_batches
 from megatrain.optim.config import OptimConfig
@@ -41,21 +37,15 @@ NEEDS_PAPER_CODE = pytest.mark.skipif(bool(paper_code.refusal(CaseConfig(
 
 
 def _bench(system: str, *args: str) -> dict:
-    """One bench run's record, from a process group of its own: the run ends with its process, and whatever it left
-    running fails the check by name (SuperOffload's CPU-Adam worker did, holding the output pipe this waited on)."""
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "megatrain", "bench", "--system", system, "--device", "cuda",
-                                 "--json", *args], cwd=ROOT, stdout=out, stderr=err, text=True, process_group=0)
-        try:
-            proc.wait(timeout=900)
-        finally:
-            left = group_members(proc.pid)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-    assert not left, f"{system} {' '.join(args)}: its bench left processes running after it ended: {left}"
+    """One bench run's record, in a process group of its own (megatrain.bench.suite.run_grouped, as a suite's case
+    runs): the run ends with its process, and whatever it left running fails the check by name (SuperOffload's CPU-Adam
+    worker did, holding the output pipe this waited on for its 900 s)."""
+    proc = run_grouped([sys.executable, "-m", "megatrain", "bench", "--system", system, "--device", "cuda", "--json",
+                        *args], timeout_s=900, cwd=ROOT)
+    stdout, stderr = proc.stdout, proc.stderr
+    assert not proc.timed_out, f"{system} {' '.join(args)}: no end after 900 s: {stderr[-3000:]}"
+    assert not proc.left_running, \
+        f"{system} {' '.join(args)}: its bench left processes running after it ended: {proc.left_running}"
     lines = stdout.strip().splitlines()
     assert lines, f"bench wrote no record (exit {proc.returncode}): {stderr[-3000:]}"
     record = json.loads(lines[-1])
@@ -160,7 +150,6 @@ def test_deepspeed_modes_match_native_and_track_it_in_bf16(options, native_tiny_
 LR_WORKER = """
 import json, sys, torch
 from megatrain.systems import build_system
-from megatrain.bench.suite import group_members
 from megatrain.config import CaseConfig
 from megatrain.data import make_batches
 case = CaseConfig.from_dict(json.loads(sys.argv[1]))
