@@ -6,6 +6,7 @@ It then says where the records' time went, from each check's `runs` (tests/gpu/c
 built, its build's seconds and its training's): by system and kernels, by model, and what no build accounts for.
     python scripts/gpu_durations.py results/gpu_checks/run-COMMIT-h200.jsonl [more records...]"""
 
+import importlib.util
 import json
 import sys
 from collections import defaultdict
@@ -13,12 +14,16 @@ from pathlib import Path
 
 from megatrain.bench.record import read_jsonl
 
-DURATIONS = Path(__file__).resolve().parents[1] / "tests" / "gpu" / "durations.json"
+ROOT = Path(__file__).resolve().parents[1]
+DURATIONS = ROOT / "tests" / "gpu" / "durations.json"
 
 
-def test_id(record: dict) -> str:
-    """The pytest node id of a check's record: its file and name, less the @group pytest-xdist appends to it."""
-    return f"{record['file']}::{record['check'].split('@', 1)[0]}"
+def _conftest():
+    """tests/gpu/conftest.py, which writes the records and so knows a record's check (node_id)."""
+    spec = importlib.util.spec_from_file_location("gpu_conftest", ROOT / "tests" / "gpu" / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def where_the_time_went(records: list[dict]) -> dict:
@@ -43,13 +48,14 @@ def where_the_time_went(records: list[dict]) -> dict:
 
 def main(paths: list[str]) -> None:
     seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
-    for path in paths:
-        for record in read_jsonl(path):
-            if record["passed"]:
-                seconds[test_id(record)] = record["duration_s"]
+    records = [record for path in paths for record in read_jsonl(path)]
+    node_id = _conftest().node_id
+    for record in records:
+        if record["passed"]:
+            seconds[node_id(record)] = record["duration_s"]
     DURATIONS.write_text(json.dumps(dict(sorted(seconds.items())), indent=0) + "\n")
     print(f"{DURATIONS.name}: {len(seconds)} tests, {sum(seconds.values()):.0f} s in all")
-    went = where_the_time_went([record for path in paths for record in read_jsonl(path)])
+    went = where_the_time_went(records)
     if went["checks"]:
         print(f"{went['checks']} checks timed their runs: {went['total_s']:.0f} s, "
               f"{went['outside_runs_s']:.0f} s of it outside any build or training")

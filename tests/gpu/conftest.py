@@ -214,6 +214,12 @@ def _lanes(groups: dict[str, list], seconds, count: int) -> list[list]:
     return [lane for lane in lanes if lane]
 
 
+def node_id(record: dict) -> str:
+    """The pytest node id of a check's record (pytest_runtest_makereport writes them): its file and name, less the
+    @group pytest-xdist appends to the name."""
+    return f"{record['file']}::{record['check'].split('@', 1)[0]}"
+
+
 def passed_before(path: Path, commit: str) -> set[str]:
     """The node ids of the checks the record file `path` holds as passed at `commit` in a clean tree (a line torn by a
     kill is passed over)."""
@@ -225,7 +231,7 @@ def passed_before(path: Path, commit: str) -> set[str]:
             continue
         env = record.get("env") or {}
         if record.get("passed") is True and env.get("commit") == commit and env.get("dirty") is False:
-            done.add(f"{record['file']}::{record['check'].split('@', 1)[0]}")
+            done.add(node_id(record))
     return done
 
 
