@@ -62,17 +62,23 @@ def measure(shape: str, layers: int, batch: int, seq: int, dtype: str, device: s
         t0 = time.perf_counter()
         with torch.no_grad():
             forward = program.layer(unit, params, x, context)
-        with torch.enable_grad():
-            recomputed = program.layer(unit, {n: p.detach().requires_grad_() for n, p in params.items()},
-                                       x.detach().requires_grad_(), context)
-        seconds = time.perf_counter() - t0
-        f, r = program.hidden(forward).float(), program.hidden(recomputed).detach().float()
-        per_token = (f - r).abs().amax(-1) / f.abs().amax(-1).clamp_min(1e-30)
-        row = {"layer": index, "max_abs_diff": (f - r).abs().max().item(), "tokens": per_token.numel(),
-               "tokens_differing": int((per_token > 0).sum()), "tokens_moved": int((per_token > MOVED).sum()),
-               "largest_token_move": per_token.max().item(), "seconds": round(seconds, 2)}
-        if isinstance(forward, tuple) and len(forward) == 3:  # with the load-balancing loss: tokens routed per expert
-            row["routed_assignments_differing"] = int((forward[1] - recomputed[1]).abs().sum().item()) // 2
+        routing = forward[-1] if model.is_moe else None  # the experts each token went to, where the model routes
+        row = {"layer": index}
+        # the recompute free to route anew (the engine before 2026-12-04), and replaying the forward's routing (since)
+        for replay in (False, True) if routing is not None else (False,):
+            with torch.enable_grad():
+                recomputed = program.layer(unit, {n: p.detach().requires_grad_() for n, p in params.items()},
+                                           x.detach().requires_grad_(), context, routing if replay else None)
+            f, r = program.hidden(forward).float(), program.hidden(recomputed).detach().float()
+            per_token = (f - r).abs().amax(-1) / f.abs().amax(-1).clamp_min(1e-30)
+            part = {"max_abs_diff": (f - r).abs().max().item(), "tokens": per_token.numel(),
+                    "tokens_differing": int((per_token > 0).sum()), "tokens_moved": int((per_token > MOVED).sum()),
+                    "largest_token_move": per_token.max().item()}
+            if routing is not None:  # tokens whose set of experts differs between the forward and the recompute
+                part["tokens_rerouted"] = int((routing.sort(-1).values != recomputed[-1].sort(-1).values)
+                                              .any(-1).sum())
+            row.update(part if not replay else {f"replayed_{k}": v for k, v in part.items() if k != "tokens"})
+        row["seconds"] = round(time.perf_counter() - t0, 2)
         rows.append(row)
         x = program.hidden(forward)
     return {"shape": shape, "layers": layers, "batch": batch, "seq": seq, "dtype": dtype, "device": device,
@@ -99,8 +105,9 @@ def main(argv: list[str]) -> None:
             print(f"{args.shape} {'compiled' if compiled else 'eager'} layer {row['layer']}: max |forward - "
                   f"recompute| {row['max_abs_diff']:.3g}, {row['tokens_differing']} of {row['tokens']} tokens differ, "
                   f"{row['tokens_moved']} by > {MOVED:.0%} of their scale (largest {row['largest_token_move']:.3g})"
-                  + (f", {row['routed_assignments_differing']} expert assignments differ"
-                     if "routed_assignments_differing" in row else ""), flush=True)
+                  + (f", {row['tokens_rerouted']} rerouted; replaying the forward's routing: "
+                     f"{row['replayed_tokens_moved']} moved, {row['replayed_tokens_rerouted']} rerouted (largest "
+                     f"{row['replayed_largest_token_move']:.3g})" if "tokens_rerouted" in row else ""), flush=True)
         if args.out:
             append_jsonl(args.out, {**result, "env": environment()})
 

@@ -250,6 +250,8 @@ def _bytes(config: EngineConfig, placement: Placement) -> MemoryPlan:
     gpu = buffers + checkpoints + work + 2 * layer_input_bytes(model, tokens_mb, dtype_bytes) + GPU_RESERVE_BYTES
     # the state crossing layers (per-layer inputs, shared keys and values): every micro-batch's, kept all the step
     gpu += config.batch * config.seq * model.crossing_numel_per_token * dtype_bytes
+    # a mixture of experts' routing, every layer's, kept for the recompute to replay
+    gpu += config.batch * config.seq * model.replayed_bytes_per_token
     # the state once for the host; each rank's process, scratch and offloaded activations beside it
     host = host_state + config.ranks * (scratch + PROCESS_OVERHEAD_BYTES + offloaded * activation)
     extra_loads = _loaded_numel(units, resident, recomputed) - _loaded_numel(units, resident, 0)

@@ -292,10 +292,10 @@ class Schedule:
         in backward ('refwd'), whose input stays on the GPU for that layer's own backward."""
         params = bind(unit, weights, requires_grad=False)
         layer = unit.index
-        with torch.no_grad():
-            outputs = [self.program.layer(unit, params, x, step.contexts[m])
+        with torch.no_grad():  # a regenerated input's second forward replays its first's routing
+            outputs = [self.program.layer(unit, params, x, step.contexts[m], step.aux.routing(layer, m))
                        for m, x in enumerate(self.acts.gpu[layer - 1])]
-        self.acts.put(layer, step.aux.forward(outputs, count=not regenerate))
+        self.acts.put(layer, step.aux.forward(outputs, count=not regenerate, layer=layer))
         if not regenerate:
             self.acts.consumed(layer - 1)
 
@@ -346,7 +346,8 @@ class Schedule:
         for m, x in enumerate(inputs):
             x = x.detach().requires_grad_()
             with torch.enable_grad():
-                y = self.program.layer(unit, params, x, step.contexts[m])
+                # the forward's routing replayed: a gradient of the routing the loss saw
+                y = self.program.layer(unit, params, x, step.contexts[m], step.aux.routing(unit.index, m, last=True))
                 grads = step.aux.grads(y, [x, *tensors], step.output_grads[m], m)
             step.output_grads[m] = grads[0]
             self._accumulate(grad_acc, unit, names, grads[1:])

@@ -51,23 +51,30 @@ class CompiledCall:
 
 class LayerTemplate(CompiledCall):
     """A decoder layer called with bound weights; optionally through torch.compile, which fuses the
-    norms, RoPE and SwiGLU elementwise work (one graph for forward, one for recompute+backward)."""
+    norms, RoPE and SwiGLU elementwise work (one graph for forward, one for recompute+backward).
 
-    def __init__(self, cfg: ModelConfig, compile_layer: bool = False, mlp_chunk_tokens: int = 0):
+    routing (a mixture of experts in the engine): each call also returns the experts each token went to, last, and
+    takes a forward's to replay (DecoderLayer's experts_TK), so the recompute's gradient is of the forward's
+    routing."""
+
+    def __init__(self, cfg: ModelConfig, compile_layer: bool = False, mlp_chunk_tokens: int = 0,
+                 routing: bool = False):
         if mlp_chunk_tokens and cfg.is_moe:
             raise ValueError("option mlp_chunk_tokens chunks a dense SwiGLU; a mixture of experts computes only the "
                              "routed tokens per expert: leave it 0")
         with torch.device("meta"):
             self.module = DecoderLayer(cfg)
         self.module.mlp.chunk_tokens = mlp_chunk_tokens
+        self.routing = routing and cfg.is_moe
         super().__init__(self._layer, compile_layer)
 
-    def _layer(self, params, x_BSH, cos_SD, sin_SD, mask_B1SS=None):
-        return functional_call(self.module, params, (x_BSH, cos_SD, sin_SD, mask_B1SS))
+    def _layer(self, params, x_BSH, cos_SD, sin_SD, mask_B1SS=None, experts_TK=None):
+        kwargs = {"experts_TK": experts_TK, "routing": True} if self.routing else {}
+        return functional_call(self.module, params, (x_BSH, cos_SD, sin_SD, mask_B1SS), kwargs)
 
     def __call__(self, params: dict, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor,
-                 mask_B1SS: torch.Tensor | None = None) -> torch.Tensor:
-        return super().__call__(params, x_BSH, cos_SD, sin_SD, mask_B1SS)
+                 mask_B1SS: torch.Tensor | None = None, experts_TK: torch.Tensor | None = None):
+        return super().__call__(params, x_BSH, cos_SD, sin_SD, mask_B1SS, experts_TK)
 
 
 def is_compiler_failure(exc: BaseException) -> bool:

@@ -50,6 +50,11 @@ class ModelShape(Protocol):
         inputs, keys and values shared with later layers)."""
 
     @property
+    def replayed_bytes_per_token(self) -> int:
+        """Bytes of a token's routing the engine keeps over a step for its recompute to replay (a hand-written
+        mixture of experts' chosen experts in every layer), 0 where nothing is replayed."""
+
+    @property
     def intermediate_size(self) -> int: ...
 
     @property

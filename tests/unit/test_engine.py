@@ -89,6 +89,38 @@ def test_streamed_engine_matches_native(name):
         assert max(metrics["grad_norms"]) > CASES[name]["optim"].max_grad_norm  # clipping really acted
 
 
+@pytest.mark.parametrize("name", ["moe-accum-clip", "gpt-oss-aux-recompute-offload-resident-accum"])
+def test_the_recompute_replays_the_forwards_routing(name, monkeypatch):
+    """The engine's recompute of a mixture-of-experts layer sends each token to the experts its forward did: on the
+    GPU the compiled forward and recompute are two graphs that round the router's input otherwise, and 24 of 4096
+    tokens of GPT-OSS-20B's layer took other experts in the recompute (results/gpu_checks/recompute-3a9538f-h200.jsonl),
+    a gradient of another routing than the loss's. Stood in for here by a router that, left to route with gradients
+    on, sends three tokens elsewhere: the engine never asks it (through a regenerated input's second forward and the
+    load-balancing loss's counts too), so it trains bit for bit as without it."""
+    from megatrain.models.handwritten import moe
+
+    case = dict(CASES[name], steps=3)
+    want = _train("megatrain", **case)
+    route = moe.route
+    asked = []
+
+    def rerouting(logits, k, norm_topk_prob, experts_TK=None):
+        weights, experts = route(logits, k, norm_topk_prob, experts_TK)
+        if torch.is_grad_enabled() and experts_TK is None:
+            asked.append(1)
+            experts = experts.clone()
+            experts[:3] = (experts[:3] + 1) % logits.shape[-1]
+        return weights, experts
+
+    monkeypatch.setattr(moe, "route", rerouting)
+    got = _train("megatrain", **case)
+    assert not asked and got[0] == want[0]
+    for n in want[1]:
+        assert torch.equal(got[1][n], want[1][n]), n
+    native = _train("native", **{**case, "options": native_options(case.get("options", {}))})
+    assert asked and native[0] != want[0]  # the stand-in reroutes where a layer routes anew with gradients on
+
+
 @pytest.mark.parametrize("model", ["tiny", "tiny-tied"])
 def test_units_lay_out_exactly_the_modules_parameters(model):
     cfg = model_shape(model)

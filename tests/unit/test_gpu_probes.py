@@ -10,27 +10,29 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_recompute_consistency_sees_a_recompute_that_routes_otherwise(monkeypatch):
     """scripts/recompute_consistency.py (the GPU probe of GPT-OSS's curve offset: does the engine's recompute part from
-    its forward?) on the CPU: the engine's forward and recompute of the tiny GPT-OSS are one computation here, and a
-    recompute that sends some tokens elsewhere (stood in for by moving them) is counted as such."""
+    its forward?) on the CPU: the engine's forward and recompute of the tiny GPT-OSS are one computation here; a
+    recompute free to route anew that sends three tokens to other experts is counted as such, and the engine's, which
+    replays the forward's routing, is not moved by it."""
     path = ROOT / "scripts" / "recompute_consistency.py"
     spec = importlib.util.spec_from_file_location("recompute_consistency", path)
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
     same = probe.measure("tiny-gpt-oss", 2, 2, 64, "float32", "cpu", compiled=False)["per_layer"]
-    assert [(r["tokens_differing"], r["routed_assignments_differing"]) for r in same] == [(0, 0), (0, 0)]
+    assert [(r["tokens_differing"], r["tokens_rerouted"], r["replayed_tokens_differing"]) for r in same] == \
+        [(0, 0, 0), (0, 0, 0)]
 
-    from megatrain.engine.programs.handwritten import HandWrittenProgram
-    layer = HandWrittenProgram.layer
+    from megatrain.models.handwritten import moe
+    route = moe.route
 
-    def rerouted(self, unit, params, x, context):
-        y = layer(self, unit, params, x, context)
-        if not torch.is_grad_enabled():
-            return y
-        hidden, routed, probs = y
-        moved = hidden.clone()
-        moved[0, :3] += hidden[0, :3].abs().amax(-1, keepdim=True)  # three tokens' outputs moved by their own scale
-        return moved, routed.roll(1), probs
+    def rerouted(logits, k, norm_topk_prob, experts_TK=None):
+        weights, experts = route(logits, k, norm_topk_prob, experts_TK)
+        if not torch.is_grad_enabled() or experts_TK is not None:
+            return weights, experts
+        experts = experts.clone()
+        experts[:3] = (experts[:3] + 1) % logits.shape[-1]  # three tokens sent to other experts
+        return weights, experts
 
-    monkeypatch.setattr(HandWrittenProgram, "layer", rerouted)
+    monkeypatch.setattr(moe, "route", rerouted)
     [first, _] = probe.measure("tiny-gpt-oss", 2, 2, 64, "float32", "cpu", compiled=False)["per_layer"]
-    assert first["tokens_moved"] == 3 and first["routed_assignments_differing"] > 0
+    assert first["tokens_rerouted"] == 3 and first["tokens_differing"] >= 3
+    assert first["replayed_tokens_rerouted"] == 0 and first["replayed_tokens_differing"] == 0

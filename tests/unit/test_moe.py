@@ -133,3 +133,20 @@ def test_router_logits_are_fp32_whatever_the_compute_dtype(autocast):
     assert logits.dtype == torch.float32 and y.dtype == torch.bfloat16
     torch.testing.assert_close(logits, x.flatten(0, 1).float() @ w.float().t(), rtol=1e-6, atol=1e-6)
     assert not torch.equal(logits, (x.flatten(0, 1) @ w.to(torch.bfloat16).t()).float())  # a bf16 GEMM rounds them
+
+
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_routing_to_given_experts_is_the_top_k_routing_with_its_gradient(norm_topk_prob):
+    """route with a forward's experts (the engine's recompute replaying them) weighs them as the top-k would, with
+    the same gradient into the logits; given other experts, it sends the tokens there."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 5, generator=gen, requires_grad=True)
+    dw = torch.randn(6, 2, generator=gen)
+    weights, experts = route(logits, 2, norm_topk_prob)
+    (grad,) = torch.autograd.grad((weights * dw).sum(), logits)
+    replayed, same = route(logits, 2, norm_topk_prob, experts)
+    (replayed_grad,) = torch.autograd.grad((replayed * dw).sum(), logits)
+    assert torch.equal(same, experts) and torch.equal(replayed, weights) and torch.equal(replayed_grad, grad)
+    other = (experts + 1) % 5
+    _, sent = route(logits, 2, norm_topk_prob, other)
+    assert torch.equal(sent, other)

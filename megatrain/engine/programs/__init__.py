@@ -22,9 +22,10 @@ class Program(Protocol):
     """What the schedule asks of a model's program.
 
     `contexts` once per step: what each micro-batch's layers need besides their input; `embed` and `embed_backward`
-    for the embedding unit, `layer` for a decoder layer (forward and, with gradients on, its recompute; `hidden` its
-    output as the next layer's input), `head_loss` for the head; `aux_loss` once per step: what the step adds to the
-    cross-entropy (AuxLoss); `buffers` the model's untrained weights a checkpoint holds (loaded, exported and saved
+    for the embedding unit, `layer` for a decoder layer (forward and, with gradients on, its recompute, given what
+    the step kept of its forward to replay: AuxLoss.routing; `hidden` its output as the next layer's input),
+    `head_loss` for the head; `aux_loss` once per step: what the step adds to the cross-entropy and keeps of the
+    layers' forwards (AuxLoss); `buffers` the model's untrained weights a checkpoint holds (loaded, exported and saved
     beside the streamed ones); `train` the mode dropout follows; `draws` the seeds it reseeds from (None: it draws
     nothing)."""
 
@@ -47,7 +48,7 @@ class Program(Protocol):
     def embed_backward(self, grads: dict, params: dict, tokens_BS: torch.Tensor, dy_BSH: torch.Tensor, context,
                        cuda: bool) -> None: ...
 
-    def layer(self, unit: Unit, params: dict, x_BSH: torch.Tensor, context): ...
+    def layer(self, unit: Unit, params: dict, x_BSH: torch.Tensor, context, routing=None): ...
 
     def hidden(self, y): ...
 
@@ -60,15 +61,20 @@ class Program(Protocol):
 
 
 class AuxLoss:
-    """What a step adds to its cross-entropy, as the schedule asks its program (Program.aux_loss): nothing here, the
-    generic program's and a dense hand-written model's; a hand-written MoE's router load-balancing loss overrides each
-    call (megatrain.engine.programs.handwritten.LoadBalancing). Every call runs on the compute stream, where the
-    schedule makes it."""
+    """What a step adds to its cross-entropy and keeps of its layers' forwards, as the schedule asks its program
+    (Program.aux_loss): nothing here, the generic program's and a dense hand-written model's; a hand-written MoE keeps
+    each layer's routing to replay in its recompute (megatrain.engine.programs.handwritten.Routing) and adds its router
+    load-balancing loss (LoadBalancing). Every call runs on the compute stream, where the schedule makes it."""
 
-    def forward(self, outputs: list, count: bool) -> list:
-        """The micro-batches' outputs of a layer's forward (Program.layer's) as the next layer's inputs; count: whether
-        to count what they carry (not in a regenerated input's second forward)."""
+    def forward(self, outputs: list, count: bool, layer: int = 0) -> list:
+        """The micro-batches' outputs of layer `layer`'s forward (Program.layer's) as the next layer's inputs; count:
+        whether to count what they carry (not in a regenerated input's second forward)."""
         return outputs
+
+    def routing(self, layer: int, m: int, last: bool = False):
+        """What layer `layer`'s forward of micro-batch m left for its recompute to replay (Program.layer's
+        `routing`): nothing here; last: the layer's backward, after which it is dropped."""
+        return None
 
     def add_loss(self, loss_sum: torch.Tensor, m: int) -> None:
         """Add micro-batch m's auxiliary loss to the step's summed loss (in place), once every layer's forward ran."""

@@ -266,9 +266,10 @@ class GenericProgram:
             else:
                 grads[name].add_(g)
 
-    def layer(self, unit: Unit, params: dict, x_BSH: torch.Tensor, context: Context) -> torch.Tensor:
+    def layer(self, unit: Unit, params: dict, x_BSH: torch.Tensor, context: Context, routing=None) -> torch.Tensor:
         """Decoder-layer unit `unit`'s output; with gradients on (its recompute in backward), the inputs crossing from
-        the preamble and other layers tapped, and what it published given its readers' gradients."""
+        the preamble and other layers tapped, and what it published given its readers' gradients. `routing` is always
+        None: transformers' modules take no routing to replay (AuxLoss)."""
         index = unit.index - 1
         template = self.templates[self.skeleton.structure[index]]
         self._reseed(unit.index, context)

@@ -30,7 +30,7 @@ class HandWrittenProgram:
         model = config.model
         self.model, self.device, self.micro_batch = model, device, config.micro_batch
         self.template = LayerTemplate(model, compile_layer=config.compile,
-                                      mlp_chunk_tokens=config.options.mlp_chunk_tokens)
+                                      mlp_chunk_tokens=config.options.mlp_chunk_tokens, routing=True)
         self.head = HeadTemplate(model)
         self.cos, self.sin = rotary_tables(model, config.seq, device, config.torch_dtype)
 
@@ -67,19 +67,23 @@ class HandWrittenProgram:
         """Add the embedding's gradient for output gradient dy_BSH into `grads` (fp32 views of the unit)."""
         add_rows(grads[self.embed_weight_name], tokens_BS.flatten(), dy_BSH.flatten(0, 1), cuda)
 
-    def layer(self, unit: Unit, params: dict, x_BSH: torch.Tensor, context):
-        """Decoder-layer unit `unit`'s output (with the load-balancing loss, also its routing: DecoderLayer)."""
+    def layer(self, unit: Unit, params: dict, x_BSH: torch.Tensor, context, routing=None):
+        """Decoder-layer unit `unit`'s output; a mixture of experts' with its routing last (with the load-balancing
+        loss, its counts before it: DecoderLayer), `routing` a forward's replayed (LayerTemplate)."""
         cos, sin, masks = context
-        return self.template(params, x_BSH, cos, sin, masks[self.model.layer_type(unit.index - 1)])
+        return self.template(params, x_BSH, cos, sin, masks[self.model.layer_type(unit.index - 1)], routing)
 
     def hidden(self, y):
-        """A layer's output as the next layer's input: its hidden states, without the routing a layer of a model
-        with the load-balancing loss reports beside them."""
-        return y[0] if self.model.router_stats else y
+        """A layer's output as the next layer's input: its hidden states, without the routing a mixture of experts'
+        layer reports beside them."""
+        return y[0] if self.model.is_moe else y
 
     def aux_loss(self, tokens: list[torch.Tensor], world: int) -> AuxLoss:
-        """The step's router load-balancing loss where the model has one (on the compute stream), else nothing."""
-        return LoadBalancing(self.model, tokens, world, self.device) if self.model.router_stats else AuxLoss()
+        """What the step keeps beside the layers (on the compute stream): a mixture of experts' routing, to replay in
+        recompute, and its load-balancing loss where the model has one; nothing for a dense model."""
+        if self.model.router_stats:
+            return LoadBalancing(self.model, tokens, world, self.device)
+        return Routing() if self.model.is_moe else AuxLoss()
 
     def head_loss(self, params: dict, h_BSH: torch.Tensor, labels_BS: torch.Tensor, normalizer: int) -> torch.Tensor:
         return self.head.loss(params["norm.weight"], params[self.head_weight_name], h_BSH, labels_BS, normalizer)
@@ -89,24 +93,48 @@ class HandWrittenProgram:
         return {}
 
 
-class LoadBalancing(AuxLoss):
+class Routing(AuxLoss):
+    """A mixture of experts' routing over a step: the experts each token of each micro-batch went to in each layer's
+    forward, replayed by that layer's recompute in backward (and by a regenerated input's second forward), so that
+    the gradient is of the routing the loss saw (megatrain.models.handwritten.moe.route). Dropped as each layer's
+    backward takes it; K int64 per token and layer (ModelConfig.replayed_bytes_per_token)."""
+
+    def __init__(self):
+        self.experts: dict[tuple[int, int], torch.Tensor] = {}
+
+    def forward(self, outputs: list, count: bool, layer: int = 0) -> list:
+        """The hidden states of each micro-batch's (hidden states, ..., experts), their routing kept."""
+        for m, out in enumerate(outputs):
+            self.experts[layer, m] = out[-1]
+        return [out[0] for out in outputs]
+
+    def routing(self, layer: int, m: int, last: bool = False):
+        return self.experts.pop((layer, m), None) if last else self.experts.get((layer, m))
+
+    def grads(self, y, inputs: list[torch.Tensor], output_grad: torch.Tensor, m: int) -> tuple:
+        return super().grads(y[0], inputs, output_grad, m)
+
+
+class LoadBalancing(Routing):
     """A step's router load-balancing loss (megatrain.models.handwritten.moe.load_balancing_loss), which couples the
     layers: each micro-batch's tokens routed to each expert and router probability sums, added up over the layers in
     forward; its gradient into a layer's probability sums, known once every layer's forward has run, backpropagated
-    beside the output gradient when the layer is recomputed in backward."""
+    beside the output gradient when the layer is recomputed in backward (with the forward's routing: Routing)."""
 
     def __init__(self, model: ModelConfig, tokens: list[torch.Tensor], world: int, device: torch.device):
         """tokens: the step's micro-batches on this rank; world: the ranks, whose sequences share the weight."""
+        super().__init__()
         self.model, self.tokens, self.world = model, tokens, world
         self.routed, self.probsum = ([torch.zeros(model.num_experts, device=device) for _ in tokens] for _ in range(2))
 
-    def forward(self, outputs: list, count: bool) -> list:
-        """The hidden states of each micro-batch's (hidden states, routed, probability sums), its routing counted."""
+    def forward(self, outputs: list, count: bool, layer: int = 0) -> list:
+        """The hidden states of each micro-batch's (hidden states, routed, probability sums, experts), its routing
+        counted and kept."""
         if count:  # a regenerated input's routing was counted in its first forward
-            for m, (_, routed, probsum) in enumerate(outputs):
+            for m, (_, routed, probsum, _) in enumerate(outputs):
                 self.routed[m] += routed
                 self.probsum[m] += probsum
-        return [out[0] for out in outputs]
+        return super().forward(outputs, count, layer)
 
     def add_loss(self, loss_sum: torch.Tensor, m: int) -> None:
         loss_sum += self._weight(m) * load_balancing_loss(self.routed[m], self.probsum[m], self._rows(m))

@@ -91,6 +91,8 @@ class GenericConfig(HeadSizes):
     def crossing_numel_per_token(self) -> int:
         return self.layout.crossing_numel_per_token
 
+    replayed_bytes_per_token = 0  # transformers' modules take no routing to replay (megatrain.engine.programs)
+
     @property
     def num_heads(self) -> int:
         return int(self.hf.get(_first(self.hf, HEADS_KEYS)) or 1)

@@ -159,6 +159,12 @@ class ModelConfig(HeadSizes):
     crossing_numel_per_token = 0  # only the hidden state passes from a layer to the next
 
     @property
+    def replayed_bytes_per_token(self) -> int:
+        """Bytes a token's routing takes over a step where the engine keeps it for the recompute: K int64 experts in
+        every layer (megatrain.engine.programs.handwritten.Routing); none for a dense model."""
+        return self.num_layers * self.num_experts_per_tok * 8 if self.is_moe else 0
+
+    @property
     def router_stats(self) -> bool:
         """Whether each layer reports its routing for the load-balancing loss."""
         return self.is_moe and self.router_aux_loss_coef > 0

@@ -17,14 +17,28 @@ from torch import nn
 from megatrain.models.handwritten.config import ModelConfig
 
 
-def route(logits_TE: torch.Tensor, k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits_TE: torch.Tensor, k: int, norm_topk_prob: bool,
+          experts_TK: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, K] in the logits' dtype, experts [T, K]): the top-k of the softmax over all experts, or, with
-    norm_topk_prob, the softmax over the top-k logits (the same weights renormalised, as GPT-OSS computes them)."""
+    norm_topk_prob, the softmax over the top-k logits (the same weights renormalised, as GPT-OSS computes them).
+
+    experts_TK given: those experts, not the top-k of these logits; their weights from these logits as the top-k's
+    would be (gather's gradient is topk's: into the chosen logits). The engine's recompute replays its forward's
+    routing so: compiled, its forward and its recompute are two Inductor graphs whose roundings of the router's input
+    differ, and a rounding that reorders close logits sends a token to another expert (GPT-OSS-20B's layer: 24 of 4096
+    tokens on an H200, results/gpu_checks/recompute-3a9538f-h200.jsonl); the gradient would be another routing's
+    than the loss's."""
     if norm_topk_prob:
-        top_TK, experts_TK = torch.topk(logits_TE, k, dim=-1)
+        if experts_TK is None:
+            top_TK, experts_TK = torch.topk(logits_TE, k, dim=-1)
+        else:
+            top_TK = logits_TE.gather(-1, experts_TK)
         return F.softmax(top_TK, dim=-1, dtype=torch.float32).to(logits_TE.dtype), experts_TK
     probs_TE = F.softmax(logits_TE, dim=-1, dtype=torch.float32)
-    top_TK, experts_TK = torch.topk(probs_TE, k, dim=-1)
+    if experts_TK is None:
+        top_TK, experts_TK = torch.topk(probs_TE, k, dim=-1)
+    else:
+        top_TK = probs_TE.gather(-1, experts_TK)
     return top_TK.to(logits_TE.dtype), experts_TK
 
 
@@ -134,7 +148,8 @@ class MoE(nn.Module):
 
     With `router_stats`, forward also returns what the load-balancing loss needs of this layer: the tokens routed to
     each expert [E] (float, no gradient) and the sum over tokens of each expert's router probability [E] (fp32,
-    differentiable)."""
+    differentiable); asked for its routing, last the experts each token went to [T, K] (the engine's recompute
+    replays them: route)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -144,19 +159,25 @@ class MoE(nn.Module):
         self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
         self.router_stats = cfg.router_stats
 
-    def forward(self, x_BSH: torch.Tensor):
+    def forward(self, x_BSH: torch.Tensor, experts_TK: torch.Tensor | None = None, routing: bool = False):
+        """The MLP's output (with router_stats, and the routing counts: the class's doc); experts_TK: route the tokens
+        to these experts instead of the router's top-k (route: a replayed forward's); routing: also return the
+        experts each token went to [T, K], last."""
         x_TH = x_BSH.flatten(0, 1)
         logits_TE = self.router(x_TH)
-        weights_TK, experts_TK = route(logits_TE, self.k, self.norm_topk_prob)
+        weights_TK, experts_TK = route(logits_TE, self.k, self.norm_topk_prob, experts_TK)
         ex = self.experts
         y_BSH = experts_forward(x_TH, weights_TK, experts_TK, ex.gate_up_proj, ex.down_proj, ex.gate_up_proj_bias,
                                 ex.down_proj_bias, self.limit, self.alpha).view_as(x_BSH)
-        if not self.router_stats:
-            return y_BSH
-        num_experts = logits_TE.shape[1]
-        routed_E = torch.zeros(num_experts, device=x_TH.device).index_add_(
-            0, experts_TK.flatten(), torch.ones(experts_TK.numel(), device=x_TH.device))
-        return y_BSH, routed_E, F.softmax(logits_TE, dim=-1, dtype=torch.float32).sum(0)
+        out = (y_BSH,)
+        if self.router_stats:
+            num_experts = logits_TE.shape[1]
+            routed_E = torch.zeros(num_experts, device=x_TH.device).index_add_(
+                0, experts_TK.flatten(), torch.ones(experts_TK.numel(), device=x_TH.device))
+            out += (routed_E, F.softmax(logits_TE, dim=-1, dtype=torch.float32).sum(0))
+        if routing:
+            out += (experts_TK,)
+        return out if len(out) > 1 else y_BSH
 
 
 def load_balancing_loss(routed_E: torch.Tensor, probsum_E: torch.Tensor, rows: int) -> torch.Tensor:

@@ -148,11 +148,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if cfg.is_moe else MLP(cfg)
 
-    def forward(self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor, mask_B1SS: Mask = None):
+    def forward(self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor, mask_B1SS: Mask = None,
+                experts_TK: torch.Tensor | None = None, routing: bool = False):
         """The layer's output; with the config's load-balancing loss, (output, routed tokens [E], router probability
-        sums [E]) (handwritten.moe.MoE)."""
+        sums [E]) (handwritten.moe.MoE). A mixture of experts' routing: experts_TK replays a forward's (its tokens sent
+        to those experts), `routing` returns the experts each token went to [T, K] last (the engine's recompute
+        replays its forward's)."""
         h = x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos_SD, sin_SD, mask_B1SS)
-        mlp = self.mlp(self.post_attention_layernorm(h))
+        normed = self.post_attention_layernorm(h)
+        mlp = self.mlp(normed, experts_TK, routing) if isinstance(self.mlp, MoE) else self.mlp(normed)
         if isinstance(mlp, tuple):
             return h + mlp[0], *mlp[1:]
         return h + mlp
