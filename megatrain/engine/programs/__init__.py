@@ -66,7 +66,7 @@ class AuxLoss:
     each layer's routing to replay in its recompute (megatrain.engine.programs.handwritten.Routing) and adds its router
     load-balancing loss (LoadBalancing). Every call runs on the compute stream, where the schedule makes it."""
 
-    def forward(self, outputs: list, count: bool, layer: int = 0) -> list:
+    def forward(self, outputs: list, count: bool, layer: int) -> list:
         """The micro-batches' outputs of layer `layer`'s forward (Program.layer's) as the next layer's inputs; count:
         whether to count what they carry (not in a regenerated input's second forward)."""
         return outputs

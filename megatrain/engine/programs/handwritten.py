@@ -102,7 +102,7 @@ class Routing(AuxLoss):
     def __init__(self):
         self.experts: dict[tuple[int, int], torch.Tensor] = {}
 
-    def forward(self, outputs: list, count: bool, layer: int = 0) -> list:
+    def forward(self, outputs: list, count: bool, layer: int) -> list:
         """The hidden states of each micro-batch's (hidden states, ..., experts), their routing kept."""
         for m, out in enumerate(outputs):
             self.experts[layer, m] = out[-1]
@@ -127,7 +127,7 @@ class LoadBalancing(Routing):
         self.model, self.tokens, self.world = model, tokens, world
         self.routed, self.probsum = ([torch.zeros(model.num_experts, device=device) for _ in tokens] for _ in range(2))
 
-    def forward(self, outputs: list, count: bool, layer: int = 0) -> list:
+    def forward(self, outputs: list, count: bool, layer: int) -> list:
         """The hidden states of each micro-batch's (hidden states, routed, probability sums, experts), its routing
         counted and kept."""
         if count:  # a regenerated input's routing was counted in its first forward
