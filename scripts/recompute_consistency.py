@@ -62,7 +62,8 @@ def measure(shape: str, layers: int, batch: int, seq: int, dtype: str, device: s
         t0 = time.perf_counter()
         with torch.no_grad():
             forward = program.layer(unit, params, x, context)
-        routing = forward[-1] if model.is_moe else None  # the experts each token went to, where the model routes
+        # the experts each token went to, where the program reports them (the hand-written mixtures of experts)
+        routing = forward[-1] if isinstance(forward, tuple) else None
         row = {"layer": index}
         # the recompute free to route anew (the engine before 2026-12-04), and replaying the forward's routing (since)
         for replay in (False, True) if routing is not None else (False,):
