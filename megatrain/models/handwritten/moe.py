@@ -28,18 +28,13 @@ def route(logits_TE: torch.Tensor, k: int, norm_topk_prob: bool,
     differ, and a rounding that reorders close logits sends a token to another expert (GPT-OSS-20B's layer: 24 of 4096
     tokens on an H200, results/gpu_checks/recompute-3a9538f-h200.jsonl); the gradient would be another routing's
     than the loss's."""
-    if norm_topk_prob:
-        if experts_TK is None:
-            top_TK, experts_TK = torch.topk(logits_TE, k, dim=-1)
-        else:
-            top_TK = logits_TE.gather(-1, experts_TK)
-        return F.softmax(top_TK, dim=-1, dtype=torch.float32).to(logits_TE.dtype), experts_TK
-    probs_TE = F.softmax(logits_TE, dim=-1, dtype=torch.float32)
+    scores_TE = logits_TE if norm_topk_prob else F.softmax(logits_TE, dim=-1, dtype=torch.float32)
     if experts_TK is None:
-        top_TK, experts_TK = torch.topk(probs_TE, k, dim=-1)
+        top_TK, experts_TK = torch.topk(scores_TE, k, dim=-1)
     else:
-        top_TK = probs_TE.gather(-1, experts_TK)
-    return top_TK.to(logits_TE.dtype), experts_TK
+        top_TK = scores_TE.gather(-1, experts_TK)
+    weights_TK = F.softmax(top_TK, dim=-1, dtype=torch.float32) if norm_topk_prob else top_TK
+    return weights_TK.to(logits_TE.dtype), experts_TK
 
 
 def _activation(gate_up_TI2: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
