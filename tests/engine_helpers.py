@@ -123,3 +123,19 @@ def assert_nan_step_skipped(run: dict) -> None:
     assert all(torch.isfinite(p).all() for p in end_p.values())  # the next step trains on
     assert any(not torch.equal(end_p[n], after_p[n]) for n in end_p)
     assert all(torch.isfinite(torch.tensor(run["losses"])))
+
+
+def rerouting(route, asked: list | None = None):
+    """A stand-in for megatrain.models.handwritten.moe.route that, left to route anew with gradients on (a recompute
+    not given its forward's experts), sends the first three tokens to other experts, as a rounding of the router's
+    input can; each such call is appended to `asked`. Routing given experts, or without gradients, is route's."""
+    def route_or_reroute(logits, k, norm_topk_prob, experts_TK=None):
+        weights, experts = route(logits, k, norm_topk_prob, experts_TK)
+        if not torch.is_grad_enabled() or experts_TK is not None:
+            return weights, experts
+        if asked is not None:
+            asked.append(1)
+        experts = experts.clone()
+        experts[:3] = (experts[:3] + 1) % logits.shape[-1]
+        return weights, experts
+    return route_or_reroute

@@ -607,8 +607,8 @@ def _best_mode(label: str) -> str:
 def _against_best(best: pd.DataFrame) -> str:
     """MegaTrain over DeepSpeed as the paper ran it and at its best, per batch and kernel setting of one session's
     _deepspeed_best rows, each other exact mode of DeepSpeed against ZeRO-3 offload and MegaTrain streaming every
-    layer (resident_layers=0) beside them where it ran; where DeepSpeed at its best wins, that it does and why, from the records: its optimizer step
-    call against ZeRO-3 offload's, MegaTrain's exposed host optimizer."""
+    layer (resident_layers=0) beside them where it ran; where DeepSpeed at its best wins, that it does and why, from
+    the records: its optimizer step call against ZeRO-3 offload's, MegaTrain's exposed host optimizer."""
     said, several = [], best["model"].nunique() > 1
     for (model, batch, compiled), g in best.groupby(["model", "batch", "compiled"]):
         row = g.iloc[0]

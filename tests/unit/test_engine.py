@@ -7,7 +7,14 @@ import json
 
 import pytest
 import torch
-from engine_helpers import assert_nan_step_skipped, built, native_options, train_delayed_native, train_with_nan_gradient
+from engine_helpers import (
+    assert_nan_step_skipped,
+    built,
+    native_options,
+    rerouting,
+    train_delayed_native,
+    train_with_nan_gradient,
+)
 from engine_helpers import train as _train
 from families import GENERIC_KINDS, KINDS, family_config, generic_config
 from torch._dynamo.exc import BackendCompilerFailed
@@ -101,18 +108,8 @@ def test_the_recompute_replays_the_forwards_routing(name, monkeypatch):
 
     case = dict(CASES[name], steps=3)
     want = _train("megatrain", **case)
-    route = moe.route
     asked = []
-
-    def rerouting(logits, k, norm_topk_prob, experts_TK=None):
-        weights, experts = route(logits, k, norm_topk_prob, experts_TK)
-        if torch.is_grad_enabled() and experts_TK is None:
-            asked.append(1)
-            experts = experts.clone()
-            experts[:3] = (experts[:3] + 1) % logits.shape[-1]
-        return weights, experts
-
-    monkeypatch.setattr(moe, "route", rerouting)
+    monkeypatch.setattr(moe, "route", rerouting(moe.route, asked))
     got = _train("megatrain", **case)
     assert not asked and got[0] == want[0]
     for n in want[1]:

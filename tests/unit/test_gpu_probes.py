@@ -3,7 +3,7 @@
 import importlib.util
 from pathlib import Path
 
-import torch
+from engine_helpers import rerouting
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,17 +22,8 @@ def test_recompute_consistency_sees_a_recompute_that_routes_otherwise(monkeypatc
         [(0, 0, 0), (0, 0, 0)]
 
     from megatrain.models.handwritten import moe
-    route = moe.route
 
-    def rerouted(logits, k, norm_topk_prob, experts_TK=None):
-        weights, experts = route(logits, k, norm_topk_prob, experts_TK)
-        if not torch.is_grad_enabled() or experts_TK is not None:
-            return weights, experts
-        experts = experts.clone()
-        experts[:3] = (experts[:3] + 1) % logits.shape[-1]  # three tokens sent to other experts
-        return weights, experts
-
-    monkeypatch.setattr(moe, "route", rerouted)
+    monkeypatch.setattr(moe, "route", rerouting(moe.route))  # three tokens sent to other experts
     [first, _] = probe.measure("tiny-gpt-oss", 2, 2, 64, "float32", "cpu", compiled=False)["per_layer"]
     assert first["tokens_rerouted"] == 3 and first["tokens_differing"] >= 3
     assert first["replayed_tokens_rerouted"] == 0 and first["replayed_tokens_differing"] == 0
