@@ -231,6 +231,38 @@ def test_each_heavy_curve_declares_the_host_its_engine_will_hold(monkeypatch):
     assert checks.heavy_host_gib(light) == 0.0
 
 
+def test_a_heavy_curve_holds_the_host_while_its_engine_runs_and_the_gpu_while_native_does(monkeypatch):
+    """Held for a whole check, a published-width curve kept the host through its native runs too, and the heavy lanes
+    ran one or two at a time: each run now holds its own ledger, the engine's the host's, native's and FSDP2's the
+    GPU's, with the engine's plan as the figure; a light shape holds nothing; the two ledgers are two files."""
+    from contextlib import contextmanager
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "gpu"))
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    spec = importlib.util.spec_from_file_location("gpu_engine_checks_held",
+                                                  ROOT / "tests" / "gpu" / "test_engine_gpu.py")
+    checks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(checks)
+    holding, seen = [], []
+
+    @contextmanager
+    def held(kind, gib):
+        holding.append((kind, gib))
+        yield
+        holding.pop()
+
+    monkeypatch.setattr(checks, "_run_curve", lambda system, *a: seen.append((system, list(holding))) or [1.0])
+    shape = "gpt-oss-20b-2l-b4-s1024"
+    for system in ("megatrain", "native", "fsdp"):
+        checks._curve(system, shape, "bf16", held=held)
+    checks._curve("native", "qwen2.5-0.5b-b8-s1024", "bf16", held=held)
+    gib = checks._heavy_gib(shape, "bf16")
+    assert gib > 30
+    assert seen == [("megatrain", [("host", gib)]), ("native", [("gpu", gib)]), ("fsdp", [("gpu", gib)]),
+                    ("native", [("gpu", 0.0)])]
+    conftest = _gpu_conftest()
+    assert conftest.ledger("run", "host") != conftest.ledger("run", "gpu")
+
+
 def test_a_group_is_split_only_where_each_part_pays_its_first_check_and_still_ends_sooner():
     conftest = _gpu_conftest()
     # Qwen3-Next's hybrid set at 5ec0d0c: the first check 343 s (the native runs and the layers' first compile), the
