@@ -3,6 +3,8 @@ native and the engine alike: each series runs its curve RUNS times in one proces
 stress takes seed 1, 2, ... in turn), every curve appended to OUT as one JSON line. Needs CUDA.
     python scripts/curve_spread.py run OUT SHAPE SERIES [--runs 10]
         SERIES: native:PRECISION[:compiled] | megatrain:SET (a CURVE_SETS name)
+    python scripts/curve_spread.py judge NATIVE_OUT ENGINE_OUT
+        each engine run inside or outside the check's band from a pair of the native runs (narrower than the check's)
     python scripts/curve_spread.py analyse OUT [OUT ...]
         per step: each series' mean, standard deviation and range, and each engine series' mean against each native
         one's in standard errors (Welch's t: beyond ~3 the two series do not share a mean)
@@ -57,6 +59,29 @@ def analyse(paths: list[str]) -> None:
             print(f"{ours} against {native}, Welch's t by step: {' '.join(f'{x:+.1f}' for x in t)}")
 
 
+def judge(native_path: str, engine_path: str) -> None:
+    """Each engine run judged as the GPU suite's curve check judges it, against a pair of native runs of the same
+    session (run i against native runs i and i+1): the band from their repeat spread, its unlearnt steps raised to
+    the largest share of the loss any had, its learnt steps to the largest among them. The check adds, for a mixture,
+    native's reordered run to the spread and, past the band, native compiled beside eager: this band is without
+    them, so narrower than the check's. Prints each run's largest excess over the band (<= 0: inside)."""
+    import test_engine_gpu as checks
+    import torch
+
+    from megatrain.bench.record import read_jsonl
+
+    native = [torch.tensor(r["losses"], dtype=torch.float64) for r in read_jsonl(native_path)]
+    engine = [torch.tensor(r["losses"], dtype=torch.float64) for r in read_jsonl(engine_path)]
+    inside = 0
+    for i, ours in enumerate(engine):
+        ref, again = native[i % len(native)], native[(i + 1) % len(native)]
+        spread = checks._share_floor((again - ref).abs(), ref)
+        _, excess = checks._band_excess(ours, ref, spread, ref < checks.MEMORISED)
+        inside += excess <= 0
+        print(f"run {i}: largest excess over the band {excess:+.3g} ({'inside' if excess <= 0 else 'OUTSIDE'})")
+    print(f"{inside} of {len(engine)} engine runs inside the band")
+
+
 def _welch_t(a: list[float], b: list[float]) -> float:
     """(mean a - mean b) over the standard error of that difference."""
     error = (statistics.variance(a) / len(a) + statistics.variance(b) / len(b)) ** 0.5
@@ -71,5 +96,12 @@ if __name__ == "__main__":
     one.add_argument("--runs", type=int, default=10)
     many = sub.add_parser("analyse")
     many.add_argument("paths", nargs="+")
+    judged = sub.add_parser("judge")
+    judged.add_argument("native"), judged.add_argument("engine")
     args = parser.parse_args()
-    run(args.out, args.shape, args.series, args.runs) if args.command == "run" else analyse(args.paths)
+    if args.command == "run":
+        run(args.out, args.shape, args.series, args.runs)
+    elif args.command == "analyse":
+        analyse(args.paths)
+    else:
+        judge(args.native, args.engine)

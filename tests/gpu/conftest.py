@@ -9,9 +9,8 @@ whose steps leave the GPU mostly idle. Two things make that fast and safe, both 
   and curves, computed once per process) run in one worker, as one xdist group;
 - groups start longest first (durations.json, the last whole run's times: scripts/gpu_durations.py), so the longest
   group does not start last and the workers finish together;
-- the checks at a published width run in few lanes, each of their engines waiting for its share of the host and each
-  of their native runs for its share of the GPU (host_share, the `held` fixture), and every check hands its cached
-  GPU memory back when it ends.
+- the checks at a published width run in few lanes, each waiting for its engine's share of the host (host_share),
+  and every check hands its cached GPU memory back when it ends.
 A run resumes: with GPU_CHECKS_PASSED=FILE (scripts/gpu_checks.sh sets it to a copy of the record it appends to), the
 checks FILE records as passed at this commit, in a clean tree, are not run again, so a run cut by a device call's limit,
 or whose machine was given back, goes on from there in the next call (one was: 155 of 228 checks came back).
@@ -55,9 +54,8 @@ def check(request) -> dict:
 
 # What the heavy checks running at one time may hold of the host (GiB; GPU_CHECK_HEAVY_HOST_GIB sets it): the rest
 # of a 128 GiB host is the light workers' and the system's. A heavy check that needs more runs alone among them. The
-# same figure bounds their GPU memory, in a ledger of its own: native, their reference, holds on the GPU about the state
-# the engine holds on the host (weights, gradients, AdamW), and one lane's native runs beside another's engine. So
-# four lanes: the ledgers, not the lane count, keep them apart.
+# same figure bounds their GPU memory too: native, their reference, holds on the GPU about the state the engine holds
+# on the host (weights, gradients, AdamW). So three lanes: the ledger, not the lane count, keeps them apart.
 HEAVY_HOST_GIB = float(os.environ.get("GPU_CHECK_HEAVY_HOST_GIB", "80"))
 LEDGER_POLL_S = 2.0
 
@@ -99,35 +97,15 @@ def host_share(gib: float, ledger: Path, limit: float = HEAVY_HOST_GIB):
             ledger.write_text(json.dumps(holdings))
 
 
-def ledger(run: str, kind: str) -> Path:
-    """The file of a run's `kind` of heavy holdings: "host" (an engine's host state), "gpu" (native's state on the
-    GPU, about what the engine holds on the host), "check" (a whole check's, where it does not hold by run)."""
-    return Path(tempfile.gettempdir()) / f"megatrain-gpu-checks-{run}-{kind}.json"
-
-
-@pytest.fixture
-def held(request):
-    """held(kind, gib): a context manager holding `gib` of the heavy checks' `kind` ledger for a block, where workers
-    run side by side (nothing otherwise). A published-width curve holds the host only while its engine runs and the
-    GPU only while native does: held for the whole check, each of its four to five curves held both, and the heavy
-    lanes ran one or two at a time (the whole suite's critical path, ~530 s a lane at 4e32950)."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-
-    def hold(kind: str, gib: float):
-        return host_share(gib, ledger(run, kind)) if gib and run else contextlib.nullcontext()
-    return hold
-
-
 @pytest.fixture(autouse=True)
 def _share_the_gpu_host(request):
-    """A heavy check that does not hold by run (the `held` fixture) waits for its share of the host (host_share) when
-    workers run side by side; and the GPU memory a check's caching allocator kept goes back to the device when it
-    ends: the workers share one GPU, and a worker's cache of a finished curve (74 GiB once) left the next checks of the
-    others out of memory."""
-    gib = 0.0 if "held" in request.fixturenames else \
-        getattr(request.module, "heavy_host_gib", lambda item: 0.0)(request.node)
+    """A heavy check waits for its share of the host (host_share) when workers run side by side; and the GPU memory
+    a check's caching allocator kept goes back to the device when it ends: the workers share one GPU, and a worker's
+    cache of a finished curve (74 GiB once) left the next checks of the others out of memory."""
+    gib = getattr(request.module, "heavy_host_gib", lambda item: 0.0)(request.node)
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    share = host_share(gib, ledger(run, "check")) if gib and run else contextlib.nullcontext()
+    share = (host_share(gib, Path(tempfile.gettempdir()) / f"megatrain-gpu-checks-{run}.json") if gib and run
+             else contextlib.nullcontext())
     with share:
         yield
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -194,7 +172,7 @@ UNTIMED_S = 30.0  # a test the last whole run did not time (new, or skipped ther
 # Checks at a published width hold 15-45 GiB of host state each (a 128 GiB host): this many lanes of them, each one
 # worker running its share one after another, and a check starting only when host_share admits it (GPU_CHECK_HEAVY_LANES
 # sets the lanes)
-HEAVY_LANES = int(os.environ.get("GPU_CHECK_HEAVY_LANES", "4"))
+HEAVY_LANES = int(os.environ.get("GPU_CHECK_HEAVY_LANES", "3"))
 # A group longer than this is split in parts, each paying for the shared cache once: one worker on a 400 s group
 # would end the suite alone
 GROUP_CAP_S = 240.0

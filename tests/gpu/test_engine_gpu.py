@@ -23,7 +23,6 @@ about 4 more), every check recorded where MEGATRAIN_GPU_CHECKS names a file:
 5. A NaN gradient skips the update on the GPU too: weights, moments and step counts untouched.
 """
 
-import contextlib
 import json
 import os
 import subprocess
@@ -155,14 +154,7 @@ def heavy_host_gib(item) -> float:
     lanes of published-width curves side by side left GPT-OSS's 45 GiB out."""
     if not heavy(item):
         return 0.0
-    return _heavy_gib(item.callspec.params["shape"], CURVE_SETS[item.callspec.params["name"]][0])
-
-
-def _heavy_gib(shape: str, precision: str) -> float:
-    """heavy_host_gib of a published-width shape's curves in `precision` (0 for a shape that is not heavy): what its
-    engine holds on the host, and about what native holds on the GPU."""
-    if shape not in HEAVY_SHAPES:
-        return 0.0
+    shape, precision = item.callspec.params["shape"], CURVE_SETS[item.callspec.params["name"]][0]
     if (shape, precision) not in _host_gib:
         config = engine_config(CaseConfig(system="megatrain", device="cuda", dtype="bfloat16", precision=precision,
                                           **CURVE_SHAPES[shape], options=STREAMED))
@@ -427,7 +419,7 @@ _reordered_curves: dict[tuple[str, str], list[float]] = {}
 _compiled_curves: dict[tuple[str, str], list[float]] = {}
 
 
-def _reordered_spread(shape: str, precision: str, native: torch.Tensor, held=None) -> torch.Tensor | None:
+def _reordered_spread(shape: str, precision: str, native: torch.Tensor) -> torch.Tensor | None:
     """Native's float noise where its two runs are bitwise equal (a deterministic run's repeat says nothing of it):
     as the fp32 parity sets measure it, the same run with its gradient sums in another order (micro-batches of half
     the size: the same mathematics, other roundings), |that - native| per step; None where the batch cannot split.
@@ -439,20 +431,11 @@ def _reordered_spread(shape: str, precision: str, native: torch.Tensor, held=Non
     if micro < 1:
         return None
     if (shape, precision) not in _reordered_curves:
-        _reordered_curves[shape, precision] = _curve("native", shape, precision, {"micro_batch": micro}, held=held)
+        _reordered_curves[shape, precision] = _curve("native", shape, precision, {"micro_batch": micro})
     return (torch.tensor(_reordered_curves[shape, precision], dtype=torch.float64) - native).abs()
 
 
-def _curve(system: str, shape: str, precision: str, fields: dict | None = None, options: dict | None = None,
-           held=None):
-    """A curve's losses; `held` (tests/gpu/conftest.py's fixture, where workers run side by side) holds a heavy shape's
-    share of the host while the engine runs, of the GPU while native or FSDP2 does."""
-    hold = held or (lambda kind, gib: contextlib.nullcontext())
-    with hold("host" if system == "megatrain" else "gpu", _heavy_gib(shape, precision)):
-        return _run_curve(system, shape, precision, fields, options)
-
-
-def _run_curve(system: str, shape: str, precision: str, fields: dict | None, options: dict | None):
+def _curve(system: str, shape: str, precision: str, fields: dict | None = None, options: dict | None = None):
     case = CaseConfig(system=system, device="cuda", dtype="bfloat16", precision=precision, repeat_batch=True, seed=0,
                       **{"steps": CURVE_STEPS, **CURVE_SHAPES[shape], "compile": system == "megatrain",
                          **(fields or {})},
@@ -460,6 +443,15 @@ def _run_curve(system: str, shape: str, precision: str, fields: dict | None, opt
     record = run_case(case)
     assert record["status"] == "ok", (record["error"], record.get("traceback"))
     return record["losses"]
+
+
+def _share_floor(spread: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Each unlearnt step's spread raised to the largest share of its loss that any unlearnt step's spread was."""
+    unlearnt = ref >= MEMORISED
+    if not unlearnt.any():
+        return spread
+    share = (spread[unlearnt] / ref[unlearnt].abs()).max()
+    return torch.where(unlearnt, torch.maximum(spread, share * ref.abs()), spread)
 
 
 def _band_excess(ours: torch.Tensor, ref: torch.Tensor, spread: torch.Tensor,
@@ -472,33 +464,31 @@ def _band_excess(ours: torch.Tensor, ref: torch.Tensor, spread: torch.Tensor,
 
 
 @pytest.mark.parametrize("shape,name", CURVE_CASES, ids=[f"{s}-{n}" for s, n in CURVE_CASES])
-def test_bf16_loss_curve_tracks_native(shape, name, check, held):
+def test_bf16_loss_curve_tracks_native(shape, name, check):
     precision, fields, options = CURVE_SETS[name]
     if (shape, precision) not in _native_curves:
-        _native_curves[shape, precision] = [_curve("native", shape, precision, held=held) for _ in range(2)]
+        _native_curves[shape, precision] = [_curve("native", shape, precision) for _ in range(2)]
     ref, again = (torch.tensor(c, dtype=torch.float64) for c in _native_curves[shape, precision])
     spread = (again - ref).abs()
     unlearnt = ref >= MEMORISED  # a memorised batch's steps have their own floor below
     # a mixture's spread takes its reordering always: its two repeats may part by chance at one step and not another
     if (not spread[unlearnt].any() or shape in MIXTURES) and \
-            (reordered := _reordered_spread(shape, precision, ref, held)) is not None:
+            (reordered := _reordered_spread(shape, precision, ref)) is not None:
         spread = torch.maximum(spread, reordered)
         check.update(spread_from="native with its gradient sums in another order, beside its repeat",
                      native_reordered_losses=_reordered_curves[shape, precision])
     # one pair of runs samples native's noise once a step, and it passes through 0 by chance (Gemma's two bf16 runs
     # 0.13% apart at step 5, 0.04% at step 6, 0 at step 0; GPT-OSS's 1.9% at step 4, 0.9% at step 5, run-3acc8a8): an
     # unlearnt step's spread is at least the largest share of its loss any unlearnt step's was
-    if unlearnt.any():
-        share = (spread[unlearnt] / ref[unlearnt].abs()).max()
-        spread = torch.where(unlearnt, torch.maximum(spread, share * ref.abs()), spread)
+    spread = _share_floor(spread, ref)
     native_own = ref
     reference = MIXED_REFERENCE.get(shape) if precision == "mixed" else None
     if reference:  # the centre moves to the system of the engine's precision policy; the band stays native's spread
         if (shape, reference) not in _reference_curves:
-            _reference_curves[shape, reference] = _curve(reference, shape, precision, held=held)
+            _reference_curves[shape, reference] = _curve(reference, shape, precision)
         native_ref, ref = ref, torch.tensor(_reference_curves[shape, reference], dtype=torch.float64)
         check.update(reference=reference, native_mixed_losses=native_ref.tolist())
-    ours = torch.tensor(_curve("megatrain", shape, precision, fields, options, held), dtype=torch.float64)
+    ours = torch.tensor(_curve("megatrain", shape, precision, fields, options), dtype=torch.float64)
     # a batch learnt by heart (the 8B width does it in 3 steps) has losses of 1e-5 whose bf16 logits give them no
     # relative precision: 1e-4 absolute is their floor. Past that point native's own two runs wander apart as much at
     # any step as at another (a mixture's routing flips there: GPT-OSS's sit at 2e-4 to 1e-3 and differ by 1e-4), so
@@ -512,7 +502,7 @@ def test_bf16_loss_curve_tracks_native(shape, name, check, held):
         # the engine's eager and compiled curves sit 0.6% apart there too (run-7a92f17). A curve outside the repeat
         # band is judged again with native's compiled-vs-eager difference in its spread.
         if (shape, precision) not in _compiled_curves:
-            _compiled_curves[shape, precision] = _curve("native", shape, precision, {"compile": True}, held=held)
+            _compiled_curves[shape, precision] = _curve("native", shape, precision, {"compile": True})
         kernels = (torch.tensor(_compiled_curves[shape, precision], dtype=torch.float64) - native_own).abs()
         spread, excess = _band_excess(ours, ref, torch.maximum(spread, kernels), learnt)
         check.update(spread_from=(check.get("spread_from", "native's repeat") + "; native compiled beside eager"),
