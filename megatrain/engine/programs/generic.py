@@ -157,6 +157,25 @@ class ModuleTemplate(CompiledCall):
         return self(params, x_BSH, args, kwargs)
 
 
+# The compiled templates of this process, by (config.json, layer structure, micro-batch, sequence, dtype, device): a
+# program built again of what an earlier one was (an engine rebuilt, a sweep's next case, the GPU suite's next set)
+# runs the graphs the first compiled. A template of its own traced and compiled transformers' modules again each build:
+# the engine's compiled builds were 2 935 s of the GPU suite's 4 018 timed at d0c54b8, its tiny generic models ~2 000
+# of them. The shapes and dtype in the key keep one template's graphs to those one program makes (Dynamo's recompile
+# limit counts per template). Eager templates stay each program's own.
+_COMPILED: dict[tuple, ModuleTemplate] = {}
+
+
+def _template(key: tuple, module: nn.Module, compile_layer: bool) -> ModuleTemplate:
+    """The layer template of `module` (a program's skeleton layer of the structure `key` names): compiled, the one
+    this process holds for `key` (its module another program's skeleton layer, alike by the key); eager, its own."""
+    if not compile_layer:
+        return ModuleTemplate(module, compile_layer=False)
+    if key not in _COMPILED:
+        _COMPILED[key] = ModuleTemplate(module, compile_layer=True)
+    return _COMPILED[key]
+
+
 def _sanitized() -> bool:
     """Whether PyTorch's CUDA stream sanitizer is on (TORCH_CUDA_SANITIZER=1 enables it as torch is imported)."""
     sanitizer = sys.modules.get("torch.cuda._sanitizer")
@@ -201,7 +220,8 @@ class GenericProgram:
         first = {}
         for i, s in enumerate(skeleton.structure):
             first.setdefault(s, i)
-        self.templates = {s: ModuleTemplate(skeleton.layers[i], config.compile) for s, i in first.items()}
+        self.templates = {s: _template((cfg.hf_json, s, config.micro_batch, config.seq, str(config.torch_dtype),
+                                        device.type), skeleton.layers[i], config.compile) for s, i in first.items()}
         # what training draws, where config.json asks for dropout or jitter: one seed per unit's forward of a
         # micro-batch of a step, so recompute replays its forward's masks (None: nothing random, nothing reseeded)
         self.draws = Draws(config.seed) if cfg.random_settings else None
@@ -220,8 +240,10 @@ class GenericProgram:
 
     def train(self, mode: bool) -> None:
         """Train mode (dropout and jitter as config.json sets them) or eval mode (a held-out loss) for every
-        template and the preamble."""
+        template (a compiled one may be another program's module: _template) and the preamble."""
         self.skeleton.model.train(mode)
+        for template in self.templates.values():
+            template.module.train(mode)
 
     def _reseed(self, unit: int, context: Context) -> None:
         """Before unit `unit`'s forward (first, recomputed or in backward) of a micro-batch: its draws' seed."""
