@@ -3,13 +3,14 @@ write the table: results/generic/transformers-<version>.json (one object per mod
 refused ones with their reasons, the rest by status).
 
     python scripts/walk_transformers.py [--only TYPE,...] [--out DIR]
-    python scripts/walk_transformers.py --curves cuda [--jobs N] [--out DIR]
+    python scripts/walk_transformers.py --curves cuda [--jobs N] [--only TYPE,...] [--out DIR]
     python scripts/walk_transformers.py --published [--curves cuda] [--only HUB_ID,...] [--out DIR]
 
 CPU, a few seconds a family (all of them: minutes). --curves DEVICE walks again, on DEVICE, every family the table
 of this transformers says trains: CURVE_STEPS (8) steps in bf16 against transformers' own run (megatrain.checks.walk.
 curve_family), in N processes side by side, into transformers-<version>-curves.json (with the machine and commit it
-ran on), and adds its column to the table's .md.
+ran on), and adds its column to the table's .md; with --only, those families again, each row with its own machine
+and commit, the others as the record has them.
 
 --published walks the published checkpoints instead (megatrain.models.published: each config.json at the tiny widths,
 every switch as published; a few seconds each) into published-transformers-<version>.json and .md (with --only, those
@@ -72,7 +73,10 @@ def markdown(results: list, version: str, curves: dict | None = None) -> str:
                       "| model type | class | bf16 curve | detail |", "| --- | --- | --- | --- |"]
             for r in chosen:
                 c = by_type.get(r.model_type, {"status": "not run", "detail": ""})
-                lines.append(f"| {r.model_type} | {r.causal_lm} | {c['status']} | {c['detail'].replace('|', '/')} |")
+                again = f" (run again at {c['env']['commit'][:7]} on {c['env']['gpu'] or c['env']['device']})" \
+                    if "env" in c else ""
+                lines.append(f"| {r.model_type} | {r.causal_lm} | {c['status']} | "
+                             f"{c['detail'].replace('|', '/')}{again} |")
             lines.append("")
             continue
         if status == "trains":
@@ -101,7 +105,7 @@ def main() -> None:
     if args.published:
         return walk_published(args.curves, args.only.split(",") if args.only else None, out, f"published-{stem}")
     if args.curves:
-        return curves(args.curves, args.jobs, out, stem)
+        return curves(args.curves, args.jobs, out, stem, args.only.split(",") if args.only else None)
     types = causal_lm_types()
     if args.only:
         types = {t: types[t] for t in args.only.split(",")}
@@ -125,8 +129,23 @@ def _curve_job(args: tuple) -> dict:
     return curve_family(*args)
 
 
-def curves(device: str, jobs: int, out: Path, stem: str) -> None:
-    """The bf16 curves of every family the table says trains, written beside it, and the table's .md again."""
+def _refuse(message: str) -> None:
+    """A bad request: one line, exit 2."""
+    print(f"walk_transformers: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def merge_curves(old: dict, done: list[dict], env: dict, order: list[str]) -> dict:
+    """The curves record `old` with the families of `done` run again: each of those carries its own `env` (the
+    record's stays that of the run that walked the rest), in the table's `order` of model types."""
+    by_type = {c["model_type"]: c for c in old["families"]}
+    by_type.update({c["model_type"]: {**c, "env": env} for c in done})
+    return {**old, "families": [by_type[t] for t in order if t in by_type]}
+
+
+def curves(device: str, jobs: int, out: Path, stem: str, only: list[str] | None = None) -> None:
+    """The bf16 curves of every family the table says trains (with `only`, those families again, merged into the
+    record beside the others: merge_curves), written beside it, and the table's .md again."""
     import multiprocessing
 
     import transformers
@@ -134,13 +153,22 @@ def curves(device: str, jobs: int, out: Path, stem: str) -> None:
     from megatrain.bench.env import environment
 
     results = [FamilyResult(**r) for r in json.loads((out / f"{stem}.json").read_text())]
-    todo = [(r.model_type, r.causal_lm, device) for r in results if r.status == "trains"]
+    trains = [r for r in results if r.status == "trains"]
+    if only and (unknown := sorted(set(only) - {r.model_type for r in trains})):
+        _refuse(f"--only {','.join(unknown)}: not a model type the table of {stem} says trains")
+    old = _curves(out, stem) if only else None
+    if only and old is None:
+        _refuse(f"--curves --only runs families again beside a whole walk's curves: {stem}-curves.json is not there "
+                "(run --curves without --only first)")
+    todo = [(r.model_type, r.causal_lm, device) for r in trains if not only or r.model_type in only]
     done = []
     with multiprocessing.get_context("spawn").Pool(jobs) as pool:
         for c in pool.imap(_curve_job, todo):
             print(f"{c['model_type']:28s} {c['status']:7s} {c['detail'][:100]}", flush=True)
             done.append(c)
-    record = {"env": {**environment(), "device": device}, "steps": CURVE_STEPS, "families": done}
+    env = {**environment(), "device": device}
+    record = merge_curves(old, done, env, [r.model_type for r in results]) if only else \
+        {"env": env, "steps": CURVE_STEPS, "families": done}
     (out / f"{stem}-curves.json").write_text(json.dumps(record, indent=1) + "\n")
     (out / f"{stem}.md").write_text(markdown(results, transformers.__version__, record) + "\n")
     print(f"{sum(c['status'] == 'tracks' for c in done)} of {len(done)} track transformers in bf16 on {device}")

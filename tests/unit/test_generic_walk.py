@@ -138,3 +138,31 @@ def test_every_published_checkpoint_trains_or_is_refused():
     assert len(results) >= 30
     assert {r.status for r in results} <= {"trains", "refused"}, [r for r in results if r.status not in
                                                                   ("trains", "refused")]
+
+
+def test_curves_run_again_for_some_families_keep_the_others_and_name_their_own_machine():
+    """scripts/walk_transformers.py --curves --only: one family's GPU curve again (Kimi-Linear's, after its tile fix)
+    without walking the 89 again; its row carries the machine and commit it ran at, the others keep the record's."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("walk_script", root / "scripts" / "walk_transformers.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    old = {"env": {"commit": "a" * 40, "gpu": "H100", "device": "cuda", "torch": "2.11.0"}, "steps": 8,
+           "families": [{"model_type": "llama", "causal_lm": "LlamaForCausalLM", "status": "tracks", "detail": "ok"},
+                        {"model_type": "kimi_linear", "causal_lm": "KimiLinearForCausalLM", "status": "fails",
+                         "detail": "RuntimeError: expected data_ptr to be aligned to 16 bytes"}]}
+    env = {"commit": "b" * 40, "gpu": "NVIDIA H200", "device": "cuda", "torch": "2.11.0"}
+    again = [{"model_type": "kimi_linear", "causal_lm": "KimiLinearForCausalLM", "status": "tracks", "detail": "fine"}]
+    merged = script.merge_curves(old, again, env, ["kimi_linear", "llama"])
+    assert merged["env"] == old["env"] and merged["steps"] == 8
+    assert [c["model_type"] for c in merged["families"]] == ["kimi_linear", "llama"]
+    assert merged["families"][0] == {**again[0], "env": env} and merged["families"][1] == old["families"][0]
+    results = [script.FamilyResult(model_type=t, causal_lm=c, status="trains", detail="")
+               for t, c in (("kimi_linear", "KimiLinearForCausalLM"), ("llama", "LlamaForCausalLM"))]
+    table = script.markdown(results, "5.17.0", merged)
+    assert "| kimi_linear | KimiLinearForCausalLM | tracks | fine (run again at bbbbbbb on NVIDIA H200) |" in table
+    assert "| llama | LlamaForCausalLM | tracks | ok |" in table
+    assert "commit aaaaaaa" in table and "2 tracks" in table
