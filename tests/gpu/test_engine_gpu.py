@@ -116,8 +116,9 @@ STRESS_SETS = ["compiled", "tied", "resident-embedding-2-layers", "offload-activ
                "generic-gemma4-large-offload-recompute-resident", "one-weight-slot"]
 STRESS_SEEDS = [1, 2, 3]
 # (set, seed): every seed over the hand-written sets (a few seconds each once compiled); one each over the generic
-# path's (transformers' modules, which each engine build traces and compiles again: 15-50 s a check after a process's
-# first, 80-380 s a set's three at 4e32950, the suite's longest group), the seeds taken in turn across them. A missing
+# path's (transformers' modules, which each engine build traced and compiled again until cce1351 shared a process's
+# compiled templates: 15-50 s a check after a process's first, 80-380 s a set's three at 4e32950, the suite's longest
+# group; what a seed costs since is owed to the next whole run), the seeds taken in turn across them. A missing
 # cross-stream wait broke parity under every seed tried (5e-3 to 0.6 of a tensor's largest magnitude, fixes 1 to 3);
 # the generic programs run the same schedule, and each set's seed is the same from run to run.
 STRESS_CASES = [(name, seed) for name in STRESS_SETS if not name.startswith("generic-") for seed in STRESS_SEEDS] + [
