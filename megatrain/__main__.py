@@ -1,5 +1,4 @@
 import os
-import sys
 
 # Every system's CUDA caching allocator maps its blocks in expandable segments (unless the user set the allocator):
 # an eager Qwen2.5-14B micro-batch of 96 on an H200 ran out of GPU memory with 121 GiB allocated and 16.5 GiB reserved
@@ -7,12 +6,6 @@ import sys
 # allocates, so set before any command runs; bench records it (env.cuda_alloc_conf).
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
-from megatrain.cli import main  # noqa: E402
+from megatrain.cli import exit_process, main  # noqa: E402
 
-code = main()
-if "torch.distributed" in sys.modules:  # a command that never loaded torch is no torchrun rank with process groups
-    from megatrain.engine.distributed import exit_rank, teardown_may_abort
-
-    if teardown_may_abort():  # a torchrun rank, or a run that made process groups of its own (FSDP2, DeepSpeed)
-        exit_rank(code)  # skips the interpreter's teardown (megatrain.engine.distributed.exit_rank)
-sys.exit(code)
+exit_process(main())

@@ -12,6 +12,7 @@ import re
 import shlex
 import sys
 import warnings
+from typing import NoReturn
 
 from megatrain import __version__
 
@@ -217,6 +218,19 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def _warning_line(message, category, filename, lineno, line=None) -> str:
     """A warning as the command line prints it: one line, without the source line that raised it."""
     return f"warning: {message}\n"
+
+
+def exit_process(code: int) -> NoReturn:
+    """End this process with `code`, as `python -m megatrain` does: a process whose torch made process groups (a
+    torchrun rank, or an FSDP2 or DeepSpeed run of one process, even with its groups destroyed) ends without the
+    interpreter's teardown, where torch's process-group threads can abort it after its last line ('terminate called
+    without an active exception', exit -6 for 2: pytorch/pytorch#179291); any other ends as sys.exit does."""
+    if "torch.distributed" in sys.modules:  # a command that never loaded torch made no process groups
+        from megatrain.engine.distributed import exit_rank, teardown_may_abort
+
+        if teardown_may_abort():
+            exit_rank(code)  # output flushed, then os._exit
+    sys.exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:

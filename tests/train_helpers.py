@@ -234,7 +234,8 @@ WORKER = """
 import json, sys
 import pytest
 from train_helpers import train_any
-sys.exit(train_any(**json.loads(sys.argv[1]), fresh_process=False))
+from megatrain.cli import exit_process
+exit_process(train_any(**json.loads(sys.argv[1]), fresh_process=False))  # as python -m megatrain ends
 """
 
 

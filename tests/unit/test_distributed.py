@@ -392,3 +392,35 @@ def test_the_engine_under_torchrun_trains_saves_and_exports_as_one_process(one_p
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+ENDING = """
+import atexit, pathlib, sys
+import torch.distributed as dist
+from megatrain.cli import exit_process
+from megatrain.systems.dist import single_process_env
+
+marker, own_world = sys.argv[1], sys.argv[2] == "1"
+atexit.register(lambda: pathlib.Path(marker).write_text("the interpreter's teardown ran"))
+if own_world:
+    single_process_env()
+    dist.init_process_group("gloo")
+    dist.destroy_process_group()
+print("the last line", flush=False)
+exit_process(2)
+"""
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("own_world", [True, False])
+def test_a_process_that_made_its_own_process_groups_ends_without_the_interpreters_teardown(tmp_path, own_world):
+    """exit_process (`python -m megatrain`'s end, and the test scripts' that call main): a one-process FSDP2 or
+    DeepSpeed run, its groups destroyed, still aborted in the teardown now and then (exit -6 for 2 after its error
+    line, CI); such a process skips the teardown with its output flushed, any other ends as sys.exit does."""
+    from train_helpers import python_process
+
+    marker = tmp_path / "teardown"
+    proc = python_process(ENDING, str(marker), "1" if own_world else "0")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == ["the last line"]
+    assert marker.exists() is not own_world

@@ -16,10 +16,10 @@ from train_helpers import needs_deepspeed, python_process  # noqa: E402
 def _bench_large_gemma4(system: str, *flags: str) -> dict:
     """`python -m megatrain bench` of tiny-hf-gemma4-26b-a4b (Gemma 4's large checkpoints' switches) for 3 steps on
     the CPU in fp32, in a fresh process (Dynamo's counts its own): its record."""
-    proc = python_process("import sys; from megatrain.cli import main; sys.exit(main(sys.argv[1:]))", "bench",
-                          "--system", system, "--model", "tiny-hf-gemma4-26b-a4b", "--batch", "4", "--micro-batch",
-                          "2", "--seq", "80", "--steps", "3", "--device", "cpu", "--dtype", "float32", "--json",
-                          *flags)
+    cli = "import sys; from megatrain.cli import exit_process, main; exit_process(main(sys.argv[1:]))"
+    proc = python_process(cli, "bench", "--system", system, "--model", "tiny-hf-gemma4-26b-a4b", "--batch", "4",
+                          "--micro-batch", "2", "--seq", "80", "--steps", "3", "--device", "cpu", "--dtype", "float32",
+                          "--json", *flags)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

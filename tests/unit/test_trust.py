@@ -283,7 +283,7 @@ import os, pickle, sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 import pytest
 from test_trust import Payload, _swapped_after_the_checks
-from megatrain.cli import main
+from megatrain.cli import exit_process, main
 
 out, pattern, marker, steps = sys.argv[1:]
 
@@ -297,7 +297,7 @@ def swap(d):
 with pytest.MonkeyPatch.context() as mp:
     if pattern:
         _swapped_after_the_checks(mp, swap)
-    sys.exit(main(["train", "--resume", out, "--steps", steps]))
+    exit_process(main(["train", "--resume", out, "--steps", steps]))
 """
 
 
