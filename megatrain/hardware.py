@@ -103,16 +103,19 @@ class LentMachine:
         ingredients: its measured ingredient files in results/ingredients/: the shapes and host rates, then any GPU
             rates measured in a later lease.
         spec: its published figures, a table name of hardware_specs.toml.
+        owed: ingredient files of rates a model learned after the machine's last lease, loaded once measured (a
+            prediction that needs such a rate names it until then).
     """
 
     ingredients: tuple[str, ...]
     spec: str
+    owed: tuple[str, ...] = ()
 
 
 # by GPU kind, a substring of the CUDA device name
 LENT: dict[str, LentMachine] = {
     "H200": LentMachine(("h200-141g-128g.json", "h200-141g-128g-rates.json", "h200-141g-128g-moe.json"),
-                         "h200-sxm-lent"),
+                         "h200-sxm-lent", owed=("h200-141g-128g-writeback.json",)),
     "H100": LentMachine(("h100-80g.json",), "h100-sxm-lent"),
 }
 SPECS = Path(__file__).with_name("hardware_specs.toml")

@@ -24,8 +24,10 @@ accumulated batch's bf16 partial sums go out and come back per micro-batch); the
 weights copied up before the next forward (H2D 2 B/param, after the step).
 Partial optimizer offload (option optimizer_ratio) keeps the first sub-groups' fp32 state on the GPU
 (deepspeed_zero3.optimizer_sub_groups): their fp32 gradients stay there, torch AdamW steps them on the GPU (at the
-GPU AdamW rate of the engine's resident units, its stand-in) after the backward, and each updated sub-group is cast
-into its bf16 host partition (D2H 2 B/param); the host steps the rest as above.
+GPU AdamW rate of the engine's resident units, its stand-in) after the backward, and each updated fp32 sub-group is
+copied into its host parameter partition: in a bf16 run a blocking copy that changes dtype, which PyTorch converts on
+the host through a fresh pageable fp32 temporary (the ingredients' gpu_to_host_convert_gbs, 4 B/param; a model whose
+ingredients lack that rate does not predict the mode), in fp32 a pinned copy; the host steps the rest as above.
 SuperOffload (option super_offload) sends each sub-group to DeepSpeedCPUAdam in a worker process on a share of the
 cores (its Adam pass here at the probe's rate times that share, an assumption its records test): the worker copies
 the gradient into its own pinned buffer and the updated master is copied back over the partition (16 B/param more at
@@ -106,6 +108,22 @@ class HostStep:
         return {"clip_s": numel * CLIP_BYTES_PER_PARAM / (self.update_gbs * 1e9) if clip else 0.0,
                 "adam_s": numel / (self.adam_gparams_s * adam_share * 1e9),
                 "cast_s": numel * (CAST_BYTES_PER_PARAM + copy_bytes_per_param) / (self.copy_gbs * 1e9)}
+
+
+def write_back_s(m, params: float, width: int) -> float:
+    """Seconds to copy `params` updated fp32 master values from the GPU into host parameter partitions of `width`
+    bytes a value (partial offload's GPU sub-groups after their AdamW): a pinned copy where the partition is fp32 too,
+    else the dtype-changing copy that PyTorch converts on the host (Machine.gpu_to_host_convert_gbs). KeyError where
+    that rate was never measured (the ingredients before it): the pinned rate in its place missed the mode's three
+    records by 50-74%."""
+    if width == FP32_BYTES:
+        return params * FP32_BYTES / (m.d2h_gbs * 1e9)
+    if not m.gpu_to_host_convert_gbs:
+        raise KeyError("partial offload writes its GPU sub-groups back with a dtype-changing GPU-to-host copy, and "
+                       f"{m.name}'s ingredients lack its rate (gpu_to_host_convert_gbs): measure it on that GPU kind, "
+                       "python -m megatrain.perf_model.ingredients --models '' --out results/ingredients/FILE, "
+                       "FILE the kind's owed file in megatrain.hardware.LENT")
+    return params * FP32_BYTES / (m.gpu_to_host_convert_gbs * 1e9)
 
 
 def step(case: CaseConfig, model: Model, host: HostStep, compiled_layers: int | None = None,
@@ -220,9 +238,9 @@ def step(case: CaseConfig, model: Model, host: HostStep, compiled_layers: int | 
     if o.super_offload and not clip:  # speculative: each sub-group's step beside the rest of the backward
         host_step_s = max(host_step_s - (backward_end - forward_s),
                           host_step_s * max(sub_groups) / sum(sub_groups))
-    gpu_step_s = on_gpu / (m.gpu_adamw_gparams_s[case.precision] * 1e9) + on_gpu * w / (m.d2h_gbs * 1e9) \
+    gpu_step_s = on_gpu / (m.gpu_adamw_gparams_s[case.precision] * 1e9) + write_back_s(m, on_gpu, w) \
         if on_gpu else 0.0  # partial offload: its GPU share's AdamW, then each updated sub-group to its host partition
-    moved["d2h_bytes"] += on_gpu * w
+    moved["d2h_bytes"] += on_gpu * 4
     upload_s = 0.0 if zero3 else up(total * w, False)  # ZeRO-Offload: the new weights up
     t += host_step_s + gpu_step_s + upload_s
     return {

@@ -9,6 +9,8 @@ python -m megatrain.perf_model.ingredients --out results/ingredients/h200-141g-1
   G params/s over 128M parameters;
 - the GPU AdamW of a resident unit (the engine's torch_adamw_unit on one 7B layer's tiles on the GPU, clipped), in
   G params/s per precision, and the GPU's copy rate (GB copied per second);
+- a blocking copy of fp32 on the GPU into a pinned bf16 host tensor (GB/s of fp32): PyTorch converts it on the
+  host through a pageable temporary; DeepSpeed's partial optimizer offload writes its GPU sub-groups back so;
 - per model shape, at seq 1024 and each token count, eager and compiled: one decoder layer's forward (no grad, as
   the engine's forward) and its recompute + backward with the fp32 gradient accumulation and squared norm the
   engine adds (`bwd_ms`), through the engine's LayerTemplate; the head (final norm, chunked LM-head loss, and its
@@ -80,6 +82,25 @@ def gpu_copy_gbs(nbytes: int = 4 * GIB) -> float:
     src = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     return nbytes / (bench_ms(lambda: dst.copy_(src), warmup=2, iters=5) / 1e3) / 1e9
+
+
+def gpu_to_host_convert_gbs(numel: int = 2**28, repeats: int = 3) -> float:
+    """GB/s, counted in the fp32 source's bytes, of a blocking copy of fp32 on the GPU into a pinned bf16 host tensor:
+    DeepSpeed's partial optimizer offload writes each GPU sub-group's updated fp32 master so into its bf16 parameter
+    partition on the host (stage3._reassign_or_swap_out_partitioned_parameters). PyTorch converts a blocking copy
+    that changes dtype on the host (copy_kernel_cuda): a fresh pageable fp32 temporary, the device-to-host copy
+    into it, then the conversion; not a pinned copy at the link's rate. 1 GiB of fp32, a fresh temporary each time
+    as each of DeepSpeed's steps makes one."""
+    src = torch.ones(numel, dtype=torch.float32, device="cuda")
+    dst = torch.empty(numel, dtype=torch.bfloat16, pin_memory=True)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return numel * 4 / statistics.median(times) / 1e9
 
 
 def layer_times(model: str, tokens: int, compiled: bool, seq: int = 1024) -> dict:
@@ -156,10 +177,12 @@ def main() -> None:
               "machine": measure().to_dict(), "host_copy_gbs": host_copy_gbs(), "host_adamw_gparams_s": {},
               "layers": [], "heads": [], "attention": []}
     result["gpu_copy_gbs"] = gpu_copy_gbs()
+    result["gpu_to_host_convert_gbs"] = gpu_to_host_convert_gbs()
     for precision in ("bf16", "mixed"):
         result["host_adamw_gparams_s"][precision] = engine_adamw_gparams_s(precision, 2**27)
         result.setdefault("gpu_adamw_gparams_s", {})[precision] = gpu_adamw_gparams_s(precision)
-    rates = ("machine", "host_copy_gbs", "host_adamw_gparams_s", "gpu_copy_gbs", "gpu_adamw_gparams_s")
+    rates = ("machine", "host_copy_gbs", "host_adamw_gparams_s", "gpu_copy_gbs", "gpu_to_host_convert_gbs",
+             "gpu_adamw_gparams_s")
     print(json.dumps({k: result[k] for k in rates}), flush=True)
 
     def save():

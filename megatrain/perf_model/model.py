@@ -189,6 +189,9 @@ class Machine:
     host_adamw_gparams_s: dict
     gpu_adamw_gparams_s: dict
     gemm_tflops: float
+    # a blocking copy of fp32 on the GPU into a pinned bf16 host tensor, GB/s of fp32 (ingredients'
+    # gpu_to_host_convert_gbs; None where its ingredients predate it)
+    gpu_to_host_convert_gbs: float | None = None
     gemm_scale: float = 1.0
     bandwidth_scale: float = 1.0
 
@@ -208,7 +211,8 @@ class Machine:
         return Machine(
             name=name, h2d_gbs=probe.get("h2d_gbs", base["h2d_gbs"]), d2h_gbs=probe.get("d2h_gbs", base["d2h_gbs"]),
             both_gbs=probe.get("both_gbs", base["both_gbs"]), host_adamw_gparams_s=host,
-            gpu_adamw_gparams_s=ing.data.get("gpu_adamw_gparams_s") or {}, gemm_tflops=base["gemm_bf16_tflops"])
+            gpu_adamw_gparams_s=ing.data.get("gpu_adamw_gparams_s") or {}, gemm_tflops=base["gemm_bf16_tflops"],
+            gpu_to_host_convert_gbs=ing.data.get("gpu_to_host_convert_gbs"))
 
 
 @dataclass

@@ -44,7 +44,8 @@ SKIP_DIRS = {"dev", "gpu_checks", "smoke-local", "perf_model", "ingredients"}
 
 def ingredients(kind: str) -> Ingredients | None:
     paths = [RESULTS / "ingredients" / name for name in LENT[kind].ingredients]
-    return Ingredients.load(*paths) if all(p.exists() for p in paths) else None
+    owed = [p for p in (RESULTS / "ingredients" / name for name in LENT[kind].owed) if p.exists()]
+    return Ingredients.load(*paths, *owed) if all(p.exists() for p in paths) else None
 
 
 # Host AdamW on a machine we cannot rent (an assumption, stated in the report): memory-bound at this share of the

@@ -178,9 +178,8 @@ HOST = deepspeed.HostStep(adam_gparams_s=2.0, update_gbs=100.0, copy_gbs=50.0)
 
 
 def _ds(ing, link_gbs=None, compiled_layers=None, host_call_s=0.0, **case):
-    case = {"compile": False, **case}
-    c = CaseConfig(system="deepspeed", model=MODEL, batch=8, seq=1024, device="cuda", dtype="bfloat16",
-                   precision="mixed", **case)
+    case = {"compile": False, "dtype": "bfloat16", "precision": "mixed", **case}
+    c = CaseConfig(system="deepspeed", model=MODEL, batch=8, seq=1024, device="cuda", **case)
     machine = Machine.from_probe(ing, None, "test")
     if link_gbs:
         machine.h2d_gbs = machine.d2h_gbs = link_gbs
@@ -266,21 +265,29 @@ def test_deepspeed_host_call_floor_holds_a_micro_batch_to_the_hooks_pace():
     assert out["host_bound_s"] == pytest.approx(28 * (0.01 - 0.004))
 
 
-def test_deepspeed_partial_offload_steps_its_gpu_share_on_the_gpu_and_moves_less():
+def test_deepspeed_partial_offload_steps_its_gpu_share_on_the_gpu_and_writes_it_back_through_the_host():
     """offload_optimizer.ratio 0.5: the first half of the sub-groups (deepspeed_zero3.optimizer_sub_groups) stay on
-    the GPU: their fp32 gradients never leave, torch AdamW steps them at the GPU rate and each sub-group goes out as
-    bf16 once; the host steps and scales the rest."""
+    the GPU: their fp32 gradients never leave, torch AdamW steps them at the GPU rate, and each updated fp32 sub-group
+    goes to its bf16 host partition at the measured rate of that dtype-changing copy (PyTorch converts it on the
+    host), pinned where the partition is fp32; the host steps and scales the rest. Ingredients without that rate do
+    not predict the mode, and say which rate and where it goes."""
     n = sum(u.numel for u in _units())
     ing = _ingredients(fwd_ms=100.0, bwd_ms=300.0, head_ms=50.0)
+    ing.data["gpu_to_host_convert_gbs"] = 5.0
     full, partial = _ds(ing), _ds(ing, options={"optimizer_ratio": 0.5})
     on_gpu = partial["optimizer_params_on_gpu"]
     assert full["optimizer_params_on_gpu"] == 0 and 0.3 * n < on_gpu < 0.7 * n
     assert partial["adam_s"] == pytest.approx((n - on_gpu) / 2e9)
     assert partial["clip_s"] == pytest.approx((n - on_gpu) * 8 / 100e9)
-    assert partial["gpu_step_s"] == pytest.approx(on_gpu / 100e9 + on_gpu * 2 / 50e9)
-    assert partial["d2h_bytes"] == pytest.approx(full["d2h_bytes"] - 4 * on_gpu + 2 * on_gpu)
+    assert partial["gpu_step_s"] == pytest.approx(on_gpu / 100e9 + on_gpu * 4 / 5e9)
+    assert partial["d2h_bytes"] == pytest.approx(full["d2h_bytes"])  # fp32 gradients kept, fp32 master out instead
     assert partial["optimizer_s"] == pytest.approx(partial["host_step_s"] + partial["gpu_step_s"])
-    assert partial["step_s"] < full["step_s"]
+    fp32 = _ds(ing, options={"optimizer_ratio": 0.5}, dtype="float32")
+    assert fp32["gpu_step_s"] == pytest.approx(on_gpu / 100e9 + on_gpu * 4 / 50e9)  # a pinned copy at the link's
+    del ing.data["gpu_to_host_convert_gbs"]
+    assert _ds(ing)["step_s"] == full["step_s"]  # ZeRO-3 offload writes nothing back from the GPU
+    with pytest.raises(KeyError, match=r"lack its rate \(gpu_to_host_convert_gbs\).*--models ''"):
+        _ds(ing, options={"optimizer_ratio": 0.5})
 
 
 def test_superoffload_steps_after_the_backward_with_clipping_and_beside_it_without():
