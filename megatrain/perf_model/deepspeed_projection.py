@@ -21,7 +21,13 @@ from megatrain.config import CaseConfig
 from megatrain.hardware import LENT, gpu_kind, specs
 from megatrain.memory import Budget
 from megatrain.perf_model import deepspeed
-from megatrain.perf_model.deepspeed_check import host_call_ms, host_reference, predict_record, validation_rows
+from megatrain.perf_model.deepspeed_check import (
+    TARGET_PCT,
+    host_call_ms,
+    host_reference,
+    predict_record,
+    validation_rows,
+)
 from megatrain.perf_model.model import Ingredients, Machine, Model, simulate
 from megatrain.perf_model.model_check import (
     HOST_STREAM_SHARE,
@@ -296,7 +302,10 @@ def project(out: Path) -> dict:
     ds_claim, mt_claim = paper_claims()
     at = pr.both()
     ds, mt = at["deepspeed"], at["megatrain"]
-    implied_ms = sorted(v for vs in host_call_ms(validation_rows()).values() for v in vs)
+    rows = validation_rows()
+    implied_ms = sorted(v for vs in host_call_ms(rows).values() for v in vs)
+    superoffload_errors = [r["error_pct"] for r in rows if r.get("mode") == "superoffload" and
+                           r.get("error_pct") is not None]
     parts = {"host_step": ds["host_step_s"], "copies": ds["fetch_wait_s"] + ds["grad_tail_s"],
              "compute": ds["compute_s"] - mt["compute_s"], "engine_exposed": -mt["exposed_s"]}
     deciding = max(parts, key=parts.get)
@@ -308,7 +317,7 @@ def project(out: Path) -> dict:
                   "source": ds_claim.source},
         "assumptions": assumptions(pr, at, implied_ms),
         "projected": {"deepspeed": ds, "megatrain": mt, "ratio": ds["step_s"] / mt["step_s"],
-                      "superoffload": at["superoffload"]},
+                      "superoffload": {**at["superoffload"], "records_error_pct": superoffload_errors}},
         "deciding_ingredient": {"name": deciding, "what": PARTS[deciding], "seconds": parts[deciding],
                                 "parts_of_the_difference_s": parts, "parts": PARTS},
         "sensitivity": sensitivity(pr),
@@ -347,13 +356,17 @@ def answer(r: dict, host: deepspeed.HostStep) -> str:
 
 
 def superoffload_sentence(so: dict) -> str:
-    """SuperOffload's projection in one sentence (its model awaits its records: deepspeed_validation.json's by_mode)."""
+    """SuperOffload's projection in one sentence, with how its model met our SuperOffload records (their errors,
+    deepspeed_validation.csv's superoffload rows)."""
     clipped, speculative = so["clipped"], so["speculative"]
+    errors = so.get("records_error_pct") or []
+    within = sum(abs(e) <= TARGET_PCT for e in errors)
+    checked = f"its model is within {TARGET_PCT:g}% of {within} of our {len(errors)} SuperOffload records" if errors \
+        else "its model is checked against no SuperOffload record yet"
     return (f"DeepSpeed's SuperOffload, made for this machine, is projected at {clipped['tflops']:.0f} TFLOPS as "
             f"DeepSpeed 0.19.8 runs it with clipping (it steps after the backward: MegaTrain "
             f"{clipped['megatrain_ratio']:.2f}x) and {speculative['tflops']:.0f} without clipping, where its worker "
-            f"steps beside the backward (MegaTrain {speculative['megatrain_ratio']:.2f}x, clipping); its model is "
-            f"checked against no SuperOffload record yet.")
+            f"steps beside the backward (MegaTrain {speculative['megatrain_ratio']:.2f}x, clipping); {checked}.")
 
 
 def main() -> None:
