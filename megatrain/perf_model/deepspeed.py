@@ -121,7 +121,8 @@ def write_back_s(m, params: float, width: int) -> float:
     if not m.gpu_to_host_convert_gbs:
         raise KeyError("partial offload writes its GPU sub-groups back with a dtype-changing GPU-to-host copy, and "
                        f"{m.name}'s ingredients lack its rate (gpu_to_host_convert_gbs): measure it on that GPU kind, "
-                       "python -m megatrain.perf_model.ingredients --models '' --out results/ingredients/FILE, "
+                       "python -m megatrain.perf_model.ingredients --models '' --rates gpu_to_host_convert_gbs --out "
+                       "results/ingredients/FILE, "
                        "FILE the kind's owed file in megatrain.hardware.LENT")
     return params * FP32_BYTES / (m.gpu_to_host_convert_gbs * 1e9)
 

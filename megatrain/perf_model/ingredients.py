@@ -1,7 +1,7 @@
 """Measure the performance model's ingredients on this machine, as the engine runs them (one JSON file).
 
 python -m megatrain.perf_model.ingredients --out results/ingredients/h200-141g-128g.json
-    [--models qwen2.5-0.5b,...] [--tokens 8192,32768] [--long-seqs 8192,32768,131072]
+    [--models qwen2.5-0.5b,...] [--tokens 8192,32768] [--long-seqs 8192,32768,131072] [--rates machine,...]
 
 - the machine probe (megatrain.probe.measure: pinned PCIe each way and both, bf16 GEMM, torch's fused CPU
   AdamW), and the host's copy rate (one 2 GiB tensor into another: GB copied per second);
@@ -163,6 +163,17 @@ def attempt(fn, *args) -> dict:
         torch.cuda.empty_cache()
 
 
+# each rate a file may hold, measured in this order: the machine probe (megatrain.probe.measure) and the rest
+RATES = {
+    "machine": lambda: measure().to_dict(),
+    "host_copy_gbs": host_copy_gbs,
+    "host_adamw_gparams_s": lambda: {p: engine_adamw_gparams_s(p, 2**27) for p in ("bf16", "mixed")},
+    "gpu_copy_gbs": gpu_copy_gbs,
+    "gpu_to_host_convert_gbs": gpu_to_host_convert_gbs,
+    "gpu_adamw_gparams_s": lambda: {p: gpu_adamw_gparams_s(p) for p in ("bf16", "mixed")},
+}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
@@ -170,19 +181,20 @@ def main() -> None:
     p.add_argument("--tokens", default="8192,32768", help="tokens per layer call at seq 1024")
     p.add_argument("--long-models", default="qwen2.5-1.5b,qwen2.5-7b")
     p.add_argument("--long-seqs", default="8192,32768,131072,262144")
+    p.add_argument("--rates", default=",".join(RATES),
+                   help="which rates to measure (all by default); a file of one rate learnt later (--models '' "
+                        "--rates gpu_to_host_convert_gbs) adds it beside a GPU kind's files without a second sample "
+                        "of the others")
     args = p.parse_args()
+    rates = [r for r in args.rates.split(",") if r]
+    if unknown := sorted(set(rates) - set(RATES)):
+        p.error(f"--rates: unknown {', '.join(unknown)}; the rates are {', '.join(RATES)}")
     torch._dynamo.config.cache_size_limit = 64  # one compile per shape and token count, all of one function
     t0 = time.perf_counter()
     result = {"what": "performance model ingredients (megatrain.perf_model.ingredients)", "env": environment(),
-              "machine": measure().to_dict(), "host_copy_gbs": host_copy_gbs(), "host_adamw_gparams_s": {},
               "layers": [], "heads": [], "attention": []}
-    result["gpu_copy_gbs"] = gpu_copy_gbs()
-    result["gpu_to_host_convert_gbs"] = gpu_to_host_convert_gbs()
-    for precision in ("bf16", "mixed"):
-        result["host_adamw_gparams_s"][precision] = engine_adamw_gparams_s(precision, 2**27)
-        result.setdefault("gpu_adamw_gparams_s", {})[precision] = gpu_adamw_gparams_s(precision)
-    rates = ("machine", "host_copy_gbs", "host_adamw_gparams_s", "gpu_copy_gbs", "gpu_to_host_convert_gbs",
-             "gpu_adamw_gparams_s")
+    for rate in rates:
+        result[rate] = RATES[rate]()
     print(json.dumps({k: result[k] for k in rates}), flush=True)
 
     def save():

@@ -351,3 +351,27 @@ def test_deepspeed_projection_reproduces_and_names_its_assumptions(tmp_path):
     assert all("source" in v for v in ours["assumptions"].values() if isinstance(v, dict))
     assert len(ours["sensitivity"]) == 2 * len(deepspeed_projection.RATES)
     assert f"{ds['tflops']:.0f}" in ours["answer"] and f"{mt['tflops']:.0f}" in ours["answer"]
+
+
+def test_ingredients_measure_the_rates_asked_for_and_a_later_file_adds_its_rate_alone(tmp_path, monkeypatch):
+    """`--rates R --models ''` writes a file of that rate alone (on CPU: the host copy), which, loaded after a GPU
+    kind's files, adds the rate without a second sample of the host AdamW; an unknown rate exits 2 naming the rates."""
+    import sys
+
+    from megatrain.perf_model import ingredients as measure
+
+    out = tmp_path / "later.json"
+    monkeypatch.setitem(measure.RATES, "host_copy_gbs", lambda: measure.host_copy_gbs(2**20))  # 1 MiB, not 2 GiB
+    monkeypatch.setattr(sys, "argv", ["ingredients", "--models", "", "--rates", "host_copy_gbs", "--out", str(out)])
+    measure.main()
+    later = json.loads(out.read_text())
+    assert set(later) == {"what", "env", "layers", "heads", "attention", "host_copy_gbs", "elapsed_s"}
+    assert later["host_copy_gbs"] > 0
+    first = tmp_path / "first.json"
+    first.write_text(json.dumps(_ingredients().data | {"host_copy_gbs": 1.0, "env": {"commit": "a"}}))
+    joined = Ingredients.load(first, out)
+    assert joined.data["host_copy_gbs"] == 1.0 and len(joined.data["host_adamw_runs"]) == 1
+    monkeypatch.setattr(sys, "argv", ["ingredients", "--rates", "pcie", "--out", str(out)])
+    with pytest.raises(SystemExit) as exc:
+        measure.main()
+    assert exc.value.code == 2
