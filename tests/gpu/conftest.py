@@ -6,7 +6,8 @@ tolerances). results/gpu_checks/ keeps the committed ones.
 The whole suite runs as several pytest-xdist workers on one GPU (scripts/gpu_checks.sh): the checks are small models
 whose steps leave the GPU mostly idle. Two things make that fast and safe, both here:
 - tests that share a process-wide cache (a module-scoped fixture, or a module's own `shares(item)` key: native's runs
-  and curves, computed once per process) run in one worker, as one xdist group;
+  and curves, computed once per process) run in one worker, as one xdist group, split in parts where their last times
+  say each part would still end sooner (part_count), unless the module's own `whole(item)` keeps the group whole;
 - groups start longest first (durations.json, the last whole run's times: scripts/gpu_durations.py), so the longest
   group does not start last and the workers finish together;
 - the checks at a published width run in few lanes, each waiting for its engine's share of the host (host_share),
@@ -272,8 +273,9 @@ def pytest_collection_modifyitems(config, items):
     groups = {f"heavy-lane-{n}": lane for n, lane in enumerate(_lanes(heavy, seconds, HEAVY_LANES))}
     for key, members in shared.items():
         times = [timed.get(item.nodeid, UNTIMED_S) for item in members]
+        whole = any(getattr(item.module, "whole", lambda item: False)(item) for item in members)
         parts = _lanes({item.nodeid: [item] for item in members}, seconds,
-                       part_count(times)) if len(members) > 1 else [members]
+                       part_count(times)) if len(members) > 1 and not whole else [members]
         groups.update({f"{key}:{n}" if len(parts) > 1 else key: part for n, part in enumerate(parts)})
     order = {}
     for key, members in groups.items():

@@ -129,18 +129,32 @@ _host_gib: dict[tuple[str, str], float] = {}
 H200_HOST_GIB, H200_GPU_GIB = 125.8, 139.8  # the lent H200's MemTotal and GPU, for heavy_host_gib's plans
 
 
+FP32_CHECKS = ("test_fp32_engine_matches_native_tightly", "test_fp32_parity_holds_under_stream_stress")
+
+
 def shares(item) -> str | None:
     """The process-wide cache a check shares with others (tests/gpu/conftest.py runs them in one worker): an fp32 set
     its native runs (by what native runs: the model and, where a set changes them, its micro-batch and MLP chunks), a
     curve its shape's native curves."""
     params = getattr(item, "callspec", None) and item.callspec.params
-    if item.originalname in ("test_fp32_engine_matches_native_tightly", "test_fp32_parity_holds_under_stream_stress"):
+    if item.originalname in FP32_CHECKS:
         fields, options = FP32_SETS[params["name"]]
         model = fields.get("model", FP32_BASE["model"])
         return f"fp32:{NOISE_MODEL.get(model, model)}:{fields.get('micro_batch')}:{options.get('mlp_chunk_tokens')}"
     if item.originalname == "test_bf16_loss_curve_tracks_native":
         return f"curve:{params['shape']}"
     return None
+
+
+def whole(item) -> bool:
+    """Whether a check's group stays in one worker whatever its last times (tests/gpu/conftest.py): an fp32 set on the
+    generic path (transformers' modules), whose first engine compile each process pays once (150-460 s on the H200 under
+    the suite's load) and whose later checks share it (cce1351's compiled templates). Split, every part paid it again,
+    and the times of a split run show each part's first check long, which split the group again: Gemma-4-26B-A4B's six
+    checks ran in six workers at d0c54b8, two of them 213 and 269 s."""
+    if item.originalname not in FP32_CHECKS:
+        return False
+    return FP32_SETS[item.callspec.params["name"]][0].get("model", FP32_BASE["model"]).startswith("tiny-hf-")
 
 
 def heavy(item) -> bool:

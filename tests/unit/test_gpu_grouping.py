@@ -245,6 +245,58 @@ def test_a_group_is_split_only_where_each_part_pays_its_first_check_and_still_en
     assert conftest.part_count([5.0, 5.0], cap=1.0) == 2  # never more parts than checks
 
 
+WHOLE = '''
+import os
+import time
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def shares(item):
+    return item.originalname
+
+
+def whole(item):
+    return item.originalname == "test_compiled_once"
+
+
+def _ran(kind, n):
+    with open(os.environ["WHO_RAN"], "a") as f:
+        f.write(f"{kind} {n} {os.environ['PYTEST_XDIST_WORKER']}\\n")
+    time.sleep(0.2)
+
+
+@pytest.mark.parametrize("n", range(4))
+def test_compiled_once(n):
+    _ran("whole", n)
+
+
+@pytest.mark.parametrize("n", range(4))
+def test_split(n):
+    _ran("split", n)
+'''
+
+
+@pytest.mark.subprocess
+def test_a_group_the_module_keeps_whole_runs_in_one_worker_whatever_its_last_times(tmp_path):
+    """A split run's times show each part's first check long (each paid the shared compile), which would split the
+    group again: a group whose module says `whole` stays in one worker; the same times split a group that does not."""
+    pytest.importorskip("xdist")
+    _stand_ins(tmp_path, "test_whole.py", WHOLE)
+    (tmp_path / "durations.json").write_text(json.dumps(
+        {f"test_whole.py::test_{name}[{n}]": 200.0 for name in ("compiled_once", "split") for n in range(4)}))
+    who = tmp_path / "who_ran.txt"
+    done = _pytest(tmp_path, {"WHO_RAN": str(who)}, workers=4)
+    assert done.returncode == 0, done.stdout + done.stderr
+    workers = defaultdict(set)
+    for line in who.read_text().splitlines():
+        kind, _, worker = line.split()
+        workers[kind].add(worker)
+    assert len(workers["whole"]) == 1 and len(workers["split"]) > 1, workers
+
+
 RESUMED = '''
 import pytest
 
