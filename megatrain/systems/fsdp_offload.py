@@ -17,6 +17,12 @@ default, as this system ran before, for a side-by-side run.
 
 On CPU (CI) the same code path runs with gloo and CPUOffloadPolicy(pin_memory=False): the offload
 copies are no-ops there, and pinning needs an accelerator (`pin_memory()` raises without one).
+
+`--option cpu_offload=false` is FSDP2 without offload: the same sharding, precision policy, prefetch and fused AdamW,
+with the sharded fp32 state (16 B/param over the ranks) on the GPUs. It is no host-memory system: the GPU suite's
+reference for the mixed-precision curves of the engine (fp32 master weights, bf16 compute: FSDP2's precision policy),
+where the offloaded reference's host AdamW took 237 s of Gemma-3-27B's 12 steps to native's 12 s and its pinned host
+cache left the engine after it in the same process 31.5 GiB of the host (d0c54b8).
 """
 
 from __future__ import annotations
@@ -81,6 +87,8 @@ class FSDPOptions(CommonOptions):
     # 0: FSDP2's implicit prefetch
     prefetch_layers: int = 2
     reshard_last_layer: bool = False  # true: the last decoder layer resharded after forward, as FSDP2's default
+    # false: no CPUOffloadPolicy, the sharded fp32 parameters, gradients and AdamW state on the GPU
+    cpu_offload: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -91,7 +99,8 @@ class FSDPOptions(CommonOptions):
 
 def memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
     """(host bytes of a rank beyond its process overhead, device bytes of a rank) of FSDP2 with
-    CPUOffloadPolicy(pin_memory=True), sharded over `world` ranks.
+    CPUOffloadPolicy(pin_memory=True), sharded over `world` ranks; without offload (option cpu_offload=false) the
+    shard's fp32 parameters, gradients and moments (16 B/param) are on the GPU instead, and nothing on the host.
 
     The fp32 sharded parameters and their fp32 gradients live in pinned host memory, whose caching allocator rounds
     every block up to a power of two, and AdamW runs on the host with fp32 m and v (8 B/param). Per parameter
@@ -103,11 +112,13 @@ def memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
     gradient too.
     """
     per = SHARD_STATE_BYTES
-    host = sum(pinned_bytes(per["weights"] * k) + pinned_bytes(per["grads"] * k)
-               + (per["exp_avg"] + per["exp_avg_sq"]) * k
-               for k in (-(-n // world) for n in case.shape().param_numels()))
+    shards = [-(-n // world) for n in case.shape().param_numels()]
     gathered = 1 + max(1, case.opts.prefetch_layers) + 1  # computing, prefetched, the gradient before its reduce
     gpu = gathered * 2 * largest_unit_params(case) + activation_bytes(case)
+    if not case.opts.cpu_offload:
+        return 0, gpu + sum(per.values()) * sum(shards)
+    host = sum(pinned_bytes(per["weights"] * k) + pinned_bytes(per["grads"] * k)
+               + (per["exp_avg"] + per["exp_avg_sq"]) * k for k in shards)
     if case.opts.accumulate_on_gpu and accumulation_steps(case.batch, case.micro_batch, world) > 1:
         gpu += FP32_BYTES * case.shape().num_params()
     return host, gpu
@@ -158,7 +169,9 @@ class FSDPSystem:
         self.mp_policy = None if self.dtype == torch.float32 else \
             MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
         self.pin_memory = self.device.type == "cuda"
-        fsdp_kwargs = {"mesh": mesh, "offload_policy": CPUOffloadPolicy(pin_memory=self.pin_memory)}
+        offload = case.opts.cpu_offload
+        fsdp_kwargs = {"mesh": mesh, **({"offload_policy": CPUOffloadPolicy(pin_memory=self.pin_memory)} if offload
+                                        else {})}
         if self.mp_policy is not None:
             fsdp_kwargs["mp_policy"] = self.mp_policy
         if case.compile:  # each block compiled, then sharded (torchtitan's order)
@@ -176,9 +189,10 @@ class FSDPSystem:
                     layer.set_modules_to_forward_prefetch(after)
                 if before := layers[max(0, i - k):i][::-1]:
                     layer.set_modules_to_backward_prefetch(before)
-        # Offloaded shards live on the host (FSDP pins them here); each full weight is drawn on the compute device
-        # and each rank keeps its shard, so the weights equal native's on the same device type whatever the ranks.
-        self.model.to_empty(device="cpu")
+        # Offloaded shards live on the host (FSDP pins them here), else on the GPU; each full weight is drawn on the
+        # compute device and each rank keeps its shard, so the weights equal native's on the same device type whatever
+        # the ranks.
+        self.model.to_empty(device="cpu" if offload else self.device)
         for name, p in self.model.named_parameters():
             full = torch.empty(p.shape, dtype=p.dtype, device=self.device)
             init_param(name, full, case.seed)
@@ -214,7 +228,8 @@ class FSDPSystem:
             {"param_dtype": str(self.mp_policy.param_dtype), "reduce_dtype": str(self.mp_policy.reduce_dtype)}
         return {"fully_shard": "each decoder layer, then the root", "world_size": dist.get_world_size(),
                 "backend": self.backend, "mixed_precision": mp, "sharded_param_dtype": "torch.float32",
-                "offload_policy": f"CPUOffloadPolicy(pin_memory={self.pin_memory})",
+                "offload_policy": f"CPUOffloadPolicy(pin_memory={self.pin_memory})" if o.cpu_offload else
+                "none: the sharded fp32 state on the GPU (option cpu_offload=false)",
                 "reshard_after_forward": "layers True, root False (FSDP2's default)" if o.reshard_last_layer else
                 "layers True but the last, root False (torchtitan's: the backward starts with the last layer)",
                 "prefetch": f"explicit: each layer the next {o.prefetch_layers} in forward, the {o.prefetch_layers} "
@@ -228,7 +243,8 @@ class FSDPSystem:
                 "activation_checkpointing": True,
                 "compile": COMPILED_LAYERS + ", before fully_shard" if self.case.compile else False,
                 "compile_check": compile_check() if self.case.compile else None,
-                "optimizer": "torch.optim.AdamW(fused=True) on host shards", "clip": "torch.nn.utils.clip_grad_norm_"}
+                "optimizer": f"torch.optim.AdamW(fused=True) on {'host' if o.cpu_offload else 'GPU'} shards",
+                "clip": "torch.nn.utils.clip_grad_norm_"}
 
     def metrics(self, warmup_steps: int = 0) -> dict:
         return {}
@@ -254,8 +270,8 @@ class FSDPSystem:
         """One process: the host shards, which are the whole tensors (no copy). Under torchrun every rank calls it,
         each weight is gathered in turn and rank 0 keeps them all (fp32: 4 B/param on its host while it exports)."""
         buffers = {n: b.detach() for n, b in persistent_buffers(self.model).items()}
-        if not self.ranks.launched:
-            return {**{n: p.to_local().detach() for n, p in self.model.named_parameters()}, **buffers}
+        if not self.ranks.launched:  # the host shards as they are; without offload, a host copy of the GPU's
+            return {**{n: p.to_local().detach().cpu() for n, p in self.model.named_parameters()}, **buffers}
         return {**kept_on_first(self.ranks, ((n, p.full_tensor().detach()) for n, p in self.model.named_parameters())),
                 **buffers}
 

@@ -20,6 +20,7 @@ import torch
 from megatrain.config import CaseConfig
 from megatrain.data import make_batches
 from megatrain.optim.config import OptimConfig
+from megatrain.systems import fsdp_offload
 from megatrain.systems.native import NativeSystem
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,6 +104,23 @@ def test_fsdp_at_its_best_setting_trains_as_fsdp2s_defaults_do(tmp_path):
     assert best["config"]["prefetch"].startswith("explicit: each layer the next 2")
     assert "but the last" in best["config"]["reshard_after_forward"]
     assert defaults["config"]["prefetch"].startswith("FSDP2's implicit")
+
+
+def test_fsdp_without_cpu_offload_trains_as_with_it_and_says_so(tmp_path):
+    """cpu_offload=false: no CPUOffloadPolicy, the sharded state where the model computes. On the CPU the offload's
+    copies are no-ops, so the two train bit for bit alike; the record names the policy and where AdamW steps, and the
+    memory model moves the 16 B/param of state from the host to the device."""
+    case = _case("fsdp", "tiny")
+    offloaded = _run_in_subprocess(case, tmp_path)
+    (tmp_path / "resident").mkdir()
+    resident_case = dataclasses.replace(case, options={"cpu_offload": False})
+    resident = _run_in_subprocess(resident_case, tmp_path / "resident")
+    assert resident["losses"] == offloaded["losses"]
+    assert all(torch.equal(p, offloaded["params"][name]) for name, p in resident["params"].items())
+    assert resident["config"]["offload_policy"].startswith("none") and "GPU shards" in resident["config"]["optimizer"]
+    host, gpu = fsdp_offload.memory_bytes(case)
+    no_host, more_gpu = fsdp_offload.memory_bytes(resident_case)
+    assert no_host == 0 and more_gpu - gpu == 16 * case.shape().num_params() and host >= 16 * case.shape().num_params()
 
 
 def test_fsdp_accumulating_on_the_gpu_matches_native(tmp_path):
