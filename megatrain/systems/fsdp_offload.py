@@ -21,8 +21,8 @@ copies are no-ops there, and pinning needs an accelerator (`pin_memory()` raises
 `--option cpu_offload=false` is FSDP2 without offload: the same sharding, precision policy, prefetch and fused AdamW,
 with the sharded fp32 state (16 B/param over the ranks) on the GPUs. It is no host-memory system: the GPU suite's
 reference for the mixed-precision curves of the engine (fp32 master weights, bf16 compute: FSDP2's precision policy),
-where the offloaded reference's host AdamW took 237 s of Gemma-3-27B's 12 steps to native's 12 s and its pinned host
-cache left the engine after it in the same process 31.5 GiB of the host (d0c54b8).
+where the offloaded reference's host AdamW took 237 s of Gemma-3-27B's 12 steps to native's 12 s and the engine's
+plan after it was refused with 31.5 GiB of the host usable (d0c54b8).
 """
 
 from __future__ import annotations

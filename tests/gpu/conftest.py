@@ -104,7 +104,8 @@ def _share_the_gpu_host(request):
     a check's caching allocator kept goes back to the device when it ends: the workers share one GPU, and a worker's
     cache of a finished curve (74 GiB once) left the next checks of the others out of memory. So does the pinned host
     memory torch's caching host allocator kept (where this torch can free it: torch.accelerator.empty_host_cache):
-    an offloaded FSDP2 reference's shards left the engine after it in the same worker 31.5 GiB of the host (d0c54b8)."""
+    after an offloaded FSDP2 reference the engine in the same check was refused by its plan with 31.5 GiB of the host
+    usable (d0c54b8), and what the allocator still cached of the reference's pinned shards was not measured."""
     gib = getattr(request.module, "heavy_host_gib", lambda item: 0.0)(request.node)
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     share = (host_share(gib, Path(tempfile.gettempdir()) / f"megatrain-gpu-checks-{run}.json") if gib and run

@@ -429,8 +429,8 @@ MIXED_REFERENCE = {"gpt-oss-20b-2l-b4-s1024": "fsdp", "gemma-3-27b-2l-b4-s1024":
                    "deepseek-v2-lite-2l-b4-s1024": "fsdp"}
 # FSDP2 as the centre without its CPU offload: the same precision policy and AdamW arithmetic, its fp32 state on the GPU
 # as native's own mixed run holds it. Offloaded, its host AdamW took 237 s of Gemma-3-27B's 12 steps (native: 12 s) in
-# a heavy lane, and its pinned host cache left the engine after it in the same worker 31.5 GiB of the host: the
-# engine's plan refused (d0c54b8).
+# a heavy lane, and the engine after it in the same check was refused by its plan, 31.5 GiB of the host usable with
+# 82-96 GiB in use as the reference ended (d0c54b8): its ~40 GiB of host state no longer comes into the heavy lanes.
 REFERENCE_OPTIONS = {"fsdp": {"cpu_offload": False}}
 MIXTURES = {"gpt-oss-20b-2l-b4-s1024", "deepseek-v2-lite-2l-b4-s1024", "gemma-4-26b-a4b-3l-b4-s1024"}
 _native_curves: dict[tuple[str, str], list[list[float]]] = {}
