@@ -16,7 +16,9 @@ and commit, the others as the record has them.
 every switch as published; a few seconds each) into published-transformers-<version>.json and .md (with --only, those
 rows again, the others as the record has them); with --curves
 DEVICE, every one of them that trains, at its published widths and a cut depth (megatrain.checks.walk.
-curve_published), into published-transformers-<version>-curves.json, written after each checkpoint.
+curve_published), into published-transformers-<version>-curves.json, written after each checkpoint, each naming the
+machine and commit it ran at; run again at the same commit it goes on past those already there (a device call's limit
+cut it), and with --only it runs those checkpoints again, keeping the others.
 """
 
 import argparse
@@ -174,6 +176,11 @@ def curves(device: str, jobs: int, out: Path, stem: str, only: list[str] | None 
     print(f"{sum(c['status'] == 'tracks' for c in done)} of {len(done)} track transformers in bf16 on {device}")
 
 
+def _where(env: dict) -> str:
+    """Where a curve ran, for the table: its GPU (or device), commit and torch."""
+    return f"{env.get('gpu') or env.get('device')}, commit {env['commit'][:7]}, torch {env['torch']}"
+
+
 def published_markdown(results: list, version: str, curves: dict | None = None) -> str:
     from megatrain.models.published import get_published
 
@@ -191,14 +198,14 @@ def published_markdown(results: list, version: str, curves: dict | None = None) 
                  f"{n} at {where or 'an unrecorded commit (before the rows kept it)'}"
                  for where, n in Counter(r.walked for r in results).most_common()) + ".", ""]
     if curves:
-        env = curves["env"]
-        lines += [f"The GPU column: each checkpoint at its published widths and the layers named, in bf16 on "
-                  f"{env['gpu'] or env['device']} ({CURVE_STEPS} steps of one repeated batch, eager, the engine "
-                  "against transformers' own module under torch.optim.AdamW from the same weights, within 3 of "
-                  "native's spreads + 1% of its loss + 1e-4 at every step; commit "
-                  f"{env['commit'][:7]}, torch {env['torch']}): "
+        envs = Counter(_where(c.get("env") or curves["env"]) for c in curves["checkpoints"])
+        lines += [f"The GPU column: each checkpoint at its published widths and the layers named, in bf16 "
+                  f"({CURVE_STEPS} steps of one repeated batch, eager, the engine against transformers' own module "
+                  "under torch.optim.AdamW from the same weights, within 3 of native's spreads + 1% of its loss + "
+                  "1e-4 at every step): "
                   + ", ".join(f"{sum(c['status'] == st for c in curves['checkpoints'])} {st}"
-                              for st in CURVE_STATUSES) + ".", ""]
+                              for st in CURVE_STATUSES) + "; run " + "; ".join(
+                      f"{n} at {where}" for where, n in envs.most_common()) + ".", ""]
     else:
         lines += ["The GPU column (published widths, a cut depth, a bf16 curve against transformers' own module): "
                   "not run with this transformers (`python scripts/walk_transformers.py --published --curves cuda`).",
@@ -240,16 +247,47 @@ def walk_published(device: str | None, only: list[str] | None, out: Path, stem: 
         (out / f"{stem}.md").write_text(published_markdown(results, transformers.__version__, _curves(out, stem)))
         print(f"{sum(r.status == 'trains' for r in results)} of {len(results)} train; {out / stem}.md")
         return
-    results = [PublishedResult(**r) for r in json.loads((out / f"{stem}.json").read_text())]
+    table = out / f"{stem}.json"
+    if not table.exists():
+        _refuse(f"--published --curves needs the CPU column of this transformers first ({table} is not there): "
+                "python scripts/walk_transformers.py --published")
+    results = [PublishedResult(**r) for r in json.loads(table.read_text())]
     trains = {r.hub_id for r in results if r.status == "trains"}
-    record = {"env": {**environment(), "device": device}, "steps": CURVE_STEPS, "checkpoints": []}
+    env = {**environment(), "device": device}
+    record = resume_curves(_curves(out, stem), env)
     for row in chosen:
-        if row.hub_id in trains:
-            c = curve_published(row.hub_id, device)
-            print(f"{row.hub_id:48s} {c['status']:7s} {c['detail'][:100]}", flush=True)
-            record["checkpoints"].append(c)
-            (out / f"{stem}-curves.json").write_text(json.dumps(record, indent=1) + "\n")  # each, as it lands
-    (out / f"{stem}.md").write_text(published_markdown(results, transformers.__version__, record))
+        if row.hub_id not in trains:
+            continue
+        if not only and row.hub_id in record["done_here"]:
+            print(f"{row.hub_id:48s} already run at {env['commit'][:7]}", flush=True)
+            continue
+        c = curve_published(row.hub_id, device)
+        print(f"{row.hub_id:48s} {c['status']:7s} {c['detail'][:100]}", flush=True)
+        record = land_curve(record, {**c, "env": env}, [r.hub_id for r in results])
+        (out / f"{stem}-curves.json").write_text(json.dumps(public(record), indent=1) + "\n")  # each, as it lands
+    (out / f"{stem}.md").write_text(published_markdown(results, transformers.__version__, public(record)))
+
+
+def resume_curves(old: dict | None, env: dict) -> dict:
+    """The published curves record to go on from: `old` (or an empty one), each checkpoint carrying the machine and
+    commit it ran at (an older row the record's), and which of them ran at `env`'s commit in a clean tree: a run
+    cut by a device call's limit goes on with the rest in the next call, its record carried there."""
+    rows = [{**c, "env": c.get("env") or old["env"]} for c in (old or {}).get("checkpoints", [])]
+    here = env["commit"] if env.get("dirty") is False else None
+    done = {c["hub_id"] for c in rows if here and c["env"].get("commit") == here and c["env"].get("dirty") is False}
+    return {"env": env, "steps": CURVE_STEPS, "checkpoints": rows, "done_here": done}
+
+
+def land_curve(record: dict, curve: dict, order: list[str]) -> dict:
+    """`record` with `curve` in its checkpoint's place (replacing an earlier run of it), in the table's `order`."""
+    by_hub = {c["hub_id"]: c for c in record["checkpoints"]}
+    by_hub[curve["hub_id"]] = curve
+    return {**record, "checkpoints": [by_hub[h] for h in order if h in by_hub]}
+
+
+def public(record: dict) -> dict:
+    """The record as written: its bookkeeping left out."""
+    return {k: v for k, v in record.items() if k != "done_here"}
 
 
 if __name__ == "__main__":

@@ -166,3 +166,59 @@ def test_curves_run_again_for_some_families_keep_the_others_and_name_their_own_m
     assert "| kimi_linear | KimiLinearForCausalLM | tracks | fine (run again at bbbbbbb on NVIDIA H200) |" in table
     assert "| llama | LlamaForCausalLM | tracks | ok |" in table
     assert "commit aaaaaaa" in table and "2 tracks" in table
+
+
+def test_the_published_gpu_column_goes_on_where_a_call_was_cut_and_only_runs_rows_again(tmp_path, monkeypatch):
+    """scripts/walk_transformers.py --published --curves: each checkpoint's curve lands as it ends, naming its machine
+    and commit; run again at the same commit it goes on past those (a device call's 10-minute limit cut it), with
+    --only it runs those again beside the rest; without the CPU column of that transformers it exits 2."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    import megatrain.bench.env
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("walk_script", root / "scripts" / "walk_transformers.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    stem = "published-transformers-5.17.0"
+    env = {"commit": "c" * 40, "dirty": False, "gpu": "NVIDIA H200", "device": "cuda", "torch": "2.11.0"}
+    monkeypatch.setattr(megatrain.bench.env, "environment", lambda: dict(env))
+    with pytest.raises(SystemExit) as refused:
+        script.walk_published("cuda", None, tmp_path, stem)
+    assert refused.value.code == 2
+    rows = [("google/gemma-3-1b-it", "gemma3_text", "trains"), ("Qwen/Qwen3-8B", "qwen3", "trains"),
+            ("moonshotai/Kimi-K2-Instruct", "kimi_k2", "refused")]
+    (tmp_path / f"{stem}.json").write_text(json.dumps(
+        [{"hub_id": h, "model_type": t, "status": s, "detail": "", "walked": "here"} for h, t, s in rows]))
+    ran, cuts = [], [1]
+
+    class Cut(Exception):
+        """The device call's limit, after the first checkpoint landed."""
+
+    def curve_published(hub_id, device):
+        if hub_id == "Qwen/Qwen3-8B" and cuts:
+            raise Cut(cuts.pop())
+        ran.append(hub_id)
+        return {"hub_id": hub_id, "model_type": "m", "num_layers": 2, "status": "tracks", "detail": f"run {len(ran)}"}
+
+    monkeypatch.setattr(script, "curve_published", curve_published)
+    with pytest.raises(Cut):
+        script.walk_published("cuda", None, tmp_path, stem)
+    record = json.loads((tmp_path / f"{stem}-curves.json").read_text())
+    assert [c["hub_id"] for c in record["checkpoints"]] == ["google/gemma-3-1b-it"]
+    script.walk_published("cuda", None, tmp_path, stem)  # the next call: the rest only
+    assert ran == ["google/gemma-3-1b-it", "Qwen/Qwen3-8B"]
+    script.walk_published("cuda", ["google/gemma-3-1b-it"], tmp_path, stem)
+    assert ran[2:] == ["google/gemma-3-1b-it"]
+    record = json.loads((tmp_path / f"{stem}-curves.json").read_text())
+    assert [(c["hub_id"], c["detail"]) for c in record["checkpoints"]] == [("google/gemma-3-1b-it", "run 3"),
+                                                                           ("Qwen/Qwen3-8B", "run 2")]
+    assert all(c["env"] == env for c in record["checkpoints"]) and "done_here" not in record
+    env["commit"] = "d" * 40  # another commit: every row again
+    script.walk_published("cuda", None, tmp_path, stem)
+    assert ran[3:] == ["google/gemma-3-1b-it", "Qwen/Qwen3-8B"]
+    table = (tmp_path / f"{stem}.md").read_text()
+    assert "2 tracks" in table and "run 2 at NVIDIA H200, commit ddddddd, torch 2.11.0" in table
+    assert "| moonshotai/Kimi-K2-Instruct | kimi_k2 | refused |  | " in table and "| not run |" in table
