@@ -24,6 +24,7 @@ cut it), and with --only it runs those checkpoints again, keeping the others.
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -117,9 +118,17 @@ def main() -> None:
         print(f"{model_type:28s} {result.status:8s} {result.detail[:100]}", flush=True)
         results.append(result)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(as_dicts(results), indent=1) + "\n")
-    (out / f"{stem}.md").write_text(markdown(results, transformers.__version__, _curves(out, stem)) + "\n")
+    _write(out / f"{stem}.json", json.dumps(as_dicts(results), indent=1) + "\n")
+    _write(out / f"{stem}.md", markdown(results, transformers.__version__, _curves(out, stem)) + "\n")
     print(f"{sum(r.status == 'trains' for r in results)} of {len(results)} train; {out / stem}.md")
+
+
+def _write(path: Path, text: str) -> None:
+    """path's text replaced whole (written beside it, then renamed over it): a walk stopped by a device call's limit
+    (SIGTERM) leaves the record as its last checkpoint left it, not cut in the middle."""
+    part = path.with_name(f".{path.name}.part")
+    part.write_text(text)
+    os.replace(part, path)
 
 
 def _curves(out: Path, stem: str) -> dict | None:
@@ -171,8 +180,8 @@ def curves(device: str, jobs: int, out: Path, stem: str, only: list[str] | None 
     env = {**environment(), "device": device}
     record = merge_curves(old, done, env, [r.model_type for r in results]) if only else \
         {"env": env, "steps": CURVE_STEPS, "families": done}
-    (out / f"{stem}-curves.json").write_text(json.dumps(record, indent=1) + "\n")
-    (out / f"{stem}.md").write_text(markdown(results, transformers.__version__, record) + "\n")
+    _write(out / f"{stem}-curves.json", json.dumps(record, indent=1) + "\n")
+    _write(out / f"{stem}.md", markdown(results, transformers.__version__, record) + "\n")
     print(f"{sum(c['status'] == 'tracks' for c in done)} of {len(done)} track transformers in bf16 on {device}")
 
 
@@ -243,8 +252,8 @@ def walk_published(device: str | None, only: list[str] | None, out: Path, stem: 
             else {}
         results = [walked.get(row.hub_id) or kept[row.hub_id] for row in published()
                    if row.hub_id in walked or row.hub_id in kept]
-        record.write_text(json.dumps(as_dicts(results), indent=1) + "\n")
-        (out / f"{stem}.md").write_text(published_markdown(results, transformers.__version__, _curves(out, stem)))
+        _write(record, json.dumps(as_dicts(results), indent=1) + "\n")
+        _write(out / f"{stem}.md", published_markdown(results, transformers.__version__, _curves(out, stem)))
         print(f"{sum(r.status == 'trains' for r in results)} of {len(results)} train; {out / stem}.md")
         return
     table = out / f"{stem}.json"
@@ -264,8 +273,8 @@ def walk_published(device: str | None, only: list[str] | None, out: Path, stem: 
         c = curve_published(row.hub_id, device)
         print(f"{row.hub_id:48s} {c['status']:7s} {c['detail'][:100]}", flush=True)
         record = land_curve(record, {**c, "env": env}, [r.hub_id for r in results])
-        (out / f"{stem}-curves.json").write_text(json.dumps(public(record), indent=1) + "\n")  # each, as it lands
-    (out / f"{stem}.md").write_text(published_markdown(results, transformers.__version__, public(record)))
+        _write(out / f"{stem}-curves.json", json.dumps(public(record), indent=1) + "\n")  # each, as it lands
+    _write(out / f"{stem}.md", published_markdown(results, transformers.__version__, public(record)))
 
 
 def resume_curves(old: dict | None, env: dict) -> dict:
