@@ -35,10 +35,11 @@ DEEPSPEED_MODES = {"zero-offload": "DeepSpeed ZeRO-Offload",
                    "zenflow": "DeepSpeed ZenFlow over ZeRO-Offload (bounded staleness)",
                    "superoffload": "DeepSpeed SuperOffload",
                    "superoffload-cores50": "DeepSpeed SuperOffload (half the cores for its Adam)",
-                   "partial": "DeepSpeed partial offload"}
+                   "partial": "DeepSpeed partial offload",
+                   "partial-gpu-params": "DeepSpeed partial offload with its parameters on the GPU"}
 # Those that are AdamW with exact clipping (their records' system_config.exact_adamw), ZeRO-3 offload ('') with them:
 # 'DeepSpeed at its best' is the fastest of them measured in the same session, at the same batch and kernels
-DEEPSPEED_EXACT = ("", "zero-offload", "superoffload", "superoffload-cores50", "partial")
+DEEPSPEED_EXACT = ("", "zero-offload", "superoffload", "superoffload-cores50", "partial", "partial-gpu-params")
 
 
 # The answer's bold, in the plain text each headline writes; the text is escaped as a whole, its record strings with it

@@ -135,6 +135,9 @@ def step(case: CaseConfig, model: Model, host: HostStep, compiled_layers: int | 
     one layer on one micro-batch: ZeRO-3's hooks), a floor under a micro-batch's layer work; 0 (no ingredient measures
     it) except in what-ifs. The phases (forward_s, backward_s, optimizer_s) are those a record's phase_times_s
     measures: the engine's forward, backward and step calls."""
+    if case.opts.zero_stage == 3 and not case.opts.offload_param:
+        raise KeyError("ZeRO-3 with its parameters on the GPU (option offload_param=false) is not modelled: its "
+                       "parameters are gathered on the GPU, not fetched from the host as this model has them")
     cfg = case.shape()
     o = case.opts
     m = model.machine

@@ -89,8 +89,9 @@ def unmodelled(r: dict) -> str | None:
 def mode(r: dict) -> str:
     """A record's DeepSpeed mode, as the summary groups its errors."""
     o = record_case(r).opts
-    return ("superoffload" if o.super_offload else "partial" if o.optimizer_ratio < 1 else "zenflow" if o.zenflow
+    base = ("superoffload" if o.super_offload else "partial" if o.optimizer_ratio < 1 else "zenflow" if o.zenflow
             else "zero3" if o.zero_stage == 3 else "zero-offload")
+    return base + ("-gpu-params" if o.zero_stage == 3 and not o.offload_param else "")
 
 
 # a record's phase_times_s (its engine calls) against the model's phases of the same name

@@ -19,6 +19,11 @@ AdamW with exact clipping (exact_update says why; metrics count its speculative 
 `--option optimizer_ratio=R` is partial optimizer offload (offload_optimizer.ratio): the share R of the optimizer's
 sub-groups stepped by DeepSpeedCPUAdam on the host, the rest kept and stepped on the GPU by torch AdamW, each clipped
 by the global norm first. Both run ZeRO-3 on CUDA only (refusal says why).
+`--option offload_param=false` keeps ZeRO-3's bf16 parameter partitions on the GPU (offload_optimizer alone, no
+offload_param): with partial offload, the GPU sub-groups' updated fp32 masters are then written into partitions on
+the GPU, not through PyTorch's dtype-changing copy to the host (a pageable fp32 temporary, converted on the CPU: the
+step model's gpu_to_host_convert_gbs), the suspect in partial offload's ~4 s more a step than ZeRO-3 offload on
+the 14B's width (issue 74); a model whose bf16 parameters fit the GPU beside its activations can take it.
 
 On CPU (CI) the same engine runs on DeepSpeed's CPU accelerator with gloo. DeepSpeedCPUAdam needs a
 C++ JIT build there (about 1.5 minutes on 2 cores), so CPU runs default to a client torch AdamW on
@@ -84,6 +89,7 @@ class DeepSpeedOptions(CommonOptions):
     cpuadam_cores_perc: float | None = None  # SuperOffload's worker's share of the cores (None: DeepSpeed's 0.8)
     # offload_optimizer.ratio: the share of the optimizer's sub-groups stepped on the host, the rest on the GPU
     optimizer_ratio: float = 1.0
+    offload_param: bool = True  # ZeRO-3's offload_param; false: the bf16 parameter partitions stay on the GPU
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -107,6 +113,9 @@ class DeepSpeedOptions(CommonOptions):
         if self.optimizer_ratio < 1 and self.zero_stage != 3:
             raise ValueError("option optimizer_ratio below 1 (partial optimizer offload) is ZeRO-3's alone: drop "
                              "--option zero_stage=2")
+        if not self.offload_param and self.zero_stage != 3:
+            raise ValueError("option offload_param=false is ZeRO-3's (ZeRO-Offload, zero_stage=2, keeps the "
+                             "parameters on the GPU already): drop one of them")
         if self.optimizer_ratio < 1 and self.super_offload:
             raise ValueError("options super_offload=true and optimizer_ratio below 1 together: each is checked "
                              "against native alone (tests/gpu/test_baselines_gpu.py) and memory-modelled alone; run "
@@ -135,6 +144,9 @@ ZENFLOW_HOST_BYTES_PER_PARAM = 38
 SUPER_OFFLOAD_HOST_BYTES_PER_PARAM = 30
 SUPER_OFFLOAD_WORKER_GPU_BYTES = 2**30
 SUPER_OFFLOAD_CORES_PERC = 0.8  # DeepSpeed's default share of the cores for its worker (offload_config.py)
+# ZeRO-3 with its parameters on the GPU (option offload_param=false), measured-pending: the bf16 parameter partition
+# (2 B/param of DeepSpeed's estimator's 18) lives on the GPU instead of in pinned host memory
+PARAM_PARTITION_BYTES_PER_PARAM = 2
 # Partial optimizer offload, measured-pending (as SuperOffload's): the GPU share's fp32 master weights, gradient and
 # Adam moments live on the GPU (16 B/param; its gradient is staged in pinned host memory once at build, kept by
 # torch's pinned cache, so the host saves 12 of ZeRO-3's 25), and torch AdamW's foreach temporaries of one sub-group
@@ -157,7 +169,8 @@ def memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
     models count MOE_HOST_BYTES_PER_PARAM. GPU: 4 B per parameter of the largest module (bf16 params and grads,
     gathered), plus the prefetch buffers, plus activations. SuperOffload and partial optimizer offload add what their
     constants say (measured-pending: SUPER_OFFLOAD_HOST_BYTES_PER_PARAM, OPTIMIZER_GPU_BYTES_PER_PARAM), the latter
-    for the sub-groups DeepSpeed keeps on the GPU (optimizer_sub_groups, gpu_sub_groups).
+    for the sub-groups DeepSpeed keeps on the GPU (optimizer_sub_groups, gpu_sub_groups); without offload_param the
+    bf16 parameter partition moves from the host to the GPU (PARAM_PARTITION_BYTES_PER_PARAM, measured-pending).
     """
     if case.opts.zero_stage == 2:
         return _zero2_memory_bytes(case, world)
@@ -170,6 +183,9 @@ def memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
     gpu = 4 * largest_unit_params(case) * 2 + activation_bytes(case)
     if case.opts.super_offload:
         gpu += SUPER_OFFLOAD_WORKER_GPU_BYTES
+    if not case.opts.offload_param:  # the bf16 parameter partitions on the GPU (PARAM_PARTITION_BYTES_PER_PARAM)
+        partition = -(-n * PARAM_PARTITION_BYTES_PER_PARAM // world)
+        host, gpu = host - partition, gpu + partition
     if case.opts.optimizer_ratio < 1:  # the sub-groups of the optimizer DeepSpeed keeps on the GPU
         sub_groups = optimizer_sub_groups(case, world)
         on_gpu = sub_groups[:gpu_sub_groups(case.opts.optimizer_ratio, len(sub_groups))]
@@ -288,7 +304,7 @@ def deepspeed_config(case: CaseConfig, world: int = 1) -> dict:
         zero["sub_group_size"] = sub_group_size(case)
     if o.zero_stage == 3:
         zero.update({
-            "offload_param": offload,
+            **({"offload_param": offload} if o.offload_param else {}),
             "stage3_prefetch_bucket_size": int(0.9 * h * h),
             "stage3_param_persistence_threshold": 10 * h,
             # Its memory-efficient linear, an autograd.Function patched over F.linear, reads each weight's ds_id and
@@ -611,6 +627,11 @@ class DeepSpeedSystem:
         if o.optimizer_ratio < 1:
             mode = (f"partial optimizer offload: ZeRO-3, parameters offloaded to the host, {o.optimizer_ratio:g} of "
                     "the optimizer's sub-groups on the host (DeepSpeedCPUAdam), the rest on the GPU (torch AdamW)")
+        if not o.offload_param:
+            on_gpu = "parameters on the GPU (no offload_param)"
+            mode = mode.replace("parameters and optimizer offloaded to the host",
+                                f"optimizer offloaded to the host, {on_gpu}").replace(
+                "parameters offloaded to the host", on_gpu)
         exact, update = exact_update(self.case)
         return {"mode": mode, "exact_adamw": exact, "update": update,
                 "phase_times": "wall-clock of each engine call (forward, backward, step), the device synchronised "

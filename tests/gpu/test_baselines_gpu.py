@@ -119,7 +119,10 @@ def test_qwen_0_5b_compiled_takes_in_every_system(system, options, native_qwen_b
 
 # DeepSpeed's modes beyond ZeRO-3 offload that are AdamW with exact clipping (megatrain.systems.deepspeed_zero3)
 DEEPSPEED_MODES = [pytest.param({"super_offload": True}, marks=NEEDS_DEEPSPEED, id="superoffload"),
-                   pytest.param({"optimizer_ratio": 0.5}, marks=NEEDS_DEEPSPEED, id="partial")]
+                   pytest.param({"optimizer_ratio": 0.5}, marks=NEEDS_DEEPSPEED, id="partial"),
+                   # its parameters kept on the GPU (no offload_param): the write-back stays on the device
+                   pytest.param({"optimizer_ratio": 0.5, "offload_param": False}, marks=NEEDS_DEEPSPEED,
+                                id="partial-gpu-params")]
 
 
 def _options(options: dict) -> list[str]:

@@ -20,7 +20,7 @@ import torch
 from megatrain.config import CaseConfig
 from megatrain.data import make_batches
 from megatrain.optim.config import OptimConfig
-from megatrain.systems import fsdp_offload
+from megatrain.systems import deepspeed_zero3, fsdp_offload
 from megatrain.systems.native import NativeSystem
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -161,6 +161,25 @@ def test_deepspeed_zero_offload_matches_zero3(model, tmp_path):
     zero = zero2["config"]["deepspeed_config"]["zero_optimization"]
     assert (zero["stage"], zero["offload_optimizer"]["device"], "offload_param" in zero) == (2, "cpu", False)
     assert zero2["config"]["mode"].startswith("ZeRO-Offload") and not zero2["config"]["zero_init"]
+
+
+@pytest.mark.parametrize("model", [pytest.param("tiny", marks=needs_deepspeed)])
+def test_deepspeed_zero3_with_its_parameters_on_the_device_trains_as_with_them_offloaded(model, tmp_path):
+    """offload_param=false: ZeRO-3 with the optimizer alone offloaded, its bf16 parameter partitions where the model
+    computes (on the CPU the same memory; the same arithmetic either way): the config leaves offload_param out, the
+    record's mode says where the parameters are, and the memory model moves their partition to the device."""
+    case = _case("deepspeed", model)
+    offloaded = _run_in_subprocess(case, tmp_path)
+    on_device_case = dataclasses.replace(case, options={"offload_param": False})
+    on_device = _run_in_subprocess(on_device_case, tmp_path)
+    assert on_device["losses"] == offloaded["losses"]
+    assert all(torch.equal(p, offloaded["params"][name]) for name, p in on_device["params"].items())
+    zero = on_device["config"]["deepspeed_config"]["zero_optimization"]
+    assert zero["stage"] == 3 and "offload_param" not in zero and zero["offload_optimizer"]["device"] == "cpu"
+    assert "parameters on the GPU (no offload_param)" in on_device["config"]["mode"]
+    host, gpu = deepspeed_zero3.memory_bytes(case)
+    less_host, more_gpu = deepspeed_zero3.memory_bytes(on_device_case)
+    assert host - less_host == more_gpu - gpu == 2 * case.shape().num_params()
 
 
 # DeepSpeed's compiled layers are held against eager native by the next test, over two layer structures
