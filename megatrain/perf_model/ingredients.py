@@ -10,7 +10,9 @@ python -m megatrain.perf_model.ingredients --out results/ingredients/h200-141g-1
 - the GPU AdamW of a resident unit (the engine's torch_adamw_unit on one 7B layer's tiles on the GPU, clipped), in
   G params/s per precision, and the GPU's copy rate (GB copied per second);
 - a blocking copy of fp32 on the GPU into a pinned bf16 host tensor (GB/s of fp32): PyTorch converts it on the
-  host through a pageable temporary; DeepSpeed's partial optimizer offload writes its GPU sub-groups back so;
+  host through a pageable temporary; DeepSpeed's partial optimizer offload writes its GPU sub-groups back so; and the
+  other way, pinned fp32 on the host into bf16 on the GPU (ZeRO-3 with its parameters on the GPU writes its host
+  sub-groups back so);
 - per model shape, at seq 1024 and each token count, eager and compiled: one decoder layer's forward (no grad, as
   the engine's forward) and its recompute + backward with the fp32 gradient accumulation and squared norm the
   engine adds (`bwd_ms`), through the engine's LayerTemplate; the head (final norm, chunked LM-head loss, and its
@@ -103,6 +105,24 @@ def gpu_to_host_convert_gbs(numel: int = 2**28, repeats: int = 3) -> float:
     return numel * 4 / statistics.median(times) / 1e9
 
 
+def gpu_from_host_convert_gbs(numel: int = 2**28, repeats: int = 3) -> float:
+    """GB/s, counted in the fp32 source's bytes, of a blocking copy of a pinned fp32 host tensor into bf16 on the GPU:
+    ZeRO-3 with its parameter partitions on the GPU (deepspeed option offload_param=false) writes each host
+    sub-group's updated fp32 master so into its bf16 partition. PyTorch converts it on the host (copy_kernel_cuda: the
+    source cast to bf16 into a fresh pageable tensor, then a copy from pageable memory), not as a pinned copy."""
+    src = torch.ones(numel, dtype=torch.float32, pin_memory=True)
+    dst = torch.empty(numel, dtype=torch.bfloat16, device="cuda")
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return numel * 4 / statistics.median(times) / 1e9
+
+
 def layer_times(model: str, tokens: int, compiled: bool, seq: int = 1024) -> dict:
     """One decoder layer of `model` on `tokens` tokens (rows of `seq`) as the engine runs it, bf16: forward, and
     recompute + backward + fp32 gradient accumulation + squared norm."""
@@ -170,6 +190,7 @@ RATES = {
     "host_adamw_gparams_s": lambda: {p: engine_adamw_gparams_s(p, 2**27) for p in ("bf16", "mixed")},
     "gpu_copy_gbs": gpu_copy_gbs,
     "gpu_to_host_convert_gbs": gpu_to_host_convert_gbs,
+    "gpu_from_host_convert_gbs": gpu_from_host_convert_gbs,
     "gpu_adamw_gparams_s": lambda: {p: gpu_adamw_gparams_s(p) for p in ("bf16", "mixed")},
 }
 
