@@ -86,32 +86,18 @@ def gpu_copy_gbs(nbytes: int = 4 * GIB) -> float:
     return nbytes / (bench_ms(lambda: dst.copy_(src), warmup=2, iters=5) / 1e3) / 1e9
 
 
-def gpu_to_host_convert_gbs(numel: int = 2**28, repeats: int = 3) -> float:
-    """GB/s, counted in the fp32 source's bytes, of a blocking copy of fp32 on the GPU into a pinned bf16 host tensor:
-    DeepSpeed's partial optimizer offload writes each GPU sub-group's updated fp32 master so into its bf16 parameter
-    partition on the host (stage3._reassign_or_swap_out_partitioned_parameters). PyTorch converts a blocking copy
-    that changes dtype on the host (copy_kernel_cuda): a fresh pageable fp32 temporary, the device-to-host copy
-    into it, then the conversion; not a pinned copy at the link's rate. 1 GiB of fp32, a fresh temporary each time
-    as each of DeepSpeed's steps makes one."""
-    src = torch.ones(numel, dtype=torch.float32, device="cuda")
-    dst = torch.empty(numel, dtype=torch.bfloat16, pin_memory=True)
-    dst.copy_(src)
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return numel * 4 / statistics.median(times) / 1e9
-
-
-def gpu_from_host_convert_gbs(numel: int = 2**28, repeats: int = 3) -> float:
-    """GB/s, counted in the fp32 source's bytes, of a blocking copy of a pinned fp32 host tensor into bf16 on the GPU:
-    ZeRO-3 with its parameter partitions on the GPU (deepspeed option offload_param=false) writes each host
-    sub-group's updated fp32 master so into its bf16 partition. PyTorch converts it on the host (copy_kernel_cuda: the
-    source cast to bf16 into a fresh pageable tensor, then a copy from pageable memory), not as a pinned copy."""
-    src = torch.ones(numel, dtype=torch.float32, pin_memory=True)
-    dst = torch.empty(numel, dtype=torch.bfloat16, device="cuda")
+def convert_copy_gbs(to_host: bool, numel: int = 2**28, repeats: int = 3) -> float:
+    """GB/s, counted in fp32's bytes, of a blocking copy that changes dtype across the link, 1 GiB of fp32:
+    to_host, fp32 on the GPU into a pinned bf16 host tensor, as DeepSpeed's partial optimizer offload writes each GPU
+    sub-group's updated master into its bf16 parameter partition on the host
+    (stage3._reassign_or_swap_out_partitioned_parameters); else pinned fp32 on the host into bf16 on the GPU, as
+    ZeRO-3 with its parameter partitions on the GPU (deepspeed option offload_param=false) writes its host
+    sub-groups'. PyTorch converts a blocking copy that changes dtype on the host (copy_kernel_cuda): to the host
+    through a fresh pageable fp32 temporary, from the host through a fresh pageable bf16 cast; not a pinned copy at
+    the link's rate. Each repeat makes its temporary afresh, as each of DeepSpeed's steps does."""
+    host = torch.empty(numel, dtype=torch.bfloat16 if to_host else torch.float32, pin_memory=True).fill_(1)
+    gpu = torch.ones(numel, dtype=torch.float32 if to_host else torch.bfloat16, device="cuda")
+    dst, src = (host, gpu) if to_host else (gpu, host)
     dst.copy_(src)
     times = []
     for _ in range(repeats):
@@ -189,8 +175,8 @@ RATES = {
     "host_copy_gbs": host_copy_gbs,
     "host_adamw_gparams_s": lambda: {p: engine_adamw_gparams_s(p, 2**27) for p in ("bf16", "mixed")},
     "gpu_copy_gbs": gpu_copy_gbs,
-    "gpu_to_host_convert_gbs": gpu_to_host_convert_gbs,
-    "gpu_from_host_convert_gbs": gpu_from_host_convert_gbs,
+    "gpu_to_host_convert_gbs": lambda: convert_copy_gbs(to_host=True),
+    "gpu_from_host_convert_gbs": lambda: convert_copy_gbs(to_host=False),
     "gpu_adamw_gparams_s": lambda: {p: gpu_adamw_gparams_s(p) for p in ("bf16", "mixed")},
 }
 
