@@ -28,6 +28,11 @@ GPU AdamW rate of the engine's resident units, its stand-in) after the backward,
 copied into its host parameter partition: in a bf16 run a blocking copy that changes dtype, which PyTorch converts on
 the host through a fresh pageable fp32 temporary (the ingredients' gpu_to_host_convert_gbs, 4 B/param; a model whose
 ingredients lack that rate does not predict the mode), in fp32 a pinned copy; the host steps the rest as above.
+ZeRO-3 without parameter offload (option offload_param=false, a prediction no record has checked yet) keeps the bf16
+parameter partitions on the GPU: no weights cross before a layer's use; the gradients leave as with offload; after
+its step the host writes each updated fp32 master up into its partition on the GPU, a blocking copy that changes dtype
+(cast on the host, then copied from pageable memory: gpu_from_host_convert_gbs, 4 B/param counted) in place of the
+host-side cast; a GPU sub-group of partial offload writes its partition on the device (left out).
 SuperOffload (option super_offload) sends each sub-group to DeepSpeedCPUAdam in a worker process on a share of the
 cores (its Adam pass here at the probe's rate times that share, an assumption its records test): the worker copies
 the gradient into its own pinned buffer and the updated master is copied back over the partition (16 B/param more at
@@ -110,6 +115,20 @@ class HostStep:
                 "cast_s": numel * (CAST_BYTES_PER_PARAM + copy_bytes_per_param) / (self.copy_gbs * 1e9)}
 
 
+def write_up_s(m, params: float) -> float:
+    """Seconds to copy `params` updated fp32 master values from the host into bf16 parameter partitions on the GPU
+    (ZeRO-3 without parameter offload, its host sub-groups after their step): PyTorch casts a blocking copy that
+    changes dtype on the host, then copies it from pageable memory (Machine.gpu_from_host_convert_gbs, counted in
+    fp32's bytes); KeyError where that rate was never measured."""
+    if not m.gpu_from_host_convert_gbs:
+        raise KeyError("ZeRO-3 with its parameters on the GPU writes its host sub-groups up with a dtype-changing "
+                       f"host-to-GPU copy, and {m.name}'s ingredients lack its rate (gpu_from_host_convert_gbs): "
+                       "measure it on that GPU kind, python -m megatrain.perf_model.ingredients --models '' --rates "
+                       "gpu_from_host_convert_gbs --out results/ingredients/FILE, FILE the kind's owed file in "
+                       "megatrain.hardware.LENT")
+    return params * FP32_BYTES / (m.gpu_from_host_convert_gbs * 1e9)
+
+
 def write_back_s(m, params: float, width: int) -> float:
     """Seconds to copy `params` updated fp32 master values from the GPU into host parameter partitions of `width`
     bytes a value (partial offload's GPU sub-groups after their AdamW): a pinned copy where the partition is fp32 too,
@@ -135,9 +154,6 @@ def step(case: CaseConfig, model: Model, host: HostStep, compiled_layers: int | 
     one layer on one micro-batch: ZeRO-3's hooks), a floor under a micro-batch's layer work; 0 (no ingredient measures
     it) except in what-ifs. The phases (forward_s, backward_s, optimizer_s) are those a record's phase_times_s
     measures: the engine's forward, backward and step calls."""
-    if case.opts.zero_stage == 3 and not case.opts.offload_param:
-        raise KeyError("ZeRO-3 with its parameters on the GPU (option offload_param=false) is not modelled: its "
-                       "parameters are gathered on the GPU, not fetched from the host as this model has them")
     cfg = case.shape()
     o = case.opts
     m = model.machine
@@ -152,6 +168,7 @@ def step(case: CaseConfig, model: Model, host: HostStep, compiled_layers: int | 
                    strict=True)
     head_s = model.head_s(cfg, tokens)
     zero3 = o.zero_stage == 3
+    fetching = zero3 and o.offload_param  # ZeRO-3's weights come up from the host before each use
     both_ways = zero3 or micro > 1  # gradients go out while weights or partial sums come in
     total = sum(u.numel for u in units)
     sub_groups = optimizer_sub_groups(case) if o.optimizer_ratio < 1 or o.super_offload else [total]
@@ -197,21 +214,21 @@ def step(case: CaseConfig, model: Model, host: HostStep, compiled_layers: int | 
         micro_start = t
         # forward: ZeRO-3 brings the root's weights (embedding, head matrix) up first, then each layer's during the
         # previous layer's compute
-        if zero3:
+        if fetching:
             start = t
             t = fetch(embed + head, t, False)
             fetch_wait += t - start
             ready = fetch(layers[0], t, False)
         for i in range(len(layers)):
-            start = max(t, ready) if zero3 else t
+            start = max(t, ready) if fetching else t
             fetch_wait += start - t
-            if zero3 and i + 1 < len(layers):
+            if fetching and i + 1 < len(layers):
                 ready = fetch(layers[i + 1], start, False)
             t = start + f_s[i]
         forward_s += t - micro_start
         # backward: the head matrix again (the root's backward hook), the head; the last layer's weights come up
         # during it, and each layer's during the backward of the one after it
-        if zero3:
+        if fetching:
             start = t
             t = fetch(head, t, False)
             fetch_wait += t - start
@@ -219,13 +236,13 @@ def step(case: CaseConfig, model: Model, host: HostStep, compiled_layers: int | 
         t += head_s
         reduce(head, t, k)
         for i in reversed(range(len(layers))):
-            start = max(t, ready) if zero3 else t
+            start = max(t, ready) if fetching else t
             fetch_wait += start - t
-            if zero3:
+            if fetching:
                 ready = fetch(layers[i - 1] if i else embed, start, True)
             t = start + b_s[i]
             reduce(layers[i], t, k)
-        if zero3:  # the embedding's backward hook waits for its weights
+        if fetching:  # the embedding's backward hook waits for its weights
             fetch_wait += max(t, ready) - t
             t = max(t, ready)
         reduce(embed, t, k)
@@ -238,13 +255,18 @@ def step(case: CaseConfig, model: Model, host: HostStep, compiled_layers: int | 
     clip = case.optim.max_grad_norm > 0
     share = (o.cpuadam_cores_perc or SUPER_OFFLOAD_CORES_PERC) if o.super_offload else 1.0
     host_parts = host.seconds(total - on_gpu, clip, share, SUPER_OFFLOAD_COPY_BYTES_PER_PARAM * o.super_offload)
+    if zero3 and not fetching:  # the host sub-groups' masters into bf16 partitions on the GPU, cast on the host
+        host_parts["cast_s"] = write_up_s(m, total - on_gpu)
+        moved["h2d_bytes"] += (total - on_gpu) * 2
     host_step_s = sum(host_parts.values())
     if o.super_offload and not clip:  # speculative: each sub-group's step beside the rest of the backward
         host_step_s = max(host_step_s - (backward_end - forward_s),
                           host_step_s * max(sub_groups) / sum(sub_groups))
-    gpu_step_s = on_gpu / (m.gpu_adamw_gparams_s[case.precision] * 1e9) + write_back_s(m, on_gpu, w) \
-        if on_gpu else 0.0  # partial offload: its GPU share's AdamW, then each updated sub-group to its host partition
-    moved["d2h_bytes"] += on_gpu * 4
+    # partial offload: its GPU share's AdamW, then each updated sub-group to its parameter partition (on the host; on
+    # the GPU without parameter offload, a device copy left out)
+    gpu_step_s = on_gpu / (m.gpu_adamw_gparams_s[case.precision] * 1e9) + \
+        (write_back_s(m, on_gpu, w) if fetching else 0.0) if on_gpu else 0.0
+    moved["d2h_bytes"] += on_gpu * 4 if fetching else 0
     upload_s = 0.0 if zero3 else up(total * w, False)  # ZeRO-Offload: the new weights up
     t += host_step_s + gpu_step_s + upload_s
     return {

@@ -192,6 +192,7 @@ class Machine:
     # a blocking copy of fp32 on the GPU into a pinned bf16 host tensor, GB/s of fp32 (ingredients'
     # gpu_to_host_convert_gbs; None where its ingredients predate it)
     gpu_to_host_convert_gbs: float | None = None
+    gpu_from_host_convert_gbs: float | None = None  # the other way: pinned fp32 on the host into bf16 on the GPU
     gemm_scale: float = 1.0
     bandwidth_scale: float = 1.0
 
@@ -212,7 +213,8 @@ class Machine:
             name=name, h2d_gbs=probe.get("h2d_gbs", base["h2d_gbs"]), d2h_gbs=probe.get("d2h_gbs", base["d2h_gbs"]),
             both_gbs=probe.get("both_gbs", base["both_gbs"]), host_adamw_gparams_s=host,
             gpu_adamw_gparams_s=ing.data.get("gpu_adamw_gparams_s") or {}, gemm_tflops=base["gemm_bf16_tflops"],
-            gpu_to_host_convert_gbs=ing.data.get("gpu_to_host_convert_gbs"))
+            gpu_to_host_convert_gbs=ing.data.get("gpu_to_host_convert_gbs"),
+            gpu_from_host_convert_gbs=ing.data.get("gpu_from_host_convert_gbs"))
 
 
 @dataclass

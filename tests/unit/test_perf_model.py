@@ -375,3 +375,24 @@ def test_ingredients_measure_the_rates_asked_for_and_a_later_file_adds_its_rate_
     with pytest.raises(SystemExit) as exc:
         measure.main()
     assert exc.value.code == 2
+
+
+def test_zero3_with_its_parameters_on_the_gpu_fetches_none_and_writes_its_host_share_up():
+    """offload_param=false: no weights cross before a layer's use (no fetch wait, no H2D of weights); after the step
+    the host sub-groups' masters go up through PyTorch's host-side cast at its measured rate, in place of the host's
+    cast into a pinned partition; with partial offload the GPU share writes on the device. Without that rate: not
+    predicted, saying which rate."""
+    n = sum(u.numel for u in _units())
+    ing = _ingredients(fwd_ms=100.0, bwd_ms=300.0, head_ms=50.0)
+    ing.data.update(gpu_to_host_convert_gbs=5.0, gpu_from_host_convert_gbs=8.0)
+    offloaded = _ds(ing, link_gbs=1.0)  # a slow link: ZeRO-3's weight copies wait
+    on_gpu = _ds(ing, link_gbs=1.0, options={"offload_param": False})
+    assert offloaded["fetch_wait_s"] > 0 and on_gpu["fetch_wait_s"] == 0
+    assert on_gpu["cast_s"] == pytest.approx(n * 4 / 8e9) and on_gpu["adam_s"] == offloaded["adam_s"]
+    assert on_gpu["h2d_bytes"] < offloaded["h2d_bytes"]
+    partial = _ds(ing, options={"offload_param": False, "optimizer_ratio": 0.5})
+    k = partial["optimizer_params_on_gpu"]
+    assert partial["gpu_step_s"] == pytest.approx(k / 100e9) and partial["cast_s"] == pytest.approx((n - k) * 4 / 8e9)
+    del ing.data["gpu_from_host_convert_gbs"]
+    with pytest.raises(KeyError, match=r"lack its rate \(gpu_from_host_convert_gbs\)"):
+        _ds(ing, options={"offload_param": False})
