@@ -115,10 +115,11 @@ def memory_bytes(case: CaseConfig, world: int = 1) -> tuple[int, int]:
     shards = [-(-n // world) for n in case.shape().param_numels()]
     gathered = 1 + max(1, case.opts.prefetch_layers) + 1  # computing, prefetched, the gradient before its reduce
     gpu = gathered * 2 * largest_unit_params(case) + activation_bytes(case)
-    if not case.opts.cpu_offload:
-        return 0, gpu + sum(per.values()) * sum(shards)
-    host = sum(pinned_bytes(per["weights"] * k) + pinned_bytes(per["grads"] * k)
-               + (per["exp_avg"] + per["exp_avg_sq"]) * k for k in shards)
+    if case.opts.cpu_offload:
+        host = sum(pinned_bytes(per["weights"] * k) + pinned_bytes(per["grads"] * k)
+                   + (per["exp_avg"] + per["exp_avg_sq"]) * k for k in shards)
+    else:
+        host, gpu = 0, gpu + sum(per.values()) * sum(shards)
     if case.opts.accumulate_on_gpu and accumulation_steps(case.batch, case.micro_batch, world) > 1:
         gpu += FP32_BYTES * case.shape().num_params()
     return host, gpu
