@@ -17,7 +17,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-STAND_INS = '''
+# each stand-in check writes which worker ran it to WHO_RAN
+RAN = '''
 import os
 import time
 
@@ -26,18 +27,20 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 
+def _ran(kind, n):
+    with open(os.environ["WHO_RAN"], "a") as f:
+        f.write(f"{kind} {n} {os.environ['PYTEST_XDIST_WORKER']}\\n")
+    time.sleep(0.2)
+'''
+
+STAND_INS = RAN + '''
+
 def shares(item):
     return "cache" if item.originalname == "test_shared" else None
 
 
 def heavy(item):
     return item.originalname == "test_heavy"
-
-
-def _ran(kind, n):
-    with open(os.environ["WHO_RAN"], "a") as f:
-        f.write(f"{kind} {n} {os.environ['PYTEST_XDIST_WORKER']}\\n")
-    time.sleep(0.2)
 
 
 @pytest.mark.parametrize("n", range(4))
@@ -245,14 +248,7 @@ def test_a_group_is_split_only_where_each_part_pays_its_first_check_and_still_en
     assert conftest.part_count([5.0, 5.0], cap=1.0) == 2  # never more parts than checks
 
 
-WHOLE = '''
-import os
-import time
-
-import pytest
-
-pytestmark = pytest.mark.gpu
-
+WHOLE = RAN + '''
 
 def shares(item):
     return item.originalname
@@ -260,12 +256,6 @@ def shares(item):
 
 def whole(item):
     return item.originalname == "test_compiled_once"
-
-
-def _ran(kind, n):
-    with open(os.environ["WHO_RAN"], "a") as f:
-        f.write(f"{kind} {n} {os.environ['PYTEST_XDIST_WORKER']}\\n")
-    time.sleep(0.2)
 
 
 @pytest.mark.parametrize("n", range(4))
