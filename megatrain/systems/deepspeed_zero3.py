@@ -116,6 +116,10 @@ class DeepSpeedOptions(CommonOptions):
         if not self.offload_param and self.zero_stage != 3:
             raise ValueError("option offload_param=false is ZeRO-3's (ZeRO-Offload, zero_stage=2, keeps the "
                              "parameters on the GPU already): drop one of them")
+        if not self.offload_param and self.super_offload:
+            raise ValueError("options offload_param=false and super_offload=true together: SuperOffload is checked "
+                             "against native with its parameters offloaded only (tests/gpu/test_baselines_gpu.py); "
+                             "drop one of them")
         if self.optimizer_ratio < 1 and self.super_offload:
             raise ValueError("options super_offload=true and optimizer_ratio below 1 together: each is checked "
                              "against native alone (tests/gpu/test_baselines_gpu.py) and memory-modelled alone; run "

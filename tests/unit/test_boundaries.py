@@ -230,6 +230,7 @@ def test_a_system_added_with_one_registry_entry_is_known_everywhere(monkeypatch)
     ("deepspeed", {"optimizer_ratio": 0.5, "zero_stage": 2}, "(partial optimizer offload) is ZeRO-3's alone"),
     ("deepspeed", {"optimizer_ratio": 0.5, "super_offload": True}, "run one of them"),
     ("deepspeed", {"offload_param": False, "zero_stage": 2}, "option offload_param=false is ZeRO-3's"),
+    ("deepspeed", {"offload_param": False, "super_offload": True}, "offload_param=false and super_offload=true"),
     ("fsdp", {"prefetch_layers": -1}, "prefetch_layers counts the layers each one prefetches"),
     ("megatrain", {"weight_slots": 3}, "weight_slots=3: expected 1 or 2"),
     ("megatrain", {"host_mem_gib": 0}, "host_mem_gib must be > 0"),
