@@ -47,6 +47,7 @@ from megatrain.checks.walk import (  # noqa: E402
     try_published,
     walk,
 )
+from megatrain.train.rundir import aside  # noqa: E402
 
 
 def markdown(results: list, version: str, curves: dict | None = None) -> str:
@@ -126,7 +127,7 @@ def main() -> None:
 def _write(path: Path, text: str) -> None:
     """path's text replaced whole (written beside it, then renamed over it): a walk stopped by a device call's limit
     (SIGTERM) leaves the record as its last checkpoint left it, not cut in the middle."""
-    part = path.with_name(f".{path.name}.part")
+    part = aside(path, "tmp")
     part.write_text(text)
     os.replace(part, path)
 

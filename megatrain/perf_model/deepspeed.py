@@ -115,35 +115,36 @@ class HostStep:
                 "cast_s": numel * (CAST_BYTES_PER_PARAM + copy_bytes_per_param) / (self.copy_gbs * 1e9)}
 
 
+def _converted_s(m, params: float, rate: str, what: str) -> float:
+    """Seconds of a blocking copy of `params` fp32 values across the link into bf16 that PyTorch converts on the host
+    (copy_kernel_cuda), at the machine's measured `rate` (a Machine field, GB/s of fp32); KeyError naming the rate
+    where its ingredients never measured it (`what`: who copies what so)."""
+    gbs = getattr(m, rate)
+    if not gbs:
+        raise KeyError(f"{what}, and {m.name}'s ingredients lack its rate ({rate}): "
+                       f"measure it on that GPU kind, python -m megatrain.perf_model.ingredients --models '' --rates "
+                       f"{rate} --out results/ingredients/FILE, FILE the kind's owed file in megatrain.hardware.LENT")
+    return params * FP32_BYTES / (gbs * 1e9)
+
+
 def write_up_s(m, params: float) -> float:
     """Seconds to copy `params` updated fp32 master values from the host into bf16 parameter partitions on the GPU
-    (ZeRO-3 without parameter offload, its host sub-groups after their step): PyTorch casts a blocking copy that
-    changes dtype on the host, then copies it from pageable memory (Machine.gpu_from_host_convert_gbs, counted in
-    fp32's bytes); KeyError where that rate was never measured."""
-    if not m.gpu_from_host_convert_gbs:
-        raise KeyError("ZeRO-3 with its parameters on the GPU writes its host sub-groups up with a dtype-changing "
-                       f"host-to-GPU copy, and {m.name}'s ingredients lack its rate (gpu_from_host_convert_gbs): "
-                       "measure it on that GPU kind, python -m megatrain.perf_model.ingredients --models '' --rates "
-                       "gpu_from_host_convert_gbs --out results/ingredients/FILE, FILE the kind's owed file in "
-                       "megatrain.hardware.LENT")
-    return params * FP32_BYTES / (m.gpu_from_host_convert_gbs * 1e9)
+    (ZeRO-3 without parameter offload, its host sub-groups after their step): PyTorch casts on the host, then copies
+    from pageable memory (Machine.gpu_from_host_convert_gbs)."""
+    return _converted_s(m, params, "gpu_from_host_convert_gbs",
+                        "ZeRO-3 with its parameters on the GPU writes its host sub-groups up with a dtype-changing "
+                        "host-to-GPU copy")
 
 
 def write_back_s(m, params: float, width: int) -> float:
     """Seconds to copy `params` updated fp32 master values from the GPU into host parameter partitions of `width`
     bytes a value (partial offload's GPU sub-groups after their AdamW): a pinned copy where the partition is fp32 too,
-    else the dtype-changing copy that PyTorch converts on the host (Machine.gpu_to_host_convert_gbs). KeyError where
-    that rate was never measured (the ingredients before it): the pinned rate in its place missed the mode's three
-    records by 50-74%."""
+    else the dtype-changing copy that PyTorch converts on the host (Machine.gpu_to_host_convert_gbs; without it the
+    mode is not predicted: the pinned rate in its place missed the mode's three records by 50-74%)."""
     if width == FP32_BYTES:
         return params * FP32_BYTES / (m.d2h_gbs * 1e9)
-    if not m.gpu_to_host_convert_gbs:
-        raise KeyError("partial offload writes its GPU sub-groups back with a dtype-changing GPU-to-host copy, and "
-                       f"{m.name}'s ingredients lack its rate (gpu_to_host_convert_gbs): measure it on that GPU kind, "
-                       "python -m megatrain.perf_model.ingredients --models '' --rates gpu_to_host_convert_gbs --out "
-                       "results/ingredients/FILE, "
-                       "FILE the kind's owed file in megatrain.hardware.LENT")
-    return params * FP32_BYTES / (m.gpu_to_host_convert_gbs * 1e9)
+    return _converted_s(m, params, "gpu_to_host_convert_gbs",
+                        "partial offload writes its GPU sub-groups back with a dtype-changing GPU-to-host copy")
 
 
 def step(case: CaseConfig, model: Model, host: HostStep, compiled_layers: int | None = None,

@@ -46,7 +46,7 @@ from megatrain.optim.compact import Moments
 from megatrain.optim.config import OptimConfig
 from megatrain.optim.host_adamw import FlatAdamW
 from megatrain.perf_model.layer_profile import bench_ms, engine_layer
-from megatrain.probe import engine_adamw_gparams_s, measure
+from megatrain.probe import _median_s, engine_adamw_gparams_s, measure
 
 SHAPES = ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b",
           "dense-120b"]
@@ -98,15 +98,13 @@ def convert_copy_gbs(to_host: bool, numel: int = 2**28, repeats: int = 3) -> flo
     host = torch.empty(numel, dtype=torch.bfloat16 if to_host else torch.float32, pin_memory=True).fill_(1)
     gpu = torch.ones(numel, dtype=torch.float32 if to_host else torch.bfloat16, device="cuda")
     dst, src = (host, gpu) if to_host else (gpu, host)
-    dst.copy_(src)
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+
+    def copy():
         dst.copy_(src)
         torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return numel * 4 / statistics.median(times) / 1e9
+
+    copy()
+    return numel * 4 / _median_s(copy, repeats) / 1e9
 
 
 def layer_times(model: str, tokens: int, compiled: bool, seq: int = 1024) -> dict:

@@ -621,7 +621,9 @@ class DeepSpeedSystem:
         zero3 = o.zero_stage == 3
         compiled = "torch.compile(dynamic=False) of one stateless decoder layer (LayerTemplate), every layer calling " \
             "it with its parameters" + (", the layer a ZeRO-3 leaf module (gathered whole)" if zero3 else "")
-        mode = "ZeRO-3, parameters and optimizer offloaded to the host" if zero3 else \
+        params = "parameters offloaded to the host" if o.offload_param else "parameters on the GPU (no offload_param)"
+        mode = ("ZeRO-3, parameters and optimizer offloaded to the host" if o.offload_param else
+                f"ZeRO-3, optimizer offloaded to the host, {params}") if zero3 else \
             "ZeRO-Offload: ZeRO-2, parameters and gradients on the device, optimizer offloaded to the host"
         if o.zenflow:
             mode = f"ZenFlow (bounded staleness: {ZENFLOW}) over " + mode
@@ -629,13 +631,8 @@ class DeepSpeedSystem:
             mode = ("SuperOffload: " + mode + ", DeepSpeedCPUAdam in a worker process on "
                     f"{self.config['zero_optimization']['offload_optimizer']['cpuadam_cores_perc']:g} of the cores")
         if o.optimizer_ratio < 1:
-            mode = (f"partial optimizer offload: ZeRO-3, parameters offloaded to the host, {o.optimizer_ratio:g} of "
-                    "the optimizer's sub-groups on the host (DeepSpeedCPUAdam), the rest on the GPU (torch AdamW)")
-        if not o.offload_param:
-            on_gpu = "parameters on the GPU (no offload_param)"
-            mode = mode.replace("parameters and optimizer offloaded to the host",
-                                f"optimizer offloaded to the host, {on_gpu}").replace(
-                "parameters offloaded to the host", on_gpu)
+            mode = (f"partial optimizer offload: ZeRO-3, {params}, {o.optimizer_ratio:g} of the optimizer's "
+                    "sub-groups on the host (DeepSpeedCPUAdam), the rest on the GPU (torch AdamW)")
         exact, update = exact_update(self.case)
         return {"mode": mode, "exact_adamw": exact, "update": update,
                 "phase_times": "wall-clock of each engine call (forward, backward, step), the device synchronised "

@@ -77,10 +77,8 @@ def _pytest(tmp_path: Path, env: dict, workers: int = 0) -> subprocess.Completed
                               **inherited, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]), **env})
 
 
-@pytest.mark.subprocess
-def test_xdist_runs_a_shared_cache_in_one_worker_and_heavy_checks_in_few(tmp_path):
-    pytest.importorskip("xdist")
-    _stand_ins(tmp_path, "test_stand_ins.py", STAND_INS)
+def _workers_of_each_kind(tmp_path: Path) -> dict[str, set[str]]:
+    """The stand-ins in tmp_path run by 4 xdist workers: which workers ran each kind of check (RAN's WHO_RAN)."""
     who = tmp_path / "who_ran.txt"
     done = _pytest(tmp_path, {"WHO_RAN": str(who)}, workers=4)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -88,6 +86,14 @@ def test_xdist_runs_a_shared_cache_in_one_worker_and_heavy_checks_in_few(tmp_pat
     for line in who.read_text().splitlines():
         kind, _, worker = line.split()
         workers[kind].add(worker)
+    return workers
+
+
+@pytest.mark.subprocess
+def test_xdist_runs_a_shared_cache_in_one_worker_and_heavy_checks_in_few(tmp_path):
+    pytest.importorskip("xdist")
+    _stand_ins(tmp_path, "test_stand_ins.py", STAND_INS)
+    workers = _workers_of_each_kind(tmp_path)
     assert len(workers["shared"]) == 1, workers
     assert len(workers["heavy"]) <= _gpu_conftest().HEAVY_LANES, workers
     assert len(workers["alone"]) > 1, workers  # what shares nothing spreads (the run was in parallel)
@@ -277,13 +283,7 @@ def test_a_group_the_module_keeps_whole_runs_in_one_worker_whatever_its_last_tim
     _stand_ins(tmp_path, "test_whole.py", WHOLE)
     (tmp_path / "durations.json").write_text(json.dumps(
         {f"test_whole.py::test_{name}[{n}]": 200.0 for name in ("compiled_once", "split") for n in range(4)}))
-    who = tmp_path / "who_ran.txt"
-    done = _pytest(tmp_path, {"WHO_RAN": str(who)}, workers=4)
-    assert done.returncode == 0, done.stdout + done.stderr
-    workers = defaultdict(set)
-    for line in who.read_text().splitlines():
-        kind, _, worker = line.split()
-        workers[kind].add(worker)
+    workers = _workers_of_each_kind(tmp_path)
     assert len(workers["whole"]) == 1 and len(workers["split"]) > 1, workers
 
 
