@@ -96,11 +96,13 @@ def record_case(r: dict) -> CaseConfig:
     return CaseConfig.from_dict(cfg)
 
 
-def write_csv(path: Path, rows: list[dict]) -> None:
-    """Rows of differing keys: every key that any row has, in first-seen order."""
+def write_csv(path: Path, rows: list[dict], last: tuple[str, ...] = ()) -> None:
+    """Rows of differing keys: every key that any row has, in first-seen order, those named in `last` at the end (a
+    table's columns stay where they were when a row of another kind comes first)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    keys = [k for k in dict.fromkeys(k for row in rows for k in row) if k not in last]
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, list(dict.fromkeys(k for row in rows for k in row)))
+        w = csv.DictWriter(f, keys + [k for k in last if any(k in row for row in rows)])
         w.writeheader()
         w.writerows(rows)
 
