@@ -16,6 +16,7 @@ depth (curve_published).
 from __future__ import annotations
 
 import math
+import time
 import traceback
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -361,12 +362,20 @@ def curve(name: str, config, device: str = "cuda") -> dict:
     from megatrain.optim.config import OptimConfig
     from megatrain.systems import build_system
 
+    seconds: dict[str, float] = {}  # where a curve's time went (a published width's took minutes on the GPU host)
     try:
+        start = time.perf_counter()
         torch.manual_seed(0)
-        reference = transformers.AutoModelForCausalLM.from_config(config()).float()
+        # drawn on the curve's device (transformers' init of a published width's billions of weights took most of a
+        # minute on the host), the host keeping the copy both systems load
+        with torch.device(device):
+            reference = transformers.AutoModelForCausalLM.from_config(config()).float()
         cfg = GenericConfig.from_hf(reference.config.to_dict())
-        weights = {n: t.detach().clone() for n, t in named_weights(reference).items()}
+        weights = {n: t.detach().to("cpu", copy=True) for n, t in named_weights(reference).items()}
         del reference
+        if torch.device(device).type == "cuda":  # its blocks back to the device before the systems plan on what is free
+            torch.cuda.empty_cache()
+        seconds["weights"] = time.perf_counter() - start
         tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
         x, y = tokens[:, :-1], tokens[:, 1:]
 
@@ -382,22 +391,26 @@ def curve(name: str, config, device: str = "cuda") -> dict:
             case = CaseConfig(model=name, model_shape=shape, system=system, batch=BATCH, micro_batch=micro_batch,
                               seq=SEQ, device=device, dtype="bfloat16", precision="bf16", steps=CURVE_STEPS,
                               warmup=0, repeat_batch=True, optim=OptimConfig(lr=CURVE_LR, max_grad_norm=1.0))
+            start = time.perf_counter()
             built = build_system(case)
             try:
                 built.load_weights(weights.items())
                 return [built.step(x, y) for _ in range(CURVE_STEPS)]
             finally:
                 built.close()
+                key = f"{system}{'' if micro_batch == BATCH else '_reordered'}{'' if shape is cfg else '_undrawn'}"
+                seconds[key] = time.perf_counter() - start
 
         native, ours = losses("native", BATCH), losses("megatrain", BATCH)
         quiet_native = native if quiet is cfg else losses("native", BATCH, quiet)
         reordered = losses("native", 1, quiet)
     except Exception as exc:
-        return {"status": "fails", "detail": _error(exc)}
+        return {"status": "fails", "detail": _error(exc), "seconds": seconds}
     # the spread in the band: |reordered - native| of the model without draws, carried onto the curve that draws
     excess = band_excess(native, [n + r - q for n, r, q in zip(native, reordered, quiet_native, strict=True)], ours)
     status = "tracks" if excess <= 0 else "leaves"
     detail = f"loss {native[0]:.4f} -> {native[-1]:.4f} (transformers), {ours[0]:.4f} -> {ours[-1]:.4f} (engine)" + \
         ("" if status == "tracks" else f"; {excess:.2e} outside the band")
     return {"status": status, "detail": detail, "losses": ours, "native_losses": native,
-            "native_reordered_losses": reordered, "native_undrawn_losses": quiet_native, "max_excess_over_band": excess}
+            "native_reordered_losses": reordered, "native_undrawn_losses": quiet_native, "max_excess_over_band": excess,
+            "seconds": seconds}
