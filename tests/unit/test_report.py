@@ -688,6 +688,19 @@ def test_the_14b_answer_names_megatrains_ratio_to_deepspeed_as_the_paper_ran_it_
             "batch 96 eager: MegaTrain 1.35x DeepSpeed as the paper ran it, 1.19x DeepSpeed at its best (partial "
             "offload; over ZeRO-3 offload, partial offload 1.14x, SuperOffload 0.68x), MegaTrain streaming every layer "
             "1.20x\u0003") in text, text
+    # a later session at the same depth (another commit) that ran batch 96 again with one other mode: its ratios
+    # first, each session's named, and the earlier session's batch 16 still said (its batch 96 rows are replaced)
+    later = [cut(label, 96, tflops) for label, tflops in
+             (("megatrain", 520.0), ("deepspeed", 360.0), ("deepspeed-partial-gpu-params", 356.4))]
+    for r in later:
+        r["suite"]["run_id"], r["env"] = "20260606-000000-ffff", {**r["env"], "commit": "f" * 40}
+    text, _, _ = headline.over_deepspeed(tables.latest_records(tables.records_frame(records + later)), THE_184X,
+                                         tmp_path / "h.png", tmp_path / "none.json")
+    assert ("5 of its 48 layers, on one H200 141 GB, 128 GiB host: \u0002batch 96 eager: MegaTrain 1.44x DeepSpeed as "
+            "the paper ran it, 1.44x DeepSpeed at its best (ZeRO-3 offload itself; over ZeRO-3 offload, partial "
+            "offload with its parameters on the GPU 0.99x) (session 20260606-000000-ffff, commit fffffff); batch 16 "
+            "eager: MegaTrain 2.00x DeepSpeed as the paper ran it, 0.91x DeepSpeed at its best") in text, text
+    assert "(session 20260505-000000-eeee, commit " in text, text
     alone = [r for r in records if r["suite"]["label"] in ("megatrain", "deepspeed")]
     text, _, _ = headline.over_deepspeed(tables.latest_records(tables.records_frame(alone)), THE_184X,
                                          tmp_path / "g.png", tmp_path / "none.json")
