@@ -52,8 +52,10 @@ def compiled(record: dict) -> bool:
 
 
 def _label(record: dict) -> str:
-    label = record["suite"]["label"]
-    return label + "-compiled" if compiled(record) and not label.endswith("-compiled") else label
+    """The suite's label of the case as it ran: '-compiled' where its layers ran compiled, never where they ran eager
+    (a suite names a compiled case '-compiled' before it runs; native's Gemma-4-26B-A4B layer then ran eager)."""
+    label = record["suite"]["label"].removesuffix("-compiled")
+    return label + "-compiled" if compiled(record) else label
 
 
 def records_frame(records: list[dict]) -> pd.DataFrame:

@@ -34,6 +34,10 @@ class CompiledCall:
         self._call = call
         self.compiled = compile_layer
         self._compiled_fn = torch.compile(call, dynamic=False) if compile_layer else None
+        if compile_layer:
+            from megatrain.compile_check import watch
+
+            watch()
 
     def __call__(self, *args):
         if self.compiled:

@@ -110,6 +110,9 @@ def compile_layers(model: torch.nn.Module) -> None:
     """torch.compile each decoder layer in place (per block, as torchtitan does): the same Inductor graphs of a layer's
     forward and recompute+backward that the engine's compiled template runs. Whole-model compile is not what any
     system here does."""
+    from megatrain.compile_check import watch
+
+    watch()
     for layer in model.layers:
         layer.compile(dynamic=False)
 

@@ -127,6 +127,10 @@ def test_a_compiled_case_whose_layers_ran_eager_is_labelled_eager():
 
     rows = tables.records_frame([compiled_deepspeed(True)]), tables.records_frame([compiled_deepspeed(False)])
     assert [(df["compile"][0], df["label"][0]) for df in rows] == [(False, "deepspeed"), (True, "deepspeed-compiled")]
+    # a suite labels a compiled case before it runs (families: 'native-compiled'); its layers ran eager, so it is not
+    ran_eager = compiled_deepspeed(True)
+    ran_eager["suite"]["label"] = "deepspeed-compiled"
+    assert tables.records_frame([ran_eager])["label"][0] == "deepspeed"
 
 
 def test_batch_headroom_projects_from_the_two_largest_batches():
