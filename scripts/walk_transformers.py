@@ -33,7 +33,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: this checkout's package
 
 from megatrain.checks.walk import (  # noqa: E402
-    CURVE_LEAST_LAYERS,
     CURVE_STATUSES,
     CURVE_STEPS,
     STATUSES,
@@ -41,9 +40,9 @@ from megatrain.checks.walk import (  # noqa: E402
     PublishedResult,
     as_dicts,
     causal_lm_types,
+    curve_depth,
     curve_family,
     curve_published,
-    published_depth,
     try_published,
     walk,
 )
@@ -224,7 +223,7 @@ def published_markdown(results: list, version: str, curves: dict | None = None) 
               "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         c = by_id.get(r.hub_id, {"status": "not run", "detail": ""})
-        depth = published_depth(get_published(r.hub_id).config, CURVE_LEAST_LAYERS)
+        depth = curve_depth(get_published(r.hub_id).config)
         lines.append(f"| {r.hub_id} | {r.model_type} | {r.status} | {r.detail.replace('|', '/')} | {depth} | "
                      f"{c['status']} | {c['detail'].replace('|', '/')} |")
     return "\n".join(lines) + "\n"

@@ -232,13 +232,42 @@ def published_depth(hf: Mapping, least: int = 4) -> int:
     return min(depth, num_layers)
 
 
-def published_at_depth(hf: Mapping, least: int = 4) -> dict:
-    """A published config.json at its published widths, cut to published_depth layers; a head width the source
-    leaves out where its config class has none either (Hunyuan's) is hidden_size / num_attention_heads, what the
-    family's modeling code falls back to."""
+def _layer_kinds(shape) -> set[tuple[str, object]]:
+    """Every (per-layer setting, value) a model's layers hold: the config.json's per-layer lists and those its config
+    class derives (Gemma's layer types with the last layer made full), each a name or a flag per layer."""
+    from megatrain.models.generic.skeleton import transformers_config
+
+    try:
+        derived = dict(vars(transformers_config(shape)))
+    except ValueError:  # a config transformers refuses: refused, with why, where its model is built
+        derived = {}
+    return {(key, v) for key, values in {**shape.hf, **derived}.items()
+            if isinstance(values, list) and len(values) == shape.num_layers
+            and all(x in (0, 1) or isinstance(x, str) for x in values) for v in values}
+
+
+def curve_depth(hf: Mapping) -> int:
+    """The GPU column's depth: the fewest layers, at least CURVE_LEAST_LAYERS, whose cut holds every kind of layer
+    the checkpoint has, as transformers builds the cut (Gemma 4 makes a cut's last layer full: its 26B-A4B and 31B
+    hold both kinds in 2 layers, 2.4B and 2.3B parameters at their widths, where published_depth's 6 held 5.6B and
+    4.3B); published_depth where later layers reuse earlier layers' keys and values (Gemma 4's E-sizes)."""
     from megatrain.models.generic import GenericConfig
 
-    cut = GenericConfig.from_hf(hf).with_layers(published_depth(hf, least)).hf
+    depth = published_depth(hf, CURVE_LEAST_LAYERS)
+    if hf.get("num_kv_shared_layers"):
+        return depth
+    shape = GenericConfig.from_hf(hf)
+    kinds = _layer_kinds(shape)
+    return next((n for n in range(CURVE_LEAST_LAYERS, depth) if _layer_kinds(shape.with_layers(n)) >= kinds), depth)
+
+
+def published_at_depth(hf: Mapping, least: int = 4, depth: int | None = None) -> dict:
+    """A published config.json at its published widths, cut to `depth` layers (default published_depth's); a head
+    width the source leaves out where its config class has none either (Hunyuan's) is hidden_size /
+    num_attention_heads, what the family's modeling code falls back to."""
+    from megatrain.models.generic import GenericConfig
+
+    cut = GenericConfig.from_hf(hf).with_layers(depth or published_depth(hf, least)).hf
     if cut.get("head_dim", 0) is None or "head_dim" not in cut and _class_defaults(cut).get("head_dim", 0) is None:
         cut["head_dim"] = cut["hidden_size"] // cut["num_attention_heads"]
     return cut
@@ -328,14 +357,13 @@ CURVE_LEAST_LAYERS = 2  # the GPU column's depth: every kind of layer, at least 
 
 
 def curve_published(hub_id: str, device: str = "cuda") -> dict:
-    """One published checkpoint at its published widths and published_depth(CURVE_LEAST_LAYERS) layers on `device`
-    (curve)."""
+    """One published checkpoint at its published widths and curve_depth's layers on `device` (curve)."""
     from megatrain.models.generic import GenericConfig
     from megatrain.models.generic.skeleton import transformers_config
     from megatrain.models.published import get_published
 
     row = get_published(hub_id)
-    shape = GenericConfig.from_hf(published_at_depth(row.config, CURVE_LEAST_LAYERS))
+    shape = GenericConfig.from_hf(published_at_depth(row.config, depth=curve_depth(row.config)))
     out = {"hub_id": hub_id, "model_type": row.model_type, "num_layers": shape.num_layers}
     try:
         params = shape.num_params()

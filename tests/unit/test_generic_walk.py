@@ -17,6 +17,7 @@ from megatrain.checks.walk import (  # noqa: E402
     as_dicts,
     band_excess,
     causal_lm_types,
+    curve_depth,
     curve_family,
     published_at_depth,
     tiny_published,
@@ -105,6 +106,20 @@ def test_a_published_config_keeps_its_switches_at_the_tiny_widths():
     assert len(mini["rope_scaling"]["long_factor"]) == round(16 * mini["partial_rotary_factor"]) // 2
     wide = published_at_depth(get_published("google/gemma-4-31B-it").config)  # the GPU column's: widths as published
     assert (wide["hidden_size"], wide["num_hidden_layers"], wide["layer_types"][5]) == (5376, 6, "full_attention")
+
+
+def test_the_gpu_columns_depth_counts_the_layer_kinds_transformers_gives_a_cut():
+    """Gemma 4 makes a cut's last layer full: 2 layers of its 26B-A4B and 31B hold both kinds (the published
+    pattern's first full layer is the sixth, which held 5.6B parameters of 26B-A4B, over the column's 5B, so it was
+    skipped); its E-sizes share keys and values from later layers and keep published_depth's; Gemma 3 forces nothing."""
+    from megatrain.checks.walk import CURVE_LEAST_LAYERS, published_depth
+
+    depths = {h: curve_depth(get_published(h).config) for h in ("google/gemma-4-26B-A4B-it", "google/gemma-4-31B-it",
+                                                                  "google/gemma-4-E2B-it", "google/gemma-3-27b-it")}
+    assert depths == {"google/gemma-4-26B-A4B-it": 2, "google/gemma-4-31B-it": 2, "google/gemma-4-E2B-it": 10,
+                      "google/gemma-3-27b-it": published_depth(get_published("google/gemma-3-27b-it").config,
+                                                               CURVE_LEAST_LAYERS)}, depths
+    assert depths["google/gemma-3-27b-it"] == 6
 
 
 def test_published_checkpoints_train_at_the_tiny_widths():
