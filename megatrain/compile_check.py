@@ -32,6 +32,14 @@ def _short(text: str) -> str:
     return re.sub(r"(?:/[\w.+-]+)+/", "", text)[:REASON_CHARS]
 
 
+def _reason(message: str) -> str:
+    """A Dynamo counter's message in one line: its first, and its explanation where it gives one ('Backend compiler
+    exception: Backend compiler `inductor` failed with aten._local_scalar_dense.default ...')."""
+    lines = [line.strip() for line in message.strip().splitlines()]
+    why = next((line.removeprefix("Explanation:").strip() for line in lines if line.startswith("Explanation:")), "")
+    return _short(f"{lines[0]}: {why}" if why else lines[0])
+
+
 def watch() -> None:
     """From now on, keep why Dynamo gives up on a frame (compile_check's `why`); a system calls it where it compiles."""
     log = logging.getLogger("torch._dynamo.convert_frame")
@@ -63,8 +71,8 @@ def compile_check(fell_back: bool = False) -> dict:
              "graph_breaks": sum(counters["graph_break"].values()),
              "eager_fallback": fell_back or failed > 0 or frames["ok"] == 0}
     if failed or check["graph_breaks"]:
-        said = [*_given_up, *(_short(msg.strip().splitlines()[0]) for msg in
-                              [*counters["unimplemented"], *counters["graph_break"]] if msg.strip())]
+        said = [*_given_up, *(_reason(msg) for msg in [*counters["unimplemented"], *counters["graph_break"]]
+                              if msg.strip())]
         check["why"] = list(dict.fromkeys(said))[:REASONS_KEPT] or \
             ["Dynamo said nothing it keeps: run again with TORCH_LOGS=graph_breaks,recompiles"]
     return check

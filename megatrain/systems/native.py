@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from megatrain.compile_check import compile_check
 from megatrain.config import CaseConfig
 from megatrain.models import build_model
+from megatrain.models.generic.experts import autocast_experts
 from megatrain.models.init import init_module
 from megatrain.models.weights import copy_named_weights, named_weights
 from megatrain.optim.groups import torch_adamw
@@ -100,6 +101,9 @@ class NativeSystem:
         init_module(self.model, case.seed)
         self.param_dtype = self.dtype if case.precision == "bf16" else torch.float32
         self.model.to(self.param_dtype)
+        self.autocast = case.precision == "mixed" and self.dtype != torch.float32
+        if self.autocast:  # transformers' experts under autocast in its dtype, as every other system multiplies them
+            autocast_experts(self.model, self.device.type)
         if case.compile:
             compile_layers(self.model)
         self.trained = self.model  # what a step calls: the model, or DDP around it
@@ -108,7 +112,6 @@ class NativeSystem:
                 self.model, device_ids=None if self.device.type == "cpu" else [self.device],
                 gradient_as_bucket_view=True, **_no_buffer_sync())
             self.trained.register_comm_hook(None, _summed)
-        self.autocast = case.precision == "mixed" and self.dtype != torch.float32
         self.optimizer = self._optimizer()
         self.draws = draws_of(self.model, case.seed)  # dropout's seeds (None: the model draws nothing)
         self.ckpt = ckpt
