@@ -213,37 +213,40 @@ def published_depth(hf: Mapping, least: int = 4) -> int:
     layers reuse earlier layers' keys and values (Gemma 4's E-sizes: GenericConfig.with_layers keeps their share), so
     both producers and readers remain."""
     from megatrain.models.generic import GenericConfig
-    from megatrain.models.generic.skeleton import transformers_config
 
     shape = GenericConfig.from_hf(hf)
-    num_layers = shape.num_layers
-    try:
-        derived = list(vars(transformers_config(shape)).values())
-    except ValueError:  # a config transformers refuses: refused, with why, where its model is built
-        derived = []
     depth = least
-    for values in (*hf.values(), *derived):  # a kind per layer: a name or a flag (not a list of layer indices)
-        if isinstance(values, list) and len(values) == num_layers and all(v in (0, 1) or isinstance(v, str)
-                                                                          for v in values):
+    for values in (*hf.values(), *_derived(shape).values()):
+        if _per_layer(values, shape.num_layers):
             firsts = {v: n for n, v in reversed(list(enumerate(values)))}
             depth = max(depth, 1 + max(firsts.values()))
     if hf.get("num_kv_shared_layers"):
         depth *= 2
-    return min(depth, num_layers)
+    return min(depth, shape.num_layers)
+
+
+def _derived(shape) -> dict:
+    """The settings transformers' config class holds for a GenericConfig ({} where transformers refuses the config:
+    refused, with why, where its model is built)."""
+    from megatrain.models.generic.skeleton import transformers_config
+
+    try:
+        return dict(vars(transformers_config(shape)))
+    except ValueError:
+        return {}
+
+
+def _per_layer(values, num_layers: int) -> bool:
+    """A kind per layer: a list of a name or a flag for each layer (not a list of layer indices)."""
+    return isinstance(values, list) and len(values) == num_layers and \
+        all(v in (0, 1) or isinstance(v, str) for v in values)
 
 
 def _layer_kinds(shape) -> set[tuple[str, object]]:
     """Every (per-layer setting, value) a model's layers hold: the config.json's per-layer lists and those its config
-    class derives (Gemma's layer types with the last layer made full), each a name or a flag per layer."""
-    from megatrain.models.generic.skeleton import transformers_config
-
-    try:
-        derived = dict(vars(transformers_config(shape)))
-    except ValueError:  # a config transformers refuses: refused, with why, where its model is built
-        derived = {}
-    return {(key, v) for key, values in {**shape.hf, **derived}.items()
-            if isinstance(values, list) and len(values) == shape.num_layers
-            and all(x in (0, 1) or isinstance(x, str) for x in values) for v in values}
+    class derives (Gemma's layer types with the last layer made full)."""
+    return {(key, v) for key, values in {**shape.hf, **_derived(shape)}.items()
+            if _per_layer(values, shape.num_layers) for v in values}
 
 
 def curve_depth(hf: Mapping) -> int:
