@@ -121,8 +121,8 @@ def _machine(rows: pd.DataFrame) -> str:
     return profile.description if profile.gpu else f"a CPU (hardware profile {profile.name})"
 
 
-def _commits(rows: pd.DataFrame) -> str:
-    """The commits `rows` ran at, short."""
+def commits(rows: pd.DataFrame) -> str:
+    """The commits `rows` ran at, short (a session's, in its answer and in RESULTS.md)."""
     return ", ".join(sorted({str(c)[:7] for c in rows["commit"]}))
 
 
@@ -713,7 +713,7 @@ def over_deepspeed(scope: pd.DataFrame, claims: tuple[paper.Claim, ...], path: P
             sessions = sorted((n for n in best["session"].unique() if rank(n)[0] == deepest), reverse=True)
             rows = at_seq[at_seq["session"] == sessions[0]]
             said = [_against_best(best[best["session"] == n]) + ("" if len(sessions) == 1 else
-                    f" (session {n}, commit {_commits(at_seq[at_seq['session'] == n])})") for n in sessions]
+                    f" (session {n}, commit {commits(at_seq[at_seq['session'] == n])})") for n in sessions]
             parts.append(f"DeepSpeed at its best (the fastest of its exact modes in one session: ZeRO-3 offload, "
                          f"SuperOffload, partial offload), {_depth_phrase(rows)}, on {_machine(rows)}: "
                          f"{BOLD}{'; '.join(said)}{END_BOLD}")

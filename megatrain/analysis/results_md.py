@@ -84,10 +84,9 @@ def _section(suite: str, results_dir: Path, figures_dir: Path) -> str | None:
 
 def _session(rows) -> str:
     """A measuring session in a few words: its name, cases, machine and commit."""
-    commits = ", ".join(sorted({str(c)[:7] for c in rows["commit"]}))
     cases = f"{len(rows)} case{'s' * (len(rows) != 1)}"
     machine = get_profile(rows["hardware"].iloc[0]).description
-    return f"{code(str(rows['session'].iloc[0]))} ({cases} on {text(machine)} at commit {text(commits)})"
+    return f"{code(str(rows['session'].iloc[0]))} ({cases} on {text(machine)} at commit {text(headline.commits(rows))})"
 
 
 def write(results_root: Path, docs_dir: Path) -> Path:
