@@ -65,18 +65,18 @@ def judge(native_path: str, engine_path: str) -> None:
     the largest share of the loss any had, its learnt steps to the largest among them. The check adds, for a mixture,
     native's reordered run to the spread and, past the band, native compiled beside eager: this band is without
     them, so narrower than the check's. Prints each run's largest excess over the band (<= 0: inside)."""
-    import test_engine_gpu as checks
     import torch
 
     from megatrain.bench.record import read_jsonl
+    from megatrain.checks.band import MEMORISED, band_excess, share_floor
 
     native = [torch.tensor(r["losses"], dtype=torch.float64) for r in read_jsonl(native_path)]
     engine = [torch.tensor(r["losses"], dtype=torch.float64) for r in read_jsonl(engine_path)]
     inside = 0
     for i, ours in enumerate(engine):
         ref, again = native[i % len(native)], native[(i + 1) % len(native)]
-        spread = checks._share_floor((again - ref).abs(), ref)
-        _, excess = checks._band_excess(ours, ref, spread, ref < checks.MEMORISED)
+        spread = share_floor((again - ref).abs(), ref)
+        _, excess = band_excess(ours, ref, spread, ref < MEMORISED)
         inside += excess <= 0
         print(f"run {i}: largest excess over the band {excess:+.3g} ({'inside' if excess <= 0 else 'OUTSIDE'})")
     print(f"{inside} of {len(engine)} engine runs inside the band")

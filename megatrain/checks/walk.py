@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from megatrain.checks import band
+
 STATUSES = ("trains", "refused", "differs", "fails", "unbuilt")
 # sizes each config key takes where a family's config has it: the tiny shape every family is measured at
 TINY = {
@@ -331,20 +333,19 @@ def try_published(row) -> PublishedResult:
 
 # ---- the walk on a GPU: several steps in bf16, the engine against transformers' own run ----------------------------
 CURVE_STEPS, CURVE_LR = 8, 1e-3
-CURVE_FLOOR, CURVE_SHARE = 1e-4, 0.01  # the band's absolute floor and its share of the loss (the GPU curves')
 CURVE_STATUSES = ("tracks", "leaves", "fails", "skipped")
 
 
 def band_excess(native: list[float], reordered: list[float], ours: list[float]) -> float:
-    """By how much `ours` leaves native's band at its worst step (<= 0: inside; inf: a loss not finite): 3 spreads
-    + 1% of native's loss + 1e-4, the spread |reordered - native| raised at each step to the largest share of the
-    loss any step's was (two runs crossing at a step leave no spread there, which is chance)."""
-    ref, ours_t = torch.tensor(native, dtype=torch.float64), torch.tensor(ours, dtype=torch.float64)
-    if not torch.isfinite(ours_t).all():
-        return math.inf
-    spread = (torch.tensor(reordered, dtype=torch.float64) - ref).abs()
-    spread = torch.maximum(spread, (spread / ref.abs()).max() * ref.abs())
-    return ((ours_t - ref).abs() - (3 * spread + CURVE_SHARE * ref.abs() + CURVE_FLOOR)).max().item()
+    """By how much `ours` leaves native's band at its worst step (<= 0: inside; inf: a loss not finite), by the GPU
+    suite's rule (megatrain.checks.band): the spread |reordered - native|, each unlearnt step's raised to the largest
+    share of its loss any unlearnt step's was, each learnt step's (native's loss under MEMORISED) to the largest among
+    them; 3 spreads + 1% of native's loss + 1e-4. (Until 16315c0 every step's spread was raised to the largest share
+    of any step's, learnt ones too: a learnt step's share of a loss of 1e-3 made the early steps' band wide and the
+    learnt steps' narrower than native's own wandering there.)"""
+    ref = torch.tensor(native, dtype=torch.float64)
+    spread = band.share_floor((torch.tensor(reordered, dtype=torch.float64) - ref).abs(), ref)
+    return band.band_excess(torch.tensor(ours, dtype=torch.float64), ref, spread, ref < band.MEMORISED)[1]
 
 
 def curve_family(model_type: str, causal_lm: str, device: str = "cuda") -> dict:

@@ -34,6 +34,7 @@ import torch
 from engine_helpers import assert_nan_step_skipped, train, train_delayed_native, train_with_nan_gradient
 
 from megatrain.bench.case import run_case
+from megatrain.checks.band import MEMORISED, band_excess, share_floor
 from megatrain.config import CaseConfig
 from megatrain.engine.plan import plan_memory
 from megatrain.memory import Budget
@@ -347,10 +348,9 @@ def test_cuda_stream_sanitizer_finds_no_unsynchronised_access(precision, check):
 
 # ---- 4: bf16 loss curves ------------------------------------------------------------------------------------------
 # Every shape that learns its repeated batch by heart does so by step 8 (Gemma-3-27B's, the last; Llama's by 2,
-# GPT-OSS's by 6): 12 steps judge 4 learnt steps of each, at three quarters of 16's time
+# GPT-OSS's by 6): 12 steps judge 4 learnt steps of each, at three quarters of 16's time. The band's rule, its floor
+# and what counts as learnt: megatrain.checks.band
 CURVE_STEPS = 12
-LOSS_FLOOR = 1e-4
-MEMORISED = 1e-2  # a loss below this: the batch is learnt by heart
 CURVE_SHAPES = {
     "qwen2.5-0.5b-b8-s1024": dict(model="qwen2.5-0.5b", batch=8, seq=1024),
     "small-b8-mb4-s512": dict(model="small", batch=8, micro_batch=4, seq=512),
@@ -465,24 +465,6 @@ def _curve(system: str, shape: str, precision: str, fields: dict | None = None, 
     return record["losses"]
 
 
-def _share_floor(spread: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """Each unlearnt step's spread raised to the largest share of its loss that any unlearnt step's spread was."""
-    unlearnt = ref >= MEMORISED
-    if not unlearnt.any():
-        return spread
-    share = (spread[unlearnt] / ref[unlearnt].abs()).max()
-    return torch.where(unlearnt, torch.maximum(spread, share * ref.abs()), spread)
-
-
-def _band_excess(ours: torch.Tensor, ref: torch.Tensor, spread: torch.Tensor,
-                 learnt: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """(each step's spread, each learnt step's raised to the largest among them; the largest amount |ours - ref|
-    exceeds the band by): the band is 3 spreads + 1% of the loss + LOSS_FLOOR."""
-    if learnt.any():
-        spread = torch.where(learnt, spread.clamp_min(spread[learnt].max()), spread)
-    return spread, ((ours - ref).abs() - (3 * spread + 0.01 * ref.abs() + LOSS_FLOOR)).max().item()
-
-
 @pytest.mark.parametrize("shape,name", CURVE_CASES, ids=[f"{s}-{n}" for s, n in CURVE_CASES])
 def test_bf16_loss_curve_tracks_native(shape, name, check):
     precision, fields, options = CURVE_SETS[name]
@@ -500,7 +482,7 @@ def test_bf16_loss_curve_tracks_native(shape, name, check):
     # one pair of runs samples native's noise once a step, and it passes through 0 by chance (Gemma's two bf16 runs
     # 0.13% apart at step 5, 0.04% at step 6, 0 at step 0; GPT-OSS's 1.9% at step 4, 0.9% at step 5, run-3acc8a8): an
     # unlearnt step's spread is at least the largest share of its loss any unlearnt step's was
-    spread = _share_floor(spread, ref)
+    spread = share_floor(spread, ref)
     native_own = ref
     reference = MIXED_REFERENCE.get(shape) if precision == "mixed" else None
     if reference:  # the centre moves to the system of the engine's precision policy; the band stays native's spread
@@ -516,7 +498,7 @@ def test_bf16_loss_curve_tracks_native(shape, name, check):
     # any step as at another (a mixture's routing flips there: GPT-OSS's sit at 2e-4 to 1e-3 and differ by 1e-4), so
     # each learnt step takes the largest spread among them
     learnt = ref < MEMORISED
-    spread, excess = _band_excess(ours, ref, spread, learnt)
+    spread, excess = band_excess(ours, ref, spread, learnt)
     if excess > 0:
         # The engine's layers run compiled, native's eager: other kernels, other roundings. Where the curve falls
         # steeply (Gemma-3's drops 100x in three steps) a rounding that moves a step early moves its loss by more than
@@ -526,7 +508,7 @@ def test_bf16_loss_curve_tracks_native(shape, name, check):
         if (shape, precision) not in _compiled_curves:
             _compiled_curves[shape, precision] = _curve("native", shape, precision, {"compile": True})
         kernels = (torch.tensor(_compiled_curves[shape, precision], dtype=torch.float64) - native_own).abs()
-        spread, excess = _band_excess(ours, ref, torch.maximum(spread, kernels), learnt)
+        spread, excess = band_excess(ours, ref, torch.maximum(spread, kernels), learnt)
         check.update(spread_from=(check.get("spread_from", "native's repeat") + "; native compiled beside eager"),
                      native_compiled_losses=_compiled_curves[shape, precision])
     native_falls = (ref[1:] < ref[:-1]) & (again[1:] < again[:-1])
