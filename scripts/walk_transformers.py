@@ -211,7 +211,9 @@ def published_markdown(results: list, version: str, curves: dict | None = None) 
         lines += [f"The GPU column: each checkpoint at its published widths and the layers named, in bf16 "
                   f"({CURVE_STEPS} steps of one repeated batch, eager, the engine against transformers' own module "
                   "under torch.optim.AdamW from the same weights, within 3 of native's spreads + 1% of its loss + "
-                  "1e-4 at every step): "
+                  "1e-4 at every step, a learnt step's spread the largest among learnt steps, as the GPU suite "
+                  "judges: megatrain/checks/band.py; the rows run before c7931ce track by the walk's earlier rule "
+                  "too): "
                   + ", ".join(f"{sum(c['status'] == st for c in curves['checkpoints'])} {st}"
                               for st in CURVE_STATUSES) + "; run " + "; ".join(
                       f"{n} at {where}" for where, n in envs.most_common()) + ".", ""]
