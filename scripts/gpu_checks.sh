@@ -14,7 +14,8 @@
 #   cp results/gpu_checks/run-SHA-h200.jsonl $OUT/run.jsonl 2>/dev/null; timeout 560 bash scripts/gpu_checks.sh $OUT/run.jsonl
 # with the record it brought back committed between them. (The queue, scripts/gpu_queue.sh, loses what was left when
 # its machine is given back between calls: it was, with 73 of 228 checks.)
-# A run resumes: the checks OUT_JSONL already records as passed at this commit (a clean tree) are not run again
+# A run resumes: the checks OUT_JSONL already records as passed on this code (its digest: a commit of records alone
+# between two calls keeps it; megatrain.bench.env.same_code) are not run again
 # (GPU_CHECK_FRESH=1 runs them all), so the next call goes on where a call's limit or a lost machine cut one short:
 # carry the record there and name it again (cp it into $OUT first: only $OUT comes back).
 # Every check compares numbers, none times anything. A MegaTrain plan that places units by the GPU memory free at its

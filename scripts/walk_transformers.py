@@ -32,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: this checkout's package
 
+from megatrain.bench.env import same_code_as  # noqa: E402
 from megatrain.checks.walk import (  # noqa: E402
     CURVE_STATUSES,
     CURVE_STEPS,
@@ -281,11 +282,11 @@ def walk_published(device: str | None, only: list[str] | None, out: Path, stem: 
 
 def resume_curves(old: dict | None, env: dict) -> dict:
     """The published curves record to go on from: `old` (or an empty one), each checkpoint carrying the machine and
-    commit it ran at (an older row the record's), and which of them ran at `env`'s commit in a clean tree: a run
-    cut by a device call's limit goes on with the rest in the next call, its record carried there."""
+    commit it ran at (an older row the record's), and which of them ran on `env`'s code (same_code_as: the code digest,
+    or the commit in a clean tree): a run cut by a device call's limit goes on with the rest in the next call, its
+    record carried there, records committed between the calls or not."""
     rows = [{**c, "env": c.get("env") or old["env"]} for c in (old or {}).get("checkpoints", [])]
-    here = env["commit"] if env.get("dirty") is False else None
-    done = {c["hub_id"] for c in rows if here and c["env"].get("commit") == here and c["env"].get("dirty") is False}
+    done = {c["hub_id"] for c in rows if same_code_as(c["env"], env)}
     return {"env": env, "steps": CURVE_STEPS, "checkpoints": rows, "done_here": done}
 
 

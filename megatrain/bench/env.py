@@ -47,9 +47,46 @@ def git_diff_sha256() -> str | None:
     return hashlib.sha256(diff).hexdigest() if diff else None
 
 
+# what a measurement's code is: the package, the suites, the scripts and checks that run it, and the build's files
+CODE_PATHS = ("megatrain", "suites", "scripts", "tests", "pyproject.toml", "noxfile.py")
+
+
+@functools.lru_cache(maxsize=1)
+def code_sha256() -> str | None:
+    """sha256 of the code as it is on disk (every file under CODE_PATHS, by its path and bytes, caches left out): the
+    same on the GPU host, whose copy of the tree travels without a current .git, as here. A commit that changes only
+    records (results/, docs/) keeps it, so a run resumed after its records were committed between two device calls is
+    still the same code. None for an installed package."""
+    if CHECKOUT is None:
+        return None
+    digest = hashlib.sha256()
+    for name in CODE_PATHS:
+        top = CHECKOUT / name
+        files = [top] if top.is_file() else sorted(top.rglob("*")) if top.is_dir() else []
+        for path in files:
+            if path.is_file() and not path.is_symlink() and "__pycache__" not in path.parts:
+                rel = path.relative_to(CHECKOUT).as_posix().encode()
+                digest.update(len(rel).to_bytes(8, "little") + rel)
+                data = path.read_bytes()
+                digest.update(len(data).to_bytes(8, "little") + data)
+    return digest.hexdigest()
+
+
+def same_code_as(a: dict, b: dict) -> bool:
+    """Whether two records' environments name the same code: their code digests where both have one, else the same
+    commit, both trees clean."""
+    if a.get("code_sha256") and b.get("code_sha256"):
+        return a["code_sha256"] == b["code_sha256"]
+    return a.get("commit") == b.get("commit") and a.get("dirty") is False and b.get("dirty") is False
+
+
 def same_code(env: dict) -> bool:
-    """Whether a record's environment `env` was measured on the code that runs here: the same commit, and either
-    neither tree changed or both carry the same uncommitted changes (changes that cannot be read match nothing)."""
+    """Whether a record's environment `env` was measured on the code that runs here: the same code on disk
+    (code_sha256: its commit may have added records since), or, for a record without that digest, the same commit and
+    either neither tree changed or both carry the same uncommitted changes (changes that cannot be read match
+    nothing)."""
+    if env.get("code_sha256"):
+        return env["code_sha256"] == code_sha256()
     commit, dirty = git_commit()
     if env.get("commit") != commit:
         return False
@@ -79,6 +116,7 @@ def environment() -> dict:
         "commit": commit,
         "dirty": dirty,
         "diff_sha256": git_diff_sha256(),  # which uncommitted changes, when dirty
+        "code_sha256": code_sha256(),  # the code on disk, its uncommitted changes included (same_code)
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

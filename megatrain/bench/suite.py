@@ -30,7 +30,8 @@ Ctrl-C or SIGTERM to the runner kills the running case's group, records nothing 
 stops the suite: `python -m megatrain suite` exits 130.
 
 Resume: a rerun continues the latest run in `out_dir` when it is on the same kind of machine and
-the same commit (same run_id), and skips the cases that run already recorded with a final status (ok, oom,
+the same code (same run_id; megatrain.bench.env.same_code: the code on disk, so a commit of records alone between two
+device calls resumes), and skips the cases that run already recorded with a final status (ok, oom,
 skipped). Cases that ended `error`, `timeout` or `killed` (a signal that was not the OOM killer's,
 Ctrl-C included) are run again: all are often transient (a compile cache race, a slow first start)
 and a retry costs only that case. `new_run=True` starts a

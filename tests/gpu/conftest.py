@@ -32,7 +32,7 @@ import pytest
 import torch
 
 import megatrain.bench.case  # noqa: F401 (imported so that _time_each_run finds it in sys.modules)
-from megatrain.bench.env import environment, git_commit
+from megatrain.bench.env import environment, same_code
 from megatrain.bench.record import append_jsonl, relative_paths
 
 
@@ -226,29 +226,28 @@ def node_id(record: dict) -> str:
     return f"{record['file']}::{record['check'].split('@', 1)[0]}"
 
 
-def passed_before(path: Path, commit: str) -> set[str]:
-    """The node ids of the checks the record file `path` holds as passed at `commit` in a clean tree (a line torn by a
-    kill is passed over)."""
+def passed_before(path: Path) -> set[str]:
+    """The node ids of the checks the record file `path` holds as passed on the code that runs here (same_code: its
+    code digest, so a commit of records between two device calls resumes; an older record's commit in a clean tree)
+    (a line torn by a kill is passed over)."""
     done = set()
     for line in path.read_text().splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
-        env = record.get("env") or {}
-        if record.get("passed") is True and env.get("commit") == commit and env.get("dirty") is False:
+        if record.get("passed") is True and same_code(record.get("env") or {}):
             done.add(node_id(record))
     return done
 
 
 def _resume(config, items) -> None:
-    """Leave out the checks GPU_CHECKS_PASSED records as passed at this commit (none in a dirty tree). Every xdist
-    worker reads the same file, so it must not change during the run: a copy, not the record being appended to."""
+    """Leave out the checks GPU_CHECKS_PASSED records as passed on this code. Every xdist worker reads the same file,
+    so it must not change during the run: a copy, not the record being appended to."""
     path = os.environ.get("GPU_CHECKS_PASSED")
-    commit, dirty = git_commit()
-    if not path or not Path(path).is_file() or dirty is not False:
+    if not path or not Path(path).is_file():
         return
-    done = passed_before(Path(path), commit)
+    done = passed_before(Path(path))
     kept = [item for item in items if item.nodeid not in done]
     if len(kept) < len(items):
         config.hook.pytest_deselected(items=[item for item in items if item.nodeid in done])

@@ -248,3 +248,12 @@ def test_the_published_gpu_column_goes_on_where_a_call_was_cut_and_only_runs_row
     table = (tmp_path / f"{stem}.md").read_text()
     assert "2 tracks" in table and "run 2 at NVIDIA H200, commit ddddddd, torch 2.11.0" in table
     assert "| moonshotai/Kimi-K2-Instruct | kimi_k2 | refused |  | " in table and "| not run |" in table
+    # rows that name their code's digest: a later commit of records alone (the same digest) goes on past them
+    record = json.loads((tmp_path / f"{stem}-curves.json").read_text())
+    for c in record["checkpoints"]:
+        c["env"]["code_sha256"] = "a" * 64
+    record["checkpoints"] = record["checkpoints"][:1]
+    (tmp_path / f"{stem}-curves.json").write_text(json.dumps(record))
+    env.update(commit="e" * 40, code_sha256="a" * 64)
+    script.walk_published("cuda", None, tmp_path, stem)
+    assert ran[5:] == ["Qwen/Qwen3-8B"]

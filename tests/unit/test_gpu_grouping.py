@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from megatrain.bench.env import code_sha256
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # each stand-in check writes which worker ran it to WHO_RAN
@@ -293,7 +295,7 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("n", range(3))
+@pytest.mark.parametrize("n", range(4))
 def test_check(n):
     pass
 '''
@@ -309,12 +311,13 @@ def test_a_run_resumes_past_the_checks_passed_at_this_commit_and_only_those(tmp_
     _stand_ins(tmp_path, "test_resumed.py", RESUMED)
     before = tmp_path / "before.jsonl"
 
-    def record(n, passed, commit):
+    def record(n, passed, commit, **code):
         return json.dumps({"check": f"test_check[{n}]@group", "file": "test_resumed.py", "passed": passed,
-                           "env": {"commit": commit, "dirty": False}})
+                           "env": {"commit": commit, "dirty": False, **code}})
 
+    # [3] passed at a commit before a commit of records alone: its code digest is this code's
     before.write_text("\n".join([record(0, True, "abc"), record(1, False, "abc"), record(2, True, "older"),
-                                 '{"check": "torn']) + "\n")
+                                 record(3, True, "older", code_sha256=code_sha256()), '{"check": "torn']) + "\n")
 
     def ran(dirty):
         out = tmp_path / f"run-{dirty}.jsonl"

@@ -405,6 +405,44 @@ def test_a_run_resumes_only_on_the_same_code_uncommitted_changes_included(tmp_pa
     assert not env.same_code({**edited, "diff_sha256": None}), "changes that cannot be read match nothing"
 
 
+def test_a_commit_of_records_alone_is_the_same_code_and_an_edit_of_code_is_not(tmp_path, monkeypatch, request):
+    """Records committed between two device calls (the documented way) changed the commit and a resumed suite started
+    a new run: the code digest names the code on disk, whatever commit holds it."""
+    from megatrain.bench import env
+
+    def commit(message):
+        subprocess.run(["git", "-C", str(tmp_path), "add", "-A"], check=True)
+        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm",
+                        message], check=True)
+
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "megatrain").mkdir()
+    (tmp_path / "megatrain" / "code.py").write_text("x = 1\n")
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "records.jsonl").write_text("")
+    commit("code")
+    monkeypatch.delenv("MEGATRAIN_COMMIT", raising=False)
+    monkeypatch.setattr(env, "CHECKOUT", tmp_path)
+    request.addfinalizer(env.code_sha256.cache_clear)  # the checkout's own digest again after the test
+    env.code_sha256.cache_clear()
+    measured = {"commit": env.git_commit()[0], "dirty": False, "diff_sha256": None, "code_sha256": env.code_sha256()}
+    (tmp_path / "results" / "records.jsonl").write_text('{"tflops": 1}\n')
+    commit("records")
+    env.code_sha256.cache_clear()
+    assert env.git_commit()[0] != measured["commit"] and env.same_code(measured)
+    assert env.same_code_as(measured, {"commit": "other", "dirty": True, "code_sha256": env.code_sha256()})
+    (tmp_path / "megatrain" / "__pycache__").mkdir()
+    (tmp_path / "megatrain" / "__pycache__" / "code.cpython-312.pyc").write_bytes(b"cache")
+    env.code_sha256.cache_clear()
+    assert env.same_code(measured), "a cache is not code"
+    (tmp_path / "megatrain" / "code.py").write_text("x = 2\n")
+    env.code_sha256.cache_clear()
+    assert not env.same_code(measured), "uncommitted code is other code"
+    commit("code again")
+    env.code_sha256.cache_clear()
+    assert not env.same_code(measured) and not env.same_code_as(measured, {"code_sha256": env.code_sha256()})
+
+
 def test_a_record_names_the_version_that_runs_not_the_one_installed_beneath_it(monkeypatch):
     """A copy of transformers first on PYTHONPATH (a second version tried beside the installed one) shadows the
     installed package; the installed one's metadata named the other version (a walk under 5.17 recorded 5.24)."""
