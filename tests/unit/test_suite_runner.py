@@ -136,7 +136,10 @@ def test_failures_become_records_and_a_rerun_finishes_only_what_is_missing(tmp_p
     assert len(fresh) == 2 and fresh[0]["suite"]["run_id"] != first[0]["suite"]["run_id"]
 
 
-def test_a_new_commit_starts_a_new_run_instead_of_resuming_and_a_corrupt_record_line_is_skipped(tmp_path, monkeypatch):
+def test_a_commit_of_records_resumes_other_code_starts_a_new_run_and_a_corrupt_record_line_is_skipped(tmp_path,
+                                                                                                    monkeypatch):
+    """A run resumes on the same code (its digest), whatever commit holds it: the records committed between two device
+    calls made a new commit, and the next call started a new run. Records of other code start one."""
     (tmp_path / "robust.toml").write_text(SUITE)
     suite = load_suite(str(tmp_path / "robust.toml"))
     out = tmp_path / "results"
@@ -146,13 +149,23 @@ def test_a_new_commit_starts_a_new_run_instead_of_resuming_and_a_corrupt_record_
         f.write('{"status": "ok", "cut sh\n')
     with pytest.warns(UserWarning, match=r"records\.jsonl:3: skipped a line that is not JSON"):
         again = _run(suite, out, only="good|oom")
-    assert [r["suite"]["group"] for r in again] == ["oom"], "same commit: the run resumes, past the bad line"
+    assert [r["suite"]["group"] for r in again] == ["oom"], "same code: the run resumes, past the bad line"
     assert again[0]["suite"]["run_id"] == first[0]["suite"]["run_id"]
-    monkeypatch.setenv("MEGATRAIN_COMMIT", "b" * 40)
+    monkeypatch.setenv("MEGATRAIN_COMMIT", "b" * 40)  # records committed: another commit, the same code
     with pytest.warns(UserWarning, match=r"records\.jsonl:3: skipped a line that is not JSON"):  # still there
+        assert _run(suite, out, only="good|oom") == [], "the same code resumes its run: nothing left to run"
+    def other_code(line: str) -> str:  # the run's records as if measured on other code
+        if not line.endswith("}"):
+            return line
+        record = json.loads(line)
+        return json.dumps({**record, "env": {**record["env"], "code_sha256": "0" * 64}})
+
+    lines = (out / "records.jsonl").read_text().splitlines()
+    (out / "records.jsonl").write_text("\n".join(map(other_code, lines)) + "\n")
+    with pytest.warns(UserWarning, match=r"records\.jsonl:3: skipped a line that is not JSON"):
         later = _run(suite, out, only="good")
     assert len(later) == 2 and later[0]["suite"]["run_id"] != first[0]["suite"]["run_id"], \
-        "a run never mixes two commits"
+        "a run never mixes two codes"
     assert all(r["env"]["commit"] == "b" * 40 for r in later)
 
 
