@@ -113,11 +113,22 @@ def compile_layers(model: torch.nn.Module) -> None:
     from megatrain.compile_check import watch
 
     watch()
+    # A layer's forward that writes state outside itself under activation checkpointing (transformers' Gemma 4 keeps
+    # each layer type's last keys and values in a dict for layers that share them; its large checkpoints store them
+    # too, though none reads them) is a side effect Dynamo will not trace inside the checkpoint: it broke the layer in
+    # two graphs, in 2 of the 3 layers of Gemma-4-26B-A4B's cut. Replaying it in the recompute changes nothing (the
+    # layers that read it recompute before the one that wrote it, from what the forward stored), so it is skipped
+    # there, as torchtitan does when it compiles checkpointed blocks.
+    import torch._dynamo
+
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for layer in model.layers:
         layer.compile(dynamic=False)
 
 
-COMPILED_LAYERS = "torch.compile(dynamic=False) of each decoder layer"
+COMPILED_LAYERS = ("torch.compile(dynamic=False) of each decoder layer (forward side effects not replayed in the "
+                   "checkpoint's recompute where this torch has the setting, as torchtitan compiles)")
 
 
 @torch.no_grad()
