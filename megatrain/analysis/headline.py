@@ -369,6 +369,16 @@ def _unpaired(rows: pd.DataFrame, reference: str, aside: tuple[str, ...] = ()) -
     return plots.ordered_labels(labels)
 
 
+def _broken(rows: pd.DataFrame, ratios: pd.DataFrame) -> str:
+    """'; plain PyTorch's compiled layers split by graph breaks (2 at gemma-4-31b@4L)' where a compiled case set
+    against MegaTrain ran its layers as more than one graph each: compiled, but not whole graphs."""
+    compared = rows[(rows["status"] == "ok") & rows["label"].isin(ratios["label"]) & (rows["graph_breaks"] > 0)]
+    said = [f"{prose(label.removesuffix(plots.COMPILED_SUFFIX))}'s compiled layers split by graph breaks ("
+            + ", ".join(f"{int(r['graph_breaks'])} at {r['model']}" for _, r in g.iterrows()) + ")"
+            for label, g in compared.groupby("label")]
+    return f"; {_join(said)}" if said else ""
+
+
 def _not_ok(who: str, where: str, status: str, error: str | None) -> str:
     """A case of the answer's that has no ratio, and why: 'the paper's code diverged at batch 64 (loss nan from step
     2 of 5 on; ...)', 'FSDP2 offload did not run batch 96 (oom, host memory)'."""
@@ -428,6 +438,7 @@ def _throughput(session: pd.DataFrame, scope: pd.DataFrame, claims: tuple[paper.
         settings = sorted({_kernels(label) for label in ratios["reference"]})
         parts = [f"On {_machine(session)}, at {where}, {BOLD}MegaTrain trains {_join(said)}{END_BOLD} "
                  f"(TFLOPS at equal batch and kernels, {' and '.join(settings)})"]
+        parts[-1] += _broken(at_seq, ratios)
         cases = ratios.drop_duplicates(["model", "batch", "reference"])
         if len(cases) > 1:
             top = cases.loc[cases["reference_tflops"].idxmax()]

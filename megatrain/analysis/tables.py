@@ -51,6 +51,13 @@ def compiled(record: dict) -> bool:
     return bool(wanted and system_config.get("compile", True))
 
 
+def _graph_breaks(record: dict) -> int:
+    """How many times Dynamo broke a compiled case's layer graphs (its compile check's count; 0 where none was kept):
+    a layer split in graphs runs compiled, but not the whole-layer graphs of a system that has none."""
+    check = (record.get("system_config") or {}).get("compile_check") or {}
+    return int(check.get("graph_breaks") or 0) if compiled(record) else 0
+
+
 def _label(record: dict) -> str:
     """The suite's label of the case as it ran: '-compiled' where its layers ran compiled, never where they ran eager
     (a suite names a compiled case '-compiled' before it runs; native's Gemma-4-26B-A4B layer then ran eager)."""
@@ -72,7 +79,8 @@ def records_frame(records: list[dict]) -> pd.DataFrame:
         rows[(s["run_id"], s["case_id"])] = {
             "run_id": s["run_id"], "case_id": s["case_id"], "suite": s["name"], "group": s["group"],
             "label": _label(r), "hardware": hardware,
-            "compile": compiled(r), "system": r["system"], "precision": r["precision"],
+            "compile": compiled(r), "graph_breaks": _graph_breaks(r), "system": r["system"],
+            "precision": r["precision"],
             "dtype": r["dtype"], "device": r["config"]["device"], "model": model_label(r), "model_name": r["model"],
             "num_layers": r["num_layers"], "params_b": r["num_params"] / 1e9,
             "active_b": r.get("active_params", r["num_params"]) / 1e9, "batch": r["batch"],

@@ -133,6 +133,29 @@ def test_a_compiled_case_whose_layers_ran_eager_is_labelled_eager():
     assert tables.records_frame([ran_eager])["label"][0] == "deepspeed"
 
 
+def test_a_compared_case_whose_compiled_layers_broke_is_said_beside_its_ratio():
+    """Native's Gemma 4 layers ran compiled in two graphs each (a side effect inside its checkpoint) beside MegaTrain's
+    whole graphs: the answer keeps the ratio and says so; an eager case has no graph breaks whatever it recorded."""
+    from megatrain.analysis import headline
+
+    def case(system, tflops, breaks, compile=True):
+        r = _record(system, 16, tflops)
+        r["config"]["compile"] = compile
+        r["suite"]["label"] = system + ("-compiled" if compile else "")
+        r["system_config"] = {"compile_check": {"compiled_frames": 2, "failed_frames": 0, "recompile_limit_hits": 0,
+                                                "recompiles": 1, "graph_breaks": breaks, "eager_fallback": False}}
+        return r
+
+    rows = tables.records_frame([case("megatrain", 300.0, 0), case("native", 200.0, 2)])
+    assert rows.set_index("system")["graph_breaks"].to_dict() == {"megatrain": 0, "native": 2}
+    ratios = headline._over(rows, "megatrain")
+    said = headline._broken(rows, ratios[ratios["label"] != "megatrain-compiled"])
+    assert said.startswith("; plain PyTorch's compiled layers split by graph breaks (2 at ") and said.endswith(")")
+    whole = tables.records_frame([case("megatrain", 300.0, 0), case("native", 200.0, 0)])
+    assert headline._broken(whole, headline._over(whole, "megatrain")) == ""
+    assert tables.records_frame([case("native", 200.0, 3, compile=False)])["graph_breaks"][0] == 0
+
+
 def test_batch_headroom_projects_from_the_two_largest_batches():
     rows = [_record("deepspeed", b, 300.0, peak_gpu_alloc_gib=peak) for b, peak in ((8, 30.0), (16, 40.0), (32, 48.0))]
     for r in rows:
