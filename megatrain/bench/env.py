@@ -73,27 +73,27 @@ def code_sha256() -> str | None:
 
 
 def same_code_as(a: dict, b: dict) -> bool:
-    """Whether two records' environments name the same code: their code digests where both have one, else the same
-    commit, both trees clean."""
+    """Whether two records' environments name the same code: their code digests where both have one (whatever commit
+    holds it); else the same commit with neither tree changed, or both with the same uncommitted changes (changes
+    that cannot be read match nothing)."""
     if a.get("code_sha256") and b.get("code_sha256"):
         return a["code_sha256"] == b["code_sha256"]
-    return a.get("commit") == b.get("commit") and a.get("dirty") is False and b.get("dirty") is False
+    if a.get("commit") != b.get("commit"):
+        return False
+    if not a.get("dirty") and not b.get("dirty"):
+        return True
+    return a.get("diff_sha256") is not None and a.get("diff_sha256") == b.get("diff_sha256")
+
+
+def code_here() -> dict:
+    """What same_code_as reads of the code that runs here, as a record's environment names it."""
+    commit, dirty = git_commit()
+    return {"commit": commit, "dirty": dirty, "diff_sha256": git_diff_sha256(), "code_sha256": code_sha256()}
 
 
 def same_code(env: dict) -> bool:
-    """Whether a record's environment `env` was measured on the code that runs here: the same code on disk
-    (code_sha256: its commit may have added records since), or, for a record without that digest, the same commit and
-    either neither tree changed or both carry the same uncommitted changes (changes that cannot be read match
-    nothing)."""
-    if env.get("code_sha256"):
-        return env["code_sha256"] == code_sha256()
-    commit, dirty = git_commit()
-    if env.get("commit") != commit:
-        return False
-    if not dirty and not env.get("dirty"):
-        return True
-    diff = git_diff_sha256()
-    return diff is not None and env.get("diff_sha256") == diff
+    """Whether a record's environment `env` was measured on the code that runs here (same_code_as)."""
+    return same_code_as(env, code_here())
 
 
 def _version(pkg: str) -> str | None:

@@ -32,7 +32,7 @@ import pytest
 import torch
 
 import megatrain.bench.case  # noqa: F401 (imported so that _time_each_run finds it in sys.modules)
-from megatrain.bench.env import environment, same_code
+from megatrain.bench.env import code_here, environment, same_code_as
 from megatrain.bench.record import append_jsonl, relative_paths
 
 
@@ -227,16 +227,16 @@ def node_id(record: dict) -> str:
 
 
 def passed_before(path: Path) -> set[str]:
-    """The node ids of the checks the record file `path` holds as passed on the code that runs here (same_code: its
+    """The node ids of the checks the record file `path` holds as passed on the code that runs here (same_code_as: its
     code digest, so a commit of records between two device calls resumes; an older record's commit in a clean tree)
     (a line torn by a kill is passed over)."""
-    done = set()
+    done, here = set(), code_here()
     for line in path.read_text().splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if record.get("passed") is True and same_code(record.get("env") or {}):
+        if record.get("passed") is True and same_code_as(record.get("env") or {}, here):
             done.add(node_id(record))
     return done
 
