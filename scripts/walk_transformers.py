@@ -35,7 +35,6 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere: this checkout's 
 from megatrain.bench.env import same_code_as  # noqa: E402
 from megatrain.checks.walk import (  # noqa: E402
     CURVE_STATUSES,
-    CURVE_STEPS,
     STATUSES,
     FamilyResult,
     PublishedResult,
@@ -44,6 +43,7 @@ from megatrain.checks.walk import (  # noqa: E402
     curve_depth,
     curve_family,
     curve_published,
+    curve_setting,
     try_published,
     walk,
 )
@@ -68,7 +68,7 @@ def markdown(results: list, version: str, curves: dict | None = None) -> str:
             by_type = {c["model_type"]: c for c in curves["families"]}
             env = curves["env"]
             where = env["gpu"] or env["device"]
-            lines += [f"In bf16 on {where} ({CURVE_STEPS} steps of one repeated batch, eager, the engine against "
+            lines += [f"In bf16 on {where} ({_setting()}, eager, the engine against "
                       "transformers' own module under torch.optim.AdamW from the same weights, within 3 of native's "
                       "spreads + 1% of its loss + 1e-4 at every step; commit "
                       f"{env['commit'][:7]}, torch {env['torch']}): "
@@ -132,6 +132,12 @@ def _write(path: Path, text: str) -> None:
     os.replace(part, path)
 
 
+def _setting() -> str:
+    """The walk's curve setting in words (megatrain.checks.walk.curve_setting)."""
+    c = curve_setting()
+    return f"{c['steps']} AdamW steps at lr {c['lr']:g} of one repeated batch of {c['batch']} x {c['seq']} tokens"
+
+
 def _curves(out: Path, stem: str) -> dict | None:
     path = out / f"{stem}-curves.json"
     return json.loads(path.read_text()) if path.exists() else None
@@ -180,7 +186,7 @@ def curves(device: str, jobs: int, out: Path, stem: str, only: list[str] | None 
             done.append(c)
     env = {**environment(), "device": device}
     record = merge_curves(old, done, env, [r.model_type for r in results]) if only else \
-        {"env": env, "steps": CURVE_STEPS, "families": done}
+        {"env": env, **curve_setting(), "families": done}
     _write(out / f"{stem}-curves.json", json.dumps(record, indent=1) + "\n")
     _write(out / f"{stem}.md", markdown(results, transformers.__version__, record) + "\n")
     print(f"{sum(c['status'] == 'tracks' for c in done)} of {len(done)} track transformers in bf16 on {device}")
@@ -210,7 +216,7 @@ def published_markdown(results: list, version: str, curves: dict | None = None) 
     if curves:
         envs = Counter(_where(c.get("env") or curves["env"]) for c in curves["checkpoints"])
         lines += [f"The GPU column: each checkpoint at its published widths and the layers named, in bf16 "
-                  f"({CURVE_STEPS} steps of one repeated batch, eager, the engine against transformers' own module "
+                  f"({_setting()}, eager, the engine against transformers' own module "
                   "under torch.optim.AdamW from the same weights, within 3 of native's spreads + 1% of its loss + "
                   "1e-4 at every step, a learnt step's spread the largest among learnt steps, as the GPU suite "
                   "judges: megatrain/checks/band.py; the rows run before c7931ce track by the walk's earlier rule "
@@ -287,7 +293,7 @@ def resume_curves(old: dict | None, env: dict) -> dict:
     record carried there, records committed between the calls or not."""
     rows = [{**c, "env": c.get("env") or old["env"]} for c in (old or {}).get("checkpoints", [])]
     done = {c["hub_id"] for c in rows if same_code_as(c["env"], env)}
-    return {"env": env, "steps": CURVE_STEPS, "checkpoints": rows, "done_here": done}
+    return {"env": env, **curve_setting(), "checkpoints": rows, "done_here": done}
 
 
 def land_curve(record: dict, curve: dict, order: list[str]) -> dict:
