@@ -60,15 +60,18 @@ def code_sha256() -> str | None:
     if CHECKOUT is None:
         return None
     digest = hashlib.sha256()
-    for name in CODE_PATHS:
-        top = CHECKOUT / name
-        files = [top] if top.is_file() else sorted(top.rglob("*")) if top.is_dir() else []
-        for path in files:
-            if path.is_file() and not path.is_symlink() and "__pycache__" not in path.parts:
-                rel = path.relative_to(CHECKOUT).as_posix().encode()
-                digest.update(len(rel).to_bytes(8, "little") + rel)
-                data = path.read_bytes()
-                digest.update(len(data).to_bytes(8, "little") + data)
+    try:
+        for name in CODE_PATHS:
+            top = CHECKOUT / name
+            files = [top] if top.is_file() else sorted(top.rglob("*")) if top.is_dir() else []
+            for path in files:
+                if path.is_file() and not path.is_symlink() and "__pycache__" not in path.parts:
+                    rel = path.relative_to(CHECKOUT).as_posix().encode()
+                    digest.update(len(rel).to_bytes(8, "little") + rel)
+                    data = path.read_bytes()
+                    digest.update(len(data).to_bytes(8, "little") + data)
+    except OSError:  # a file that cannot be read (gone while walked, no permission): no digest, the commit rule
+        return None
     return digest.hexdigest()
 
 

@@ -441,6 +441,18 @@ def test_a_commit_of_records_alone_is_the_same_code_and_an_edit_of_code_is_not(t
     commit("code again")
     env.code_sha256.cache_clear()
     assert not env.same_code(measured) and not env.same_code_as(measured, {"code_sha256": env.code_sha256()})
+    # a file that cannot be read: no digest (every record still written), the commit rule decides
+    unreadable, read_bytes = tmp_path / "megatrain" / "code.py", Path.read_bytes
+
+    def read_or_refuse(path: Path) -> bytes:
+        if path == unreadable:
+            raise PermissionError(path)
+        return read_bytes(path)
+
+    monkeypatch.setattr(Path, "read_bytes", read_or_refuse)
+    env.code_sha256.cache_clear()
+    assert env.code_sha256() is None and not env.same_code(measured)
+    assert env.same_code({"commit": env.git_commit()[0], "dirty": False, "code_sha256": "a" * 64})
 
 
 def test_a_record_names_the_version_that_runs_not_the_one_installed_beneath_it(monkeypatch):
