@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere: this checkout's 
 
 from megatrain.bench.env import same_code_as  # noqa: E402
 from megatrain.checks.walk import (  # noqa: E402
+    CURVE_SETTING,
     CURVE_STATUSES,
     STATUSES,
     FamilyResult,
@@ -43,7 +44,6 @@ from megatrain.checks.walk import (  # noqa: E402
     curve_depth,
     curve_family,
     curve_published,
-    curve_setting,
     try_published,
     walk,
 )
@@ -133,8 +133,8 @@ def _write(path: Path, text: str) -> None:
 
 
 def _setting() -> str:
-    """The walk's curve setting in words (megatrain.checks.walk.curve_setting)."""
-    c = curve_setting()
+    """The walk's curve setting in words (megatrain.checks.walk.CURVE_SETTING)."""
+    c = CURVE_SETTING
     return f"{c['steps']} AdamW steps at lr {c['lr']:g} of one repeated batch of {c['batch']} x {c['seq']} tokens"
 
 
@@ -186,7 +186,7 @@ def curves(device: str, jobs: int, out: Path, stem: str, only: list[str] | None 
             done.append(c)
     env = {**environment(), "device": device}
     record = merge_curves(old, done, env, [r.model_type for r in results]) if only else \
-        {"env": env, **curve_setting(), "families": done}
+        {"env": env, **CURVE_SETTING, "families": done}
     _write(out / f"{stem}-curves.json", json.dumps(record, indent=1) + "\n")
     _write(out / f"{stem}.md", markdown(results, transformers.__version__, record) + "\n")
     print(f"{sum(c['status'] == 'tracks' for c in done)} of {len(done)} track transformers in bf16 on {device}")
@@ -293,7 +293,7 @@ def resume_curves(old: dict | None, env: dict) -> dict:
     record carried there, records committed between the calls or not."""
     rows = [{**c, "env": c.get("env") or old["env"]} for c in (old or {}).get("checkpoints", [])]
     done = {c["hub_id"] for c in rows if same_code_as(c["env"], env)}
-    return {"env": env, **curve_setting(), "checkpoints": rows, "done_here": done}
+    return {"env": env, **CURVE_SETTING, "checkpoints": rows, "done_here": done}
 
 
 def land_curve(record: dict, curve: dict, order: list[str]) -> dict:

@@ -335,10 +335,9 @@ def try_published(row) -> PublishedResult:
 CURVE_STEPS, CURVE_LR = 8, 1e-3
 
 
-def curve_setting() -> dict:
-    """What every curve of the walk trains (a record carries it, so that a reader can judge and re-run it): CURVE_STEPS
-    AdamW steps at CURVE_LR of one repeated batch of BATCH x SEQ tokens."""
-    return {"steps": CURVE_STEPS, "lr": CURVE_LR, "batch": BATCH, "seq": SEQ}
+# what every curve of the walk trains (a record carries it, so that a reader can judge and re-run it): CURVE_STEPS
+# AdamW steps at CURVE_LR of one repeated batch of BATCH x SEQ tokens
+CURVE_SETTING = {"steps": CURVE_STEPS, "lr": CURVE_LR, "batch": BATCH, "seq": SEQ}
 
 
 CURVE_STATUSES = ("tracks", "leaves", "fails", "skipped")
