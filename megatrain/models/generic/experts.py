@@ -12,6 +12,9 @@ casts a Linear's: the same kernels as the other systems, the gradient into the f
 
 from __future__ import annotations
 
+import inspect
+import types
+
 import torch
 from torch import nn
 
@@ -22,17 +25,44 @@ def is_experts_block(module: nn.Module) -> bool:
         and hasattr(getattr(module, "config", None), "_experts_implementation")
 
 
-class _Unbound(nn.Module):
-    """Holds an experts block so that torch.func.functional_call can bind other weights to it for one call of its own
-    forward (not its __call__, which the caster replaced)."""
+def experts_function(module: nn.Module):
+    """The function transformers' experts interface dispatches `module`'s forward to (its config's
+    `_experts_implementation`: grouped_mm, batched_mm, or the class's own forward for 'eager'), resolved once, as the
+    decorated forward resolves it at every call; called as function(module, *args). A forward the decorator did not
+    wrap as transformers 5.17 and 5.24 do is returned as it is."""
+    decorated = type(module).forward
+    original = getattr(decorated, "__wrapped__", None)
+    interface = inspect.getclosurevars(decorated).nonlocals.get("experts_interface")
+    if original is None or interface is None:
+        return decorated
+    return interface.get_interface(module.config._experts_implementation, original)
 
-    def __init__(self, experts: nn.Module, forward):
+
+class _Unbound(nn.Module):
+    """Holds an experts block so that torch.func.functional_call can bind other weights to it for one call of its
+    experts function (not its __call__, which the caster replaced)."""
+
+    def __init__(self, experts: nn.Module):
         super().__init__()
         self.experts = experts
-        self._experts_forward = forward
+        self.experts_function = experts_function(experts)
 
     def forward(self, *args, **kwargs):
-        return self._experts_forward(*args, **kwargs)
+        return self.experts_function(self.experts, *args, **kwargs)
+
+
+def _autocast_forward(self, *args, **kwargs):
+    """An experts block's forward once autocast_experts replaced it: its weights cast to autocast's dtype while
+    autocast is on. Everything it reads hangs off the block (no closure, no default argument, no interface object):
+    Dynamo in torch 2.11 could not trace the experts interface reached through a closure's default argument (a graph
+    break in each of native's Gemma-4-26B-A4B layers on the H200; torch 2.13 traces both)."""
+    unbound, device_type = self.__dict__["_autocast_unbound"], self.__dict__["_autocast_device_type"]
+    if not torch.is_autocast_enabled(device_type):
+        return unbound(*args, **kwargs)
+    dtype = torch.get_autocast_dtype(device_type)
+    weights = {f"experts.{name}": p.to(dtype) if p.is_floating_point() else p
+               for name, p in unbound.experts.named_parameters(recurse=False)}
+    return torch.func.functional_call(unbound, weights, args, kwargs)
 
 
 def autocast_experts(model: nn.Module, device_type: str) -> int:
@@ -43,15 +73,9 @@ def autocast_experts(model: nn.Module, device_type: str) -> int:
         if not is_experts_block(module):
             continue
         found += 1
-        unbound = _Unbound(module, module.forward)  # not a child of the model: its parameters stay the block's own
-
-        def forward(*args, _unbound=unbound, **kwargs):
-            if not torch.is_autocast_enabled(device_type):
-                return _unbound(*args, **kwargs)
-            dtype = torch.get_autocast_dtype(device_type)
-            weights = {f"experts.{name}": p.to(dtype) if p.is_floating_point() else p
-                       for name, p in _unbound.experts.named_parameters(recurse=False)}
-            return torch.func.functional_call(_unbound, weights, args, kwargs)
-
-        module.forward = forward
+        # kept in the block's __dict__, not registered: the holder is no child of the model (its parameters stay the
+        # block's own, under their own names)
+        module.__dict__["_autocast_unbound"] = _Unbound(module)
+        module.__dict__["_autocast_device_type"] = device_type
+        module.forward = types.MethodType(_autocast_forward, module)
     return found
