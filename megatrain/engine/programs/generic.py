@@ -16,10 +16,11 @@ State crossing layers (Skeleton.crossings): an input the preamble computed from 
 4's per-layer inputs) is replayed like the others, and in backward passes through a tap (`_Tap`) whose backward adds
 the layer's gradient for it to the micro-batch's context; the embedding unit's backward sends those gradients into
 the preamble with the first layer's. A mapping handed to every layer (Gemma 4's shared KV) is replaced by the
-context's own (`Published`): forward keeps what a layer publishes, readers get it back (tapped in backward, their
-gradients summed per name), and a publisher's recompute hands its published tensors the readers' sum through its
-output (`_Inject`), so that the schedule's one autograd call per layer backpropagates both; each layer runs backward
-after every later one, so every reader's gradient is in before its publisher's backward. The schedule is unchanged.
+context's own (`Published`): forward keeps what a layer publishes, readers get it back (tapped in backward before
+the layer's call, their gradients summed per name), and a publisher's recompute hands its published tensors the
+readers' sum through its output (`_Inject`), so that the schedule's one autograd call per layer backpropagates both;
+each layer runs backward after every later one, so every reader's gradient is in before its publisher's backward.
+The schedule is unchanged.
 
 The templates train in train mode (dropout and router jitter as config.json sets them, each unit's forward of a
 micro-batch drawing from its own seed: megatrain.models.draws), the held-out loss runs in eval mode.
@@ -104,19 +105,26 @@ class _Inject(torch.autograd.Function):
 class Published(UserDict):
     """The mapping a layer is handed in place of the one its model's forward shares between layers: reads and
     writes go to the micro-batch's context under (`name`, key). With gradients off (forward) a write is kept for the
-    readers and a read returns it; with gradients on (a layer's recompute in backward) a read is tapped (_Tap) and
-    a write is remembered, for _Inject."""
+    readers and a read returns it; with gradients on (a layer's recompute in backward) a read returns the value tapped
+    (_Tap) before the layer ran, and a write is remembered, for _Inject. The taps are made outside the layer's call
+    (every value published under `name` so far: a tap the layer does not read never runs backward), so that a compiled
+    layer reads a dict: a tap inside it is an autograd function mutating the context's gradients, which Dynamo cannot
+    trace (a graph break in each of Gemma-4-E4B's layers that read another's keys and values)."""
 
     def __init__(self, name: str, context: Context, x_BSH: torch.Tensor):
         super().__init__()
-        self.name, self.context, self.x_BSH, self.written = name, context, x_BSH, []
+        self.name, self.context, self.written = name, context, []
+        self.tapped = {}
+        if torch.is_grad_enabled():
+            for (name_, key), value in context.published.items():
+                if name_ == name:
+                    flat = _Tap.apply(x_BSH, context.published_grads, (name, key), *_flat(value))
+                    self.tapped[key] = flat[0] if isinstance(value, torch.Tensor) else type(value)(flat)
 
     def __getitem__(self, key):
-        value = self.context.published[self.name, key]
-        if not torch.is_grad_enabled():
-            return value
-        flat = _Tap.apply(self.x_BSH, self.context.published_grads, (self.name, key), *_flat(value))
-        return flat[0] if isinstance(value, torch.Tensor) else type(value)(flat)
+        if torch.is_grad_enabled():
+            return self.tapped[key]
+        return self.context.published[self.name, key]
 
     def __setitem__(self, key, value):
         if torch.is_grad_enabled():
