@@ -56,7 +56,7 @@ def _autocast_forward(self, *args, **kwargs):
     autocast is on. Everything it reads hangs off the block (no closure, no default argument, no interface object):
     Dynamo in torch 2.11 could not trace the experts interface reached through a closure's default argument (a graph
     break in each of native's Gemma-4-26B-A4B layers on the H200; torch 2.13 traces both)."""
-    unbound, device_type = self.__dict__["_autocast_unbound"], self.__dict__["_autocast_device_type"]
+    unbound, device_type = self._autocast_unbound, self._autocast_device_type  # plain attributes (autocast_experts)
     if not torch.is_autocast_enabled(device_type):
         return unbound(*args, **kwargs)
     dtype = torch.get_autocast_dtype(device_type)
