@@ -373,7 +373,7 @@ def _broken(rows: pd.DataFrame, ratios: pd.DataFrame) -> str:
     """'; plain PyTorch's compiled layers split by graph breaks (2 at gemma-4-31b@4L)' where a compiled case of the
     ratios, MegaTrain's own or one set against it, ran its layers as more than one graph each: compiled, but not whole
     graphs (MegaTrain's Gemma-4-E4B layers were, in the records of 9c13ec1 and e7dff70)."""
-    labels = set(ratios["label"]) | set(ratios.get("reference", ()))
+    labels = set(ratios["label"]) | set(ratios["reference"])
     compared = rows[(rows["status"] == "ok") & rows["label"].isin(labels) & (rows["graph_breaks"] > 0)]
     said = [f"{prose(label.removesuffix(plots.COMPILED_SUFFIX))}'s compiled layers split by graph breaks ("
             + ", ".join(f"{int(r['graph_breaks'])} at {r['model']}" for _, r in g.iterrows()) + ")"
