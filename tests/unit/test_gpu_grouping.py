@@ -392,3 +392,37 @@ def test_a_check_that_kills_its_worker_is_named_by_the_file_it_leaves(tmp_path):
     running = json.loads((tmp_path / "checks.jsonl.running" / "main").read_text())
     assert running["check"].endswith("test_2_dies") and running["since_utc"]
 
+
+
+def _gpu_plan():
+    spec = importlib.util.spec_from_file_location("gpu_plan", ROOT / "scripts" / "gpu_plan.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_plan_hands_out_groups_as_xdist_loadgroup_does():
+    """scripts/gpu_plan.py: a worker starts with two units and is given the next while it has two checks or fewer
+    left, so a long group's worker may already hold the next unit (xdist's LoadScopeScheduling)."""
+    plan = _gpu_plan()
+    work = plan.units([("a1", "A"), ("b", None), ("a2", "A"), ("c", None), ("d", None), ("e", None)])
+    assert work == [("A", ["a1", "a2"]), ("b", ["b"]), ("c", ["c"]), ("d", ["d"]), ("e", ["e"])]
+    seconds = {"a1": 100.0, "a2": 100.0, "b": 10.0, "c": 10.0, "d": 10.0, "e": 10.0}
+    # A to worker 0 and b to worker 1, then each a second unit (two checks or fewer pending): c to 0, d to 1; e goes
+    # to worker 1 when b ends (one check left there), while worker 0 still runs A
+    got = plan.simulate(work, seconds, workers=2)
+    assert got["ran"] == [["A", "c"], ["b", "d", "e"]]
+    assert got["ends"] == [210.0, 30.0]
+
+
+@pytest.mark.subprocess
+def test_the_plan_reads_the_suites_own_groups():
+    """The plan collects tests/gpu with its conftest (no GPU needed): the generic path's Qwen3-Next fp32 set is one
+    unit, kept whole, and the plan names it as the last worker's."""
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_plan.py"), "--workers", "2", "-k",
+                           "hybrid and fp32"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    counts = done.stdout.splitlines()[-4]
+    checks, units = int(counts.split()[0]), int(counts.split()[3])
+    assert checks >= 4 and units == 1, done.stdout
+    assert "tiny-hf-qwen3-next" in done.stdout.splitlines()[-2], done.stdout
