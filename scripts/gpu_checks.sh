@@ -30,7 +30,8 @@ cd "$src" || exit 2
 # groups go out in the order conftest gave them, not reordered by their count of tests (xdist >= 3.6 has the flag)
 reorder=$("$py" -m pytest --help 2>/dev/null | grep -q -- --no-loadscope-reorder && echo --no-loadscope-reorder)
 # one inductor compile thread per worker: the workers are the parallelism, and a pool of compile processes per worker
-# (16 on the H200 host) took host memory the published-width curves needed
+# (16 on the H200 host) took host memory the published-width curves needed; a worker running a compile-bound check
+# (the generic path's fp32 sets) takes GPU_CHECK_COMPILE_THREADS (default 3: tests/gpu/conftest.py)
 [ "$workers" -gt 1 ] && export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1}
 # Inductor's and Triton's caches in the checkout's .compile-cache/ (git-ignored): a device machine kept warm between
 # calls keeps the checkout's ignored files, so a run resumed in the next call reuses the kernels the last one compiled

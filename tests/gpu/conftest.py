@@ -11,7 +11,10 @@ whose steps leave the GPU mostly idle. Two things make that fast and safe, both 
 - groups start longest first (durations.json, the last whole run's times: scripts/gpu_durations.py), so the longest
   group does not start last and the workers finish together;
 - the checks at a published width run in few lanes, each waiting for its engine's share of the host (host_share),
-  and every check hands its cached GPU memory back when it ends.
+  and every check hands its cached GPU memory back when it ends;
+- a worker that runs a compile-bound check compiles with more Inductor threads than the others' one
+  (COMPILE_BOUND_THREADS).
+scripts/gpu_plan.py says, before a run, what wall time these groups and the last times make on N workers.
 A run resumes: with GPU_CHECKS_PASSED=FILE (scripts/gpu_checks.sh sets it to a copy of the record it appends to), the
 checks FILE records as passed at this commit, in a clean tree, are not run again, so a run cut by a device call's limit,
 or whose machine was given back, goes on from there in the next call (one was: 155 of 228 checks came back).
@@ -134,6 +137,25 @@ def _running(request):
                                    "since_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}) + "\n")
     yield
     running.unlink(missing_ok=True)
+
+
+# Inductor's compile threads in a worker once it runs a compile-bound check (a module's `compile_bound(item)`: the
+# generic path's fp32 sets, whose first compile took 150-460 s of a check at one thread per worker under the suite's
+# load, on the suite's critical path: scripts/gpu_plan.py). scripts/gpu_checks.sh gives every worker one thread (a pool
+# of 16 per worker took the host memory the published-width curves needed); such a worker gets a pool of this many
+# (GPU_CHECK_COMPILE_THREADS) from its first compile-bound check on: a pool, once made, keeps its size.
+COMPILE_BOUND_THREADS = int(os.environ.get("GPU_CHECK_COMPILE_THREADS", "3"))
+
+
+@pytest.fixture(autouse=True)
+def _compile_threads(request):
+    """More Inductor compile threads for a compile-bound check (COMPILE_BOUND_THREADS), set before its first compile
+    (Inductor reads its config's compile_threads when it first makes its pool)."""
+    if getattr(request.module, "compile_bound", lambda item: False)(request.node):
+        from torch._inductor import config as inductor
+
+        inductor.compile_threads = max(inductor.compile_threads or 1, COMPILE_BOUND_THREADS)
+    yield
 
 
 # where the checks build their systems: run_case's and the test helpers' own name for it

@@ -158,6 +158,12 @@ def whole(item) -> bool:
     return FP32_SETS[item.callspec.params["name"]][0].get("model", FP32_BASE["model"]).startswith("tiny-hf-")
 
 
+def compile_bound(item) -> bool:
+    """Whether a check's time is mostly its process's first compile (tests/gpu/conftest.py gives its worker more
+    Inductor compile threads): the whole groups' checks, the generic path's fp32 sets."""
+    return whole(item)
+
+
 def heavy(item) -> bool:
     """A curve at a published width (15-45 GiB of host state: heavy_host_gib) or at 32k tokens (tens of GiB of GPU
     memory): tests/gpu/conftest.py runs them in few lanes."""

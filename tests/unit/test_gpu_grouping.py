@@ -393,6 +393,53 @@ def test_a_check_that_kills_its_worker_is_named_by_the_file_it_leaves(tmp_path):
     assert running["check"].endswith("test_2_dies") and running["since_utc"]
 
 
+COMPILE_BOUND = '''
+import json
+import os
+
+import pytest
+from torch._inductor import config
+from torch._inductor.async_compile import get_compile_threads
+
+pytestmark = pytest.mark.gpu
+
+
+def compile_bound(item):
+    return item.originalname == "test_2_bound"
+
+
+def _threads(name):
+    with open(os.environ["WHO_RAN"], "a") as f:
+        f.write(json.dumps([name, config.compile_threads, get_compile_threads()]) + "\\n")
+
+
+# run in this order (conftest orders checks of equal times by name)
+def test_1_light():
+    _threads("light")
+
+
+def test_2_bound():
+    _threads("bound")
+
+
+def test_3_after():
+    _threads("after")
+'''
+
+
+@pytest.mark.subprocess
+def test_a_compile_bound_check_compiles_with_more_inductor_threads_than_the_workers_one(tmp_path):
+    """scripts/gpu_checks.sh gives each worker one Inductor thread; the generic sets' first compiles (150-460 s a check
+    at that) take COMPILE_BOUND_THREADS from the check on, as Inductor reads them when it makes its pool."""
+    _stand_ins(tmp_path, "test_compile_bound.py", COMPILE_BOUND)
+    who = tmp_path / "threads.jsonl"
+    done = _pytest(tmp_path, {"WHO_RAN": str(who), "TORCHINDUCTOR_COMPILE_THREADS": "1",
+                              "GPU_CHECK_COMPILE_THREADS": "3"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    threads = {name: (set_to, read) for name, set_to, read in map(json.loads, who.read_text().splitlines())}
+    # a pool, once made, keeps its size: the worker's later checks keep the threads
+    assert threads == {"light": (1, 1), "bound": (3, 3), "after": (3, 3)}
+
 
 def _gpu_plan():
     spec = importlib.util.spec_from_file_location("gpu_plan", ROOT / "scripts" / "gpu_plan.py")
