@@ -38,14 +38,26 @@ reorder=$("$py" -m pytest --help 2>/dev/null | grep -q -- --no-loadscope-reorder
 # (the generic sets' first compiles took 150-460 s each at d0c54b8)
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/.compile-cache/inductor}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.compile-cache/triton}
+# ... and across sessions, whose machines start bare (scripts/compile_cache.py): the parts of an earlier run's Inductor
+# cache, carried in .compile-carry/ (git-ignored; name it in the call's carry), are unpacked first, and
+# GPU_CHECK_CACHE_OUT=$OUT/inductor.tar.xz packs this run's after it (its parts come back with the records)
+cache_in=${GPU_CHECK_CACHE_IN:-.compile-carry/inductor.tar.xz}
+[ -f "$cache_in.0" ] && "$py" scripts/compile_cache.py unpack "$cache_in" "$TORCHINDUCTOR_CACHE_DIR"
 # the passed checks as the run starts: every xdist worker (a restarted one too) must leave out the same ones
 if [ -s "$out" ] && [ "${GPU_CHECK_FRESH:-0}" != 1 ]; then
     passed=$(mktemp); cp "$out" "$passed"; export GPU_CHECKS_PASSED=$passed
     echo "gpu_checks: resuming $out ($(grep -c '"passed": true' "$passed") passed records)"
 fi
+# GPU_CHECK_TIMEOUT_S: the checks stop after this many seconds (a device call's limit less the packing's time), so the
+# cache they compiled is still packed
+limit=()
+[ -n "${GPU_CHECK_TIMEOUT_S:-}" ] && limit=(timeout --kill-after=20 "$GPU_CHECK_TIMEOUT_S")
 start=$SECONDS
-MEGATRAIN_GPU_CHECKS=$out "$py" -m pytest ${GPU_TESTS:-tests/gpu} -m gpu -q -rfE -p no:cacheprovider \
+MEGATRAIN_GPU_CHECKS=$out "${limit[@]}" "$py" -m pytest ${GPU_TESTS:-tests/gpu} -m gpu -q -rfE -p no:cacheprovider \
     --durations=15 -n "$workers" --dist loadgroup $reorder "$@"
 rc=$?
 echo "gpu_checks: $((SECONDS - start)) s wall, $workers workers, exit $rc"
+if [ -n "${GPU_CHECK_CACHE_OUT:-}" ] && [ -d "$TORCHINDUCTOR_CACHE_DIR" ]; then
+    "$py" scripts/compile_cache.py pack "$TORCHINDUCTOR_CACHE_DIR" "$GPU_CHECK_CACHE_OUT"
+fi
 exit $rc

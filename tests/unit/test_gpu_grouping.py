@@ -4,11 +4,13 @@ first parallel run on the GPU ran without any group (marked after xdist's worker
 published widths ran at once, out of GPU memory."""
 
 import importlib.util
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import threading
 from collections import defaultdict
 from pathlib import Path
@@ -473,3 +475,130 @@ def test_the_plan_reads_the_suites_own_groups():
     checks, units = int(counts.split()[0]), int(counts.split()[3])
     assert checks >= 4 and units == 1, done.stdout
     assert "tiny-hf-qwen3-next" in done.stdout.splitlines()[-2], done.stdout
+
+
+COMPILES = '''
+import sys
+
+import torch
+from torch._dynamo.utils import counters
+
+
+@torch.compile
+def f(x):
+    return (x.sin() * x.cos()).sum(dim=-1)
+
+
+f(torch.randn(8, 16))
+print(counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"])
+'''
+
+
+def _compile_in(cache_dir: Path) -> tuple[int, int]:
+    """(FX graph cache hits, misses) of compiling one function in a new process whose Inductor cache is cache_dir."""
+    done = subprocess.run([sys.executable, "-c", COMPILES], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)})
+    assert done.returncode == 0, done.stderr
+    hits, misses = map(int, done.stdout.split())
+    return hits, misses
+
+
+def _compile_cache():
+    spec = importlib.util.spec_from_file_location("compile_cache", ROOT / "scripts" / "compile_cache.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.subprocess
+def test_a_packed_compile_cache_unpacked_elsewhere_is_hit_by_a_new_process(tmp_path):
+    """scripts/compile_cache.py: the cache a run compiled, packed in parts, unpacked into another folder (the next
+    device call's checkout), answers the same compile there without compiling: entries that name their first folder
+    would miss, and the suite would pay every first compile again."""
+    packer = _compile_cache()
+    assert _compile_in(tmp_path / "first") == (0, 1)
+    parts = packer.pack(tmp_path / "first", tmp_path / "cache.tar.xz", part_mib=0.01)
+    assert len(parts) > 1  # cut in parts, as a device call's files must be
+    packer.unpack(tmp_path / "cache.tar.xz", tmp_path / "carried")
+    assert _compile_in(tmp_path / "carried") == (1, 0)
+
+
+def test_unpacking_keeps_the_caches_own_files_and_refuses_a_member_outside_it(tmp_path):
+    packer = _compile_cache()
+    (tmp_path / "cache" / "fxgraph").mkdir(parents=True)
+    (tmp_path / "cache" / "fxgraph" / "entry").write_text("carried")
+    (tmp_path / "cache" / "locks").mkdir()
+    (tmp_path / "cache" / "locks" / "entry.lock").write_text("")
+    assert [p.name for p in packer.pack(tmp_path / "cache", tmp_path / "c.tar.xz")] == ["c.tar.xz.0"]
+    (tmp_path / "here" / "fxgraph").mkdir(parents=True)
+    (tmp_path / "here" / "fxgraph" / "entry").write_text("its own")
+    assert packer.unpack(tmp_path / "c.tar.xz", tmp_path / "here") == 0
+    assert (tmp_path / "here" / "fxgraph" / "entry").read_text() == "its own"
+    assert not (tmp_path / "here" / "locks").exists()  # Inductor's lock files are not carried
+    assert packer.unpack(tmp_path / "c.tar.xz", tmp_path / "empty") == 1
+    assert (tmp_path / "empty" / "fxgraph" / "entry").read_text() == "carried"
+    # a crafted archive: a member climbing out of the cache is refused before anything lands
+    evil = tmp_path / "evil.tar.xz"
+    with tarfile.open(evil.with_name("evil.tar.xz.0"), "w:xz") as tar:
+        tar.addfile(tarfile.TarInfo("fine"), io.BytesIO(b""))
+        tar.addfile(tarfile.TarInfo("../outside"), io.BytesIO(b""))
+    with pytest.raises(SystemExit, match="refused"):
+        packer.unpack(evil, tmp_path / "victim")
+    assert not (tmp_path / "outside").exists() and not (tmp_path / "victim").exists()
+    # a part lost on the way: the archive is not whole, said as such
+    (tmp_path / "c.tar.xz.0").write_bytes((tmp_path / "c.tar.xz.0").read_bytes()[:40])
+    with pytest.raises(SystemExit, match="not a whole archive"):
+        packer.unpack(tmp_path / "c.tar.xz", tmp_path / "torn")
+
+
+CARRIED = '''
+import os
+import time
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+pytestmark = pytest.mark.gpu
+
+
+def test_compiles():
+    @torch.compile
+    def f(x):
+        return (x.sin() * x.cos()).sum(dim=-1)
+
+    f(torch.randn(8, 16))
+    with open(os.environ["WHO_RAN"], "a") as out:
+        out.write(f"{counters['inductor']['fxgraph_cache_hit']} {counters['inductor']['fxgraph_cache_miss']}\\n")
+    time.sleep(float(os.environ.get("STAND_IN_SLEEP_S", "0")))
+'''
+
+
+def _gpu_checks(tmp_path: Path, env: dict) -> subprocess.CompletedProcess:
+    inherited = {k: v for k, v in os.environ.items()
+                 if not k.startswith("PYTEST_XDIST_") and k not in ("MEGATRAIN_GPU_CHECKS", "GPU_CHECKS_PASSED")}
+    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_checks.sh"), str(tmp_path / "run.jsonl"), str(ROOT)],
+                          capture_output=True, text=True, timeout=300, env={
+                              **inherited, "PYTHON": sys.executable, "GPU_TESTS": str(tmp_path / "suite"),
+                              "GPU_CHECK_WORKERS": "1", "WHO_RAN": str(tmp_path / "who.txt"), **env})
+
+
+@pytest.mark.subprocess
+def test_the_suite_carries_its_compile_cache_to_the_next_run_and_packs_it_when_its_time_is_up(tmp_path):
+    """scripts/gpu_checks.sh: GPU_CHECK_CACHE_OUT packs the run's Inductor cache after the checks, also when
+    GPU_CHECK_TIMEOUT_S stopped them (a device call's limit would have killed the packing with them), and the next
+    run, on a bare machine, unpacks what GPU_CHECK_CACHE_IN names and compiles nothing it compiled."""
+    pytest.importorskip("xdist")
+    (tmp_path / "suite").mkdir()
+    _stand_ins(tmp_path / "suite", "test_carried.py", CARRIED)
+    parts = tmp_path / "out" / "inductor.tar.xz"
+    parts.parent.mkdir()
+    first = _gpu_checks(tmp_path, {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "first"),
+                                   "GPU_CHECK_CACHE_OUT": str(parts), "GPU_CHECK_TIMEOUT_S": "30",
+                                   "STAND_IN_SLEEP_S": "300"})
+    assert first.returncode == 124, first.stdout + first.stderr  # stopped by its time, and still packed
+    assert (tmp_path / "out" / "inductor.tar.xz.0").is_file(), first.stdout + first.stderr
+    second = _gpu_checks(tmp_path, {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "bare"),
+                                    "GPU_CHECK_CACHE_IN": str(parts)})
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert (tmp_path / "who.txt").read_text().splitlines() == ["0 1", "1 0"]
