@@ -4,7 +4,7 @@ torch), and, for a test that takes the `check` fixture, what it measured (option
 tolerances). results/gpu_checks/ keeps the committed ones.
 
 The whole suite runs as several pytest-xdist workers on one GPU (scripts/gpu_checks.sh): the checks are small models
-whose steps leave the GPU mostly idle. Two things make that fast and safe, both here:
+whose steps leave the GPU mostly idle. What makes that fast and safe is here:
 - tests that share a process-wide cache (a module-scoped fixture, or a module's own `shares(item)` key: native's runs
   and curves, computed once per process) run in one worker, as one xdist group, split in parts where their last times
   say each part would still end sooner (part_count), unless the module's own `whole(item)` keeps the group whole;
