@@ -66,12 +66,12 @@ def unpack(out: Path, cache_dir: Path) -> int:
     data = b"".join(p.read_bytes() for p in parts)
     try:
         tar = tarfile.open(fileobj=io.BytesIO(data), mode="r:xz")
+        members = tar.getmembers()  # the whole archive read: a part lost on the way shows here, before anything lands
     except (tarfile.TarError, lzma.LZMAError, EOFError) as e:
         raise SystemExit(f"compile_cache: {out.name}.* is not a whole archive ({e}): pack it again") from e
     root = cache_dir.resolve()
     added = 0
     with tar:
-        members = tar.getmembers()
         for member in members:  # all of them first: a refused archive leaves nothing behind
             if not (member.isfile() or member.isdir()) or not (root / member.name).resolve().is_relative_to(root):
                 raise SystemExit(f"compile_cache: refused {member.name!r}: not a plain file or folder inside the "

@@ -545,7 +545,16 @@ def test_unpacking_keeps_the_caches_own_files_and_refuses_a_member_outside_it(tm
     with pytest.raises(SystemExit, match="refused"):
         packer.unpack(evil, tmp_path / "victim")
     assert not (tmp_path / "outside").exists() and not (tmp_path / "victim").exists()
-    # a part lost on the way: the archive is not whole, said as such
+    # a part lost on the way (a big cache's second of three): the archive is not whole, said as such, nothing landed
+    big = tmp_path / "big"
+    (big / "fxgraph").mkdir(parents=True)
+    (big / "fxgraph" / "entry").write_bytes(os.urandom(300_000))
+    (big / "fxgraph" / "last").write_text("after the entry")
+    assert len(packer.pack(big, tmp_path / "b.tar.xz", part_mib=0.1)) == 3
+    (tmp_path / "b.tar.xz.1").unlink()
+    with pytest.raises(SystemExit, match="not a whole archive"):
+        packer.unpack(tmp_path / "b.tar.xz", tmp_path / "torn")
+    assert not (tmp_path / "torn").exists()
     (tmp_path / "c.tar.xz.0").write_bytes((tmp_path / "c.tar.xz.0").read_bytes()[:40])
     with pytest.raises(SystemExit, match="not a whole archive"):
         packer.unpack(tmp_path / "c.tar.xz", tmp_path / "torn")
