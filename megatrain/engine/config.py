@@ -32,6 +32,11 @@ class MegaTrainOptions(CommonOptions):
     # 1: the paper's ablation of double buffering: one weight slot, so each use's weights load only once the previous
     # use's compute has finished (no copy beside compute); the same arithmetic, slower
     weight_slots: Literal[1, 2] = 2
+    # which compiled graph the forward runs a hand-written layer through: 'no-grad' (Inductor's inference graph; the
+    # recompute in backward runs the training graph, a mixture's routing replayed from the forward), or 'training'
+    # (debug: the training graph, as native's checkpointed layer does, its autograd graph dropped at once: forward and
+    # recompute one graph, so the recompute routes as the forward did without a replay; more memory and time a layer)
+    forward_graph: Literal["no-grad", "training"] = "no-grad"
     stream_stress: int | None = None  # debug: seed of random delays on every stream hand-off
     timeline: bool = True  # record the per-step stream timeline
 

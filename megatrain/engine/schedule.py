@@ -116,6 +116,7 @@ class Schedule:
         self.lr = config.optim.lr  # of the next update (a learning-rate schedule sets it before each step)
         # update_delay: from which update on each applies the previous step's gradient (None: every update exact)
         self.delay_from = config.options.update_delay_warmup if config.options.update_delay else None
+        self.training_forward = config.options.forward_graph == "training"
         if streams.cuda:  # the program's tables and resident copies above ran on the default stream, which the
             torch.cuda.synchronize(device)  # side streams do not wait for
 
@@ -290,11 +291,17 @@ class Schedule:
     def _forward(self, step: StepState, unit: Unit, weights: torch.Tensor, regenerate: bool = False) -> None:
         """Layer u reads activations u-1 and writes activations u. regenerate: a recomputed input's second forward
         in backward ('refwd'), whose input stays on the GPU for that layer's own backward."""
-        params = bind(unit, weights, requires_grad=False)
         layer = unit.index
-        with torch.no_grad():  # a regenerated input's second forward replays its first's routing
-            outputs = [self.program.layer(unit, params, x, step.contexts[m], step.aux.routing(layer, m))
-                       for m, x in enumerate(self.acts.gpu[layer - 1])]
+        if self.training_forward and not regenerate:  # the recompute's graph: its inputs as the recompute's
+            params = bind(unit, weights, requires_grad=True)
+            with torch.enable_grad():
+                outputs = [_detached(self.program.layer(unit, params, x.detach().requires_grad_(), step.contexts[m]))
+                           for m, x in enumerate(self.acts.gpu[layer - 1])]
+        else:
+            params = bind(unit, weights, requires_grad=False)
+            with torch.no_grad():  # a regenerated input's second forward replays its first's routing
+                outputs = [self.program.layer(unit, params, x, step.contexts[m], step.aux.routing(layer, m))
+                           for m, x in enumerate(self.acts.gpu[layer - 1])]
         self.acts.put(layer, step.aux.forward(outputs, count=not regenerate, layer=layer))
         if not regenerate:
             self.acts.consumed(layer - 1)
@@ -345,9 +352,11 @@ class Schedule:
         self.acts.prefetch(unit.index - 2)  # the next layer's, streaming in while this backward runs
         for m, x in enumerate(inputs):
             x = x.detach().requires_grad_()
+            # the forward's routing replayed: a gradient of the routing the loss saw (the forward's own graph, under
+            # forward_graph=training, routes as the forward did)
+            routing = step.aux.routing(unit.index, m, last=True)
             with torch.enable_grad():
-                # the forward's routing replayed: a gradient of the routing the loss saw
-                y = self.program.layer(unit, params, x, step.contexts[m], step.aux.routing(unit.index, m, last=True))
+                y = self.program.layer(unit, params, x, step.contexts[m], None if self.training_forward else routing)
                 grads = step.aux.grads(y, [x, *tensors], step.output_grads[m], m)
             step.output_grads[m] = grads[0]
             self._accumulate(grad_acc, unit, names, grads[1:])
@@ -466,3 +475,8 @@ class Schedule:
             "grad_norm": grad_norm,
             "skipped": skipped,
         })
+
+
+def _detached(y):
+    """A layer's output (a tensor, or a mixture's tuple of them) cut from the autograd graph its forward made."""
+    return tuple(t.detach() for t in y) if isinstance(y, tuple) else y.detach()

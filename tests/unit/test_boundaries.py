@@ -233,6 +233,7 @@ def test_a_system_added_with_one_registry_entry_is_known_everywhere(monkeypatch)
     ("deepspeed", {"offload_param": False, "super_offload": True}, "offload_param=false and super_offload=true"),
     ("fsdp", {"prefetch_layers": -1}, "prefetch_layers counts the layers each one prefetches"),
     ("megatrain", {"weight_slots": 3}, "weight_slots=3: expected 1 or 2"),
+    ("megatrain", {"forward_graph": "inference"}, "forward_graph='inference': expected 'no-grad' or 'training'"),
     ("megatrain", {"host_mem_gib": 0}, "host_mem_gib must be > 0"),
 ])
 def test_unknown_keys_and_bad_values_are_refused_with_the_valid_keys(system, given, message):

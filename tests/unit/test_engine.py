@@ -118,6 +118,60 @@ def test_the_recompute_replays_the_forwards_routing(name, monkeypatch):
     assert asked and native[0] != want[0]  # the stand-in reroutes where a layer routes anew with gradients on
 
 
+@pytest.mark.parametrize("name", ["accum-clip-tied", "gpt-oss-aux-recompute-offload-resident-accum"])
+def test_a_forward_through_the_training_graph_trains_as_the_no_grad_one(name):
+    """forward_graph=training (debug): each layer's forward runs with gradients on, as native's checkpointed layer
+    does, its autograd graph dropped at once, so that a compiled layer's forward and recompute are one graph
+    (GPT-OSS-20B's offset against native comes with the engine's compiled layers, which by default run two: issue
+    72). The same arithmetic: on the CPU, bit for bit the default's, through offloaded, regenerated and resident
+    layer inputs and the load-balancing loss."""
+    case = dict(CASES[name], steps=3)
+    options = case.pop("options", {})
+    default = _train("megatrain", **case, options=options)
+    training = _train("megatrain", **case, options={**options, "forward_graph": "training"})
+    assert training[0] == default[0] and all(torch.equal(training[1][n], p) for n, p in default[1].items())
+
+
+def test_a_forward_through_the_training_graph_routes_anew_in_the_recompute_as_native_does(monkeypatch):
+    """Its recompute is not given the forward's experts: the forward's own graph on the same input routes the same.
+    The rerouting stand-in, asked with gradients on in the forward and the recompute alike, then trains the engine as
+    it does native (where the default, replaying, never asks it)."""
+    from megatrain.models.handwritten import moe
+
+    case = dict(model="tiny-gpt-oss", num_layers=4, batch=4, micro_batch=2, seq=16, steps=3)
+    options = {"offload_activations": 1, "resident_layers": 1}
+    asked = []
+    monkeypatch.setattr(moe, "route", rerouting(moe.route, asked))
+    ours = _train("megatrain", **case, options={**options, "forward_graph": "training"})
+    assert asked
+    ref = _train("native", **case, options=native_options(options))
+    torch.testing.assert_close(torch.tensor(ours[0]), torch.tensor(ref[0]), rtol=1e-5, atol=0)
+    for n, p in ref[1].items():
+        torch.testing.assert_close(ours[1][n], p, rtol=1e-5, atol=1e-5, msg=n)
+
+
+def test_a_compiled_forward_through_the_training_graph_compiles_what_native_compiles():
+    """The point of forward_graph=training: the engine's compiled layers then trace and compile the graphs native's
+    checkpointed layers do (the same graphs, the same captured calls), where by default they compile twice as many
+    (here 12 graphs to native's 6): a no-grad graph for the forward, and the recompute's, given the forward's
+    experts."""
+    from torch._dynamo.utils import counters
+
+    kw = dict(model="tiny-gpt-oss", num_layers=2, batch=2, seq=16, steps=2, compile=True)
+    compiled = []
+    for system, options in [("native", {}), ("megatrain", {"forward_graph": "training"})]:
+        torch._dynamo.reset()
+        counters.clear()
+        _train(system, **kw, options=options)
+        compiled.append((counters["stats"]["unique_graphs"], counters["stats"]["calls_captured"]))
+    assert compiled[1] == compiled[0]
+
+
+def test_a_forward_through_the_training_graph_is_refused_for_transformers_modules():
+    with pytest.raises(ValueError, match="forward_graph=training runs a hand-written model's layers"):
+        _train("megatrain", model="tiny-hf-gemma3", batch=2, seq=8, steps=1, options={"forward_graph": "training"})
+
+
 @pytest.mark.parametrize("model", ["tiny", "tiny-tied"])
 def test_units_lay_out_exactly_the_modules_parameters(model):
     cfg = model_shape(model)

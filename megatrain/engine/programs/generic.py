@@ -199,6 +199,10 @@ class GenericProgram:
         if config.options.mlp_chunk_tokens:
             raise ValueError(f"option mlp_chunk_tokens chunks the hand-written SwiGLU; {cfg.family} runs through "
                              "transformers' own modules, whole: leave it 0")
+        if config.options.forward_graph != "no-grad":
+            raise ValueError(f"option forward_graph=training runs a hand-written model's layers; {cfg.family} runs "
+                             "through transformers' own modules, whose forward keeps what later layers read with "
+                             "gradients off: leave it 'no-grad'")
         self.cfg, self.device, self.micro_batch, self.seq = cfg, device, config.micro_batch, config.seq
         self.skeleton = skeleton = Skeleton(cfg)  # this program's own: its modules are the templates
         embedding = skeleton.model.get_input_embeddings()
