@@ -2,7 +2,8 @@
 native and the engine alike: each series runs its curve RUNS times in one process (an engine set that has stream
 stress takes seed 1, 2, ... in turn), every curve appended to OUT as one JSON line. Needs CUDA.
     python scripts/curve_spread.py run OUT SHAPE SERIES [--runs 10]
-        SERIES: native:PRECISION[:compiled] | megatrain:SET (a CURVE_SETS name)
+        SERIES: native:PRECISION[:compiled] | megatrain:SET[:OPTION=VALUE...] (a CURVE_SETS name, engine options
+        over the set's, a JSON value each or a bare word: megatrain:bf16:forward_graph=training)
     python scripts/curve_spread.py judge NATIVE_OUT ENGINE_OUT
         each engine run inside or outside the check's band from a pair of the native runs (narrower than the check's)
     python scripts/curve_spread.py analyse OUT [OUT ...]
@@ -11,6 +12,7 @@ stress takes seed 1, 2, ... in turn), every curve appended to OUT as one JSON li
 """
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -31,11 +33,26 @@ def run(out: str, shape: str, series: str, runs: int) -> None:
             losses = checks._curve("native", shape, name, {"compile": more == ["compiled"]})
         else:
             precision, fields, options = checks.CURVE_SETS[name]
+            options = {**options, **_options(more)}
             options = {**options, "stream_stress": n + 1} if "stream_stress" in options else options
             losses = checks._curve("megatrain", shape, precision, fields, options)
         append_jsonl(out, {"shape": shape, "series": series, "run": n, "steps": checks.CURVE_STEPS,
                            "losses": losses, "env": environment()})
         print(f"{series} run {n}: {' '.join(f'{x:.4g}' for x in losses)}", flush=True)
+
+
+def _options(given: list[str]) -> dict:
+    """OPTION=VALUE items (a JSON value each, or a bare word as a string) as engine options."""
+    options = {}
+    for item in given:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"curve_spread: {item!r} is no OPTION=VALUE")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
 
 
 def analyse(paths: list[str]) -> None:
