@@ -82,6 +82,8 @@ FP32_SETS = {
     "gpt-oss": ({"model": "tiny-gpt-oss", "num_layers": 4}, {}),
     "gpt-oss-offload-recompute": ({"model": "tiny-gpt-oss", "num_layers": 4}, {"offload_activations": 1,
                                                                               "recompute_inputs": 1}),
+    # the debug option forward_graph=training: the forward through the recompute's compiled graph, no routing replay
+    "gpt-oss-training-forward": ({"model": "tiny-gpt-oss", "num_layers": 4}, {"forward_graph": "training"}),
     # the generic path (transformers' own modules): dense with sliding layers (tied), MLA over experts after a dense
     # layer, linear and full attention over experts; native trains the same transformers module
     "generic-dense": ({"model": "tiny-hf-gemma3"}, {}),
