@@ -18,24 +18,27 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DURATIONS = ROOT / "tests" / "gpu" / "durations.json"
-UNTIMED_S = 30.0  # tests/gpu/conftest.py's figure for a check no run has timed
+CONFTEST = ROOT / "tests" / "gpu" / "conftest.py"
 
 
 class _Collected:
-    """The checks as conftest left them: (node id, xdist group or None), in its order."""
+    """The checks as conftest left them: (node id, xdist group or None), in its order; and conftest itself (its
+    DURATIONS and UNTIMED_S, the times it ordered them by)."""
 
     def __init__(self):
         self.items: list[tuple[str, str | None]] = []
+        self.conftest = None
 
     def pytest_collection_finish(self, session):
+        self.conftest = next(p for p in session.config.pluginmanager.get_plugins()
+                             if Path(getattr(p, "__file__", "") or ".").resolve() == CONFTEST)
         for item in session.items:
             marker = item.get_closest_marker("xdist_group")
             group = (marker.args[0] if marker.args else marker.kwargs.get("name")) if marker else None
             self.items.append((item.nodeid, group))
 
 
-def collect(select: str | None = None) -> list[tuple[str, str | None]]:
+def collect(select: str | None = None) -> _Collected:
     collected = _Collected()
     args = [str(ROOT / "tests" / "gpu"), "-m", "gpu", "--collect-only", "-q", "-p", "no:cacheprovider",
             "--rootdir", str(ROOT)] + (["-k", select] if select else [])
@@ -43,7 +46,7 @@ def collect(select: str | None = None) -> list[tuple[str, str | None]]:
         code = pytest.main(args, plugins=[collected])
     if code not in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
         raise SystemExit(f"{said.getvalue()}\ncollecting tests/gpu failed (pytest exit {int(code)})")
-    return collected.items  # node ids from the checkout's root, as durations.json keys them
+    return collected  # node ids from the checkout's root, as durations.json keys them
 
 
 def units(items: list[tuple[str, str | None]]) -> list[tuple[str, list[str]]]:
@@ -55,8 +58,10 @@ def units(items: list[tuple[str, str | None]]) -> list[tuple[str, list[str]]]:
     return list(order.items())
 
 
-def simulate(work: list[tuple[str, list[str]]], seconds: dict[str, float], workers: int) -> dict:
-    """Each worker's end and the units it ran, as xdist's LoadScopeScheduling hands out `work`."""
+def simulate(work: list[tuple[str, list[str]]], seconds: dict[str, float], workers: int,
+             untimed_s: float = 30.0) -> dict:
+    """Each worker's end and the units it ran, as xdist's LoadScopeScheduling hands out `work` (a check `seconds` does
+    not time takes untimed_s)."""
     queue = list(work)
     pending: list[list[str]] = [[] for _ in range(workers)]
     ran: list[list[str]] = [[] for _ in range(workers)]
@@ -73,7 +78,7 @@ def simulate(work: list[tuple[str, list[str]]], seconds: dict[str, float], worke
         if len(pending[w]) <= 2:
             assign(w)
     clock = [0.0] * workers
-    events = [(seconds.get(pending[w][0], UNTIMED_S), w) for w in range(workers) if pending[w]]
+    events = [(seconds.get(pending[w][0], untimed_s), w) for w in range(workers) if pending[w]]
     heapq.heapify(events)
     while events:
         now, w = heapq.heappop(events)
@@ -82,7 +87,7 @@ def simulate(work: list[tuple[str, list[str]]], seconds: dict[str, float], worke
         if len(pending[w]) <= 2:
             assign(w)
         if pending[w]:
-            heapq.heappush(events, (now + seconds.get(pending[w][0], UNTIMED_S), w))
+            heapq.heappush(events, (now + seconds.get(pending[w][0], untimed_s), w))
     return {"ends": clock, "ran": ran}
 
 
@@ -94,17 +99,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("-k", dest="select", help="pytest's -k, as scripts/gpu_checks.sh passes it")
     parser.add_argument("--top", type=int, default=8)
     args = parser.parse_args(argv)
-    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
-    work = units(collect(args.select))
+    collected = collect(args.select)
+    work, untimed_s, durations = units(collected.items), collected.conftest.UNTIMED_S, collected.conftest.DURATIONS
+    seconds = json.loads(durations.read_text()) if durations.exists() else {}
     if not work:
         raise SystemExit(f"no check of tests/gpu is selected{f' by -k {args.select!r}' if args.select else ''}")
-    length = {name: sum(seconds.get(t, UNTIMED_S) for t in tests) for name, tests in work}
+    length = {name: sum(seconds.get(t, untimed_s) for t in tests) for name, tests in work}
     total = sum(length.values())
-    plan = simulate(work, seconds, args.workers)
+    plan = simulate(work, seconds, args.workers, untimed_s)
     last = max(range(args.workers), key=lambda w: plan["ends"][w])
     untimed = sum(t not in seconds for _, tests in work for t in tests)
     print(f"{sum(len(t) for _, t in work)} checks in {len(work)} units, {total:.0f} s of check time"
-          f" ({untimed} untimed, {UNTIMED_S:.0f} s each)")
+          f" ({untimed} untimed, {untimed_s:.0f} s each)")
     print(f"{args.workers} workers: wall ~{args.start_s + plan['ends'][last]:.0f} s "
           f"({args.start_s:.0f} s start + {plan['ends'][last]:.0f} s); floors: longest unit "
           f"{max(length.values()):.0f} s, check time over the workers {total / args.workers:.0f} s")
