@@ -47,6 +47,10 @@ guards = "\\n".join(str(e.guard_manager) for ref in input_codes.seen if ref() fo
 torch.save({"losses": losses, "params": system.named_parameters_fp32(), "config": system.system_config(),
             "metrics": system.metrics(), "guards": guards}, sys.argv[2])
 system.close()
+# as `python -m megatrain` ends: DeepSpeed's and FSDP2's process groups can abort the interpreter's teardown after the
+# last line ('terminate called without an active exception', exit -6: CI once, at d68a4c0)
+from megatrain.cli import exit_process
+exit_process(0)
 """
 
 
