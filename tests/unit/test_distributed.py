@@ -365,7 +365,10 @@ with megatrain.Engine(init, **settings) as engine:
 with megatrain.Engine(init, **settings) as engine:
     engine.load(out + "/state")
     losses.append(engine.step(rows[:4]))
-print(json.dumps({"rank": int(os.environ.get("RANK", 0)), "losses": losses}), flush=True)
+# one write of the whole line: two ranks share torchrun's stdout, and print's text and newline as two writes (stdout
+# unbuffered) interleaved once as '{rank 1}{rank 0}' on one line (CI at 74f313b)
+sys.stdout.write(json.dumps({"rank": int(os.environ.get("RANK", 0)), "losses": losses}) + "\\n")
+sys.stdout.flush()
 """
 
 
