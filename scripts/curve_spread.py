@@ -12,7 +12,6 @@ stress takes seed 1, 2, ... in turn), every curve appended to OUT as one JSON li
 """
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ def run(out: str, shape: str, series: str, runs: int) -> None:
 
     from megatrain.bench.env import environment
     from megatrain.bench.record import append_jsonl
+    from megatrain.flags import parse_option_flags
 
     system, name, *more = series.split(":")
     for n in range(runs):
@@ -33,26 +33,12 @@ def run(out: str, shape: str, series: str, runs: int) -> None:
             losses = checks._curve("native", shape, name, {"compile": more == ["compiled"]})
         else:
             precision, fields, options = checks.CURVE_SETS[name]
-            options = {**options, **_options(more)}
+            options = {**options, **parse_option_flags(more, "a series' engine option")}
             options = {**options, "stream_stress": n + 1} if "stream_stress" in options else options
             losses = checks._curve("megatrain", shape, precision, fields, options)
         append_jsonl(out, {"shape": shape, "series": series, "run": n, "steps": checks.CURVE_STEPS,
                            "losses": losses, "env": environment()})
         print(f"{series} run {n}: {' '.join(f'{x:.4g}' for x in losses)}", flush=True)
-
-
-def _options(given: list[str]) -> dict:
-    """OPTION=VALUE items (a JSON value each, or a bare word as a string) as engine options."""
-    options = {}
-    for item in given:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"curve_spread: {item!r} is no OPTION=VALUE")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
-    return options
 
 
 def analyse(paths: list[str]) -> None:
