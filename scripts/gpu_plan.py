@@ -58,8 +58,7 @@ def units(items: list[tuple[str, str | None]]) -> list[tuple[str, list[str]]]:
     return list(order.items())
 
 
-def simulate(work: list[tuple[str, list[str]]], seconds: dict[str, float], workers: int,
-             untimed_s: float = 30.0) -> dict:
+def simulate(work: list[tuple[str, list[str]]], seconds: dict[str, float], workers: int, untimed_s: float) -> dict:
     """Each worker's end and the units it ran, as xdist's LoadScopeScheduling hands out `work` (a check `seconds` does
     not time takes untimed_s)."""
     queue = list(work)

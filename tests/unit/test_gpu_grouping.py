@@ -459,7 +459,7 @@ def test_the_plan_hands_out_groups_as_xdist_loadgroup_does():
     seconds = {"a1": 100.0, "a2": 100.0, "b": 10.0, "c": 10.0, "d": 10.0, "e": 10.0}
     # A to worker 0 and b to worker 1, then each a second unit (two checks or fewer pending): c to 0, d to 1; e goes
     # to worker 1 when b ends (one check left there), while worker 0 still runs A
-    got = plan.simulate(work, seconds, workers=2)
+    got = plan.simulate(work, seconds, workers=2, untimed_s=30.0)
     assert got["ran"] == [["A", "c"], ["b", "d", "e"]]
     assert got["ends"] == [210.0, 30.0]
 
