@@ -63,6 +63,20 @@ def test_alone(n):
 '''
 
 
+def _module(path: Path, name: str):
+    """The file `path` (a script or a GPU test module, neither importable by name) loaded as module `name`."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _inherited_env() -> dict:
+    """This process's environment less what this run's own pytest and records set."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith("PYTEST_XDIST_") and k not in ("MEGATRAIN_GPU_CHECKS", "GPU_CHECKS_PASSED")}
+
+
 def _stand_ins(tmp_path: Path, module: str, source: str) -> None:
     """tmp_path as a GPU suite of stand-in checks: the suite's own conftest beside the test module `module`."""
     shutil.copy(ROOT / "tests" / "gpu" / "conftest.py", tmp_path / "conftest.py")
@@ -73,8 +87,7 @@ def _stand_ins(tmp_path: Path, module: str, source: str) -> None:
 def _pytest(tmp_path: Path, env: dict, workers: int = 0) -> subprocess.CompletedProcess:
     """pytest over the stand-ins in tmp_path (through `workers` xdist workers, if any), with `env` over this process's
     environment less what this run's own pytest and records set (the checkout and tests/ importable)."""
-    inherited = {k: v for k, v in os.environ.items()
-                 if not k.startswith("PYTEST_XDIST_") and k not in ("MEGATRAIN_GPU_CHECKS", "GPU_CHECKS_PASSED")}
+    inherited = _inherited_env()
     xdist = ["-n", str(workers), "--dist", "loadgroup"] if workers else []
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *xdist, str(tmp_path)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300, env={
@@ -106,9 +119,7 @@ def test_xdist_runs_a_shared_cache_in_one_worker_and_heavy_checks_in_few(tmp_pat
 def test_durations_take_each_passed_checks_time_by_its_node_id_and_keep_the_rest(tmp_path, monkeypatch):
     """scripts/gpu_durations.py: a record's check id carries the @group pytest-xdist appends (a key conftest would
     never look up), and a check out of memory in 0.1 s is no measure of its length."""
-    spec = importlib.util.spec_from_file_location("gpu_durations", ROOT / "scripts" / "gpu_durations.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _module(ROOT / "scripts" / "gpu_durations.py", "gpu_durations")
     durations = tmp_path / "durations.json"
     durations.write_text('{"tests/gpu/t.py::test_b[x]": 50.0, "tests/gpu/t.py::test_c": 7.0}')
     monkeypatch.setattr(module, "DURATIONS", durations)
@@ -123,9 +134,7 @@ def test_durations_take_each_passed_checks_time_by_its_node_id_and_keep_the_rest
 
 
 def test_durations_say_where_the_checks_time_went_by_system_and_model():
-    spec = importlib.util.spec_from_file_location("gpu_durations", ROOT / "scripts" / "gpu_durations.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _module(ROOT / "scripts" / "gpu_durations.py", "gpu_durations")
     native = {"system": "native", "model": "big", "compile": False, "build_s": 10.0, "trained_s": 20.0}
     ours = {"system": "megatrain", "model": "big", "compile": True, "build_s": 5.0, "trained_s": 40.0}
     failed = {"system": "megatrain", "model": "tiny", "compile": True, "build_s": 1.0}  # no close: the check failed
@@ -184,10 +193,7 @@ def test_a_check_whose_fixture_fails_or_skips_leaves_a_record(tmp_path):
 
 
 def _gpu_conftest():
-    spec = importlib.util.spec_from_file_location("gpu_conftest_ledger", ROOT / "tests" / "gpu" / "conftest.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _module(ROOT / "tests" / "gpu" / "conftest.py", "gpu_conftest_ledger")
 
 
 def test_a_heavy_check_waits_for_its_share_of_the_host_and_a_dead_workers_share_lapses(tmp_path, monkeypatch):
@@ -229,9 +235,7 @@ def test_each_heavy_curve_declares_the_host_its_engine_will_hold(monkeypatch):
     from types import SimpleNamespace
     monkeypatch.syspath_prepend(str(ROOT / "tests" / "gpu"))
     monkeypatch.syspath_prepend(str(ROOT / "tests"))
-    spec = importlib.util.spec_from_file_location("gpu_engine_checks", ROOT / "tests" / "gpu" / "test_engine_gpu.py")
-    checks = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(checks)
+    checks = _module(ROOT / "tests" / "gpu" / "test_engine_gpu.py", "gpu_engine_checks")
     gib = {}
     for shape, name in checks.CURVE_CASES:
         item = SimpleNamespace(originalname="test_bf16_loss_curve_tracks_native",
@@ -444,10 +448,7 @@ def test_a_compile_bound_check_compiles_with_more_inductor_threads_than_the_work
 
 
 def _gpu_plan():
-    spec = importlib.util.spec_from_file_location("gpu_plan", ROOT / "scripts" / "gpu_plan.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _module(ROOT / "scripts" / "gpu_plan.py", "gpu_plan")
 
 
 def test_the_plan_hands_out_groups_as_xdist_loadgroup_does():
@@ -478,10 +479,7 @@ def test_the_plan_reads_the_suites_own_groups():
 
 
 def _compile_cache():
-    spec = importlib.util.spec_from_file_location("compile_cache", ROOT / "scripts" / "compile_cache.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _module(ROOT / "scripts" / "compile_cache.py", "compile_cache")
 
 
 def test_unpacking_keeps_the_caches_own_files_and_refuses_a_member_outside_it(tmp_path):
@@ -547,8 +545,7 @@ def test_compiles():
 
 
 def _gpu_checks(tmp_path: Path, env: dict) -> subprocess.CompletedProcess:
-    inherited = {k: v for k, v in os.environ.items()
-                 if not k.startswith("PYTEST_XDIST_") and k not in ("MEGATRAIN_GPU_CHECKS", "GPU_CHECKS_PASSED")}
+    inherited = _inherited_env()
     return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_checks.sh"), str(tmp_path / "run.jsonl"), str(ROOT)],
                           capture_output=True, text=True, timeout=300, env={
                               **inherited, "PYTHON": sys.executable, "GPU_TESTS": str(tmp_path / "suite"),
